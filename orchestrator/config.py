@@ -1,0 +1,261 @@
+"""Typed config schema of a run, registered in Hydra's ConfigStore, validated where declared.
+
+Every group under `configs/` (mode, cluster, model, trainer, inference, rollout, task,
+algorithm, logger) fills one dataclass below. `OmegaConf.to_object` turns the composed config
+into these dataclasses, which runs each `__post_init__`; a bad value raises `ConfigError` whose
+message starts with the dotted key (`rollout.n must be >= 1, got 0`). Nothing here imports Ray,
+torch or vLLM, so a bad config fails in about a second, before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message names the dotted key."""
+
+
+def _check(cond: bool, key: str, msg: str, value: Any) -> None:
+    if not cond:
+        raise ConfigError(f"{key} {msg}, got {value!r}")
+
+
+def _one_of(value: str, key: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, key, f"must be one of {list(choices)}", value)
+
+
+@dataclass
+class ModeConfig:
+    """Sync or async training loop. `sync_every`: optimizer updates (mini-batches) per weight sync
+    (verl: `parameter_sync_step`)."""
+
+    name: str = "sync"
+    sync_every: int = 1
+
+    def __post_init__(self) -> None:
+        _one_of(self.name, "mode.name", ("sync",))
+        _check(self.sync_every >= 1, "mode.sync_every", "must be >= 1", self.sync_every)
+
+
+@dataclass
+class ClusterConfig:
+    """Where actors go. `num_cpus`: logical CPUs given to a local Ray cluster (None: the machine's)."""
+
+    name: str = "local"
+    address: str | None = None
+    num_cpus: int | None = None
+    trainer_replicas: int = 1
+    torch_threads: int = 1
+
+    def __post_init__(self) -> None:
+        _one_of(self.name, "cluster.name", ("local",))
+        _check(self.trainer_replicas == 1, "cluster.trainer_replicas", "must be 1 on a CPU cluster", self.trainer_replicas)
+        _check(self.torch_threads >= 1, "cluster.torch_threads", "must be >= 1", self.torch_threads)
+
+
+@dataclass
+class ModelConfig:
+    """The policy. `path`: a Hugging Face model dir; None builds (once) and uses the tiny default."""
+
+    name: str = "tiny"
+    path: str | None = None
+    served_name: str = "policy"
+
+
+@dataclass
+class TrainerConfig:
+    """Optimizer and loop length. `total_steps`: training steps (one batch of groups each)."""
+
+    name: str = "fsdp"
+    total_steps: int = 60
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_size: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _one_of(self.name, "trainer.name", ("fsdp",))
+        _check(self.total_steps >= 1, "trainer.total_steps", "must be >= 1", self.total_steps)
+        _check(self.lr > 0, "trainer.lr", "must be > 0", self.lr)
+        _check(self.grad_clip > 0, "trainer.grad_clip", "must be > 0", self.grad_clip)
+        _check(self.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1", self.micro_batch_size)
+
+
+@dataclass
+class InferenceConfig:
+    """vLLM replicas. `kv_cache_gib`: KV-cache size per replica in GiB (explicit on CPU)."""
+
+    name: str = "vllm_cpu"
+    replicas: int = 1
+    max_model_len: int = 512
+    kv_cache_gib: float = 1.0
+    max_num_seqs: int = 64
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _one_of(self.name, "inference.name", ("vllm_cpu",))
+        _check(self.replicas >= 1, "inference.replicas", "must be >= 1", self.replicas)
+        _check(self.max_model_len >= 16, "inference.max_model_len", "must be >= 16", self.max_model_len)
+        _check(self.kv_cache_gib > 0, "inference.kv_cache_gib", "must be > 0", self.kv_cache_gib)
+        _one_of(self.dtype, "inference.dtype", ("float32", "bfloat16"))
+
+
+@dataclass
+class AcrConfig:
+    """ACR endpoint. With `rollout=local` the emulator and moto S3 are started on loopback and
+    `agent_runtime_arn` / `s3_bucket` point at them; otherwise they name real AWS resources."""
+
+    agent_runtime_arn: str = "arn:aws:bedrock-agentcore:us-west-2:000000000000:runtime/letters-agent"
+    qualifier: str = "DEFAULT"
+    s3_bucket: str = "rollouts"
+    region: str = "us-west-2"
+    num_agents: int = 2
+    session_rate_per_s: float = 25.0
+    agent_cmd: str | None = None
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout pool. `n`: samples per prompt (group size); `batch_size`: prompts per step;
+    `timeout_s`: per-rollout deadline (seconds) after which the rollout is `expired`."""
+
+    name: str = "local"
+    n: int = 4
+    batch_size: int = 8
+    num_workers: int = 2
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    timeout_s: float = 120.0
+    poll_initial_s: float = 0.02
+    poll_max_s: float = 0.5
+    max_context_tokens: int = 512
+    acr: AcrConfig = field(default_factory=AcrConfig)
+
+    def __post_init__(self) -> None:
+        _one_of(self.name, "rollout.name", ("local", "aws"))
+        _check(self.n >= 1, "rollout.n", "must be >= 1", self.n)
+        _check(self.batch_size >= 1, "rollout.batch_size", "must be >= 1", self.batch_size)
+        _check(self.num_workers >= 1, "rollout.num_workers", "must be >= 1", self.num_workers)
+        _check(self.max_tokens >= 1, "rollout.max_tokens", "must be >= 1", self.max_tokens)
+        _check(self.temperature > 0, "rollout.temperature", "must be > 0", self.temperature)
+        _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
+        _check(self.timeout_s > 0, "rollout.timeout_s", "must be > 0", self.timeout_s)
+        _check(self.acr.num_agents >= 1, "rollout.acr.num_agents", "must be >= 1", self.acr.num_agents)
+        _check(self.acr.session_rate_per_s > 0, "rollout.acr.session_rate_per_s", "must be > 0",
+               self.acr.session_rate_per_s)
+
+
+@dataclass
+class TaskConfig:
+    """Dataset. `num_prompts`: rows generated for the built-in task (cycled through epochs)."""
+
+    name: str = "letters"
+    num_prompts: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _one_of(self.name, "task.name", ("letters",))
+        _check(self.num_prompts >= 1, "task.num_prompts", "must be >= 1", self.num_prompts)
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Rollout correction between π_old and π_rollout (token-level TIS for now)."""
+
+    is_level: str | None = "token"
+    is_threshold: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.is_level is not None:
+            _one_of(self.is_level, "algorithm.rollout_correction.is_level", ("token",))
+        _check(self.is_threshold > 0, "algorithm.rollout_correction.is_threshold", "must be > 0", self.is_threshold)
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantages and loss. GRPO outcome advantages, PPO clip, token-mean aggregation."""
+
+    name: str = "grpo"
+    norm_adv_by_std: bool = True
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    loss_agg_mode: str = "token-mean"
+    filter_zero_variance: bool = True
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+
+    def __post_init__(self) -> None:
+        _one_of(self.name, "algorithm.name", ("grpo",))
+        _check(0 < self.clip_ratio_low < 1, "algorithm.clip_ratio_low", "must be in (0, 1)", self.clip_ratio_low)
+        _check(self.clip_ratio_high > 0, "algorithm.clip_ratio_high", "must be > 0", self.clip_ratio_high)
+        _one_of(self.loss_agg_mode, "algorithm.loss_agg_mode", ("token-mean",))
+
+
+@dataclass
+class LoggerConfig:
+    """Metric sinks: any of console, jsonl, wandb (offline unless `wandb_mode` says otherwise)."""
+
+    sinks: list[str] = field(default_factory=lambda: ["console", "jsonl", "wandb"])
+    wandb_project: str = "acr-rl"
+    wandb_mode: str = "offline"
+
+    def __post_init__(self) -> None:
+        for s in self.sinks:
+            _one_of(s, "logger.sinks", ("console", "jsonl", "wandb"))
+        _one_of(self.wandb_mode, "logger.wandb_mode", ("offline", "online", "disabled"))
+
+
+@dataclass
+class RunConfig:
+    """The whole run. `run_dir`: where metrics.jsonl, summary.json and checkpoints go."""
+
+    mode: ModeConfig = field(default_factory=ModeConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    run_dir: str = MISSING
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        groups = self.rollout.batch_size
+        _check(groups % self.mode.sync_every == 0, "mode.sync_every",
+               f"must divide rollout.batch_size={groups} so each mini-batch holds whole groups",
+               self.mode.sync_every)
+        _check(self.rollout.max_tokens < self.inference.max_model_len, "rollout.max_tokens",
+               f"must be < inference.max_model_len={self.inference.max_model_len}", self.rollout.max_tokens)
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.rollout.batch_size * self.rollout.n
+
+
+def register() -> None:
+    """Register the schema as `run_schema` (used first in `configs/config.yaml`'s defaults)."""
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """Build and validate the typed config. Raises ConfigError naming the key on a bad value."""
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except Exception as exc:  # omegaconf wraps __post_init__ errors and type errors
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        raise ConfigError(str(exc)) from None
+    if not isinstance(obj, RunConfig):
+        raise ConfigError(f"config did not build a RunConfig (got {type(obj).__name__})")
+    return obj

@@ -1,0 +1,157 @@
+"""The sync loop: generate a whole batch, wait for it, train `sync_every` mini-batches, sync weights.
+
+Handed its parts by `main.py` through small protocols, so a simulated engine, pool or trainer can
+stand in for the real ones. Invariant: at the end of every step, every rollout dispatched in that
+step is closed in the ledger (trained as `completed`, `filtered` or `failed`), the step's buffer
+partition is cleared, and the policy version has increased by exactly one.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from orchestrator.batching import Group, RolloutLedger, assemble, reward_stats, split_groups
+from orchestrator.types import RolloutRequest, Sample
+
+
+class PromptSource(Protocol):
+    def next_rows(self, num: int) -> list[dict]: ...
+
+
+class Rollouts(Protocol):
+    async def run_all(self, reqs: list[RolloutRequest], partition: str) -> list[Any]: ...
+
+
+class SampleStore(Protocol):
+    async def get_groups(self, partition: str, group_ids: list[int]) -> list[Sample]: ...
+    async def clear(self, partition: str) -> None: ...
+
+
+class Trainer(Protocol):
+    async def update(self, groups: tuple[Group, ...]) -> dict[str, float]: ...
+    async def export_weights(self, version: int) -> str: ...
+
+
+class WeightPush(Protocol):
+    async def push(self, path: str, version: int) -> None: ...
+
+
+class StepLogger(Protocol):
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+
+@dataclass(frozen=True)
+class SyncLoopSettings:
+    total_steps: int
+    batch_size: int  # prompts (groups) per step
+    n: int  # samples per prompt
+    sync_every: int  # mini-batches (optimizer updates) per step, then one weight sync
+    filter_zero_variance: bool
+
+
+@dataclass
+class SyncLoopParts:
+    prompts: PromptSource
+    rollouts: Rollouts
+    store: SampleStore
+    trainer: Trainer
+    weights: WeightPush
+    logger: StepLogger
+    ledger: RolloutLedger = field(default_factory=RolloutLedger)
+    clock: Callable[[], float] = time.monotonic
+
+
+@dataclass(frozen=True)
+class LoopReport:
+    steps: int
+    policy_version: int
+    counts: dict[str, int]
+
+
+def _ledger_key(s: Sample | Any) -> str:
+    return f"g{s.group_id}/s{s.sample_index}"
+
+
+async def run_sync(parts: SyncLoopParts, cfg: SyncLoopSettings, *, start_version: int = 0) -> LoopReport:
+    """Run `cfg.total_steps` sync steps. Returns the ledger counts and the final policy version."""
+    version = start_version
+    next_group = 0
+    for step in range(1, cfg.total_steps + 1):
+        t_step = parts.clock()
+        reqs: list[RolloutRequest] = []
+        for row in parts.prompts.next_rows(cfg.batch_size):
+            for i in range(cfg.n):
+                reqs.append(RolloutRequest(group_id=next_group, input_id=str(row["input_id"]), sample_index=i, row=row))
+            next_group += 1
+        for r in reqs:
+            parts.ledger.on_dispatched(_ledger_key(r))
+        partition = f"step-{step}"
+
+        t0 = parts.clock()
+        await parts.rollouts.run_all(reqs, partition)
+        samples = await parts.store.get_groups(partition, sorted({r.group_id for r in reqs}))
+        t_gen = parts.clock() - t0
+        if {_ledger_key(s) for s in samples} != {_ledger_key(r) for r in reqs}:
+            raise RuntimeError(f"step {step}: buffer returned {len(samples)} samples for {len(reqs)} rollouts")
+
+        batch = assemble(samples, filter_zero_variance=cfg.filter_zero_variance)
+        for s in batch.failed:
+            parts.ledger.on_terminal(_ledger_key(s), "failed")
+        for s in batch.filtered:
+            parts.ledger.on_terminal(_ledger_key(s), "filtered")
+
+        t0 = parts.clock()
+        update_metrics: list[dict[str, float]] = []
+        for chunk in split_groups(batch.trainable, cfg.sync_every):
+            update_metrics.append(await parts.trainer.update(chunk))
+        for g in batch.trainable:
+            for s in g.samples:
+                parts.ledger.on_terminal(_ledger_key(s), "completed")
+        t_update = parts.clock() - t0
+
+        t0 = parts.clock()
+        path = await parts.trainer.export_weights(version + 1)
+        await parts.weights.push(path, version + 1)
+        version += 1
+        t_sync = parts.clock() - t0
+        await parts.store.clear(partition)
+
+        step_s = parts.clock() - t_step
+        trained_tokens = sum(m.get("num_tokens", 0.0) for m in update_metrics)
+        metrics: dict[str, float] = {
+            **reward_stats(samples),
+            "perf/throughput": trained_tokens / step_s if step_s > 0 else 0.0,
+            "perf/trained_tokens": trained_tokens,
+            "timing_s/gen": t_gen,
+            "timing_s/update_actor": t_update,
+            "timing_s/update_weights": t_sync,
+            "timing_s/step": step_s,
+            "rollout/step_completed": float(sum(len(g.samples) for g in batch.trainable)),
+            "rollout/step_failed": float(len(batch.failed)),
+            "rollout/step_filtered": float(len(batch.filtered)),
+            "policy_version": float(version),
+            **{k: float(v) for k, v in parts.ledger.counts().items()},
+        }
+        metrics.update(_mean_metrics(update_metrics))
+        metrics.setdefault("rollout_corr/is_mean", math.nan)
+        latencies = sorted(s.latency_s for s in samples)
+        if latencies:
+            metrics["rollout/latency_s_p50"] = latencies[len(latencies) // 2]
+            metrics["rollout/latency_s_max"] = latencies[-1]
+        parts.logger.log(step, metrics)
+    if parts.ledger.open_rollouts():
+        raise RuntimeError(f"rollouts left open after the loop: {parts.ledger.open_rollouts()[:5]}")
+    return LoopReport(steps=cfg.total_steps, policy_version=version, counts=parts.ledger.counts())
+
+
+def _mean_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
+    """Average each trainer metric over the step's mini-batches (`num_tokens` is summed elsewhere)."""
+    keys = {k for m in updates for k in m if k != "num_tokens"}
+    out = {}
+    for k in sorted(keys):
+        vals = [m[k] for m in updates if k in m]
+        out[k] = sum(vals) / len(vals)
+    return out

@@ -1,0 +1,191 @@
+"""Hydra entry point: `python -m orchestrator.main key=value ...`.
+
+Validates the config (a bad value exits with status 2 and a message naming the key, before Ray
+or any server starts), starts the local ACR emulator + moto S3 when `rollout=local`, starts Ray
+and the actors (trainer, inference replicas, gateway, trajectory buffer, rollout pool), runs the
+loop, and writes `RUN_DIR/metrics.jsonl` and `RUN_DIR/summary.json`.
+
+Invariant: everything this process starts is stopped on every exit path (normal end, error,
+Ctrl-C, SIGTERM), servers by PID and actors through Ray; nothing is stopped by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from orchestrator.config import ConfigError, RunConfig, register, to_run_config
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_AGENT = REPO_ROOT / "examples" / "agents" / "letters_agent" / "app.py"
+
+register()
+
+
+def _raise_interrupt(signum, frame):  # SIGTERM behaves like Ctrl-C: unwind and clean up
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _agent_cmd(cfg: RunConfig) -> list[str]:
+    if cfg.rollout.acr.agent_cmd:
+        import shlex
+
+        return shlex.split(cfg.rollout.acr.agent_cmd)
+    return [sys.executable, str(DEFAULT_AGENT)]
+
+
+def _task_rows(cfg: RunConfig) -> list[dict]:
+    from orchestrator.tasks import letters
+
+    return letters.make_rows(cfg.task.num_prompts, cfg.task.seed)
+
+
+def run(cfg: RunConfig) -> dict:
+    """Run the whole job described by `cfg`; return the summary (also written to summary.json)."""
+    t_start = time.monotonic()
+    run_dir = Path(cfg.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run_dir: {run_dir}", flush=True)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    with contextlib.ExitStack() as stack:
+        from workers.tiny_model import ensure_tiny_model
+
+        model_path = str(Path(cfg.model.path).resolve()) if cfg.model.path else str(ensure_tiny_model())
+        local = None
+        if cfg.rollout.name == "local":
+            from workers.acr.local_stack import LocalStack
+
+            local = LocalStack(_agent_cmd(cfg), num_agents=cfg.rollout.acr.num_agents,
+                               session_rate_per_s=cfg.rollout.acr.session_rate_per_s,
+                               bucket=cfg.rollout.acr.s3_bucket, region=cfg.rollout.acr.region,
+                               agent_runtime_arn=cfg.rollout.acr.agent_runtime_arn,
+                               log_dir=run_dir / "logs")
+            stack.enter_context(local)
+            os.environ.update(local.env)  # boto3 everywhere (driver, Ray workers) reads these
+        import ray
+
+        ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
+                 log_to_driver=True, runtime_env={"env_vars": {k: os.environ[k] for k in _AWS_ENV if k in os.environ}}
+                 if cfg.cluster.address else None)
+        stack.callback(ray.shutdown)
+        summary = asyncio.run(_run_parts(cfg, model_path, run_dir, local, stack))
+    summary["wall_s"] = time.monotonic() - t_start
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
+    print(json.dumps(summary, indent=2, allow_nan=True), flush=True)
+    print(f"run_dir: {run_dir}", flush=True)
+    return summary
+
+
+_AWS_ENV = ("AWS_ENDPOINT_URL_BEDROCK_AGENTCORE", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_REGION")
+
+
+async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stack: contextlib.ExitStack) -> dict:
+    import ray
+    from transformers import AutoTokenizer
+
+    from orchestrator.batching import RolloutLedger
+    from orchestrator.loop_sync import SyncLoopParts, SyncLoopSettings, run_sync
+    from orchestrator.metrics import MetricLogger, build_sinks, reward_initial_final
+    from orchestrator.parts import BufferStore, PromptCycle, ReplicaWeightPush, TrainerClient
+    from workers.buffer import BufferConfig, TrajectoryBuffer
+    from workers.gateway.config import GatewayConfig
+    from workers.gateway.server import GatewayServer
+    from workers.inference import InferenceSettings, InferenceWorker
+    from workers.rollout import RolloutPool, RolloutSettings, start_rollout_actors
+    from workers.trainer import TrainerSettings, TrainerWorker
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    inference_cls = ray.remote(num_cpus=0, max_concurrency=1000)(InferenceWorker)
+    replicas = [inference_cls.remote(InferenceSettings(
+        model_path=model_path, dtype=cfg.inference.dtype, max_model_len=cfg.inference.max_model_len,
+        kv_cache_gib=cfg.inference.kv_cache_gib, max_num_seqs=cfg.inference.max_num_seqs, seed=cfg.seed + i))
+        for i in range(cfg.inference.replicas)]
+    trainer = ray.remote(num_cpus=0)(TrainerWorker).remote(TrainerSettings(
+        model_path=model_path, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
+        grad_clip=cfg.trainer.grad_clip, clip_ratio_low=cfg.algorithm.clip_ratio_low,
+        clip_ratio_high=cfg.algorithm.clip_ratio_high, tis_threshold=cfg.algorithm.rollout_correction.is_threshold,
+        seed=cfg.trainer.seed, micro_batch_size=cfg.trainer.micro_batch_size,
+        num_threads=cfg.cluster.torch_threads))
+    gateway = ray.remote(num_cpus=0, max_concurrency=1000)(GatewayServer).remote(GatewayConfig(
+        model_path=model_path, served_model_name=cfg.model.served_name,
+        max_context_tokens=cfg.rollout.max_context_tokens))
+    buffer = TrajectoryBuffer.start(BufferConfig(num_storage_units=1))
+    stack.callback(buffer.stop)
+
+    await asyncio.gather(*(r.start.remote() for r in replicas))
+    await gateway.set_engines.remote(replicas)
+    base_url = await gateway.start.remote()
+    settings = RolloutSettings(
+        exp_id=f"exp-{run_dir.name}", agent_runtime_arn=local.agent_runtime_arn if local else cfg.rollout.acr.agent_runtime_arn,
+        qualifier=cfg.rollout.acr.qualifier, s3_bucket=cfg.rollout.acr.s3_bucket, gateway_base_url=base_url,
+        model_id=cfg.model.served_name, max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p, timeout_s=cfg.rollout.timeout_s, max_context_tokens=cfg.rollout.max_context_tokens)
+    pool = RolloutPool(start_rollout_actors(cfg.rollout.num_workers, settings, gateway, buffer.handle))
+
+    sinks = build_sinks(cfg.logger.sinks, run_dir, cfg.trainer.total_steps, cfg.logger.wandb_project,
+                        cfg.logger.wandb_mode, asdict(cfg))
+    logger = MetricLogger(sinks)
+    ledger = RolloutLedger()
+    parts = SyncLoopParts(
+        prompts=PromptCycle(_task_rows(cfg), cfg.seed), rollouts=pool,
+        store=BufferStore(buffer, cfg.rollout.n, cfg.rollout.timeout_s),
+        trainer=TrainerClient(trainer, pad_id=pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
+                              weights_dir=run_dir / "weights"),
+        weights=ReplicaWeightPush(replicas), logger=logger, ledger=ledger)
+    try:
+        report = await run_sync(parts, SyncLoopSettings(
+            total_steps=cfg.trainer.total_steps, batch_size=cfg.rollout.batch_size, n=cfg.rollout.n,
+            sync_every=cfg.mode.sync_every, filter_zero_variance=cfg.algorithm.filter_zero_variance))
+    finally:
+        logger.close()
+        with contextlib.suppress(Exception):
+            await pool.shutdown()
+        with contextlib.suppress(Exception):
+            await gateway.stop.remote()
+    initial, final = reward_initial_final(logger.rewards)
+    counts = report.counts
+    acr_stats = await pool.acr_stats()
+    summary = {
+        "steps": report.steps,
+        "policy_version": report.policy_version,
+        "reward/initial": initial,
+        "reward/final": final,
+        **{k: counts[k] for k in sorted(counts)},
+        "acr/sessions_open_at_exit": local.stats().sessions_open if local else acr_stats.get("invocations", 0) - acr_stats.get("stops", 0),
+        "acr/throttled": local.stats().throttled if local else acr_stats.get("throttled", 0),
+        "acr/retries": acr_stats.get("retries", 0),
+    }
+    with contextlib.suppress(Exception):
+        await asyncio.gather(*(r.shutdown.remote() for r in replicas))
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="config")
+def main(dcfg: DictConfig) -> None:
+    try:
+        cfg = to_run_config(dcfg)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    try:
+        run(cfg)
+    except KeyboardInterrupt:
+        print("interrupted: stopped every process this run started", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

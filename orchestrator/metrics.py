@@ -1,0 +1,116 @@
+"""Metric sinks (console, JSONL, wandb) and the end-of-run summary.
+
+Invariant: every sink receives the same step records in step order; `RUN_DIR/metrics.jsonl`
+holds exactly one JSON object per training step, flushed when the step is logged, so a crashed
+run keeps every step it finished. Metric names follow verl where verl has one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+
+class MetricSink(Protocol):
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+    def close(self) -> None: ...
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+class ConsoleSink:
+    """One progress line per step: step/total, reward, timings, throughput."""
+
+    KEYS = ("reward/mean", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights",
+            "perf/throughput", "rollout/failed", "rollout_corr/is_mean")
+
+    def __init__(self, total_steps: int, stream: TextIO = sys.stdout) -> None:
+        self._total = total_steps
+        self._stream = stream
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        parts = [f"{k.split('/')[-1]}={_fmt(metrics[k])}" for k in self.KEYS if k in metrics]
+        print(f"[step {step}/{self._total}] " + " ".join(parts), file=self._stream, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink:
+    """Appends `{"step": s, **metrics}` per step to `path`, flushed at once."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = path.open("a", encoding="utf-8")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self._f.write(json.dumps({"step": step, **metrics}, allow_nan=True) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class WandbSink:
+    """wandb run (offline by default: files under RUN_DIR/wandb, sync later with `wandb sync`)."""
+
+    def __init__(self, run_dir: Path, project: str, mode: str, config: dict[str, Any]) -> None:
+        import wandb  # heavy; only when the sink is selected
+
+        self._run = wandb.init(project=project, mode=mode, dir=str(run_dir), config=config,
+                               settings=wandb.Settings(silent=True, console="off"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self._run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MetricLogger:
+    """Fans step records out to the selected sinks and keeps the reward history for the summary."""
+
+    def __init__(self, sinks: list[MetricSink]) -> None:
+        self._sinks = sinks
+        self.rewards: list[float] = []
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if "reward/mean" in metrics:
+            self.rewards.append(float(metrics["reward/mean"]))
+        for s in self._sinks:
+            s.log(step, metrics)
+
+    def close(self) -> None:
+        for s in self._sinks:
+            s.close()
+
+
+def reward_initial_final(rewards: list[float], fraction: float = 0.1) -> tuple[float, float]:
+    """Mean reward over the first and last `fraction` of steps (at least one step each).
+
+    NaN steps (no trainable sample) are skipped; returns (nan, nan) when nothing is left.
+    """
+    vals = [r for r in rewards if not math.isnan(r)]
+    if not vals:
+        return math.nan, math.nan
+    k = max(1, int(len(vals) * fraction))
+    return sum(vals[:k]) / k, sum(vals[-k:]) / k
+
+
+def build_sinks(names: list[str], run_dir: Path, total_steps: int, wandb_project: str,
+                wandb_mode: str, config: dict[str, Any]) -> list[MetricSink]:
+    """Create the sinks named in `logger.sinks`."""
+    sinks: list[MetricSink] = []
+    for name in names:
+        if name == "console":
+            sinks.append(ConsoleSink(total_steps))
+        elif name == "jsonl":
+            sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+        elif name == "wandb" and wandb_mode != "disabled":
+            sinks.append(WandbSink(run_dir, wandb_project, wandb_mode, config))
+    return sinks

@@ -1,0 +1,106 @@
+"""Driver-side adapters that give the loop its parts: prompts, trainer client, weight push.
+
+Each adapter turns a loop protocol call into calls on Ray actor handles (or any object with the
+same methods), so the loop never sees Ray. Invariant of `TrainerClient.update`: the batch it
+sends holds exactly the rows of the given groups, each row carrying its sample's GRPO advantage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchestrator.algorithms.advantages import grpo_outcome_advantages
+from orchestrator.algorithms.batch import TrainBatch
+from orchestrator.batching import Group
+
+
+class PromptCycle:
+    """Endless prompt source over `rows`: reshuffled each epoch with a seeded RNG (reproducible)."""
+
+    def __init__(self, rows: list[dict], seed: int) -> None:
+        if not rows:
+            raise ValueError("the task produced no dataset rows")
+        self._rows = list(rows)
+        self._rng = random.Random(seed)
+        self._order: list[int] = []
+        self.epoch = 0
+
+    def next_rows(self, num: int) -> list[dict]:
+        out = []
+        while len(out) < num:
+            if not self._order:
+                self._order = list(range(len(self._rows)))
+                self._rng.shuffle(self._order)
+                self.epoch += 1
+            out.append(self._rows[self._order.pop()])
+        return out
+
+
+def build_train_batch(groups: tuple[Group, ...], *, pad_id: int, norm_adv_by_std: bool) -> TrainBatch:
+    """Rows of every sample in `groups`, each with its sample's GRPO advantage ([rows, seq] tensors)."""
+    samples = [s for g in groups for s in g.samples]
+    rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)  # type: ignore[arg-type]
+    adv = grpo_outcome_advantages(rewards, [s.group_id for s in samples], norm_adv_by_std=norm_adv_by_std)
+    rows, row_adv = [], []
+    for s, a in zip(samples, adv.tolist()):
+        for r in s.rows:
+            if r.num_generated > 0:
+                rows.append(r)
+                row_adv.append(a)
+    return TrainBatch.from_rows(rows, row_adv, pad_id=pad_id)
+
+
+class TrainerClient:
+    """Loop-facing trainer: builds the batch on the driver, updates on the trainer actor."""
+
+    def __init__(self, actor: Any, *, pad_id: int, norm_adv_by_std: bool, weights_dir: Path) -> None:
+        self._actor = actor
+        self._pad_id = pad_id
+        self._norm = norm_adv_by_std
+        self._weights_dir = weights_dir
+        self._last_path: Path | None = None
+
+    async def update(self, groups: tuple[Group, ...]) -> dict[str, float]:
+        batch = build_train_batch(groups, pad_id=self._pad_id, norm_adv_by_std=self._norm)
+        return await self._actor.update.remote(batch)
+
+    async def export_weights(self, version: int) -> str:
+        """Write the trainer's full weights for `version`; the previous file is removed once
+        superseded (the inference replicas have already loaded it)."""
+        self._weights_dir.mkdir(parents=True, exist_ok=True)
+        path = self._weights_dir / f"policy-v{version}.safetensors"
+        out = await self._actor.export_weights.remote(str(path))
+        if self._last_path is not None and self._last_path != path:
+            self._last_path.unlink(missing_ok=True)
+        self._last_path = path
+        return out
+
+
+class ReplicaWeightPush:
+    """Pushes a weights file to every inference replica; returns when all confirmed."""
+
+    def __init__(self, replicas: list[Any]) -> None:
+        self._replicas = replicas
+
+    async def push(self, path: str, version: int) -> None:
+        await asyncio.gather(*(r.update_weights.remote(path, version) for r in self._replicas))
+
+
+class BufferStore:
+    """The loop's SampleStore over a TrajectoryBuffer: waits until each group is whole."""
+
+    def __init__(self, buffer: Any, group_size: int, timeout_s: float) -> None:
+        self._buffer = buffer
+        self._n = group_size
+        self._timeout_s = timeout_s
+
+    async def get_groups(self, partition: str, group_ids: list[int]) -> list:
+        return await self._buffer.get_groups(partition, group_ids, group_size=self._n, timeout_s=self._timeout_s)
+
+    async def clear(self, partition: str) -> None:
+        await self._buffer.clear(partition)

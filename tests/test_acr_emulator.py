@@ -1,0 +1,215 @@
+"""The ACR emulator: pure routing/rate logic, and the real server driven by real boto3.
+
+The HTTP tests start the emulator (with two real BedrockAgentCoreApp agents, tests/acr_echo_agent.py)
+through LocalStack on loopback and call it with `boto3.client("bedrock-agentcore")`, configured only
+through the standard AWS_ENDPOINT_URL_* env vars.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import uuid
+from pathlib import Path
+
+import boto3
+import pytest
+from botocore.config import Config
+from botocore.exceptions import ParamValidationError
+
+from workers.acr.client import AcrClient, AcrClientConfig
+from workers.acr.emulator import SessionRefused, SessionTable, TokenBucket
+from workers.acr.local_stack import LocalStack
+
+ECHO_AGENT = [sys.executable, str(Path(__file__).with_name("acr_echo_agent.py"))]
+
+
+def new_sid() -> str:
+    return f"test-session-{uuid.uuid4()}"  # 49 chars: inside ACR's [33, 256]
+
+
+# ----------------------------------------------------------------------------- pure logic
+
+
+def test_token_bucket_allows_burst_then_refills_at_rate():
+    b = TokenBucket(rate_per_s=2.0, burst=3, now_s=0.0)
+    assert [b.try_acquire(0.0) for _ in range(4)] == [True, True, True, False]  # burst of 3
+    assert not b.try_acquire(0.4)  # 0.4 s * 2/s = 0.8 token
+    assert b.try_acquire(0.5)  # 1.0 token
+    assert not b.try_acquire(0.5)
+    assert [b.try_acquire(100.0) for _ in range(4)] == [True, True, True, False]  # capped at burst
+
+
+def test_session_table_is_sticky_and_balances_new_sessions():
+    t = SessionTable(3, TokenBucket(1000, 1000, 0.0))
+    assert [t.route(s, 0.0) for s in ("a", "b", "c", "d")] == [(0, True), (1, True), (2, True), (0, True)]
+    assert t.route("b", 1.0) == (1, False)  # sticky, not a creation
+    assert t.stop("a", 1.0) and not t.stop("a", 1.0)
+    # loads after a..d: [2, 1, 1]; a left: [1, 1, 1]; ties go to the lowest index
+    assert t.route("e", 1.0) == (0, True)
+    t.mark_dead(2)  # loads [2, 1, 1], agent 2 dead -> agent 1
+    assert t.route("f", 1.0) == (1, True)
+    s = t.snapshot(1.0)
+    assert (s.sessions_open, s.sessions_created, s.sessions_stopped, s.peak_open) == (5, 6, 1, 5)
+    assert s.invocations == 7
+
+
+def test_session_table_refuses_by_rate_and_quota_without_creating():
+    t = SessionTable(1, TokenBucket(1.0, 1, 0.0), max_open=2)
+    t.route("a", 0.0)
+    with pytest.raises(SessionRefused) as e:
+        t.route("b", 0.5)  # bucket empty until t=1.0
+    assert e.value.error == "ThrottlingException"
+    assert t.route("a", 0.5) == (0, False)  # an open session is never throttled
+    t.route("b", 1.0)
+    with pytest.raises(SessionRefused) as e:
+        t.route("c", 5.0)
+    assert e.value.error == "ServiceQuotaExceededException"
+    s = t.snapshot(5.0)
+    assert (s.sessions_open, s.sessions_created, s.throttled) == (2, 2, 1)
+
+
+def test_session_table_expires_idle_sessions():
+    t = SessionTable(1, TokenBucket(10, 10, 0.0), idle_timeout_s=10.0)
+    t.route("a", 0.0)
+    t.route("b", 0.0)
+    t.route("b", 8.0)  # keeps b alive
+    s = t.snapshot(12.0)  # a idle 12 s > 10 s; b idle 4 s
+    assert (s.sessions_open, s.sessions_expired) == (1, 1)
+    assert s.sessions_open == s.sessions_created - s.sessions_stopped - s.sessions_expired
+
+
+# ----------------------------------------------------------------------------- real server
+
+
+@pytest.fixture(scope="module")
+def echo_stack(tmp_path_factory):
+    with LocalStack(ECHO_AGENT, num_agents=2, log_dir=tmp_path_factory.mktemp("echo-stack")) as stack:
+        yield stack
+
+
+@pytest.fixture()
+def echo_env(echo_stack, monkeypatch):
+    for k, v in echo_stack.env.items():
+        monkeypatch.setenv(k, v)
+    return echo_stack
+
+
+def acr(**config) -> object:
+    return boto3.client("bedrock-agentcore", config=Config(**config))
+
+
+def test_invoke_reaches_an_agent_and_echoes_the_session_id(echo_env):
+    client = acr()
+    sid = new_sid()
+    resp = client.invoke_agent_runtime(
+        agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=sid, payload=json.dumps({"x": 1})
+    )
+    assert resp["runtimeSessionId"] == sid  # echoed response header
+    assert resp["contentType"].startswith("application/json")
+    body = json.loads(resp["response"].read())
+    assert body["session_id"] == sid  # the agent saw ACR's session header
+    assert body["payload"] == {"x": 1}
+    assert body["pid"] in echo_env.stats().agent_pids
+    client.stop_runtime_session(agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=sid)
+
+
+def test_same_session_sticks_to_one_agent_and_new_sessions_spread(echo_env):
+    c = AcrClient()
+    arn = echo_env.agent_runtime_arn
+    assert echo_env.stats().sessions_open == 0  # every test stops its sessions
+    a, b = new_sid(), new_sid()
+    pids_a = [c.invoke(arn, a, {})["pid"] for _ in range(3)]
+    pid_b = c.invoke(arn, b, {})["pid"]
+    assert len(set(pids_a)) == 1  # sticky
+    assert pid_b != pids_a[0]  # b went to the other, idle agent
+    assert echo_env.stats().open_per_agent == (1, 1)
+    assert c.stop_session(arn, a) and c.stop_session(arn, b)
+
+
+def test_short_session_id_is_a_validation_exception(echo_env):
+    # botocore checks min length 33 client-side by default ...
+    with pytest.raises(ParamValidationError):
+        acr().invoke_agent_runtime(agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId="short", payload=b"{}")
+    # ... and the emulator answers ACR's ValidationException when that check is off.
+    client = acr(parameter_validation=False)
+    with pytest.raises(client.exceptions.ValidationException) as e:
+        client.invoke_agent_runtime(agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId="short", payload=b"{}")
+    assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 400
+    assert e.value.response["reason"] == "FieldValidationFailed"
+
+
+def test_stop_runtime_session_closes_the_session(echo_env):
+    c = AcrClient()
+    arn = echo_env.agent_runtime_arn
+    before = echo_env.stats()
+    sid = new_sid()
+    c.invoke(arn, sid, {})
+    assert echo_env.stats().sessions_open == before.sessions_open + 1
+    resp = acr().stop_runtime_session(agentRuntimeArn=arn, runtimeSessionId=sid)
+    assert resp["runtimeSessionId"] == sid
+    after = echo_env.stats()
+    assert after.sessions_open == before.sessions_open == 0
+    assert after.sessions_stopped == before.sessions_stopped + 1
+    assert c.stop_session(arn, sid) is False  # already stopped: ResourceNotFoundException -> False
+
+
+def test_unknown_runtime_is_resource_not_found(echo_env):
+    client = acr()
+    arn = echo_env.agent_runtime_arn.replace("emulator0", "nobody")
+    with pytest.raises(client.exceptions.ResourceNotFoundException):
+        client.invoke_agent_runtime(agentRuntimeArn=arn, runtimeSessionId=new_sid(), payload=b"{}")
+    with pytest.raises(client.exceptions.ResourceNotFoundException):
+        client.invoke_agent_runtime(
+            agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=new_sid(), payload=b"{}", qualifier="prod"
+        )
+
+
+def test_agent_error_is_runtime_client_error(echo_env):
+    client = acr(retries={"total_max_attempts": 1})
+    sid = new_sid()
+    with pytest.raises(client.exceptions.RuntimeClientError) as e:
+        client.invoke_agent_runtime(agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=sid, payload=b'{"fail": true}')
+    assert "500" in e.value.response["Error"]["Message"]
+    AcrClient().stop_session(echo_env.agent_runtime_arn, sid)
+
+
+def test_streamed_agent_answer_passes_through(echo_env):
+    sid = new_sid()
+    resp = acr().invoke_agent_runtime(
+        agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=sid, payload=b'{"stream": 3}'
+    )
+    assert resp["contentType"].startswith("text/event-stream")
+    events = [json.loads(line[len("data: "):]) for line in resp["response"].iter_lines() if line.startswith(b"data: ")]
+    assert events == [{"i": i, "session_id": sid} for i in range(3)]
+    AcrClient().stop_session(echo_env.agent_runtime_arn, sid)
+
+
+# ----------------------------------------------------------------------------- throttling
+
+
+@pytest.fixture(scope="module")
+def slow_stack(tmp_path_factory):
+    # 0.5 session creations per second, burst 1: a second creation within 2 s is throttled.
+    with LocalStack(
+        ECHO_AGENT, num_agents=1, session_rate_per_s=0.5, session_burst=1, log_dir=tmp_path_factory.mktemp("slow")
+    ) as stack:
+        yield stack
+
+
+def test_burst_past_the_rate_is_throttled_and_botocore_retries_it(slow_stack, monkeypatch):
+    for k, v in slow_stack.env.items():
+        monkeypatch.setenv(k, v)
+    arn = slow_stack.agent_runtime_arn
+    no_retry = acr(retries={"mode": "standard", "total_max_attempts": 1})
+    no_retry.invoke_agent_runtime(agentRuntimeArn=arn, runtimeSessionId=new_sid(), payload=b"{}")
+    with pytest.raises(no_retry.exceptions.ThrottlingException) as e:
+        no_retry.invoke_agent_runtime(agentRuntimeArn=arn, runtimeSessionId=new_sid(), payload=b"{}")
+    assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 429
+    assert slow_stack.stats().throttled >= 1
+    # The same burst through AcrClient: botocore's standard retry mode waits and succeeds.
+    c = AcrClient(AcrClientConfig(retry_mode="standard", max_attempts=10))
+    out = c.invoke(arn, new_sid(), {"ok": True})
+    assert out["payload"] == {"ok": True}
+    assert c.stats().retries >= 1  # the bucket was empty: at least one 429 was retried
+    assert slow_stack.stats().sessions_created == 2

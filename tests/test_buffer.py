@@ -1,0 +1,303 @@
+"""TrajectoryBuffer on a real TransferQueue: codec round trips (pure), then a Ray cluster where a
+producer actor puts samples and the driver reads them back bit-exact, waits for groups, clears."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import struct
+import sys
+import time
+
+import pytest
+
+from orchestrator.types import PROMPT_VERSION, Sample, TrajectoryRow
+from workers.buffer import (
+    BufferConfig,
+    BufferCorruptError,
+    SampleInfo,
+    TrajectoryBuffer,
+    complete_sessions,
+    decode_samples,
+    encode_sample,
+)
+
+AWAIT_TIMEOUT_S = 60.0  # bound on every await in this file
+
+
+# ---------------------------------------------------------------- builders
+
+
+def make_row(rng: random.Random, prompt_len: int, gen_lens: list[int], version: int) -> TrajectoryRow:
+    """A row: a prompt, then alternating generated turns (mask 1) and tool tokens (mask 0)."""
+    ids, mask, lps, vers = [], [], [], []
+    ids += [rng.randrange(50_000) for _ in range(prompt_len)]
+    mask += [0] * prompt_len
+    lps += [0.0] * prompt_len
+    vers += [PROMPT_VERSION] * prompt_len
+    for turn, n in enumerate(gen_lens):
+        ids += [rng.randrange(50_000) for _ in range(n)]
+        mask += [1] * n
+        lps += [math.log(rng.random() + 1e-12) for _ in range(n)]
+        vers += [version + turn] * n
+        tool = rng.randrange(0, 4)
+        ids += [rng.randrange(50_000) for _ in range(tool)]
+        mask += [0] * tool
+        lps += [0.0] * tool
+        vers += [PROMPT_VERSION] * tool
+    return TrajectoryRow(tuple(ids), tuple(mask), tuple(lps), tuple(vers))
+
+
+def make_sample(
+    rng: random.Random, group_id: int, sample_index: int, *, num_rows: int = 1, status: str = "completed",
+    tokens: int = 64,
+) -> Sample:
+    rows = tuple(
+        make_row(rng, prompt_len=rng.randrange(4, tokens // 2), gen_lens=[rng.randrange(1, tokens // 2)] * 2,
+                 version=rng.randrange(0, 5))
+        for _ in range(num_rows)
+    )
+    return Sample(
+        session_id=f"sess-{group_id:04d}-{sample_index:02d}-{'x' * 30}",
+        group_id=group_id,
+        input_id=f"input-{group_id}",
+        sample_index=sample_index,
+        rows=rows,
+        reward=rng.uniform(-1, 1) if status == "completed" else None,
+        status=status,  # type: ignore[arg-type]
+        latency_s=rng.uniform(0.1, 30),
+        error=None if status == "completed" else f"{status}: agent crashed",
+    )
+
+
+def edge_row() -> TrajectoryRow:
+    """Log-probs whose bits a float32 or a decimal round trip would change."""
+    lps = (0.0, -0.0, -1e-300, 5e-324, -745.1332191019411, -0.1 - 0.2, -1.0 / 3.0)
+    return TrajectoryRow(
+        token_ids=(1, 2**40, 3, 4, 5, 6, 7),
+        loss_mask=(0, 1, 1, 1, 1, 1, 1),
+        rollout_logprobs=lps,
+        versions=(PROMPT_VERSION, 0, 1, 2, 3, 2**33, 7),
+    )
+
+
+def bits(xs: tuple[float, ...]) -> list[bytes]:
+    return [struct.pack("<d", x) for x in xs]
+
+
+# ---------------------------------------------------------------- codec (no Ray)
+
+
+def test_codec_round_trip_multi_row_and_empty_samples():
+    rng = random.Random(0)
+    samples = [
+        make_sample(rng, 1, 0, num_rows=3),
+        make_sample(rng, 1, 1, num_rows=1),
+        Sample("sess-empty-" + "y" * 30, 2, "input-2", 0, (), None, "failed", 1.5, "no model call"),
+    ]
+    stored = [r for s in samples for r in encode_sample(s)]
+    assert len(stored) == 3 + 1 + 1  # one TQ row per trajectory row, one placeholder for the empty sample
+    rng.shuffle(stored)
+    assert decode_samples(stored) == samples
+    listing = {r.key: r.tags for r in stored}
+    assert sorted(complete_sessions(listing)) == sorted(s.session_id for s in samples)
+
+
+def test_complete_sessions_skips_partial_and_untagged_rows():
+    rng = random.Random(1)
+    s = make_sample(rng, 3, 0, num_rows=2)
+    r0, r1 = encode_sample(s)
+    assert complete_sessions({r0.key: r0.tags}) == {}  # row 1 not tagged yet: sample not complete
+    assert complete_sessions({r0.key: r0.tags, r1.key: {}}) == {}  # key created by a put in flight
+    assert complete_sessions({r0.key: r0.tags, r1.key: r1.tags}) == {s.session_id: [r0.key, r1.key]}
+
+
+def test_session_overwritten_with_fewer_rows_raises_instead_of_mixing():
+    """A session put twice (3 rows, then 1) leaves rows 1, 2 of the first put behind; reading must
+    not glue them to the second sample."""
+    rng = random.Random(2)
+    first = encode_sample(make_sample(rng, 4, 0, num_rows=3))
+    second = encode_sample(make_sample(rng, 4, 0, num_rows=1))
+    listing = {r.key: r.tags for r in first} | {second[0].key: second[0].tags}
+    with pytest.raises(BufferCorruptError, match="num_rows"):
+        complete_sessions(listing)
+
+
+def test_config_rejects_bad_values_naming_the_key():
+    with pytest.raises(ValueError, match="buffer.num_storage_units"):
+        BufferConfig(num_storage_units=0)
+    with pytest.raises(ValueError, match="buffer.capacity_rows"):
+        BufferConfig(capacity_rows=0)
+
+
+# ---------------------------------------------------------------- real TransferQueue on Ray
+
+
+@pytest.fixture(scope="module")
+def buffer():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # The producer class below lives in this test module, which Ray workers cannot import by name
+    # (pytest's importlib mode; `tests` is also transferqueue's package): ship it by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    buf = None
+    try:
+        buf = TrajectoryBuffer.start(BufferConfig(num_storage_units=1, op_timeout_s=AWAIT_TIMEOUT_S))
+        yield buf
+    finally:
+        if buf is not None:
+            buf.stop()
+        ray.shutdown()
+
+
+class Producer:
+    """A rollout-worker stand-in: an async Ray actor that connects with the handle and puts."""
+
+    def __init__(self, handle) -> None:
+        self.buf = TrajectoryBuffer.connect(handle)
+
+    async def put(self, samples: list[Sample], partition: str, delay_s: float = 0.0) -> None:
+        await asyncio.sleep(delay_s)
+        await self.buf.put(samples, partition)
+
+    def close(self) -> None:
+        self.buf.close()
+
+
+@pytest.fixture(scope="module")
+def producer(buffer):
+    import ray
+
+    actor = ray.remote(num_cpus=0)(Producer).remote(buffer.handle)
+    yield actor
+    ray.get(actor.close.remote(), timeout=AWAIT_TIMEOUT_S)
+    ray.kill(actor)
+
+
+async def remote(ref):
+    return await asyncio.wait_for(ref, timeout=AWAIT_TIMEOUT_S)
+
+
+async def bounded(aw):
+    return await asyncio.wait_for(aw, timeout=AWAIT_TIMEOUT_S)
+
+
+def mixed_batch() -> list[Sample]:
+    rng = random.Random(7)
+    edge = Sample("sess-edge-" + "e" * 30, 10, "input-10", 2, (edge_row(), edge_row()), 0.1 + 0.2, "completed", 0.5)
+    return [
+        make_sample(rng, 10, 0, num_rows=3),
+        make_sample(rng, 10, 1, num_rows=1),
+        edge,
+        make_sample(rng, 11, 0, num_rows=2, status="failed"),  # failed with rows recorded
+        Sample("sess-empty-" + "f" * 30, 11, "input-11", 1, (), None, "failed", 2.0, "invoke: 500"),
+        make_sample(rng, 11, 2, num_rows=1, status="expired"),
+    ]
+
+
+async def test_put_from_actor_get_in_driver_is_bit_exact(buffer, producer):
+    samples = mixed_batch()
+    await remote(producer.put.remote(samples, "step-0"))
+
+    got = await bounded(buffer.get_groups("step-0", [10, 11], group_size=3, timeout_s=10))
+
+    assert got == sorted(samples, key=lambda s: (s.group_id, s.sample_index))
+    for a, b in zip(got, sorted(samples, key=lambda s: (s.group_id, s.sample_index))):
+        for ra, rb in zip(a.rows, b.rows, strict=True):
+            assert bits(ra.rollout_logprobs) == bits(rb.rollout_logprobs)  # -0.0 vs 0.0 counts
+    failed = [s for s in got if s.status == "failed"]
+    assert {s.reward for s in failed} == {None} and all(s.error for s in failed)
+    assert await bounded(buffer.get_groups("step-0", [11])) == [s for s in got if s.group_id == 11]
+    await bounded(buffer.clear("step-0"))
+
+
+async def test_tags_are_listed_without_fetching_tokens(buffer, producer):
+    samples = mixed_batch()
+    await remote(producer.put.remote(samples, "step-tags"))
+
+    infos = {i.session_id: i for i in await bounded(buffer.sample_infos("step-tags"))}
+
+    for s in samples:
+        vr = s.version_range()
+        assert infos[s.session_id] == SampleInfo(
+            session_id=s.session_id, group_id=s.group_id, input_id=s.input_id, sample_index=s.sample_index,
+            status=s.status, reward=s.reward, num_rows=len(s.rows), num_generated_tokens=s.num_generated_tokens,
+            min_version=None if vr is None else vr[0], max_version=None if vr is None else vr[1],
+        )
+    assert await bounded(buffer.group_counts("step-tags")) == {10: 3, 11: 3}
+    await bounded(buffer.clear("step-tags"))
+
+
+async def test_get_groups_waits_for_a_put_that_lands_later(buffer, producer):
+    rng = random.Random(3)
+    group = [make_sample(rng, 20, i, num_rows=2) for i in range(4)]
+    first, rest = group[:2], group[2:]
+    await remote(producer.put.remote(first, "step-wait"))
+    put_later = producer.put.remote(rest, "step-wait", 0.5)  # lands while the driver waits
+
+    got = await bounded(buffer.get_groups("step-wait", [20], group_size=4, timeout_s=20))
+
+    await remote(put_later)
+    assert got == group
+    await bounded(buffer.clear("step-wait"))
+
+
+async def test_get_groups_times_out_naming_the_short_group(buffer, producer):
+    rng = random.Random(4)
+    await remote(producer.put.remote([make_sample(rng, 30, 0)], "step-short"))
+    with pytest.raises(TimeoutError, match=r"\{30: 1, 31: 0\}|\{31: 0, 30: 1\}"):
+        await bounded(buffer.get_groups("step-short", [30, 31], group_size=2, timeout_s=0.3))
+    await bounded(buffer.clear("step-short"))
+
+
+async def test_clear_empties_groups_then_the_partition(buffer, producer):
+    rng = random.Random(5)
+    samples = [make_sample(rng, g, i, num_rows=1 + i % 2) for g in (40, 41) for i in range(2)]
+    await remote(producer.put.remote(samples, "step-clear"))
+    await remote(producer.put.remote([make_sample(rng, 99, 0)], "other"))
+    assert await bounded(buffer.group_counts("step-clear")) == {40: 2, 41: 2}
+
+    await bounded(buffer.clear("step-clear", [40]))
+    assert await bounded(buffer.group_counts("step-clear")) == {41: 2}
+    assert await bounded(buffer.get_groups("step-clear", [40])) == []
+    assert await bounded(buffer.get_groups("step-clear", [41])) == samples[2:]
+
+    await bounded(buffer.clear("step-clear"))
+    assert await bounded(buffer.group_counts("step-clear")) == {}
+    assert "step-clear" not in await bounded(buffer.partitions())
+    assert await bounded(buffer.group_counts("other")) == {99: 1}  # other partitions untouched
+    await bounded(buffer.clear("other"))
+
+
+async def test_put_get_latency_32_samples_of_64_tokens(buffer, producer):
+    rng = random.Random(6)
+    samples = [make_sample(rng, 50 + i // 8, i % 8, tokens=64) for i in range(32)]
+    groups = sorted({s.group_id for s in samples})
+    timings = []
+    for rep in range(3):
+        part = f"lat-{rep}"
+        t0 = time.perf_counter()
+        await bounded(buffer.put(samples, part))
+        t1 = time.perf_counter()
+        got = await bounded(buffer.get_groups(part, groups, group_size=8, timeout_s=10))
+        t2 = time.perf_counter()
+        await remote(producer.put.remote(samples, part + "-actor"))
+        t3 = time.perf_counter()
+        assert got == samples
+        await bounded(buffer.clear(part))
+        await bounded(buffer.clear(part + "-actor"))
+        timings.append((t1 - t0, t2 - t1, t3 - t2))
+    put_s, get_s, actor_put_s = (min(t[i] for t in timings) for i in range(3))
+    print(f"\nbuffer latency, 32 samples x ~64 tokens (best of 3): driver put {put_s * 1e3:.1f} ms, "
+          f"get_groups {get_s * 1e3:.1f} ms, actor put incl. Ray call {actor_put_s * 1e3:.1f} ms")
+    assert put_s + get_s < 2.0  # loose bound on a shared 2-CPU box; the figures are printed above
+
+
+def test_sync_wrappers_round_trip(buffer):
+    rng = random.Random(8)
+    samples = [make_sample(rng, 60, i, num_rows=2) for i in range(2)]
+    buffer.put_sync(samples, "step-sync")
+    assert buffer.get_groups_sync("step-sync", [60], group_size=2, timeout_s=10) == samples
+    buffer.clear_sync("step-sync")
+    assert buffer.get_groups_sync("step-sync", [60]) == []

@@ -1,0 +1,202 @@
+"""Contract tests of the rollout gateway against the official `openai` SDK.
+
+The real GatewayServer listens on 127.0.0.1; prompts are rendered with the tiny model's real
+tokenizer and chat template. The only stand-in is `FixedReplyEngine`, a zero-cost engine at the
+InferenceEngine seam (same protocol the vLLM InferenceWorker implements) that answers every
+request with the same token ids, log-probs and policy version, and keeps the requests it saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import openai
+import pytest
+
+from orchestrator.types import GenerateRequest, GenerateResult
+from workers.gateway.chat_template import ChatRenderer
+from workers.gateway.config import GatewayConfig
+from workers.gateway.server import GatewayServer
+from workers.tiny_model import ensure_tiny_model
+
+MODEL_ID = "tiny-qwen2"
+REPLY = "The answer is 4"
+LOGPROB = -0.25
+VERSION = 7
+SESSION = "gw-test-session-" + "0" * 24  # ACR-length session id
+TIMEOUT_S = 20
+
+
+class FixedReplyEngine:
+    """Answers `reply_ids` (+ eos) truncated to max_tokens; records each request it served."""
+
+    def __init__(self, reply_ids: list[int], eos_id: int, version: int) -> None:
+        self.full = [*reply_ids, eos_id]
+        self.version = version
+        self.requests: list[GenerateRequest] = []
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        self.requests.append(req)
+        out = self.full[: req.max_tokens]
+        finish = "stop" if len(out) == len(self.full) else "length"
+        return GenerateResult(
+            output_ids=tuple(out), logprobs=(LOGPROB,) * len(out), finish_reason=finish, policy_version=self.version
+        )
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return ensure_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def renderer(model_dir: Path) -> ChatRenderer:
+    return ChatRenderer.from_pretrained(model_dir)
+
+
+@pytest.fixture
+def engine(renderer: ChatRenderer) -> FixedReplyEngine:
+    tok = renderer.tokenizer
+    return FixedReplyEngine(tok.encode(REPLY, add_special_tokens=False), tok.eos_token_id, VERSION)
+
+
+@pytest.fixture
+async def gateway(model_dir: Path, renderer: ChatRenderer, engine: FixedReplyEngine):
+    cfg = GatewayConfig(model_path=str(model_dir), served_model_name=MODEL_ID, max_context_tokens=512)
+    server = GatewayServer(cfg, [engine], renderer=renderer)
+    await asyncio.wait_for(server.start(), TIMEOUT_S)
+    try:
+        yield server
+    finally:
+        await asyncio.wait_for(server.stop(), TIMEOUT_S)
+
+
+async def _client(server: GatewayServer, token: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.base_url, api_key=token, max_retries=0, timeout=TIMEOUT_S)
+
+
+def _prompt_ids(renderer: ChatRenderer, messages: list[dict]) -> tuple[int, ...]:
+    return renderer.render(messages)
+
+
+async def test_chat_completion_text_usage_and_recorded_row(gateway, renderer, engine):
+    token = await gateway.open_session(SESSION)
+    messages = [{"role": "user", "content": "Write the letter q 4 times."}]
+    async with await _client(gateway, token) as client:
+        resp = await client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=32)
+    prompt = _prompt_ids(renderer, messages)
+    assert resp.choices[0].message.content == REPLY  # eos left out of the text
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.model == MODEL_ID
+    assert resp.usage.prompt_tokens == len(prompt)
+    assert resp.usage.completion_tokens == len(engine.full)  # eos counted: it was generated
+    assert resp.usage.total_tokens == len(prompt) + len(engine.full)
+    assert engine.requests[0].prompt_ids == prompt
+    assert engine.requests[0].max_tokens == 32
+    assert renderer.tokenizer.eos_token_id in engine.requests[0].stop_token_ids
+    cap = await gateway.close_session(SESSION)
+    assert cap.num_turns == 1 and len(cap.rows) == 1
+    row = cap.rows[0]
+    assert row.token_ids == prompt + tuple(engine.full)  # eos kept in the recorded ids
+    assert row.loss_mask == (0,) * len(prompt) + (1,) * len(engine.full)
+    assert row.rollout_logprobs[len(prompt) :] == (LOGPROB,) * len(engine.full)
+    assert row.generated_versions() == [VERSION] * len(engine.full)
+    m = gateway.metrics()
+    assert (m.turns_served, m.turns_first, m.tokens_generated) == (1, 1, len(engine.full))
+
+
+async def test_extended_conversation_is_clean_and_edited_history_forks(gateway, renderer, engine):
+    token = await gateway.open_session(SESSION)
+    turn1 = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "count"}]
+    async with await _client(gateway, token) as client:
+        r1 = await client.chat.completions.create(model=MODEL_ID, messages=turn1)
+        turn2 = [*turn1, {"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "again"}]
+        await client.chat.completions.create(model=MODEL_ID, messages=turn2)
+        snapshot = gateway.metrics()
+        edited = [*turn1, {"role": "assistant", "content": "The answer is 5"}, {"role": "user", "content": "again"}]
+        await client.chat.completions.create(model=MODEL_ID, messages=edited)
+    assert (snapshot.turns_first, snapshot.turns_clean, snapshot.turns_fork) == (1, 1, 0)
+    cap = await gateway.close_session(SESSION)
+    assert cap.num_turns == 3 and len(cap.rows) == 2
+    clean, fork = cap.rows
+    p1, p2, p3 = (_prompt_ids(renderer, m) for m in (turn1, turn2, edited))
+    out = tuple(engine.full)
+    # row 0: turn1 prompt + output, then turn2's prompt extension (mask 0) + output
+    assert clean.token_ids[: len(p1) + len(out)] == p1 + out
+    assert clean.token_ids == p2 + out
+    assert clean.num_generated == 2 * len(out)
+    assert clean.loss_mask[len(p1) + len(out) : len(p2)] == (0,) * (len(p2) - len(p1) - len(out))
+    # row 1: the edited history starts over (whole prompt mask 0)
+    assert fork.token_ids == p3 + out
+    assert fork.num_generated == len(out)
+    m = gateway.metrics()
+    assert (m.turns_first, m.turns_clean, m.turns_fork, m.turns_served) == (1, 1, 1, 3)
+
+
+async def test_bad_and_closed_keys_are_401_in_openai_shape(gateway):
+    token = await gateway.open_session(SESSION)
+    msgs = [{"role": "user", "content": "hi"}]
+    async with await _client(gateway, "not-a-session-token") as bad:
+        with pytest.raises(openai.AuthenticationError) as err:
+            await bad.chat.completions.create(model=MODEL_ID, messages=msgs)
+    assert err.value.status_code == 401
+    assert err.value.code == "invalid_api_key"
+    assert err.value.body["type"] == "invalid_request_error"  # OpenAI's `error` object fields
+    await gateway.close_session(SESSION)
+    async with await _client(gateway, token) as closed:
+        with pytest.raises(openai.AuthenticationError):
+            await closed.chat.completions.create(model=MODEL_ID, messages=msgs)
+    m = gateway.metrics()
+    assert (m.unauthorized, m.turns_served) == (2, 0)
+
+
+async def test_models_list_names_the_served_model(gateway):
+    token = await gateway.open_session(SESSION)
+    async with await _client(gateway, token) as client:
+        models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL_ID]
+    await gateway.close_session(SESSION)
+
+
+async def test_n2_and_stream_are_bad_requests(gateway, engine):
+    token = await gateway.open_session(SESSION)
+    msgs = [{"role": "user", "content": "hi"}]
+    async with await _client(gateway, token) as client:
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(model=MODEL_ID, messages=msgs, n=2)
+        assert err.value.param == "n"
+        with pytest.raises(openai.BadRequestError, match="stream"):
+            await client.chat.completions.create(model=MODEL_ID, messages=msgs, stream=True)
+    assert engine.requests == []  # nothing reached the engine
+    assert (await gateway.close_session(SESSION)).num_turns == 0
+
+
+async def test_max_tokens_clamped_to_the_session_context_budget(gateway, renderer, engine):
+    msgs = [{"role": "user", "content": "hi"}]
+    prompt = _prompt_ids(renderer, msgs)
+    budget = len(prompt) + 2  # room for 2 generated tokens only
+    token = await gateway.open_session(SESSION, max_context_tokens=budget)
+    async with await _client(gateway, token) as client:
+        resp = await client.chat.completions.create(model=MODEL_ID, messages=msgs, max_completion_tokens=100)
+        assert engine.requests[-1].max_tokens == 2
+        assert resp.choices[0].finish_reason == "length"
+        assert resp.usage.completion_tokens == 2
+        long_msgs = [{"role": "user", "content": "hi " * budget}]
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(model=MODEL_ID, messages=long_msgs)
+        assert err.value.code == "context_length_exceeded"
+    cap = await gateway.close_session(SESSION)
+    assert cap.num_turns == 1 and len(cap.rows[0].token_ids) == budget
+
+
+async def test_sampling_params_reach_the_engine(gateway, engine):
+    token = await gateway.open_session(SESSION)
+    msgs = [{"role": "user", "content": "hi"}]
+    async with await _client(gateway, token) as client:
+        await client.chat.completions.create(model=MODEL_ID, messages=msgs, temperature=0.5, top_p=0.8, seed=3)
+        await client.chat.completions.create(model=MODEL_ID, messages=msgs)
+    explicit, defaults = engine.requests
+    assert (explicit.temperature, explicit.top_p, explicit.seed) == (0.5, 0.8, 3)
+    assert (defaults.temperature, defaults.top_p, defaults.seed) == (1.0, 1.0, None)  # gateway defaults
+    await gateway.close_session(SESSION)

@@ -1,0 +1,305 @@
+"""Trajectory capture: the gateway's record of every model turn of every open session.
+
+Pure logic (no HTTP, no Ray, no clock): the HTTP routes feed it facts (a session opened, a turn
+was generated, a session closed) and read back decisions (who a token belongs to, which row a turn
+went to, the rows of a closed session).
+
+Recording rule. A session holds rows; each row is a token sequence ``prompt + output + prompt
+extension + output + ...``. A turn whose prompt ids start with ALL the tokens of an existing row
+(that row's last prompt + last output, and everything before) is appended to that row: the new
+prompt-extension tokens get loss mask 0 and version -1, the generated tokens loss mask 1, their
+sampled log-prob and the policy version that produced them (CLEAN). A turn that extends no row
+starts a new row (FORK; the very first turn is FIRST). When several rows are extended the longest
+one wins (ties: the most recently touched), so an agent that interleaves an unrelated side call
+with its main conversation (a summariser, a sub-agent) still yields one row per conversation.
+
+Invariant (defended by ``record_turn`` and tests/test_gateway_capture.py): at every call boundary,
+for every row, the concatenation of the turns' (prompt extension, output) pieces equals the row's
+token ids; mask 1 marks exactly the engine-generated tokens, each with its own log-prob and
+version; every recorded turn is in exactly one row. A closed session cannot be authenticated or
+recorded into again.
+
+Session tokens. ``open`` returns ``secrets.token_urlsafe(32)`` (256 random bits). The store keeps
+only ``sha256(token)`` and looks sessions up by that digest in a dict. A dict lookup on the raw
+token would compare the attacker's string with stored ones character by character on a hash
+collision; on the digest, the attacker controls no prefix of what is compared (finding an input
+whose digest shares a prefix with a stored one is a preimage problem), and the final check is
+``hmac.compare_digest`` anyway, so the comparison is constant-time.
+
+Callers: workers/gateway/app.py (authenticate, record_turn), workers/gateway/server.py (open,
+close for the rollout workers).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+
+from orchestrator.types import PROMPT_VERSION, GenerateResult, SessionCapture, TrajectoryRow
+
+TOKEN_BYTES = 32  # session token entropy in bytes (256 bits); token_urlsafe gives 43 chars
+
+
+class CaptureError(Exception):
+    """Base class of capture-store errors."""
+
+
+class Unauthorized(CaptureError):
+    """The bearer token belongs to no open session (unknown, malformed or already closed)."""
+
+
+class SessionNotFound(CaptureError):
+    """A session id that was never opened, or was already closed."""
+
+
+class SessionExists(CaptureError):
+    """``open`` was called twice with the same session id while the first is still open."""
+
+
+class TurnKind(enum.Enum):
+    """How a turn was recorded relative to the session's existing rows."""
+
+    FIRST = "first"  # first turn of the session: starts row 0
+    CLEAN = "clean"  # prompt extends an existing row exactly: appended to it
+    FORK = "fork"  # prompt extends no row: starts a new row
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """Sampling parameters a session applies to its requests.
+
+    max_tokens: generated-token cap when the request gives none (None: the remaining context).
+    enforce: True makes temperature/top_p override what the agent asks for (on-policy sampling
+        regardless of the agent's settings); False uses them only where the request is silent.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int | None = None
+    enforce: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"sampling temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"sampling max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True)
+class Session:
+    """What an authenticated request learns about its session (read-only view)."""
+
+    session_id: str
+    max_context_tokens: int
+    sampling: SamplingDefaults
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """One recorded turn: where it went and how many tokens it added.
+
+    row_index: index of the row in the session's rows (creation order).
+    num_prompt_ext: prompt tokens appended to the row before the output (whole prompt for FIRST/FORK).
+    """
+
+    session_id: str
+    turn_index: int
+    kind: TurnKind
+    row_index: int
+    num_prompt_ext: int
+    num_output: int
+    policy_version: int
+    finish_reason: str
+
+
+class _Row:
+    """Mutable builder of one TrajectoryRow (private to the store)."""
+
+    __slots__ = ("token_ids", "loss_mask", "logprobs", "versions", "last_turn")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.loss_mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.last_turn = -1
+
+    def extended_by(self, prompt_ids: tuple[int, ...]) -> bool:
+        n = len(self.token_ids)
+        return len(prompt_ids) >= n and list(prompt_ids[:n]) == self.token_ids
+
+    def append(self, prompt_ext: tuple[int, ...], result: GenerateResult, turn_index: int) -> None:
+        self.token_ids.extend(prompt_ext)
+        self.loss_mask.extend([0] * len(prompt_ext))
+        self.logprobs.extend([0.0] * len(prompt_ext))
+        self.versions.extend([PROMPT_VERSION] * len(prompt_ext))
+        self.token_ids.extend(result.output_ids)
+        self.loss_mask.extend([1] * len(result.output_ids))
+        self.logprobs.extend(result.logprobs)
+        self.versions.extend([result.policy_version] * len(result.output_ids))
+        self.last_turn = turn_index
+
+    def freeze(self) -> TrajectoryRow:
+        return TrajectoryRow(
+            token_ids=tuple(self.token_ids),
+            loss_mask=tuple(self.loss_mask),
+            rollout_logprobs=tuple(self.logprobs),
+            versions=tuple(self.versions),
+        )
+
+
+class _SessionState:
+    __slots__ = ("view", "digest", "rows", "turns")
+
+    def __init__(self, view: Session, digest: bytes) -> None:
+        self.view = view
+        self.digest = digest
+        self.rows: list[_Row] = []
+        self.turns: list[TurnRecord] = []
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("utf-8")).digest()
+
+
+class CaptureStore:
+    """Open sessions, their secret tokens and their recorded rows.
+
+    Not thread-safe: one event loop owns it (the gateway's).
+    """
+
+    def __init__(self, *, default_max_context_tokens: int, default_sampling: SamplingDefaults | None = None) -> None:
+        if default_max_context_tokens < 2:
+            raise ValueError(f"default_max_context_tokens must be >= 2, got {default_max_context_tokens}")
+        self._default_ctx = default_max_context_tokens
+        self._default_sampling = default_sampling or SamplingDefaults()
+        self._sessions: dict[str, _SessionState] = {}
+        self._by_digest: dict[bytes, str] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def open(
+        self,
+        session_id: str,
+        *,
+        max_context_tokens: int | None = None,
+        sampling: SamplingDefaults | None = None,
+    ) -> str:
+        """Open a session and return its secret bearer token.
+
+        max_context_tokens: prompt + generated tokens allowed per request (None: store default).
+        Raises SessionExists if `session_id` is open; ValueError on an empty id or a budget < 2.
+        """
+        if not session_id:
+            raise ValueError("session_id must be a non-empty string")
+        if session_id in self._sessions:
+            raise SessionExists(f"session {session_id!r} is already open")
+        ctx = self._default_ctx if max_context_tokens is None else max_context_tokens
+        if ctx < 2:
+            raise ValueError(f"max_context_tokens must be >= 2, got {ctx}")
+        token = secrets.token_urlsafe(TOKEN_BYTES)
+        digest = _digest(token)
+        view = Session(session_id=session_id, max_context_tokens=ctx, sampling=sampling or self._default_sampling)
+        self._sessions[session_id] = _SessionState(view, digest)
+        self._by_digest[digest] = session_id
+        return token
+
+    def authenticate(self, token: str | None) -> Session:
+        """Return the open session that owns `token`; raise Unauthorized otherwise."""
+        if not token:
+            raise Unauthorized("missing session token")
+        digest = _digest(token)
+        session_id = self._by_digest.get(digest)
+        state = self._sessions.get(session_id) if session_id is not None else None
+        if state is None or not hmac.compare_digest(state.digest, digest):
+            raise Unauthorized("unknown or closed session token")
+        return state.view
+
+    def close(self, session_id: str) -> SessionCapture:
+        """Close the session, revoke its token and return its rows (creation order).
+
+        Raises SessionNotFound if the session is not open.
+        """
+        state = self._sessions.pop(session_id, None)
+        if state is None:
+            raise SessionNotFound(f"session {session_id!r} is not open")
+        del self._by_digest[state.digest]
+        return SessionCapture(
+            session_id=session_id,
+            rows=tuple(r.freeze() for r in state.rows),
+            num_turns=len(state.turns),
+        )
+
+    # -- recording -------------------------------------------------------------------------
+
+    def record_turn(self, session_id: str, prompt_ids: tuple[int, ...] | list[int], result: GenerateResult) -> TurnRecord:
+        """Record one generated turn of an open session (see the module's recording rule).
+
+        prompt_ids: [prompt_len] ids the engine was given; result: its answer.
+        Raises SessionNotFound if the session is not open (e.g. closed while the turn ran);
+        ValueError if a generated token carries a negative policy version.
+        """
+        state = self._sessions.get(session_id)
+        if state is None:
+            raise SessionNotFound(f"session {session_id!r} is not open; turn not recorded")
+        if result.output_ids and result.policy_version < 0:
+            raise ValueError(f"generated tokens must carry a policy version >= 0, got {result.policy_version}")
+        prompt = tuple(prompt_ids)
+        turn_index = len(state.turns)
+        row_index = self._row_extended_by(state, prompt)
+        if row_index is None:
+            kind = TurnKind.FIRST if not state.rows else TurnKind.FORK
+            state.rows.append(_Row())
+            row_index = len(state.rows) - 1
+        else:
+            kind = TurnKind.CLEAN
+        row = state.rows[row_index]
+        prompt_ext = prompt[len(row.token_ids) :]
+        row.append(prompt_ext, result, turn_index)
+        record = TurnRecord(
+            session_id=session_id,
+            turn_index=turn_index,
+            kind=kind,
+            row_index=row_index,
+            num_prompt_ext=len(prompt_ext),
+            num_output=len(result.output_ids),
+            policy_version=result.policy_version,
+            finish_reason=result.finish_reason,
+        )
+        state.turns.append(record)
+        return record
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def turns(self, session_id: str) -> tuple[TurnRecord, ...]:
+        """Turn records of an open session, in arrival order. Raises SessionNotFound."""
+        state = self._sessions.get(session_id)
+        if state is None:
+            raise SessionNotFound(f"session {session_id!r} is not open")
+        return tuple(state.turns)
+
+    def num_open(self) -> int:
+        """Number of open sessions."""
+        return len(self._sessions)
+
+    def is_open(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    @staticmethod
+    def _row_extended_by(state: _SessionState, prompt: tuple[int, ...]) -> int | None:
+        best: int | None = None
+        for i, row in enumerate(state.rows):
+            if not row.extended_by(prompt):
+                continue
+            if best is None:
+                best = i
+                continue
+            cur = state.rows[best]
+            if (len(row.token_ids), row.last_turn) > (len(cur.token_ids), cur.last_turn):
+                best = i
+        return best

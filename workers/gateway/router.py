@@ -1,0 +1,81 @@
+"""Replica routing: which inference replica serves a session's next turn.
+
+Policy: a session sticks to the replica that served its first turn (its prompt prefix stays warm
+in that replica's KV/prefix cache); a new session goes to the replica with the fewest requests in
+flight (ties: lowest index). Pure bookkeeping, no asyncio or Ray: the caller holds a lease for the
+duration of one generate call.
+
+Invariant: each replica's in-flight count equals the number of leases taken on it and not yet
+released, and never goes negative; `set_engines` drops every sticky assignment (indices of the old
+list mean nothing for the new one).
+
+Callers: workers/gateway/app.py (one lease per chat request), workers/gateway/server.py
+(set_engines, forget on session close).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from orchestrator.types import InferenceEngine
+
+
+class NoReplicas(RuntimeError):
+    """The router has no inference replica to send a request to."""
+
+
+class ReplicaRouter:
+    """Sticky-per-session, otherwise least-in-flight choice among inference replicas."""
+
+    def __init__(self, engines: Sequence[InferenceEngine] = ()) -> None:
+        self._engines: list[InferenceEngine] = list(engines)
+        self._in_flight: list[int] = [0] * len(self._engines)
+        self._sticky: dict[str, int] = {}
+        self._generation = 0  # bumped by set_engines; leases of an old list release nothing
+
+    def set_engines(self, engines: Sequence[InferenceEngine]) -> None:
+        """Replace the replica list; sticky assignments are dropped, in-flight counts restart."""
+        self._engines = list(engines)
+        self._in_flight = [0] * len(self._engines)
+        self._sticky.clear()
+        self._generation += 1
+
+    def num_replicas(self) -> int:
+        return len(self._engines)
+
+    def in_flight(self) -> tuple[int, ...]:
+        """Requests in flight per replica, in replica order."""
+        return tuple(self._in_flight)
+
+    def assigned(self, session_id: str) -> int | None:
+        """Index of the replica the session sticks to, or None before its first lease."""
+        return self._sticky.get(session_id)
+
+    def forget(self, session_id: str) -> None:
+        """Drop a closed session's sticky assignment (no-op if it has none)."""
+        self._sticky.pop(session_id, None)
+
+    def _choose(self, session_id: str) -> int:
+        if not self._engines:
+            raise NoReplicas("no inference replica registered with the gateway (call set_engines first)")
+        idx = self._sticky.get(session_id)
+        if idx is None:
+            idx = min(range(len(self._engines)), key=lambda i: (self._in_flight[i], i))
+            self._sticky[session_id] = idx
+        return idx
+
+    @contextmanager
+    def lease(self, session_id: str) -> Iterator[InferenceEngine]:
+        """Pick the replica for this session and count the request in flight until exit.
+
+        Raises NoReplicas when no replica is registered.
+        """
+        idx = self._choose(session_id)
+        generation = self._generation
+        self._in_flight[idx] += 1
+        try:
+            yield self._engines[idx]
+        finally:
+            if generation == self._generation:
+                self._in_flight[idx] -= 1

@@ -1,0 +1,376 @@
+"""TrainerWorker: an HF causal LM under FSDP2, trained with the PPO clip loss and token TIS.
+
+A plain class; Ray is applied by the caller (`ray.remote(num_cpus=1)(TrainerWorker)`). One instance
+per data-parallel rank: each joins a torch.distributed process group (gloo on CPU, NCCL on GPU) and
+holds its shard of the float32 weights (`torch.distributed.fsdp.fully_shard` on every decoder layer
+and on the root) and of the AdamW state.
+
+Invariants:
+- Log-probs use TrainBatch's alignment: logprob[b, t] = log p(token t | tokens < t); column 0 and
+  padding columns are 0.
+- `update` recomputes π_old from the current weights before any gradient is taken (decoupled rollout
+  correction: π_rollout -> π_old -> π_θ), takes exactly one optimizer step per call, and normalises
+  the loss over the whole mini-batch (token-mean by default), whatever the micro-batch size.
+- Dropout is off (the model stays in eval mode), so on the first micro-batch π_θ == π_old exactly.
+- `export_weights` writes the full, unsharded fp32 state dict under HF parameter names, atomically.
+
+Callers: the training loops (through a Ray actor handle) and weight sync (`export_weights` /
+`full_state_dict`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from orchestrator.algorithms.batch import TrainBatch
+from orchestrator.algorithms.losses import LossAggMode, PolicyLossConfig, ppo_clip_loss
+from orchestrator.algorithms.rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
+
+WEIGHTS_FILENAME = "model.safetensors"  # single-file HF checkpoint name
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """What a TrainerWorker needs. Ratios are PPO's ε; thresholds are IS weight caps.
+
+    model_path: HF model directory (config.json + safetensors); nothing is downloaded.
+    lr, betas, weight_decay: AdamW. grad_clip: max global grad norm (clip_grad_norm_), > 0.
+    clip_ratio_low / clip_ratio_high: PPO clip range (default: clip_ratio for both).
+    clip_ratio_c: dual-clip bound for negative advantages (> 1), None to disable.
+    tis_threshold: token TIS cap C, None to disable importance weights (diagnostics still logged).
+    micro_batch_size: rows per forward/backward; gradients accumulate to one step per mini-batch.
+    compute_entropy: log actor/entropy (costs one softmax over the vocabulary per micro-batch).
+    device: "auto" picks CUDA when available, else CPU.
+    """
+
+    model_path: str
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float | None = 3.0
+    tis_threshold: float | None = 2.0
+    seed: int = 0
+    micro_batch_size: int = 4
+    loss_agg_mode: LossAggMode = "token-mean"
+    attn_implementation: str = "sdpa"
+    compute_entropy: bool = True
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    extra_model_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
+        if self.grad_clip <= 0:
+            raise ValueError(f"trainer.grad_clip must be > 0, got {self.grad_clip}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"trainer.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        self.policy_loss_config()  # validates clip ratios and loss_agg_mode
+        self.rollout_correction_config()  # validates tis_threshold
+
+    def policy_loss_config(self) -> PolicyLossConfig:
+        low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+        high = self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+        return PolicyLossConfig(
+            clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=self.clip_ratio_c, loss_agg_mode=self.loss_agg_mode
+        )
+
+    def rollout_correction_config(self) -> RolloutCorrectionConfig:
+        if self.tis_threshold is None:
+            return RolloutCorrectionConfig(is_level=None)
+        return RolloutCorrectionConfig(is_level="token", is_threshold=self.tis_threshold)
+
+
+def free_loopback_init_method() -> str:
+    """A `tcp://127.0.0.1:PORT` rendezvous on a port the OS just reported free (world size 1 only)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, *, with_entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-prob and entropy in TrainBatch alignment.
+
+    Args:
+        logits: [B, T, V] next-token logits (logits[:, t] predicts token t + 1).
+        input_ids: [B, T].
+
+    Returns:
+        (logprobs, entropy), both [B, T] float32; column 0 is 0 in both. entropy[b, t] is the entropy
+        of the distribution token t was drawn from; it is detached, and None unless with_entropy.
+    """
+    logits = logits[:, :-1].float()
+    targets = input_ids[:, 1:].unsqueeze(-1)
+    lse = torch.logsumexp(logits, dim=-1)
+    lp = torch.gather(logits, -1, targets).squeeze(-1) - lse
+    zero = torch.zeros_like(lp[:, :1])
+    if not with_entropy:
+        return torch.cat([zero, lp], dim=1), None
+    with torch.no_grad():
+        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    return torch.cat([zero, lp], dim=1), torch.cat([zero, ent.detach()], dim=1)
+
+
+class TrainerWorker:
+    """One data-parallel rank of the trainer. See the module docstring for the invariants.
+
+    Args:
+        cfg: TrainerSettings.
+        rank, world_size: this rank in the data-parallel group.
+        init_method: torch.distributed rendezvous URL; None picks a free loopback port, which only
+            works for world_size 1 (ranks of a larger group must share one URL).
+
+    Raises:
+        ValueError: world_size > 1 without init_method, or rank out of range.
+    """
+
+    def __init__(
+        self, cfg: TrainerSettings, *, rank: int = 0, world_size: int = 1, init_method: str | None = None
+    ) -> None:
+        if not (0 <= rank < world_size):
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        if world_size > 1 and init_method is None:
+            raise ValueError("world_size > 1 needs an init_method shared by all ranks")
+        from transformers import AutoModelForCausalLM  # heavy import, kept off module import
+
+        self.cfg = cfg
+        self.rank, self.world_size = rank, world_size
+        use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        self._owns_process_group = not dist.is_initialized()
+        if self._owns_process_group:
+            dist.init_process_group(
+                backend="nccl" if use_cuda else "gloo",
+                init_method=init_method or free_loopback_init_method(),
+                rank=rank,
+                world_size=world_size,
+            )
+        elif dist.get_world_size() != world_size:
+            raise ValueError(f"a process group of size {dist.get_world_size()} exists; asked for {world_size}")
+        mesh = init_device_mesh(self.device.type, (world_size,))
+
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.model_path, dtype=torch.float32, attn_implementation=cfg.attn_implementation,
+            **cfg.extra_model_kwargs,
+        )
+        model.to(self.device)
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None:
+            raise ValueError(f"{type(model).__name__} has no .model.layers; only HF decoder-only LMs are supported")
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.eval()  # dropout off: π_θ equals π_old before the first step
+        self.model = model
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+        )
+        self._loss_cfg = cfg.policy_loss_config()
+        self._rc_cfg = cfg.rollout_correction_config()
+        self.num_updates = 0
+
+    # --- forward passes -------------------------------------------------------------------
+
+    def _forward(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logprobs, entropy or None) [b, T] for one micro-batch; all-padding tail columns are skipped."""
+        t = mb.trimmed()
+        ids = t.input_ids.to(self.device)
+        out = self.model(input_ids=ids, attention_mask=t.attention_mask.to(self.device), use_cache=False)
+        lp, ent = token_logprobs(out.logits, ids, with_entropy=with_entropy)
+        valid = t.attention_mask.to(self.device, lp.dtype)
+        pad = (0, mb.seq_len - t.seq_len)
+        lp = torch.nn.functional.pad(lp * valid, pad)
+        return lp, None if ent is None else torch.nn.functional.pad(ent * valid, pad)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """log π(token t | tokens < t) under the current weights, no grad.
+
+        Returns [B, T] float32 on CPU; column 0 and padding are 0.
+        """
+        parts = [self._forward(mb, with_entropy=False)[0].cpu() for mb in batch.split(self.cfg.micro_batch_size)]
+        return torch.cat(parts, dim=0)
+
+    # --- training -------------------------------------------------------------------------
+
+    def _global_sum(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(t)
+        return float(t.item())
+
+    def update(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on this rank's share of a mini-batch.
+
+        Steps: recompute π_old (no grad); token TIS weights and `rollout_corr/*` metrics from
+        π_old vs π_rollout; per micro-batch, PPO clip loss on π_θ / π_old times the weights,
+        normalised by the mini-batch's global token (or sequence) count, backward; clip the global
+        grad norm; AdamW step (skipped when the grad norm is not finite).
+
+        Returns metrics: actor/pg_loss, actor/grad_norm, actor/pg_clipfrac, actor/ppo_kl,
+        actor/pg_clipfrac_lower, actor/entropy (token-weighted means over micro-batches),
+        actor/num_tokens (global), actor/lr, actor/step_skipped (1.0 if the step was skipped), and
+        rollout_corr/* (this rank's mini-batch).
+
+        Raises:
+            ValueError: the batch has no trained token.
+        """
+        if batch.num_loss_tokens == 0:
+            raise ValueError("update got a batch with no trained token (loss_mask is all 0)")
+        old_logprobs = self.compute_logprobs(batch)
+        rc = compute_rollout_correction(old_logprobs, batch.rollout_logprobs, batch.loss_mask, self._rc_cfg)
+        loss_mask = rc.loss_mask
+        num_tokens = self._global_sum(float(loss_mask.sum().item()))
+        num_seqs = self._global_sum(float((loss_mask.sum(dim=-1) > 0).sum().item()))
+
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/pg_clipfrac_lower": 0.0}
+        if self.cfg.compute_entropy:
+            sums["actor/entropy"] = 0.0
+        size = self.cfg.micro_batch_size
+        for start in range(0, batch.batch_size, size):
+            stop = min(start + size, batch.batch_size)
+            mb = batch.select(start, stop)
+            mask = loss_mask[start:stop].to(self.device)
+            lp, ent = self._forward(mb, with_entropy=self.cfg.compute_entropy)
+            out = ppo_clip_loss(
+                lp,
+                old_logprobs[start:stop].to(self.device),
+                mb.advantages.to(self.device),
+                mask,
+                self._loss_cfg,
+                is_weights=None if rc.weights is None else rc.weights[start:stop].to(self.device),
+                dp_size=self.world_size,
+                batch_num_tokens=num_tokens,
+                global_batch_size=num_seqs,
+            )
+            out.loss.backward()
+            n_mb = float(mask.sum().item())
+            sums["actor/pg_loss"] += float(out.loss.detach().item()) / self.world_size
+            sums["actor/pg_clipfrac"] += float(out.pg_clipfrac.item()) * n_mb
+            sums["actor/ppo_kl"] += float(out.ppo_kl.item()) * n_mb
+            sums["actor/pg_clipfrac_lower"] += float(out.pg_clipfrac_lower.item()) * n_mb
+            if ent is not None:
+                sums["actor/entropy"] += float((ent * mask).sum().item())
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm_value = float(grad_norm.item())
+        skipped = not math.isfinite(grad_norm_value)
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.num_updates += 1
+
+        local_tokens = float(loss_mask.sum().item())
+        metrics = {"actor/pg_loss": self._global_sum(sums.pop("actor/pg_loss"))}
+        for name, total in sums.items():
+            metrics[name] = total / local_tokens
+        metrics.update(
+            {
+                "actor/grad_norm": grad_norm_value,
+                "actor/num_tokens": num_tokens,
+                "actor/lr": float(self.optimizer.param_groups[0]["lr"]),
+                "actor/step_skipped": 1.0 if skipped else 0.0,
+            }
+        )
+        metrics.update(rc.metrics)
+        return metrics
+
+    # --- weights out ----------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights under HF names, on CPU (complete on rank 0; every rank must call this).
+
+        Tied parameters (e.g. lm_head.weight with tie_word_embeddings) appear once, under the name HF
+        saves them as, so the dict loads with `from_pretrained` and vLLM's loaders.
+        """
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        tied = _tied_parameter_names(self.model)
+        seen: set[int] = set()
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in sd.items():
+            if name in tied:
+                continue
+            t = tensor.detach().to(torch.float32)
+            if t.data_ptr() in seen:  # any other alias: give it its own storage for safetensors
+                t = t.clone()
+            seen.add(t.data_ptr())
+            out[name] = t.contiguous()
+        return out
+
+    def export_weights(self, path: str) -> str:
+        """Write the full weights as one safetensors file at `path` (temp file + rename); return path.
+
+        Every rank must call it (the gather is collective); only rank 0 writes.
+        """
+        sd = self.full_state_dict()
+        if self.rank == 0:
+            directory = os.path.dirname(os.path.abspath(path))
+            os.makedirs(directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".weights-", suffix=".safetensors.tmp")
+            os.close(fd)
+            try:
+                save_file(sd, tmp, metadata={"format": "pt"})
+                os.replace(tmp, path)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+                raise
+        if self.world_size > 1:
+            dist.barrier()
+        return path
+
+    def save_hf(self, directory: str) -> str:
+        """Write an HF model directory (config.json, generation config, model.safetensors, tokenizer
+        files when the source directory has them) that `from_pretrained` loads; return directory."""
+        if self.rank == 0:
+            os.makedirs(directory, exist_ok=True)
+            self.model.config.save_pretrained(directory)
+            if getattr(self.model, "generation_config", None) is not None:
+                self.model.generation_config.save_pretrained(directory)
+            self._write_tokenizer(directory)
+        self.export_weights(os.path.join(directory, WEIGHTS_FILENAME))
+        return directory
+
+    def _write_tokenizer(self, directory: str) -> None:
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(self.cfg.model_path)
+        except (OSError, ValueError):  # the source directory has no tokenizer: weights only
+            return
+        tok.save_pretrained(directory)
+
+    def close(self) -> None:
+        """Release the process group if this worker created it."""
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_process_group = False
+
+
+def _tied_parameter_names(model: torch.nn.Module) -> set[str]:
+    """Names HF leaves out of a checkpoint because they alias another parameter."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return set()
+    keys = getattr(model, "_tied_weights_keys", None) or {}
+    return set(keys.keys() if isinstance(keys, dict) else keys)
