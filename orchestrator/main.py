@@ -71,6 +71,8 @@ def run(cfg: RunConfig) -> dict:
                                agent_runtime_arn=cfg.rollout.acr.agent_runtime_arn,
                                log_dir=run_dir / "logs")
             stack.enter_context(local)
+            started = {**local.pids(), **{f"agent-{i}": pid for i, pid in enumerate(local.stats().agent_pids)}}
+            (run_dir / "pids.json").write_text(json.dumps(started, indent=2) + "\n")  # for audits/tests
             os.environ.update(local.env)  # boto3 everywhere (driver, Ray workers) reads these
         import ray
 

@@ -13,15 +13,8 @@ import time
 import pytest
 
 from orchestrator.types import PROMPT_VERSION, Sample, TrajectoryRow
-from workers.buffer import (
-    BufferConfig,
-    BufferCorruptError,
-    SampleInfo,
-    TrajectoryBuffer,
-    complete_sessions,
-    decode_samples,
-    encode_sample,
-)
+from workers.buffer import BufferConfig, TrajectoryBuffer
+from workers.buffer_codec import BufferCorruptError, SampleInfo, complete_sessions, decode_samples, encode_sample
 
 AWAIT_TIMEOUT_S = 60.0  # bound on every await in this file
 
@@ -301,3 +294,56 @@ def test_sync_wrappers_round_trip(buffer):
     assert buffer.get_groups_sync("step-sync", [60], group_size=2, timeout_s=10) == samples
     buffer.clear_sync("step-sync")
     assert buffer.get_groups_sync("step-sync", [60]) == []
+
+
+async def test_two_storage_units_round_trip_and_stop_kills_the_actors(buffer, producer):
+    """TQ's default of 1 CPU per actor hangs a 2-CPU cluster with 2 units; ours reserve none."""
+    import ray
+
+    second = TrajectoryBuffer.start(BufferConfig(num_storage_units=2, op_timeout_s=AWAIT_TIMEOUT_S))
+    try:
+        assert len(second.handle.storage_infos) == 2
+        samples = mixed_batch()
+        await bounded(second.put(samples, "two-units"))
+        got = await bounded(second.get_groups("two-units", [10, 11], group_size=3, timeout_s=10))
+        assert got == sorted(samples, key=lambda s: (s.group_id, s.sample_index))
+        assert await bounded(buffer.group_counts("two-units")) == {}  # a separate TQ instance
+        names = second.handle.actor_names
+        assert len(names) == 3 and all(ray.get_actor(n) is not None for n in names)
+    finally:
+        second.stop()
+    deadline = time.monotonic() + AWAIT_TIMEOUT_S
+    alive = list(names)
+    while alive and time.monotonic() < deadline:  # ray.kill is asynchronous: poll, bounded
+        alive = [n for n in alive if _actor_exists(ray, n)]
+        await asyncio.sleep(0.1)
+    assert alive == []
+    with pytest.raises(RuntimeError, match="closed"):
+        await second.put(samples, "two-units")
+
+
+def _actor_exists(ray, name: str) -> bool:
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        return False
+    return True
+
+
+async def test_put_past_capacity_raises_and_leaves_nothing_behind(buffer):
+    small = TrajectoryBuffer.start(BufferConfig(capacity_rows=4, op_timeout_s=AWAIT_TIMEOUT_S))
+    try:
+        rng = random.Random(9)
+        kept = [make_sample(rng, 70, i) for i in range(3)]  # 3 of 4 rows
+        await bounded(small.put(kept, "cap"))
+        with pytest.raises(RuntimeError, match="capacity exceeded"):
+            await bounded(small.put([make_sample(rng, 71, i) for i in range(2)], "cap"))
+        assert await bounded(small.group_counts("cap")) == {70: 3}
+        assert await bounded(small.row_count("cap")) == 3  # the failed put's keys were released
+        await bounded(small.clear("cap", [70]))
+        assert await bounded(small.row_count("cap")) == 0
+        refill = [make_sample(rng, 72, i) for i in range(4)]  # clearing freed the storage
+        await bounded(small.put(refill, "cap"))
+        assert await bounded(small.get_groups("cap", [72], group_size=4, timeout_s=10)) == refill
+    finally:
+        small.stop()

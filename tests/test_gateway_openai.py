@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from orchestrator.types import GenerateRequest, GenerateResult
+from workers.gateway.capture import SamplingDefaults
 from workers.gateway.chat_template import ChatRenderer
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import GatewayServer
@@ -35,11 +36,19 @@ class FixedReplyEngine:
         self.full = [*reply_ids, eos_id]
         self.version = version
         self.requests: list[GenerateRequest] = []
+        self.abort = False  # answer finish_reason "abort" (as vLLM does when a request is aborted)
+        self.started = asyncio.Event()  # set when a request arrives
+        self.gate: asyncio.Event | None = None  # when set, each request waits for it
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         self.requests.append(req)
+        self.started.set()
+        if self.gate is not None:
+            await asyncio.wait_for(self.gate.wait(), TIMEOUT_S)
         out = self.full[: req.max_tokens]
         finish = "stop" if len(out) == len(self.full) else "length"
+        if self.abort:
+            out, finish = out[:1], "abort"
         return GenerateResult(
             output_ids=tuple(out), logprobs=(LOGPROB,) * len(out), finish_reason=finish, policy_version=self.version
         )
@@ -199,4 +208,120 @@ async def test_sampling_params_reach_the_engine(gateway, engine):
     explicit, defaults = engine.requests
     assert (explicit.temperature, explicit.top_p, explicit.seed) == (0.5, 0.8, 3)
     assert (defaults.temperature, defaults.top_p, defaults.seed) == (1.0, 1.0, None)  # gateway defaults
+    await gateway.close_session(SESSION)
+
+
+async def test_aborted_turn_is_503_and_not_recorded(gateway, engine):
+    token = await gateway.open_session(SESSION)
+    engine.abort = True
+    async with await _client(gateway, token) as client:
+        with pytest.raises(openai.InternalServerError) as err:
+            await client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}])
+    assert err.value.status_code == 503
+    assert (await gateway.close_session(SESSION)).num_turns == 0
+    m = gateway.metrics()
+    assert (m.turns_aborted, m.turns_served, m.server_errors) == (1, 0, 1)
+
+
+async def test_session_closed_while_turn_runs_is_401_and_counted(gateway, engine):
+    """The rollout worker closed the session while the agent's call was still generating."""
+    token = await gateway.open_session(SESSION)
+    engine.gate = asyncio.Event()
+    async with await _client(gateway, token) as client:
+        call = asyncio.create_task(
+            client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}])
+        )
+        await asyncio.wait_for(engine.started.wait(), TIMEOUT_S)
+        cap = await gateway.close_session(SESSION)
+        engine.gate.set()
+        with pytest.raises(openai.AuthenticationError, match="closed"):
+            await asyncio.wait_for(call, TIMEOUT_S)
+    assert cap.num_turns == 0
+    assert gateway.metrics().turns_unrecorded_closed == 1
+
+
+async def test_tools_are_rendered_into_the_prompt(gateway, renderer, engine):
+    token = await gateway.open_session(SESSION)
+    tool = {
+        "type": "function",
+        "function": {"name": "calculator", "description": "evaluate", "parameters": {"type": "object"}},
+    }
+    async with await _client(gateway, token) as client:
+        await client.chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": "1+2?"}], tools=[tool]
+        )
+    prompt_text = renderer.tokenizer.decode(engine.requests[0].prompt_ids)
+    assert "<tools>" in prompt_text and '"calculator"' in prompt_text
+    await gateway.close_session(SESSION)
+
+
+async def test_raw_http_errors_use_openai_shape_and_health_is_open(gateway):
+    import aiohttp
+
+    token = await gateway.open_session(SESSION)
+    root = gateway.base_url.removesuffix("/v1")
+    auth = {"Authorization": f"Bearer {token}"}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as http:
+        async with http.get(f"{root}/health") as r:
+            assert r.status == 200 and (await r.json())["open_sessions"] == 1
+        async with http.post(f"{gateway.base_url}/chat/completions", data=b"{not json", headers=auth) as r:
+            body = await r.json()
+            assert r.status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+        async with http.post(f"{gateway.base_url}/chat/completions", json={"model": MODEL_ID}, headers=auth) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "messages"
+        async with http.get(f"{gateway.base_url}/nope", headers=auth) as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+        async with http.get(f"{gateway.base_url}/models") as r:  # no key at all
+            assert r.status == 401
+    await gateway.close_session(SESSION)
+
+
+async def test_enforced_session_sampling_overrides_the_agent(gateway, engine):
+    """On-policy sampling: the rollout worker fixes temperature/top_p whatever the agent asks."""
+    sampling = SamplingDefaults(temperature=0.9, top_p=0.95, max_tokens=3, enforce=True)
+    token = await gateway.open_session(SESSION, sampling=sampling)
+    async with await _client(gateway, token) as client:
+        await client.chat.completions.create(
+            model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], temperature=0.1, top_p=0.5
+        )
+    req = engine.requests[0]
+    assert (req.temperature, req.top_p, req.max_tokens) == (0.9, 0.95, 3)  # max_tokens: session default
+    await gateway.close_session(SESSION)
+
+
+async def test_chat_template_kwargs_reach_the_template(gateway, model_dir, engine):
+    """vLLM's `chat_template_kwargs` extension (e.g. Qwen3's enable_thinking) is rendered; the
+    arguments the gateway owns cannot be overridden."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok.chat_template += "{%- if enable_thinking is defined and not enable_thinking %}{{- 'NOTHINK' }}{%- endif %}"
+    thinking_renderer = ChatRenderer(tok)
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = thinking_renderer.render(msgs)
+    no_think = thinking_renderer.render(msgs, template_kwargs={"enable_thinking": False})
+    assert tok.decode(no_think[len(plain) :]) == "NOTHINK"
+    token = await gateway.open_session(SESSION)
+    async with await _client(gateway, token) as client:
+        with pytest.raises(openai.BadRequestError, match="may not set"):
+            await client.chat.completions.create(
+                model=MODEL_ID, messages=msgs, extra_body={"chat_template_kwargs": {"tokenize": False}}
+            )
+        await client.chat.completions.create(
+            model=MODEL_ID, messages=msgs, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+        )
+    assert engine.requests[-1].prompt_ids == plain  # the tiny template ignores enable_thinking
+    await gateway.close_session(SESSION)
+
+
+async def test_single_token_stop_strings_become_stop_ids(gateway, renderer, engine):
+    token = await gateway.open_session(SESSION)
+    msgs = [{"role": "user", "content": "hi"}]
+    im_start = renderer.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    async with await _client(gateway, token) as client:
+        await client.chat.completions.create(model=MODEL_ID, messages=msgs, stop=["<|im_start|>"])
+        with pytest.raises(openai.BadRequestError, match="single-token"):
+            await client.chat.completions.create(model=MODEL_ID, messages=msgs, stop="The answer is 4")
+    assert engine.requests[0].stop_token_ids == (renderer.tokenizer.eos_token_id, im_start)
+    assert len(engine.requests) == 1
     await gateway.close_session(SESSION)

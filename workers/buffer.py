@@ -24,7 +24,8 @@ raise `BufferCorruptError` rather than yield a mixed sample.
 
 Callers: orchestrator main (start/stop), rollout workers (connect, put), the training loops
 (get_groups, group_counts, clear). Ray and TQ are imported inside functions, so importing this
-module (for `BufferConfig`, `BufferHandle`, the codec) needs neither.
+module (for `BufferConfig`, `BufferHandle`) needs neither; the pure layout code is in
+`workers.buffer_codec`.
 """
 
 from __future__ import annotations
@@ -35,23 +36,26 @@ import os
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from orchestrator.types import RolloutStatus, Sample, TrajectoryRow
+from orchestrator.types import Sample
+from workers.buffer_codec import (
+    FIELDS,
+    BufferCorruptError,
+    SampleInfo,
+    StoredRow,
+    complete_sessions,
+    decode_samples,
+    encode_sample,
+)
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
-FIELDS: tuple[str, ...] = ("token_ids", "loss_mask", "rollout_logprobs", "versions")
-EMPTY_ROW_INDEX = -1  # row_index tag of the placeholder row that stands for a sample without rows
 POLL_INTERVAL_S = 0.05  # get_groups re-lists the partition this often while waiting for samples
 _TQ_BACKEND = "SimpleStorage"  # TQ's in-memory ZMQ storage; needs nothing outside Ray
-
-
-class BufferCorruptError(RuntimeError):
-    """Rows in the buffer contradict each other (e.g. one session put twice with different rows)."""
 
 
 @dataclass(frozen=True)
@@ -92,172 +96,14 @@ class BufferHandle:
     controller_info: TQ `ZMQServerInfo` of the controller.
     storage_infos: unit name -> TQ `ZMQServerInfo` of each SimpleStorage unit.
     op_timeout_s: see `BufferConfig.op_timeout_s`.
+    actor_names: Ray names of the controller and units (`trajectory-buffer-<id>-...`), for
+        debugging and `ray.get_actor`; clients connect through the ZMQ infos, not these.
     """
 
     controller_info: Any
     storage_infos: dict[str, Any]
     op_timeout_s: float
-
-
-# ---------------------------------------------------------------- codec (pure, no torch/Ray)
-
-
-@dataclass(frozen=True)
-class StoredRow:
-    """One TQ row as the codec sees it: its key, its tags, and its four per-token columns."""
-
-    key: str
-    tags: dict[str, Any]
-    token_ids: tuple[int, ...]
-    loss_mask: tuple[int, ...]
-    rollout_logprobs: tuple[float, ...]
-    versions: tuple[int, ...]
-
-
-def sample_tags(sample: Sample) -> dict[str, Any]:
-    """The sample-level tags repeated on each of its TQ rows (see the module docstring)."""
-    vr = sample.version_range()
-    return {
-        "session_id": sample.session_id,
-        "group_id": sample.group_id,
-        "input_id": sample.input_id,
-        "sample_index": sample.sample_index,
-        "reward": sample.reward,
-        "status": sample.status,
-        "latency_s": sample.latency_s,
-        "error": sample.error,
-        "min_version": None if vr is None else vr[0],
-        "max_version": None if vr is None else vr[1],
-        "num_generated_tokens": sample.num_generated_tokens,
-        "num_rows": len(sample.rows),
-    }
-
-
-def encode_sample(sample: Sample) -> list[StoredRow]:
-    """Split a sample into its TQ rows: one per trajectory row, or one placeholder if it has none."""
-    base = sample_tags(sample)
-    if not sample.rows:
-        return [
-            StoredRow(
-                key=f"{sample.session_id}/empty",
-                tags={**base, "row_index": EMPTY_ROW_INDEX, "seq_len": 0},
-                token_ids=(),
-                loss_mask=(),
-                rollout_logprobs=(),
-                versions=(),
-            )
-        ]
-    return [
-        StoredRow(
-            key=f"{sample.session_id}/{i}",
-            tags={**base, "row_index": i, "seq_len": len(row.token_ids)},
-            token_ids=row.token_ids,
-            loss_mask=row.loss_mask,
-            rollout_logprobs=row.rollout_logprobs,
-            versions=row.versions,
-        )
-        for i, row in enumerate(sample.rows)
-    ]
-
-
-@dataclass(frozen=True)
-class SampleInfo:
-    """A stored sample's tags, readable without fetching its tokens (see `TrajectoryBuffer.sample_infos`).
-
-    min_version / max_version: policy versions over generated tokens; None when nothing was generated.
-    """
-
-    session_id: str
-    group_id: int
-    input_id: str
-    sample_index: int
-    status: RolloutStatus
-    reward: float | None
-    num_rows: int
-    num_generated_tokens: int
-    min_version: int | None
-    max_version: int | None
-
-    @classmethod
-    def from_tags(cls, tags: dict[str, Any]) -> SampleInfo:
-        return cls(**{f: tags[f] for f in cls.__dataclass_fields__})
-
-
-def complete_sessions(listing: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
-    """Session id -> keys of its TQ rows, for the sessions whose rows are all tagged.
-
-    listing: key -> tags, as TQ's kv_list returns for one partition. Keys without tags (created
-    by a put still in flight) and sessions missing a row are left out.
-    Raises BufferCorruptError when a session carries a row index outside 0..num_rows-1.
-    """
-    by_session: dict[str, list[tuple[int, str, int]]] = defaultdict(list)
-    for key, tags in listing.items():
-        if not tags or "session_id" not in tags:
-            continue
-        by_session[tags["session_id"]].append((tags["row_index"], key, tags["num_rows"]))
-    out: dict[str, list[str]] = {}
-    for sid, rows in by_session.items():
-        rows.sort()
-        num_rows = {n for _, _, n in rows}
-        if len(num_rows) != 1:
-            raise BufferCorruptError(f"session {sid} rows disagree on num_rows: {sorted(num_rows)}")
-        n = num_rows.pop()
-        indexes = [i for i, _, _ in rows]
-        expected = [EMPTY_ROW_INDEX] if n == 0 else list(range(n))
-        if any(i not in expected for i in indexes):
-            raise BufferCorruptError(f"session {sid} has row indexes {indexes}, expected a subset of {expected}")
-        if indexes == expected:
-            out[sid] = [k for _, k, _ in rows]
-    return out
-
-
-def decode_samples(rows: Iterable[StoredRow]) -> list[Sample]:
-    """Rebuild Samples from their TQ rows (any order), sorted by (group_id, sample_index, session_id).
-
-    Raises BufferCorruptError when a session's rows are incomplete or their tags disagree.
-    """
-    by_session: dict[str, list[StoredRow]] = defaultdict(list)
-    for r in rows:
-        by_session[r.tags["session_id"]].append(r)
-    samples = []
-    for sid, srows in by_session.items():
-        srows.sort(key=lambda r: r.tags["row_index"])
-        t = srows[0].tags
-        base = {k: v for k, v in t.items() if k not in ("row_index", "seq_len")}
-        for r in srows[1:]:
-            other = {k: v for k, v in r.tags.items() if k not in ("row_index", "seq_len")}
-            if other != base:
-                raise BufferCorruptError(f"session {sid} rows disagree on their sample tags: {base} vs {other}")
-        if t["num_rows"] == 0:
-            traj: tuple[TrajectoryRow, ...] = ()
-        else:
-            if [r.tags["row_index"] for r in srows] != list(range(t["num_rows"])):
-                raise BufferCorruptError(f"session {sid} is missing rows of its {t['num_rows']}")
-            traj = tuple(
-                TrajectoryRow(
-                    token_ids=r.token_ids,
-                    loss_mask=r.loss_mask,
-                    rollout_logprobs=r.rollout_logprobs,
-                    versions=r.versions,
-                )
-                for r in srows
-            )
-        status: RolloutStatus = t["status"]
-        samples.append(
-            Sample(
-                session_id=sid,
-                group_id=t["group_id"],
-                input_id=t["input_id"],
-                sample_index=t["sample_index"],
-                rows=traj,
-                reward=t["reward"],
-                status=status,
-                latency_s=t["latency_s"],
-                error=t["error"],
-            )
-        )
-    samples.sort(key=lambda s: (s.group_id, s.sample_index, s.session_id))
-    return samples
+    actor_names: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------- TQ-backed buffer
@@ -302,7 +148,9 @@ class TrajectoryBuffer:
         cfg = config or BufferConfig()
         if not ray.is_initialized():
             raise RuntimeError("TrajectoryBuffer.start needs a Ray cluster: call ray.init first")
-        controller = TransferQueueController.options(num_cpus=cfg.actor_num_cpus).remote(
+        prefix = f"trajectory-buffer-{uuid.uuid4().hex[:8]}"
+        names = (f"{prefix}-controller", *(f"{prefix}-storage-{i}" for i in range(cfg.num_storage_units)))
+        controller = TransferQueueController.options(name=names[0], num_cpus=cfg.actor_num_cpus).remote(
             sampler=SequentialSampler, polling_mode=True
         )
         owned = _Owned(controller=controller, start_timeout_s=cfg.start_timeout_s)
@@ -313,8 +161,8 @@ class TrajectoryBuffer:
                 "_run_id": uuid.uuid4().hex,
             }
             owned.storage_units = [
-                SimpleStorageUnit.options(num_cpus=cfg.actor_num_cpus).remote(config=unit_cfg)
-                for _ in range(cfg.num_storage_units)
+                SimpleStorageUnit.options(name=name, num_cpus=cfg.actor_num_cpus).remote(config=unit_cfg)
+                for name in names[1:]
             ]
             controller_info = ray.get(controller.get_zmq_server_info.remote(), timeout=cfg.start_timeout_s)
             infos = ray.get([u.get_zmq_server_info.remote() for u in owned.storage_units], timeout=cfg.start_timeout_s)
@@ -322,6 +170,7 @@ class TrajectoryBuffer:
                 controller_info=controller_info,
                 storage_infos={f"unit-{i}": info for i, info in enumerate(infos)},
                 op_timeout_s=cfg.op_timeout_s,
+                actor_names=names,
             )
             return cls(handle, _make_client(handle), owned)
         except BaseException:
@@ -356,6 +205,8 @@ class TrajectoryBuffer:
     async def put(self, samples: Sequence[Sample], partition: str) -> None:
         """Store `samples` in `partition` (created on first use), all in one TQ write.
 
+        A failed put (e.g. TQ's RuntimeError "Storage capacity exceeded" past
+        `BufferConfig.capacity_rows`) raises and leaves none of its rows in the partition.
         A session id already in the partition is overwritten row by row; if the new sample has
         fewer rows, the next read of that session raises BufferCorruptError.
         """
@@ -388,7 +239,11 @@ class TrajectoryBuffer:
             if meta.size != len(keys):
                 raise RuntimeError(f"TQ registered {meta.size} of {len(keys)} keys in partition {partition!r}")
             meta.update_custom_meta([r.tags for r in rows])
-            await client.async_put(data, meta)  # stores data, then sends the tags to the controller
+            try:
+                await client.async_put(data, meta)  # stores data, then sends the tags to the controller
+            except Exception:
+                await client.async_clear_samples(meta)  # leave no half-registered keys behind
+                raise
 
         await self._bounded(write(), f"put of {len(samples)} samples to {partition!r}")
 
@@ -398,6 +253,10 @@ class TrajectoryBuffer:
         listing = await self._list(partition)
         infos = [SampleInfo.from_tags(listing[keys[0]]) for keys in complete_sessions(listing).values()]
         return sorted(infos, key=lambda i: (i.group_id, i.sample_index, i.session_id))
+
+    async def row_count(self, partition: str) -> int:
+        """TQ rows (keys) in `partition`, including those of puts still in flight: its occupancy."""
+        return len(await self._list(partition))
 
     async def group_counts(self, partition: str) -> dict[int, int]:
         """group_id -> number of complete samples stored in `partition` (empty if it does not exist)."""

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import json
 import logging
 import os
 import shlex
@@ -156,9 +155,12 @@ class SessionTable:
         self._dead: set[int] = set()
         self.created = self.stopped = self.expired = self.peak_open = self.throttled = self.invocations = 0
 
-    def mark_dead(self, agent: int) -> None:
-        """Agent `agent` exited: route no new sessions to it."""
+    def mark_dead(self, agent: int) -> bool:
+        """Agent `agent` exited: route no new sessions to it. True the first time it is marked."""
+        if agent in self._dead:
+            return False
         self._dead.add(agent)
+        return True
 
     def route(self, session_id: str, now_s: float) -> tuple[int, bool]:
         """Agent index for `session_id` and whether the session was created by this call.
@@ -396,8 +398,8 @@ def create_app(cfg: EmulatorConfig, table: SessionTable, agents: list[AgentProce
         if isinstance(sid, web.Response):
             return sid
         for a in agents:
-            if not a.alive():
-                table.mark_dead(a.index)
+            if not a.alive() and table.mark_dead(a.index):
+                logger.warning("agent %d (pid %d) exited with %s", a.index, a.proc.pid, a.proc.returncode)
         try:
             index, _created = table.route(sid, time.monotonic())
         except SessionRefused as e:
@@ -435,12 +437,11 @@ def create_app(cfg: EmulatorConfig, table: SessionTable, agents: list[AgentProce
     async def stop_session(request: web.Request) -> web.Response:
         if (err := check_target(request)) is not None:
             return err
-        sid = request.headers.get(SESSION_HEADER)
-        if sid is None:
+        if SESSION_HEADER not in request.headers:
             return _validation_error("runtimeSessionId", "runtimeSessionId is required")
-        sid_or_err = session_id_of(request)
-        if isinstance(sid_or_err, web.Response):
-            return sid_or_err
+        sid = session_id_of(request)
+        if isinstance(sid, web.Response):
+            return sid
         if not table.stop(sid, time.monotonic()):
             return acr_error("ResourceNotFoundException", f"session {sid} not found", 404)
         return web.json_response({}, headers={SESSION_HEADER: sid})

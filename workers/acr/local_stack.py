@@ -84,6 +84,7 @@ class LocalStack:
         self.s3_endpoint: str | None = None
         self.acr_endpoint: str | None = None
         self._procs: list[tuple[str, subprocess.Popen, Path]] = []
+        self._history: dict[str, int] = {}
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -168,6 +169,10 @@ class LocalStack:
         """PID of each server process this stack started and still holds."""
         return {name: proc.pid for name, proc, _ in self._procs}
 
+    def started_pids(self) -> dict[str, int]:
+        """PID of every server process this stack ever started, stopped ones included."""
+        return dict(self._history)
+
     def stats(self) -> EmulatorStats:
         """The emulator's counters (sessions open/created, peak, throttled, agent PIDs)."""
         if self.acr_endpoint is None:
@@ -185,6 +190,7 @@ class LocalStack:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         self._procs.append((name, proc, log_path))
+        self._history[name] = proc.pid
 
     def _wait_http(self, name: str, url: str) -> None:
         _, proc, log_path = next(p for p in self._procs if p[0] == name)

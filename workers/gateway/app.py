@@ -176,7 +176,7 @@ def create_app(
         except ValueError as e:
             raise bad_request(f"request body is not valid JSON: {e}") from e
         req = ChatRequest.parse(body)
-        prompt_ids = renderer.render(req.messages, req.tools)
+        prompt_ids = renderer.render(req.messages, req.tools, req.chat_template_kwargs)
         stop_ids = renderer.stop_ids_for(req.stop)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         gen = _generate_request(req, session, prompt_ids, stop_ids, completion_id)

@@ -46,11 +46,21 @@ class ChatRenderer:
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         return cls(tokenizer, extra_stop_token_ids=extra_stop_token_ids)
 
-    def render(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> tuple[int, ...]:
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[int, ...]:
         """[prompt_len] ids of the templated conversation plus the assistant generation prompt.
 
+        template_kwargs: extra variables for the template (e.g. enable_thinking for Qwen3).
         Raises TemplateError when the template rejects the conversation.
         """
+        reserved = {"add_generation_prompt", "tokenize", "return_dict", "tools", "conversation"}
+        extra = dict(template_kwargs or {})
+        if reserved & extra.keys():
+            raise TemplateError(f"chat_template_kwargs may not set {sorted(reserved & extra.keys())}")
         try:
             out = self.tokenizer.apply_chat_template(
                 list(messages),
@@ -58,6 +68,7 @@ class ChatRenderer:
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=False,
+                **extra,
             )
         except Exception as e:  # jinja TemplateError, TypeError from odd content, ...
             raise TemplateError(f"chat template rejected the messages: {e}") from e

@@ -7,7 +7,8 @@ a typed request or raises `ApiError` naming the bad parameter; `chat_completion_
 
 Supported in v1: messages (text content, or lists of text parts), model, max_tokens /
 max_completion_tokens, temperature, top_p, seed, stop, tools (rendered into the prompt, not parsed
-back), n == 1, stream == false. Other fields are accepted and ignored.
+back), chat_template_kwargs (vLLM's extension, e.g. `{"enable_thinking": false}`), n == 1,
+stream == false. Other fields are accepted and ignored.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ class ChatRequest:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     tools: tuple[dict[str, Any], ...] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @staticmethod
     def parse(body: Any) -> ChatRequest:
@@ -144,6 +146,9 @@ class ChatRequest:
         tools = body.get("tools")
         if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
             raise bad_request("'tools' must be a list of objects", param="tools")
+        template_kwargs = body.get("chat_template_kwargs")
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise bad_request("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
         return ChatRequest(
             messages=messages,
             model=model,
@@ -153,6 +158,7 @@ class ChatRequest:
             seed=seed,
             stop=stops,
             tools=tuple(tools) if tools else None,
+            chat_template_kwargs=dict(template_kwargs) if template_kwargs else None,
         )
 
 

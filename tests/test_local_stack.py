@@ -1,0 +1,251 @@
+"""LocalStack end to end: moto S3 + ACR emulator + the letters agent + a real fake model server.
+
+The model endpoint is a small real OpenAI-compatible aiohttp app on 127.0.0.1 (its own thread
+and event loop) that answers a fixed completion; the agent reaches it with the official openai
+SDK. Results travel the production path: agent -> S3 (moto) -> AcrClient.wait_for_result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+from aiohttp import web
+
+from workers.acr.client import AcrClient, AsyncAcrClient
+from workers.acr.emulator import free_port
+from workers.acr.local_stack import LocalStack, LocalStackError
+
+REPO = Path(__file__).resolve().parents[1]
+LETTERS_AGENT = [sys.executable, str(REPO / "examples/agents/letters_agent/app.py")]
+ECHO_AGENT = [sys.executable, str(Path(__file__).with_name("acr_echo_agent.py"))]
+COMPLETION = "q q q q"
+HOLD_PROMPT = "hold"  # the fake model waits for release() before answering this prompt
+ERROR_PROMPT = "error"  # the fake model answers HTTP 500 to this prompt
+
+
+class FakeOpenAIServer:
+    """OpenAI Chat Completions on 127.0.0.1, in a thread with its own loop; records requests."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.requests: list[dict] = []
+        self._release = threading.Event()
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def release(self) -> None:
+        self._release.set()
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append({"auth": request.headers.get("Authorization"), **body})
+        prompt = body["messages"][-1]["content"]
+        if prompt == ERROR_PROMPT:
+            return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
+        if prompt == HOLD_PROMPT:
+            await asyncio.get_running_loop().run_in_executor(None, self._release.wait, 60)
+        return web.json_response(
+            {
+                "id": f"chatcmpl-{uuid.uuid4().hex}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": body["model"],
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": COMPLETION}, "finish_reason": "stop"}
+                ],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9},
+            }
+        )
+
+    def _run(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        runner = web.AppRunner(app, access_log=None)
+        self._loop.run_until_complete(runner.setup())
+        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self._runner = runner
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(runner.cleanup())
+        self._loop.close()
+
+    def start(self) -> "FakeOpenAIServer":
+        self._thread.start()
+        assert self._ready.wait(10), "fake OpenAI server did not start"
+        return self
+
+    def stop(self) -> None:
+        self._release.set()
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def fake_model():
+    server = FakeOpenAIServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def letters_stack(tmp_path_factory):
+    with LocalStack(LETTERS_AGENT, num_agents=2, log_dir=tmp_path_factory.mktemp("letters")) as stack:
+        yield stack
+
+
+@pytest.fixture()
+def letters_env(letters_stack, monkeypatch):
+    for k, v in letters_stack.env.items():
+        monkeypatch.setenv(k, v)
+    return letters_stack
+
+
+def payload(stack: LocalStack, model: FakeOpenAIServer, *, prompt: str, count: int, input_id: str) -> dict:
+    row = {"prompt": prompt, "letter": "q", "count": count, "max_tokens": 16}
+    rollout = {
+        "exp_id": "exp-test",
+        "input_id": input_id,
+        "s3_bucket": stack.bucket,
+        "base_url": model.base_url,
+        "model_id": "tiny-model",
+        "api_key": "session-token-123",
+        "temperature": 0.7,
+    }
+    return {**row, "_rollout": rollout}
+
+
+def agent_ping(port: int) -> str:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=5) as r:
+        return json.loads(r.read())["status"]
+
+
+def wait_until(pred, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+def test_agent_writes_its_reward_to_s3_and_wait_for_result_finds_it(letters_env, fake_model):
+    c = AcrClient()
+    arn = letters_env.agent_runtime_arn
+    sid = f"rollout-{uuid.uuid4()}"
+    # count 8, answer "q q q q": 4 right of max(8, 4) -> reward 0.5 (reward.py formula)
+    ack = c.invoke(arn, sid, payload(letters_env, fake_model, prompt="Repeat the letter q 8 times.", count=8, input_id="row-1"))
+    key = f"exp-test/row-1/{sid}.json"
+    assert ack == {"status": "processing", "s3_bucket": letters_env.bucket, "result_key": key}
+    result = c.wait_for_result(letters_env.bucket, key, timeout_s=30)
+    assert result == {"rewards": 0.5}
+    req = next(r for r in fake_model.requests if r["messages"][0]["content"] == "Repeat the letter q 8 times.")
+    assert req["auth"] == "Bearer session-token-123"
+    assert (req["model"], req["temperature"], req["max_tokens"]) == ("tiny-model", 0.7, 16)
+    assert c.stop_session(arn, sid)
+
+
+def test_ping_is_healthy_busy_while_a_rollout_runs(letters_env, fake_model):
+    c = AcrClient()
+    arn = letters_env.agent_runtime_arn
+    sid = f"rollout-{uuid.uuid4()}"
+    c.invoke(arn, sid, payload(letters_env, fake_model, prompt=HOLD_PROMPT, count=4, input_id="row-hold"))
+    stats = letters_env.stats()
+    port = stats.agent_ports[stats.open_per_agent.index(1)] if 1 in stats.open_per_agent else None
+    assert port is not None
+    assert agent_ping(port) == "HealthyBusy"  # registered before the invocation answered
+    assert c.wait_for_result(letters_env.bucket, f"exp-test/row-hold/{sid}.json", timeout_s=0.3) is None
+    fake_model.release()
+    assert c.wait_for_result(letters_env.bucket, f"exp-test/row-hold/{sid}.json", timeout_s=30) == {"rewards": 1.0}
+    assert wait_until(lambda: agent_ping(port) == "Healthy", 10)
+    assert c.stop_session(arn, sid)
+
+
+def test_model_error_writes_no_result(letters_env, fake_model):
+    c = AcrClient()
+    arn = letters_env.agent_runtime_arn
+    sid = f"rollout-{uuid.uuid4()}"
+    c.invoke(arn, sid, payload(letters_env, fake_model, prompt=ERROR_PROMPT, count=4, input_id="row-err"))
+    port = letters_env.stats().agent_ports[letters_env.stats().open_per_agent.index(1)]
+    assert wait_until(lambda: any(r["messages"][0]["content"] == ERROR_PROMPT for r in fake_model.requests), 10)
+    assert wait_until(lambda: agent_ping(port) == "Healthy", 10)  # the rollout has ended
+    assert c.wait_for_result(letters_env.bucket, f"exp-test/row-err/{sid}.json", timeout_s=0.5) is None
+    assert c.stop_session(arn, sid)
+
+
+async def test_async_client_runs_the_same_flow(letters_env, fake_model):
+    async with AsyncAcrClient() as c:
+        arn = letters_env.agent_runtime_arn
+        sid = f"rollout-{uuid.uuid4()}"
+        ack = await c.invoke(arn, sid, payload(letters_env, fake_model, prompt="Repeat.", count=4, input_id="row-a"))
+        assert await c.wait_for_result(letters_env.bucket, ack["result_key"], timeout_s=30) == {"rewards": 1.0}
+        assert await c.wait_for_result(letters_env.bucket, "exp-test/none/x.json", timeout_s=0.2) is None
+        assert await c.stop_session(arn, sid) is True
+        assert await c.stop_session(arn, sid) is False
+        assert c.stats().invocations == 1 and c.stats().stops == 1
+    assert letters_env.stats().sessions_open == 0
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_stop_leaves_no_process_alive(letters_stack):
+    pids = list(letters_stack.pids().values()) + list(letters_stack.stats().agent_pids)
+    assert len(pids) == 4 and not any(_gone(p) for p in pids)
+    letters_stack.stop()
+    letters_stack.stop()  # idempotent
+    assert letters_stack.pids() == {}
+    assert wait_until(lambda: all(_gone(p) for p in pids), 10), [p for p in pids if not _gone(p)]
+
+
+def test_failed_startup_stops_what_it_started(tmp_path):
+    bad_agent = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    stack = LocalStack(bad_agent, num_agents=1, startup_timeout_s=30, log_dir=tmp_path)
+    with pytest.raises(LocalStackError, match="emulator exited"):
+        stack.start()
+    assert stack.pids() == {}
+    assert "exited with 3" in (tmp_path / "emulator.log").read_text()
+    started = stack.started_pids()
+    assert set(started) == {"moto", "emulator"}
+    assert all(_gone(p) for p in started.values())  # moto was healthy, then stopped by PID
+
+
+def test_agents_die_with_a_killed_emulator(tmp_path):
+    with LocalStack(ECHO_AGENT, num_agents=1, log_dir=tmp_path) as stack:
+        agent_pids = stack.stats().agent_pids
+        os.kill(stack.pids()["emulator"], signal.SIGKILL)  # no chance to clean up
+        assert wait_until(lambda: all(_gone(p) for p in agent_pids), 15)  # PR_SET_PDEATHSIG
+
+
+def test_agentcore_rl_toolkit_agent_runs_unchanged(tmp_path, monkeypatch):
+    toolkit_agent = [sys.executable, str(Path(__file__).with_name("acr_toolkit_agent.py"))]
+    with LocalStack(toolkit_agent, num_agents=1, log_dir=tmp_path) as stack:
+        for k, v in stack.env.items():
+            monkeypatch.setenv(k, v)
+        c = AcrClient()
+        sid = f"rollout-{uuid.uuid4()}"
+        rollout = {"exp_id": "exp-tk", "input_id": "row-7", "s3_bucket": stack.bucket}
+        ack = c.invoke(stack.agent_runtime_arn, sid, {"answer": "yes", "_rollout": rollout})
+        assert ack["result_key"] == f"exp-tk/row-7/{sid}.json"  # the toolkit read ACR's session header
+        result = c.wait_for_result(stack.bucket, ack["result_key"], timeout_s=30)
+        assert result is not None and result["rewards"] == 1.0 and result["status_code"] == 200
+        assert c.stop_session(stack.agent_runtime_arn, sid)

@@ -1,0 +1,134 @@
+"""The sync loop we ship, driven with simulated parts at its seams (no models, no Ray)."""
+
+import math
+
+import pytest
+
+from orchestrator.batching import RolloutLedger
+from orchestrator.loop_sync import SyncLoopParts, SyncLoopSettings, run_sync
+from orchestrator.parts import PromptCycle, build_train_batch
+from orchestrator.types import Sample, TrajectoryRow
+
+
+class MemoryStore:
+    def __init__(self):
+        self.partitions: dict[str, list[Sample]] = {}
+        self.cleared: list[str] = []
+
+    async def put(self, samples, partition):
+        self.partitions.setdefault(partition, []).extend(samples)
+
+    async def get_groups(self, partition, group_ids):
+        return [s for s in self.partitions.get(partition, []) if s.group_id in group_ids]
+
+    async def clear(self, partition):
+        self.partitions.pop(partition, None)
+        self.cleared.append(partition)
+
+
+class SimRollouts:
+    """Each rollout: reward = index-dependent; every 5th rollout fails (no reward, tokens captured)."""
+
+    def __init__(self, store, versions):
+        self.store, self.versions, self.count = store, versions, 0
+
+    async def run_all(self, reqs, partition):
+        out = []
+        for r in reqs:
+            self.count += 1
+            v = self.versions[-1]
+            row = TrajectoryRow((1, 2, 3, 4), (0, 0, 1, 1), (0.0, 0.0, -0.3, -0.2), (-1, -1, v, v))
+            failed = self.count % 5 == 0
+            s = Sample(f"sess-{r.group_id}-{r.sample_index}", r.group_id, r.input_id, r.sample_index, (row,),
+                       None if failed else float(r.sample_index % 2), "failed" if failed else "completed", 0.01)
+            out.append(s)
+        await self.store.put(out, partition)
+        return out
+
+
+class RecordingTrainer:
+    def __init__(self):
+        self.updates = []
+
+    async def update(self, groups):
+        assert all(s.status == "completed" for g in groups for s in g.samples)
+        self.updates.append(groups)
+        batch = build_train_batch(groups, pad_id=0, norm_adv_by_std=True)
+        return {"num_tokens": float(batch.num_loss_tokens), "rollout_corr/is_mean": 1.0}
+
+    async def export_weights(self, version):
+        return f"/weights/v{version}"
+
+
+class RecordingPush:
+    def __init__(self):
+        self.versions = [0]
+
+    async def push(self, path, version):
+        assert path == f"/weights/v{version}"
+        self.versions.append(version)
+
+
+class ListLogger:
+    def __init__(self):
+        self.steps = []
+
+    def log(self, step, metrics):
+        self.steps.append((step, metrics))
+
+
+@pytest.mark.parametrize("sync_every", [1, 2, 4])
+async def test_sync_loop_closes_every_rollout_and_bumps_version_once_per_step(sync_every):
+    store, push, trainer, logger = MemoryStore(), RecordingPush(), RecordingTrainer(), ListLogger()
+    rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(10)]
+    parts = SyncLoopParts(prompts=PromptCycle(rows, seed=0), rollouts=SimRollouts(store, push.versions),
+                          store=store, trainer=trainer, weights=push, logger=logger, ledger=RolloutLedger())
+    report = await run_sync(parts, SyncLoopSettings(total_steps=3, batch_size=4, n=4, sync_every=sync_every,
+                                                    filter_zero_variance=True))
+    c = report.counts
+    assert c["rollout/dispatched"] == 3 * 4 * 4
+    assert c["rollout/dispatched"] == c["rollout/completed"] + c["rollout/failed"] + c["rollout/filtered"]
+    assert c["rollout/failed"] == 48 // 5  # every 5th rollout failed
+    assert push.versions == [0, 1, 2, 3] and report.policy_version == 3
+    assert len(trainer.updates) == 3 * sync_every  # sync_every mini-batches per step
+    assert store.cleared == ["step-1", "step-2", "step-3"] and not store.partitions
+    assert [s for s, _ in logger.steps] == [1, 2, 3]
+    m = logger.steps[-1][1]
+    for key in ("reward/mean", "perf/throughput", "timing_s/gen", "timing_s/update_actor",
+                "timing_s/update_weights", "rollout/completed", "rollout/failed", "rollout_corr/is_mean"):
+        assert key in m and not math.isnan(m[key]), key
+
+
+async def test_sync_loop_raises_when_buffer_loses_a_sample():
+    class LossyStore(MemoryStore):
+        async def get_groups(self, partition, group_ids):
+            return (await super().get_groups(partition, group_ids))[1:]
+
+    store, push = LossyStore(), RecordingPush()
+    parts = SyncLoopParts(prompts=PromptCycle([{"input_id": "p", "prompt": "x"}], seed=0),
+                          rollouts=SimRollouts(store, push.versions), store=store, trainer=RecordingTrainer(),
+                          weights=push, logger=ListLogger())
+    with pytest.raises(RuntimeError, match="buffer returned 3 samples for 4 rollouts"):
+        await run_sync(parts, SyncLoopSettings(total_steps=1, batch_size=1, n=4, sync_every=1,
+                                               filter_zero_variance=True))
+
+
+def test_prompt_cycle_is_seeded_and_covers_each_epoch():
+    rows = [{"input_id": str(i)} for i in range(7)]
+    a, b = PromptCycle(rows, seed=3), PromptCycle(rows, seed=3)
+    first = a.next_rows(7)
+    assert sorted(r["input_id"] for r in first) == sorted(r["input_id"] for r in rows)
+    assert [r["input_id"] for r in b.next_rows(7)] == [r["input_id"] for r in first]
+
+
+def test_train_batch_gives_each_row_its_sample_advantage():
+    from orchestrator.batching import assemble
+
+    row = TrajectoryRow((1, 2, 3), (0, 1, 1), (0.0, -1.0, -1.0), (-1, 0, 0))
+    samples = [Sample(f"s{i}", 0, "in", i, (row, row) if i == 0 else (row,), float(i), "completed", 0.0)
+               for i in range(2)]
+    [group] = assemble(samples, filter_zero_variance=True).trainable
+    batch = build_train_batch((group,), pad_id=0, norm_adv_by_std=False)
+    # rewards 0 and 1: advantages -0.5, +0.5; sample 0 has two rows
+    assert batch.batch_size == 3
+    assert batch.advantages[:, 1].tolist() == [-0.5, -0.5, 0.5]

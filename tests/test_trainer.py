@@ -1,0 +1,202 @@
+"""TrainerWorker in-process (no Ray): FSDP2 over a tiny random Qwen2 on gloo, world size 1."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from orchestrator.algorithms.batch import TrainBatch
+from orchestrator.types import TrajectoryRow
+from workers.trainer import TrainerSettings, TrainerWorker
+
+VOCAB = 128
+
+
+def tiny_qwen2(path: str, *, tie: bool = False, seed: int = 0) -> str:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tie,
+    )
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def trainer_tiny_model(tmp_path_factory) -> str:
+    return tiny_qwen2(str(tmp_path_factory.mktemp("tiny_qwen2")))
+
+
+@pytest.fixture
+def make_trainer():
+    """Builds TrainerWorkers and closes them (and their gloo process group) after the test."""
+    made: list[TrainerWorker] = []
+
+    def build(model_path: str, **overrides) -> TrainerWorker:
+        kw = {"lr": 1e-3, "weight_decay": 0.0, "micro_batch_size": 2, "seed": 0} | overrides
+        worker = TrainerWorker(TrainerSettings(model_path=model_path, **kw))
+        made.append(worker)
+        return worker
+
+    yield build
+    for w in made:
+        w.close()
+
+
+def row(prompt: list[int], generated: list[int]) -> TrajectoryRow:
+    return TrajectoryRow(
+        token_ids=tuple(prompt + generated),
+        loss_mask=(0,) * len(prompt) + (1,) * len(generated),
+        rollout_logprobs=(0.0,) * (len(prompt) + len(generated)),
+        versions=(-1,) * len(prompt) + (0,) * len(generated),
+    )
+
+
+def with_rollout_logprobs(batch: TrainBatch, logprobs: torch.Tensor) -> TrainBatch:
+    return TrainBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, logprobs * batch.loss_mask,
+                      batch.advantages)
+
+
+def ragged_batch() -> TrainBatch:
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(5):  # prompt 2..4 tokens, 3..9 generated: right padding in every row but one
+        ids = torch.randint(1, VOCAB, (2 + i % 3 + 3 + 2 * i,), generator=gen).tolist()
+        rows.append(row(ids[: 2 + i % 3], ids[2 + i % 3:]))
+    return TrainBatch.from_rows(rows, advantages=[1.0, -1.0, 0.5, -0.5, 2.0], pad_id=0)
+
+
+def test_compute_logprobs_matches_plain_hf_forward(trainer_tiny_model, make_trainer):
+    """FSDP2 wrapping, micro-batching and right padding do not change the numbers."""
+    batch = ragged_batch()
+    trainer = make_trainer(trainer_tiny_model, micro_batch_size=2)
+    ours = trainer.compute_logprobs(batch)
+
+    ref = AutoModelForCausalLM.from_pretrained(trainer_tiny_model, dtype=torch.float32).eval()
+    for b in range(batch.batch_size):
+        n = int(batch.attention_mask[b].sum())
+        ids = batch.input_ids[b : b + 1, :n]
+        with torch.no_grad():
+            logits = ref(input_ids=ids).logits[0]  # one unpadded sequence
+        want = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        torch.testing.assert_close(ours[b, 1:n], want, atol=1e-5, rtol=0)
+        assert ours[b, 0] == 0.0 and bool((ours[b, n:] == 0).all())
+
+
+def test_update_raises_logprob_of_favoured_tokens(trainer_tiny_model, make_trainer):
+    """Rows with positive advantage gain log-prob after one step; negative rows lose it."""
+    gen = torch.Generator().manual_seed(1)
+    prompt = [3, 4, 5]
+    good = [torch.randint(1, VOCAB, (6,), generator=gen).tolist() for _ in range(3)]
+    bad = [torch.randint(1, VOCAB, (6,), generator=gen).tolist() for _ in range(3)]
+    batch = TrainBatch.from_rows([row(prompt, g) for g in good + bad], [1.0] * 3 + [-1.0] * 3, pad_id=0)
+    trainer = make_trainer(trainer_tiny_model, lr=1e-3, micro_batch_size=4)
+    before = trainer.compute_logprobs(batch)
+    batch = with_rollout_logprobs(batch, before)  # on-policy rollout: π_rollout == π_old
+
+    metrics = trainer.update(batch)
+    after = trainer.compute_logprobs(batch)
+
+    mask = batch.loss_mask
+    gain = ((after - before) * mask).sum(-1) / mask.sum(-1)
+    assert bool((gain[:3] > 0).all()), gain
+    assert bool((gain[3:] < 0).all()), gain
+    # on-policy first step: ratio 1 everywhere, IS weights 1, nothing clipped
+    assert metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["actor/pg_clipfrac"] == 0.0
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["rollout_corr/kl"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics["actor/num_tokens"] == 36.0
+    assert metrics["actor/pg_loss"] == pytest.approx(0.0, abs=1e-6)  # -mean(A) with balanced ±1 advantages
+    assert math.isfinite(metrics["actor/grad_norm"]) and metrics["actor/grad_norm"] > 0
+    assert metrics["actor/step_skipped"] == 0.0 and metrics["actor/entropy"] > 0
+    assert trainer.num_updates == 1
+
+
+def test_update_is_independent_of_micro_batch_size(trainer_tiny_model, make_trainer):
+    """Token-mean over the whole mini-batch: 1-row and 5-row micro-batches give the same step."""
+    batch = ragged_batch()
+    results = []
+    for mbs in (1, 5):
+        trainer = make_trainer(trainer_tiny_model, micro_batch_size=mbs)
+        stale = with_rollout_logprobs(batch, trainer.compute_logprobs(batch) - 0.3)  # IS weights e^0.3
+        metrics = trainer.update(stale)
+        results.append((metrics, trainer.full_state_dict()))
+        trainer.close()
+    (m1, sd1), (m5, sd5) = results
+    assert m1["actor/pg_loss"] == pytest.approx(m5["actor/pg_loss"], abs=1e-6)
+    assert m1["actor/grad_norm"] == pytest.approx(m5["actor/grad_norm"], rel=1e-5)
+    assert m1["rollout_corr/rollout_is_mean"] == pytest.approx(math.exp(0.3), rel=1e-5)
+    for name in sd1:
+        torch.testing.assert_close(sd1[name], sd5[name], atol=1e-6, rtol=0)
+
+
+def test_tis_caps_weights_when_rollout_policy_is_far(trainer_tiny_model, make_trainer):
+    batch = ragged_batch()
+    trainer = make_trainer(trainer_tiny_model)
+    far = with_rollout_logprobs(batch, trainer.compute_logprobs(batch) - 2.0)  # raw weights e^2 ≈ 7.4
+    metrics = trainer.update(far)
+    assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(2.0)
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == 1.0
+    assert metrics["rollout_corr/kl"] == pytest.approx(-2.0, abs=1e-5)
+
+
+def test_export_weights_round_trips_into_fresh_hf_model(trainer_tiny_model, make_trainer, tmp_path):
+    batch = ragged_batch()
+    trainer = make_trainer(trainer_tiny_model)
+    trainer.update(with_rollout_logprobs(batch, trainer.compute_logprobs(batch)))  # weights differ from disk
+    expected = trainer.compute_logprobs(batch)
+
+    path = trainer.export_weights(str(tmp_path / "out" / "model.safetensors"))
+    assert os.listdir(tmp_path / "out") == ["model.safetensors"]  # no temp file left
+    sd = load_file(path)
+    fresh = Qwen2ForCausalLM(Qwen2Config.from_pretrained(trainer_tiny_model))
+    assert set(sd) == set(fresh.state_dict())  # HF names, nothing missing or extra
+    assert all(t.dtype == torch.float32 for t in sd.values())
+    fresh.load_state_dict(sd)
+    fresh.eval()
+    with torch.no_grad():
+        logits = fresh(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    valid = batch.attention_mask[:, 1:].bool()
+    torch.testing.assert_close(lp[valid], expected[:, 1:][valid], atol=1e-5, rtol=0)
+    original = load_file(os.path.join(trainer_tiny_model, "model.safetensors"))
+    assert not torch.equal(original["model.layers.0.mlp.up_proj.weight"], sd["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_save_hf_of_tied_model_loads_with_from_pretrained(tmp_path, make_trainer):
+    """tie_word_embeddings: lm_head aliases embed_tokens and is written once, as HF does."""
+    src = tiny_qwen2(str(tmp_path / "tied"), tie=True, seed=3)
+    trainer = make_trainer(src)
+    batch = ragged_batch()
+    trainer.update(with_rollout_logprobs(batch, trainer.compute_logprobs(batch)))
+    expected = trainer.compute_logprobs(batch)
+    out = trainer.save_hf(str(tmp_path / "saved"))
+    assert "lm_head.weight" not in load_file(os.path.join(out, "model.safetensors"))
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = loaded(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+    valid = batch.attention_mask[:, 1:].bool()
+    torch.testing.assert_close(lp[valid], expected[:, 1:][valid], atol=1e-5, rtol=0)
+
+
+def test_update_rejects_batch_without_trained_tokens(trainer_tiny_model, make_trainer):
+    trainer = make_trainer(trainer_tiny_model)
+    empty = TrainBatch.from_rows([row([1, 2, 3], [])], advantages=[0.0], pad_id=0)
+    with pytest.raises(ValueError, match="no trained token"):
+        trainer.update(empty)
+
+
+def test_settings_reject_bad_values(trainer_tiny_model):
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        TrainerSettings(model_path=trainer_tiny_model, micro_batch_size=0)
+    with pytest.raises(ValueError, match="is_threshold"):
+        TrainerSettings(model_path=trainer_tiny_model, tis_threshold=0.5)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        TrainerSettings(model_path=trainer_tiny_model, clip_ratio_c=0.9)

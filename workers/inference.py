@@ -1,0 +1,353 @@
+"""InferenceWorker: one vLLM engine replica, token-in/token-out, with versioned weight reloads.
+
+A plain class (callers apply `ray.remote` where they create actors). It implements the
+`InferenceEngine` protocol of orchestrator/types.py on any vLLM build: the CPU build locally,
+CUDA in production. vLLM is imported in `start()` only, so importing this module is cheap.
+
+Invariant (the policy-version contract): every token of a `GenerateResult` was produced by the
+weights of `GenerateResult.policy_version`. A weight update and a request never overlap:
+`update_weights` first stops admitting new requests (they wait), then waits for the in-flight ones
+to drain, reloads, resets the prefix cache, sets the new version, and re-opens admission
+(`WeightsGate`). So an update that lands mid-request waits for that request (at most its
+`max_tokens` of decoding); the request reports the old version, and every request admitted after
+the update reports the new one. A later async-mode design may instead pause the engine with
+in-flight requests kept (`AsyncLLM.pause_generation(mode="keep")`), which would need per-token
+versions in `GenerateResult`.
+
+Sampling contract: only `GenerateRequest.stop_token_ids` end a generation with "stop" (the engine's
+own EOS is ignored, `ignore_eos=True`), so the caller (the gateway) decides the stop set. Returned
+log-probs are the sampled token's log-probability under the distribution actually sampled from
+(`logprobs_mode="processed_logprobs"`: after temperature and top-p), i.e. log π_rollout;
+`prompt_logprobs` returns plain log-softmax of the logits (temperature 1), for probes.
+
+Callers: the gateway's replica router (generate), the weight sync (update_weights), tests and
+probes (prompt_logprobs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, AsyncIterator, Literal
+
+from orchestrator.types import FinishReason, GenerateRequest, GenerateResult
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger(__name__)
+
+EXTENSION_CLS = "workers.vllm_ext.WeightReloadExtension"  # imported by vLLM's worker by dotted path
+RELOAD_RPC = "reload_weights_from_file"  # WeightReloadExtension method name
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's legacy CPU env; it would override kv_cache_bytes
+MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0" lets the model worker live in the engine-core process
+DEFAULT_KV_CACHE_BYTES = 64 * 2**20  # tiny model: 2 layers x 2 KV heads x 64 dims x fp32 -> 32k tokens
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass(frozen=True)
+class InferenceSettings:
+    """Engine settings of one replica.
+
+    kv_cache_bytes: KV-cache size in bytes, always explicit (on CPU vLLM otherwise sizes it from a
+        fraction of host memory). `VLLM_CPU_KVCACHE_SPACE` must be unset: it would override this.
+    logprobs_mode: "processed_logprobs" returns log π of the distribution sampled from (after
+        temperature/top-p); "raw_logprobs" returns log-softmax of the raw logits.
+    worker_in_engine_process: run the model in vLLM's engine-core process (executor "uni",
+        sets `VLLM_ENABLE_V1_MULTIPROCESSING=0` in this process) instead of a third process.
+        On a small CPU host this starts faster and decodes several times faster; vLLM warns that
+        OpenMP threads are then not pinned. Use False on many-core CPU hosts; ignored on GPU.
+    initial_policy_version: version reported before the first `update_weights`.
+    """
+
+    model_path: str
+    dtype: str = "float32"
+    max_model_len: int = 512
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    seed: int = 0
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    worker_in_engine_process: bool = True
+    initial_policy_version: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("inference.model_path must be set")
+        for key in ("max_model_len", "kv_cache_bytes", "max_num_seqs"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"inference.{key} must be > 0, got {getattr(self, key)}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
+            raise ValueError(f"inference.max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
+            raise ValueError(f"inference.logprobs_mode must be processed_logprobs or raw_logprobs, got {self.logprobs_mode!r}")
+        if self.initial_policy_version < 0:
+            raise ValueError(f"inference.initial_policy_version must be >= 0, got {self.initial_policy_version}")
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What `start()` measured: wall time to import vLLM and build the engine (engine-core process
+    spawn, model load, KV-cache allocation), and the limits it runs with."""
+
+    startup_s: float
+    max_model_len: int
+    kv_cache_bytes: int
+    max_num_seqs: int
+
+
+class WeightsGate:
+    """Admission control that keeps requests and weight updates apart (asyncio, one event loop).
+
+    Invariant: while an update holds the gate, no request is in flight; a waiting update blocks new
+    requests (writer preference), so an update waits at most for the requests already running.
+    """
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._in_flight = 0
+        self._updating = False
+        self._updates_waiting = 0
+
+    def num_in_flight(self) -> int:
+        return self._in_flight
+
+    def update_pending(self) -> bool:
+        """True while an update waits for the gate or holds it."""
+        return self._updating or self._updates_waiting > 0
+
+    @asynccontextmanager
+    async def request(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self.update_pending())
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
+
+    @asynccontextmanager
+    async def update(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._updates_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._updating and self._in_flight == 0)
+            finally:
+                self._updates_waiting -= 1
+                self._cond.notify_all()
+            self._updating = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._updating = False
+                self._cond.notify_all()
+
+
+class InferenceWorker:
+    """One vLLM `AsyncLLM` engine; see the module docstring for the version and sampling contracts."""
+
+    def __init__(self, settings: InferenceSettings) -> None:
+        self._settings = settings
+        self._engine: AsyncLLM | None = None
+        self._version = settings.initial_policy_version
+        self._gate = WeightsGate()
+        self._info: EngineInfo | None = None
+
+    async def start(self) -> EngineInfo:
+        """Build the engine (loads the model, allocates the KV cache). Call once, in the event loop
+        that will serve requests. Raises ValueError on conflicting environment settings."""
+        if self._engine is not None:
+            raise RuntimeError("InferenceWorker.start() called twice")
+        s = self._settings
+        if os.environ.get(KV_CACHE_ENV):
+            raise ValueError(
+                f"{KV_CACHE_ENV}={os.environ[KV_CACHE_ENV]!r} is set and would override "
+                f"inference.kv_cache_bytes={s.kv_cache_bytes}; unset it and use kv_cache_bytes"
+            )
+        _make_package_importable_by_engine_processes()
+        t0 = time.perf_counter()  # startup_s covers the vLLM import too
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        in_core = s.worker_in_engine_process and current_platform.is_cpu()
+        if in_core:
+            os.environ[MP_ENV] = "0"
+        args = AsyncEngineArgs(
+            model=s.model_path,
+            dtype=s.dtype,
+            max_model_len=s.max_model_len,
+            max_num_seqs=s.max_num_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            kv_cache_memory_bytes=s.kv_cache_bytes,
+            seed=s.seed,
+            enforce_eager=s.enforce_eager,
+            enable_prefix_caching=s.enable_prefix_caching,
+            logprobs_mode=s.logprobs_mode,
+            skip_tokenizer_init=True,  # token-in/token-out: the gateway owns the tokenizer
+            worker_extension_cls=EXTENSION_CLS,
+            distributed_executor_backend="uni" if in_core else None,
+            disable_log_stats=True,
+        )
+        self._engine = AsyncLLM.from_engine_args(args)
+        self._info = EngineInfo(
+            startup_s=time.perf_counter() - t0,
+            max_model_len=s.max_model_len,
+            kv_cache_bytes=s.kv_cache_bytes,
+            max_num_seqs=s.max_num_seqs,
+        )
+        logger.info("vLLM engine for %s started in %.1f s", s.model_path, self._info.startup_s)
+        return self._info
+
+    def policy_version(self) -> int:
+        """Weights version that requests admitted now are generated with."""
+        return self._version
+
+    def num_in_flight(self) -> int:
+        """Requests admitted and not finished (generate and prompt_logprobs calls)."""
+        return self._gate.num_in_flight()
+
+    def update_pending(self) -> bool:
+        """True while a weight update waits for in-flight requests or runs (new requests wait)."""
+        return self._gate.update_pending()
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        """Generate from `req.prompt_ids`; returns sampled ids, their log-probs and the version.
+
+        Raises ValueError for an empty prompt or max_tokens < 1, RuntimeError if the engine is not
+        started or reports an error. Cancelling the call aborts the request in the engine.
+        """
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self._require_engine()
+        if not req.prompt_ids:
+            raise ValueError(f"request {req.request_id}: prompt_ids is empty")
+        if req.max_tokens < 1:
+            raise ValueError(f"request {req.request_id}: max_tokens must be >= 1, got {req.max_tokens}")
+        params = SamplingParams(
+            n=1,
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop_token_ids=list(req.stop_token_ids),
+            ignore_eos=True,
+            logprobs=0,  # only the sampled token's log-prob
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        async with self._gate.request():
+            version = self._version
+            final = await _last_output(
+                engine.generate(
+                    prompt=TokensPrompt(prompt_token_ids=list(req.prompt_ids)),
+                    sampling_params=params,
+                    request_id=req.request_id,
+                )
+            )
+        out = final.outputs[0]
+        ids = tuple(int(t) for t in out.token_ids)
+        if out.logprobs is None or len(out.logprobs) != len(ids):
+            raise RuntimeError(f"request {req.request_id}: engine returned no log-prob for some tokens")
+        logprobs = tuple(float(pos[tok].logprob) for tok, pos in zip(ids, out.logprobs))
+        reason = _FINISH_REASONS.get(str(out.finish_reason))
+        if reason is None:
+            raise RuntimeError(f"request {req.request_id}: engine finished with {out.finish_reason!r}")
+        return GenerateResult(output_ids=ids, logprobs=logprobs, finish_reason=reason, policy_version=version)
+
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """log p(token_t | tokens_<t) for t = 1 .. len-1 under the current weights, temperature 1.
+
+        Returns [len(token_ids) - 1] natural-log values (the prefix cache is bypassed for this
+        request, so every position is computed). Raises ValueError for fewer than 2 tokens.
+        """
+        from vllm import SamplingParams, TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self._require_engine()
+        if len(token_ids) < 2:
+            raise ValueError(f"prompt_logprobs needs at least 2 tokens, got {len(token_ids)}")
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            prompt_logprobs=0,  # only the actual next token at each position
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        async with self._gate.request():
+            final = await _last_output(
+                engine.generate(
+                    prompt=TokensPrompt(prompt_token_ids=list(token_ids)),
+                    sampling_params=params,
+                    request_id=f"probe-{uuid.uuid4().hex}",
+                )
+            )
+        positions = final.prompt_logprobs
+        if positions is None or len(positions) != len(token_ids):
+            raise RuntimeError("engine returned no prompt log-probs")
+        return [float(positions[t][token_ids[t]].logprob) for t in range(1, len(token_ids))]
+
+    async def update_weights(self, path: str, version: int) -> None:
+        """Reload all weights from the safetensors file at `path` and make `version` current.
+
+        Waits for in-flight requests to finish and holds new ones until the reload is done (see the
+        module docstring). Raises ValueError if `version` is not greater than the current one,
+        FileNotFoundError if `path` is missing, RuntimeError if the engine reports a failure.
+        """
+        engine = self._require_engine()
+        if version <= self._version:
+            raise ValueError(f"policy version must increase: current {self._version}, got {version}")
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"weights file {path} does not exist")
+        t0 = time.perf_counter()
+        async with self._gate.update():
+            counts = await engine.collective_rpc(RELOAD_RPC, args=(str(path),))
+            if not counts or min(counts) <= 0:
+                raise RuntimeError(f"weight reload from {path} loaded no tensors (per worker: {counts})")
+            # KV blocks computed by the old weights must not be reused; nothing is admitted now, so
+            # preempting "running" requests only touches aborts still in flight.
+            if not await engine.reset_prefix_cache(reset_running_requests=True):
+                raise RuntimeError("prefix cache reset failed after weight reload")
+            self._version = version
+        logger.info("weights v%d loaded from %s (%d tensors) in %.2f s", version, path, counts[0], time.perf_counter() - t0)
+
+    async def shutdown(self) -> None:
+        """Stop the engine and its processes; safe to call twice."""
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    def _require_engine(self) -> AsyncLLM:
+        if self._engine is None:
+            raise RuntimeError("InferenceWorker is not started (call start() first) or was shut down")
+        return self._engine
+
+
+async def _last_output(stream: AsyncIterator[Any]) -> Any:
+    final = None
+    async for out in stream:
+        final = out
+    if final is None or not final.finished:
+        raise RuntimeError("engine stream ended without a finished output")
+    return final
+
+
+def _make_package_importable_by_engine_processes() -> None:
+    """vLLM's engine processes import `workers.vllm_ext` by name; put this repo on PYTHONPATH so
+    they can, whatever the launcher (pytest, Ray worker, script) put on sys.path."""
+    root = str(Path(__file__).resolve().parent.parent)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
