@@ -120,7 +120,7 @@ async def run_sync(parts: SyncLoopParts, cfg: SyncLoopSettings, *, start_version
         await parts.store.clear(partition)
 
         step_s = parts.clock() - t_step
-        trained_tokens = sum(m.get("num_tokens", 0.0) for m in update_metrics)
+        trained_tokens = sum(m.get("actor/num_tokens", 0.0) for m in update_metrics)
         metrics: dict[str, float] = {
             **reward_stats(samples),
             "perf/throughput": trained_tokens / step_s if step_s > 0 else 0.0,
@@ -136,7 +136,8 @@ async def run_sync(parts: SyncLoopParts, cfg: SyncLoopSettings, *, start_version
             **{k: float(v) for k, v in parts.ledger.counts().items()},
         }
         metrics.update(_mean_metrics(update_metrics))
-        metrics.setdefault("rollout_corr/is_mean", math.nan)
+        # the short name of verl's `rollout_corr/rollout_is_mean` (mean TIS weight over trained tokens)
+        metrics["rollout_corr/is_mean"] = metrics.get("rollout_corr/rollout_is_mean", math.nan)
         latencies = sorted(s.latency_s for s in samples)
         if latencies:
             metrics["rollout/latency_s_p50"] = latencies[len(latencies) // 2]
@@ -148,10 +149,10 @@ async def run_sync(parts: SyncLoopParts, cfg: SyncLoopSettings, *, start_version
 
 
 def _mean_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
-    """Average each trainer metric over the step's mini-batches (`num_tokens` is summed elsewhere)."""
-    keys = {k for m in updates for k in m if k != "num_tokens"}
+    """Average each trainer metric over the step's mini-batches (`actor/num_tokens` is summed)."""
+    keys = {k for m in updates for k in m}
     out = {}
     for k in sorted(keys):
         vals = [m[k] for m in updates if k in m]
-        out[k] = sum(vals) / len(vals)
+        out[k] = sum(vals) if k == "actor/num_tokens" else sum(vals) / len(vals)
     return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -99,28 +100,31 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
     from orchestrator.batching import RolloutLedger
     from orchestrator.loop_sync import SyncLoopParts, SyncLoopSettings, run_sync
     from orchestrator.metrics import MetricLogger, build_sinks, reward_initial_final
-    from orchestrator.parts import BufferStore, PromptCycle, ReplicaWeightPush, TrainerClient
+    from orchestrator.parts import BufferStore, PromptCycle, TrainerClient
     from workers.buffer import BufferConfig, TrajectoryBuffer
     from workers.gateway.config import GatewayConfig
     from workers.gateway.server import GatewayServer
     from workers.inference import InferenceSettings, InferenceWorker
     from workers.rollout import RolloutPool, RolloutSettings, start_rollout_actors
     from workers.trainer import TrainerSettings, TrainerWorker
+    from workers.weight_sync import CpuWeightSync
 
+    logging.getLogger("transfer_queue").setLevel(logging.ERROR)  # per-op thread-count warnings
     tok = AutoTokenizer.from_pretrained(model_path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
-    inference_cls = ray.remote(num_cpus=0, max_concurrency=1000)(InferenceWorker)
+    quiet_vllm = {"env_vars": {"VLLM_LOGGING_LEVEL": "WARNING"}}
+    inference_cls = ray.remote(num_cpus=0, max_concurrency=1000)(InferenceWorker).options(runtime_env=quiet_vllm)
     replicas = [inference_cls.remote(InferenceSettings(
         model_path=model_path, dtype=cfg.inference.dtype, max_model_len=cfg.inference.max_model_len,
-        kv_cache_gib=cfg.inference.kv_cache_gib, max_num_seqs=cfg.inference.max_num_seqs, seed=cfg.seed + i))
+        kv_cache_bytes=int(cfg.inference.kv_cache_gib * 2**30), max_num_seqs=cfg.inference.max_num_seqs, seed=cfg.seed + i))
         for i in range(cfg.inference.replicas)]
-    trainer = ray.remote(num_cpus=0)(TrainerWorker).remote(TrainerSettings(
+    threads = {"env_vars": {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads)}}
+    trainer = ray.remote(num_cpus=0)(TrainerWorker).options(runtime_env=threads).remote(TrainerSettings(
         model_path=model_path, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
         grad_clip=cfg.trainer.grad_clip, clip_ratio_low=cfg.algorithm.clip_ratio_low,
-        clip_ratio_high=cfg.algorithm.clip_ratio_high, tis_threshold=cfg.algorithm.rollout_correction.is_threshold,
-        seed=cfg.trainer.seed, micro_batch_size=cfg.trainer.micro_batch_size,
-        num_threads=cfg.cluster.torch_threads))
+        clip_ratio_high=cfg.algorithm.clip_ratio_high, tis_threshold=cfg.algorithm.rollout_correction.is_threshold if cfg.algorithm.rollout_correction.is_level else None,
+        seed=cfg.trainer.seed, micro_batch_size=cfg.trainer.micro_batch_size))
     gateway = ray.remote(num_cpus=0, max_concurrency=1000)(GatewayServer).remote(GatewayConfig(
         model_path=model_path, served_model_name=cfg.model.served_name,
         max_context_tokens=cfg.rollout.max_context_tokens))
@@ -146,7 +150,7 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
         store=BufferStore(buffer, cfg.rollout.n, cfg.rollout.timeout_s),
         trainer=TrainerClient(trainer, pad_id=pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
                               weights_dir=run_dir / "weights"),
-        weights=ReplicaWeightPush(replicas), logger=logger, ledger=ledger)
+        weights=CpuWeightSync(replicas), logger=logger, ledger=ledger)
     try:
         report = await run_sync(parts, SyncLoopSettings(
             total_steps=cfg.trainer.total_steps, batch_size=cfg.rollout.batch_size, n=cfg.rollout.n,

@@ -1,4 +1,4 @@
-"""Driver-side adapters that give the loop its parts: prompts, trainer client, weight push.
+"""Driver-side adapters that give the loop its parts: prompts, trainer client, sample store.
 
 Each adapter turns a loop protocol call into calls on Ray actor handles (or any object with the
 same methods), so the loop never sees Ray. Invariant of `TrainerClient.update`: the batch it
@@ -79,16 +79,6 @@ class TrainerClient:
             self._last_path.unlink(missing_ok=True)
         self._last_path = path
         return out
-
-
-class ReplicaWeightPush:
-    """Pushes a weights file to every inference replica; returns when all confirmed."""
-
-    def __init__(self, replicas: list[Any]) -> None:
-        self._replicas = replicas
-
-    async def push(self, path: str, version: int) -> None:
-        await asyncio.gather(*(r.update_weights.remote(path, version) for r in self._replicas))
 
 
 class BufferStore:

@@ -54,7 +54,7 @@ class RecordingTrainer:
         assert all(s.status == "completed" for g in groups for s in g.samples)
         self.updates.append(groups)
         batch = build_train_batch(groups, pad_id=0, norm_adv_by_std=True)
-        return {"num_tokens": float(batch.num_loss_tokens), "rollout_corr/is_mean": 1.0}
+        return {"actor/num_tokens": float(batch.num_loss_tokens), "rollout_corr/rollout_is_mean": 1.0}
 
     async def export_weights(self, version):
         return f"/weights/v{version}"

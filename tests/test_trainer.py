@@ -200,3 +200,66 @@ def test_settings_reject_bad_values(trainer_tiny_model):
         TrainerSettings(model_path=trainer_tiny_model, tis_threshold=0.5)
     with pytest.raises(ValueError, match="clip_ratio_c"):
         TrainerSettings(model_path=trainer_tiny_model, clip_ratio_c=0.9)
+
+
+DP_RANK_SCRIPT = """
+import sys, torch
+from orchestrator.algorithms.batch import TrainBatch
+from workers.trainer import TrainerSettings, TrainerWorker
+rank, world, model_path, init, batch_path, out_path = sys.argv[1:]
+rank, world = int(rank), int(world)
+torch.set_num_threads(1)
+batch = TrainBatch(**torch.load(batch_path))
+half = (batch.batch_size + 1) // 2
+shard = batch.select(0, half) if rank == 0 else batch.select(half, batch.batch_size)
+w = TrainerWorker(TrainerSettings(model_path=model_path, lr=1e-3, weight_decay=0.0, micro_batch_size=3),
+                  rank=rank, world_size=world, init_method=init)
+metrics = w.update(shard)
+sd = w.full_state_dict()
+if rank == 0:
+    torch.save({"metrics": metrics, "state_dict": sd}, out_path)
+w.close()
+"""
+
+
+def test_two_data_parallel_ranks_take_the_same_step_as_one(trainer_tiny_model, make_trainer, tmp_path):
+    """world_size 2 over gloo (two real processes, half the mini-batch each) == world_size 1 on all of it:
+    the global token count and the dp_size factor undo FSDP's gradient averaging."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from workers.trainer import free_loopback_init_method
+
+    batch = ragged_batch()
+    trainer = make_trainer(trainer_tiny_model, micro_batch_size=3)
+    batch = with_rollout_logprobs(batch, trainer.compute_logprobs(batch) - 0.3)
+    torch.save({f: getattr(batch, f) for f in ("input_ids", "attention_mask", "loss_mask", "rollout_logprobs",
+                                                 "advantages")}, tmp_path / "batch.pt")
+    one = trainer.update(batch)
+    sd_one = trainer.full_state_dict()
+
+    script = tmp_path / "rank.py"
+    script.write_text(DP_RANK_SCRIPT)
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    init = free_loopback_init_method()
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), "2", trainer_tiny_model, init,
+                          str(tmp_path / "batch.pt"), str(tmp_path / "out.pt")],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for r in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=180)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), outputs
+    two = torch.load(tmp_path / "out.pt")
+    assert two["metrics"]["actor/num_tokens"] == one["actor/num_tokens"]
+    assert two["metrics"]["actor/pg_loss"] == pytest.approx(one["actor/pg_loss"], abs=1e-6)
+    assert two["metrics"]["actor/grad_norm"] == pytest.approx(one["actor/grad_norm"], rel=1e-5)
+    for name, t in sd_one.items():
+        torch.testing.assert_close(two["state_dict"][name], t, atol=1e-6, rtol=0)

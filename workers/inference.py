@@ -162,7 +162,6 @@ class InferenceWorker:
         self._engine: AsyncLLM | None = None
         self._version = settings.initial_policy_version
         self._gate = WeightsGate()
-        self._info: EngineInfo | None = None
 
     async def start(self) -> EngineInfo:
         """Build the engine (loads the model, allocates the KV cache). Call once, in the event loop
@@ -201,14 +200,14 @@ class InferenceWorker:
             disable_log_stats=True,
         )
         self._engine = AsyncLLM.from_engine_args(args)
-        self._info = EngineInfo(
+        info = EngineInfo(
             startup_s=time.perf_counter() - t0,
             max_model_len=s.max_model_len,
             kv_cache_bytes=s.kv_cache_bytes,
             max_num_seqs=s.max_num_seqs,
         )
-        logger.info("vLLM engine for %s started in %.1f s", s.model_path, self._info.startup_s)
-        return self._info
+        logger.info("vLLM engine for %s started in %.1f s", s.model_path, info.startup_s)
+        return info
 
     def policy_version(self) -> int:
         """Weights version that requests admitted now are generated with."""

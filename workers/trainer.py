@@ -206,10 +206,24 @@ class TrainerWorker:
 
         Returns [B, T] float32 on CPU; column 0 and padding are 0.
         """
-        parts = [self._forward(mb, with_entropy=False)[0].cpu() for mb in batch.split(self.cfg.micro_batch_size)]
+        micro_batches = batch.split(self.cfg.micro_batch_size)
+        self._check_same_micro_batch_count(len(micro_batches))
+        parts = [self._forward(mb, with_entropy=False)[0].cpu() for mb in micro_batches]
         return torch.cat(parts, dim=0)
 
     # --- training -------------------------------------------------------------------------
+
+    def _check_same_micro_batch_count(self, count: int) -> None:
+        """FSDP collectives run per forward: every rank must run as many micro-batches, or all hang."""
+        if self.world_size == 1:
+            return
+        t = torch.tensor([count, -count], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if int(t[0]) != -int(t[1]):
+            raise ValueError(
+                f"ranks got different numbers of micro-batches (min {-int(t[1])}, max {int(t[0])}); "
+                "give every rank the same number of rows"
+            )
 
     def _global_sum(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
@@ -226,12 +240,13 @@ class TrainerWorker:
         grad norm; AdamW step (skipped when the grad norm is not finite).
 
         Returns metrics: actor/pg_loss, actor/grad_norm, actor/pg_clipfrac, actor/ppo_kl,
-        actor/pg_clipfrac_lower, actor/entropy (token-weighted means over micro-batches),
+        actor/pg_clipfrac_lower, actor/entropy (token-weighted means over this rank's micro-batches),
         actor/num_tokens (global), actor/lr, actor/step_skipped (1.0 if the step was skipped), and
         rollout_corr/* (this rank's mini-batch).
 
         Raises:
-            ValueError: the batch has no trained token.
+            ValueError: the batch has no trained token, or (world_size > 1) ranks hold different
+                numbers of micro-batches.
         """
         if batch.num_loss_tokens == 0:
             raise ValueError("update got a batch with no trained token (loss_mask is all 0)")
@@ -241,7 +256,7 @@ class TrainerWorker:
         num_tokens = self._global_sum(float(loss_mask.sum().item()))
         num_seqs = self._global_sum(float((loss_mask.sum(dim=-1) > 0).sum().item()))
 
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)  # compute_logprobs checked the micro-batch counts
         sums = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/pg_clipfrac_lower": 0.0}
         if self.cfg.compute_entropy:
             sums["actor/entropy"] = 0.0
