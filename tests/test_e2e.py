@@ -3,7 +3,9 @@ the gateway, TransferQueue, the FSDP2 trainer. A short run of the real main job 
 
 import json
 import os
+import signal
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -18,7 +20,7 @@ def test_main_job_runs_end_to_end_on_real_parts(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "orchestrator.main", "trainer.total_steps=3", "rollout.batch_size=4",
-         "rollout.n=4", "mode.sync_every=2", "logger=console", f"run_dir={run_dir}"],
+         "rollout.n=4", "mode.sync_every=1", "logger=console", f"run_dir={run_dir}"],
         cwd=REPO, capture_output=True, text=True, timeout=840, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -38,6 +40,11 @@ def test_main_job_runs_end_to_end_on_real_parts(tmp_path):
     assert summary["rollout/failed"] == 0, proc.stdout[-4000:]
     assert summary["acr/sessions_open_at_exit"] == 0
     assert summary["rollout/completed"] > 0  # some groups had reward variance and were trained
+    # sync mode is on-policy: the gateway's recorded log-probs must match the trainer's recompute,
+    # which only holds if tokens and log-probs were captured exactly and aligned
+    trained = [s for s in steps if s["rollout/step_completed"] > 0]
+    assert trained and all(abs(s["rollout_corr/log_ppl_abs_diff"]) < 1e-3 for s in trained)
+    assert all(abs(s["rollout_corr/is_mean"] - 1.0) < 1e-3 for s in trained)
     assert f"run_dir: {run_dir}" in proc.stdout
     # every server the run started (moto, emulator, agents) was stopped by PID
     started = json.loads((run_dir / "pids.json").read_text())
@@ -45,3 +52,40 @@ def test_main_job_runs_end_to_end_on_real_parts(tmp_path):
     alive = {name: pid for name, pid in started.items() if psutil.pid_exists(pid)
              and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE}
     assert not alive, alive
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_stops_every_server_the_run_started(tmp_path):
+    """SIGINT mid-run: the driver unwinds, stops moto, the emulator and the agents by PID, exits non-zero."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.main", "trainer.total_steps=50", "rollout.batch_size=2",
+         "rollout.n=2", "logger=console", f"run_dir={run_dir}"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    out = []
+    try:
+        deadline = time.monotonic() + 480
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            out.append(line)
+            if line.startswith("[step 1/"):
+                break
+        assert any(line.startswith("[step 1/") for line in out), "".join(out[-50:])
+        started = json.loads((run_dir / "pids.json").read_text())
+        assert all(psutil.pid_exists(pid) for pid in started.values())
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    deadline = time.monotonic() + 15  # SIGTERM grace of the stack
+    alive = started
+    while alive and time.monotonic() < deadline:
+        alive = {n: p for n, p in started.items() if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
+        time.sleep(0.2)
+    assert not alive, (alive, rest[-3000:])

@@ -43,7 +43,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-RECIPE_VERSION = 1  # bump when the build code changes in a way the recipe fields don't capture
+RECIPE_VERSION = 2  # bump when the build code changes in a way the recipe fields don't capture
 CACHE_ENV = "ORCH_CACHE_DIR"  # overrides the default cache root
 # One intra-op thread: on a shared 2-core machine it is ~10x faster than 2 spinning OpenMP
 # threads for this tiny model, and it makes float reductions independent of the core count.
@@ -54,6 +54,10 @@ PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)  # ids 0, 1, 2 in this order
+# transformers' Qwen2Tokenizer pre-tokenization regex (digits split one by one).
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 # ChatML, Qwen2.5 style (tools in the system turn, <tool_call> blocks, tool results as user
 # turns with <tool_response>), without Qwen's default system message so prompts stay short.
@@ -111,6 +115,7 @@ class TinyModelRecipe:
     max_position_embeddings: int = 1024
     rope_theta: float = 10000.0
     warm_start_steps: int = 300  # 0 skips the warm start (random weights)
+    warm_start_clean_steps: int = 0  # the first steps of the warm start use only right answers
     warm_start_batch: int = 64
     warm_start_lr: float = 3e-3
     answer_letter_p: float = 0.25  # warm-start answers use the prompt's letter with this probability
@@ -160,34 +165,50 @@ def ensure_tiny_model(
 def build_tiny_model(out_dir: str | Path, recipe: TinyModelRecipe = DEFAULT_RECIPE) -> Path:
     """Build tokenizer, model and warm start into `out_dir` (created if missing); no caching."""
     import torch
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(recipe)
+    tokenizer.save_pretrained(out)
+    model_config(recipe, tokenizer).save_pretrained(out)
+    # Train with exactly what users load: for a qwen2 config, AutoTokenizer rebuilds the
+    # tokenizer as transformers' Qwen2Tokenizer around our vocab and merges.
+    tokenizer = AutoTokenizer.from_pretrained(out)
     threads = torch.get_num_threads()
     torch.set_num_threads(BUILD_THREADS)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(recipe.seed)
-            model = _init_model(recipe, tokenizer)
+            model = Qwen2ForCausalLM(model_config(recipe, tokenizer))
             if recipe.warm_start_steps > 0:
                 warm_start(model, tokenizer, recipe)
     finally:
         torch.set_num_threads(threads)
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
     _write_generation_config(out, tokenizer)
-    (out / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2, sort_keys=True))
+    (out / "recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=2, sort_keys=True) + "\n")
+    for f in out.iterdir():
+        f.chmod(0o644)
+    out.chmod(0o755)  # mkdtemp makes 0700; the model is read by other users (containers, Ray)
     return out
 
 
 def build_tokenizer(recipe: TinyModelRecipe = DEFAULT_RECIPE):
     """Byte-level BPE trained on task text; returns a `PreTrainedTokenizerFast` with ChatML."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # Same normalizer / pre-tokenizer / decoder as transformers' Qwen2Tokenizer, which
+    # AutoTokenizer (and so vLLM) rebuilds around our vocab and merges for a qwen2 model.
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=recipe.vocab_size,
@@ -224,12 +245,14 @@ def _tokenizer_corpus(recipe: TinyModelRecipe) -> list[str]:
     return sorted(texts)
 
 
-def _init_model(recipe: TinyModelRecipe, tokenizer):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def model_config(recipe: TinyModelRecipe, tokenizer):
+    """The `Qwen2Config` of the tiny model (vocab size and special ids from `tokenizer`)."""
+    from transformers import Qwen2Config
 
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     config = Qwen2Config(
+        architectures=["Qwen2ForCausalLM"],
         vocab_size=len(tokenizer),
         hidden_size=recipe.hidden_size,
         intermediate_size=recipe.intermediate_size,
@@ -244,12 +267,11 @@ def _init_model(recipe: TinyModelRecipe, tokenizer):
         bos_token_id=pad_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,
-        torch_dtype="float32",
+        dtype="float32",
     )
-    model = Qwen2ForCausalLM(config)
-    if model.config.tie_word_embeddings:
+    if config.tie_word_embeddings:
         raise RuntimeError("tiny model must not tie word embeddings (vLLM CPU weight reload)")
-    return model
+    return config
 
 
 def _write_generation_config(out: Path, tokenizer) -> None:
@@ -289,8 +311,9 @@ def warm_start(model, tokenizer, recipe: TinyModelRecipe) -> list[float]:
         labels: list[list[int]] = []
         for _ in range(recipe.warm_start_batch):
             letter, count = rng.choice(letters.LETTERS), rng.choice(counts)
-            ans_letter = letter if rng.random() < recipe.answer_letter_p else rng.choice(letters.LETTERS)
-            ans_count = count if rng.random() < recipe.answer_count_p else rng.choice(counts)
+            clean = step < recipe.warm_start_clean_steps
+            ans_letter = letter if clean or rng.random() < recipe.answer_letter_p else rng.choice(letters.LETTERS)
+            ans_count = count if clean or rng.random() < recipe.answer_count_p else rng.choice(counts)
             p, a = prompt_ids[(letter, count)], answer_ids[(ans_letter, ans_count)]
             seqs.append(p + a)
             labels.append([-100] * len(p) + a)

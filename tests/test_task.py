@@ -1,0 +1,97 @@
+"""The default task: deterministic rows and the partial-credit reward."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from orchestrator.tasks import RESERVED_KEYS, letters
+
+REWARD_PATH = Path(__file__).resolve().parent.parent / "examples/agents/letters_agent/reward.py"
+
+
+def _load_score():
+    spec = importlib.util.spec_from_file_location("letters_reward_under_test", REWARD_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.score
+
+
+score = _load_score()
+
+
+def test_make_rows_is_deterministic_and_seed_dependent():
+    assert letters.make_rows(50, seed=7) == letters.make_rows(50, seed=7)
+    assert letters.make_rows(50, seed=7) != letters.make_rows(50, seed=8)
+    assert letters.make_rows(10, seed=7) == letters.make_rows(50, seed=7)[:10]  # a prefix is stable
+
+
+def test_rows_are_unique_json_rows_without_reserved_keys():
+    rows = letters.make_rows(500, seed=0)
+    assert len({r["input_id"] for r in rows}) == 500
+    assert json.loads(json.dumps(rows)) == rows
+    for r in rows:
+        assert not (RESERVED_KEYS & r.keys())
+        assert r["letter"] in letters.LETTERS and len(r["letter"]) == 1
+        assert letters.MIN_COUNT <= r["count"] <= letters.MAX_COUNT
+        assert r["prompt"] == f"Repeat the letter {r['letter']} {r['count']} times."
+    assert {r["count"] for r in rows} == set(range(letters.MIN_COUNT, letters.MAX_COUNT + 1))
+    assert len({r["letter"] for r in rows}) == len(letters.LETTERS)
+
+
+def test_make_rows_rejects_negative_num():
+    assert letters.make_rows(0, seed=0) == []
+    with pytest.raises(ValueError, match="num"):
+        letters.make_rows(-1, seed=0)
+
+
+def test_perfect_answer_scores_one():
+    for row in letters.make_rows(100, seed=1):
+        assert score(row, letters.format_answer(row["letter"], row["count"])) == 1.0
+
+
+ROW = {"letter": "q", "count": 4}
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("q q q q", 1.0),
+        ("qqqq", 1.0),  # whitespace is ignored
+        ("  Q Q q q\n", 1.0),  # case-insensitive, surrounding space ignored
+        ("q q", 0.5),  # 2 right of 4
+        ("q", 0.25),
+        ("q q q q q q q q", 0.5),  # 4 right, length 8: 4 / 8
+        ("q q q q q", 0.8),  # 4 / 5
+        ("q q q q.", 0.8),  # the period is a fifth character
+        ("z z z z", 0.0),
+        ("q z q z", 0.5),
+        ("z q q q q", 0.6),  # positions 1..3 right (3), length 5: 3 / 5
+        ("", 0.0),
+        ("   ", 0.0),
+    ],
+)
+def test_score_hand_checked(completion, expected):
+    assert score(ROW, completion) == pytest.approx(expected)
+
+
+def test_score_is_in_unit_interval_on_random_strings():
+    rng = random.Random(0)
+    alphabet = "qz .Q\n"
+    for _ in range(2000):
+        row = {"letter": rng.choice("qz"), "count": rng.randint(1, 6)}
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 20)))
+        assert 0.0 <= score(row, text) <= 1.0
+
+
+@pytest.mark.parametrize(
+    "row", [{"count": 3}, {"letter": "ab", "count": 3}, {"letter": "a"}, {"letter": "a", "count": 0},
+            {"letter": "a", "count": True}, {"letter": "a", "count": "3"}]
+)
+def test_score_rejects_malformed_rows(row):
+    with pytest.raises(ValueError):
+        score(row, "a a a")
