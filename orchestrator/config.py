@@ -73,7 +73,7 @@ class TrainerConfig:
 
     name: str = "fsdp"
     total_steps: int = 60
-    lr: float = 3e-3
+    lr: float = 7e-4
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     micro_batch_size: int = 32

@@ -6,12 +6,17 @@ is downloaded: the byte-level BPE tokenizer is trained with `tokenizers` on text
 default task (orchestrator/tasks/letters.py), the weights start from a seeded random init, and a
 short supervised **warm start** teaches the answer format of the task.
 
-Warm start (documented part of the default model): the model is trained on chat-formatted
-(prompt, answer) pairs where the answer has the task's format ("q q q q" then `<|im_end|>`) but
-is only partly right: its letter is the prompt's with probability `answer_letter_p` (otherwise
-uniform over the alphabet), and its count is the prompt's with probability `answer_count_p`
-(otherwise uniform over the task's counts). The model therefore starts with a low but non-zero
-reward and always answers in the right shape, and RL has to learn to follow the prompt.
+Warm start (documented part of the default model), two phases of supervised training on
+chat-formatted (prompt, answer) pairs, loss on the answer tokens and `<|im_end|>` only:
+1. clean (`warm_start_clean_steps`): right answers ("q q q q" for "Repeat the letter q 4
+   times."), so the model learns the answer shape and how to read the prompt;
+2. noisy (the remaining steps): answers keep the shape but their letter is the prompt's only
+   with probability `answer_letter_p` (otherwise uniform over the alphabet) and their count
+   only with probability `answer_count_p` (otherwise uniform over the task's counts).
+The result always answers in the right shape but mostly ignores the prompt: its mean reward
+starts around 0.1, and RL visibly raises it (scripts/check_learnability.py: to about 0.85-0.95
+within 60 GRPO steps of 8 x 4 at lr 7e-4). Without phase 1 the copy skill is too weak for RL to
+find in 60 steps; with phase 1 alone there is nothing left to learn.
 
 Model facts relied on elsewhere: architecture `Qwen2ForCausalLM`, `tie_word_embeddings=False`
 (vLLM CPU keeps a stale output layer after a weight reload when embeddings are tied), head_dim
@@ -114,16 +119,32 @@ class TinyModelRecipe:
     head_dim: int = 64  # vLLM CPU attention supports 32, 64, 80, ...
     max_position_embeddings: int = 1024
     rope_theta: float = 10000.0
-    warm_start_steps: int = 300  # 0 skips the warm start (random weights)
-    warm_start_clean_steps: int = 0  # the first steps of the warm start use only right answers
+    warm_start_steps: int = 300  # total supervised steps; 0 skips the warm start (random weights)
+    warm_start_clean_steps: int = 150  # phase 1: the first steps use only right answers
     warm_start_batch: int = 64
     warm_start_lr: float = 3e-3
-    answer_letter_p: float = 0.25  # warm-start answers use the prompt's letter with this probability
-    answer_count_p: float = 0.25  # ... and the prompt's count with this probability
+    answer_letter_p: float = 0.2  # phase 2 answers use the prompt's letter with this probability
+    answer_count_p: float = 0.3  # ... and the prompt's count with this probability
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.warm_start_clean_steps <= self.warm_start_steps:
+            raise ValueError(
+                f"TinyModelRecipe.warm_start_clean_steps must be in [0, warm_start_steps={self.warm_start_steps}], "
+                f"got {self.warm_start_clean_steps}"
+            )
+        for name in ("answer_letter_p", "answer_count_p"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"TinyModelRecipe.{name} must be a probability, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("TinyModelRecipe.num_attention_heads must be a multiple of num_key_value_heads")
 
     def key(self) -> str:
-        """Folder name: readable prefix + short hash of RECIPE_VERSION and every field."""
-        blob = json.dumps({"v": RECIPE_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
+        """Folder name: readable prefix + short hash of RECIPE_VERSION, every field and the task
+        text (prompt and answer formats), so editing the task also rebuilds the model."""
+        from orchestrator.tasks import letters
+
+        task = [letters.LETTERS, letters.MIN_COUNT, letters.MAX_COUNT, *_tokenizer_corpus(self)]
+        blob = json.dumps({"v": RECIPE_VERSION, "task": task, **dataclasses.asdict(self)}, sort_keys=True)
         digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
         return f"tiny-qwen2-letters-v{RECIPE_VERSION}-{digest}"
 
