@@ -127,7 +127,8 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
         seed=cfg.trainer.seed, micro_batch_size=cfg.trainer.micro_batch_size))
     gateway = ray.remote(num_cpus=0, max_concurrency=1000)(GatewayServer).remote(GatewayConfig(
         model_path=model_path, served_model_name=cfg.model.served_name,
-        max_context_tokens=cfg.rollout.max_context_tokens))
+        max_context_tokens=cfg.rollout.max_context_tokens, max_tokens=cfg.rollout.max_tokens,
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p))
     buffer = TrajectoryBuffer.start(BufferConfig(num_storage_units=1))
     stack.callback(buffer.stop)
 

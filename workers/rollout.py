@@ -92,8 +92,7 @@ def build_payload(req: RolloutRequest, s: RolloutSettings, session_id: str, api_
     rollout = {
         "exp_id": s.exp_id, "input_id": req.input_id, "session_id": session_id,
         "s3_bucket": s.s3_bucket, "base_url": s.gateway_base_url, "model_id": s.model_id,
-        "api_key": api_key, "sampling_params": {
-            "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p},
+        "api_key": api_key, "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
     }
     return {**req.row, "_rollout": rollout}
 
