@@ -171,7 +171,8 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
         "reward/initial": initial,
         "reward/final": final,
         **{k: counts[k] for k in sorted(counts)},
-        "acr/sessions_open_at_exit": local.stats().sessions_open if local else acr_stats.get("invocations", 0) - acr_stats.get("stops", 0),
+        # the emulator's own count when local (the server's view), else what the workers left open
+        "acr/sessions_open_at_exit": local.stats().sessions_open if local else acr_stats.get("sessions_open", 0),
         "acr/throttled": local.stats().throttled if local else acr_stats.get("throttled", 0),
         "acr/retries": acr_stats.get("retries", 0),
     }

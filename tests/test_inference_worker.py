@@ -240,3 +240,33 @@ async def test_gate_cancelled_update_reopens_admission():
     await asyncio.wait_for(quick(), 5)  # admitted although `running` still holds its slot
     hold.set()
     await asyncio.wait_for(running, 5)
+
+
+async def test_probe_after_a_real_trainer_update_matches_the_trainers_logprobs(worker, tiny_model_path, tmp_path):
+    """The sync path end to end: TrainerWorker (FSDP2, gloo) takes a real PPO step, exports its
+    weights, the engine reloads them; then the engine's log-probs on a probe sequence equal the
+    trainer's own recompute (π_old path) to 1e-4 in fp32, and differ from the engine's before."""
+    from orchestrator.algorithms.batch import TrainBatch
+    from orchestrator.types import TrajectoryRow
+    from workers.trainer import TrainerSettings, TrainerWorker
+
+    trainer = TrainerWorker(TrainerSettings(model_path=str(tiny_model_path), lr=5e-2, seed=0, micro_batch_size=4))
+    try:
+        probe_row = TrajectoryRow(tuple(PROBE), (0,) + (1,) * (len(PROBE) - 1), (0.0,) * len(PROBE),
+                                  (-1,) + (0,) * (len(PROBE) - 1))
+        probe = TrainBatch.from_rows([probe_row], [0.0], pad_id=0)
+        # one big step that favours the probe's tokens (rollout log-probs = the trainer's: on-policy)
+        before = trainer.compute_logprobs(probe)[0]
+        row = TrajectoryRow(tuple(PROBE), probe_row.loss_mask, tuple(before.tolist()), probe_row.versions)
+        metrics = trainer.update(TrainBatch.from_rows([row, row], [1.0, 1.0], pad_id=0))
+        assert metrics["actor/grad_norm"] > 0
+        path = trainer.export_weights(str(tmp_path / "policy.safetensors"))
+        version = worker.policy_version() + 1
+        await asyncio.wait_for(worker.update_weights(path, version), timeout=T_TIMEOUT_S)
+        engine = await worker.prompt_logprobs(PROBE)
+        theirs = trainer.compute_logprobs(probe)[0, 1:].tolist()
+        assert max(abs(a - b) for a, b in zip(engine, theirs)) < LOGPROB_ATOL
+        assert max(abs(a - b) for a, b in zip(engine, before[1:].tolist())) > 1e-2  # the update took effect
+        assert sum(engine) > float(before[1:].sum())  # and moved toward the favoured tokens
+    finally:
+        trainer.close()

@@ -13,6 +13,7 @@ import; `start_rollout_workers` applies `ray.remote` where the actors are create
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 import uuid
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 from orchestrator.types import RolloutRequest, Sample, SessionCapture
 
 RESERVED_KEYS = ("_rollout", "_config", "_agentcore_runtime")  # keys a dataset row must not carry
+log = logging.getLogger(__name__)
 
 
 class ContractError(ValueError):
@@ -130,6 +132,12 @@ class RolloutWorker:
         self._acr = acr
         self._sink = sink
         self._clock = clock
+        self._sessions_open = 0
+
+    @property
+    def sessions_open(self) -> int:
+        """ACR sessions this worker invoked and has not stopped yet (0 between rollouts)."""
+        return self._sessions_open
 
     async def run(self, req: RolloutRequest, partition: str) -> RolloutOutcome:
         """Run one rollout to a terminal state, store its sample in `partition`, return the outcome.
@@ -140,20 +148,26 @@ class RolloutWorker:
         session_id = new_session_id(self._s.exp_id, req.group_id, req.sample_index)
         reward: float | None = None
         error: str | None = None
-        capture: SessionCapture | None = None
         api_key = await self._gateway.open_session(session_id, self._s.max_context_tokens)
         try:
-            payload = build_payload(req, self._s, session_id, api_key)
+            payload = build_payload(req, self._s, session_id, api_key)  # ContractError: stop the run
+            self._sessions_open += 1  # counted before the call: a timed-out invoke may still open it
             try:
                 reward = await asyncio.wait_for(self._invoke_and_wait(req, session_id, payload), self._s.timeout_s)
-            except asyncio.TimeoutError:
-                error = f"timeout after {self._s.timeout_s}s"
+            except TimeoutError:  # asyncio.TimeoutError is TimeoutError since 3.11
+                key = result_key(self._s.exp_id, req.input_id, session_id)
+                error = f"timeout after {self._s.timeout_s}s waiting for s3://{self._s.s3_bucket}/{key}"
             except ContractError as exc:
                 error = f"contract: {exc}"
             except Exception as exc:  # agent/transport failure: the rollout fails, the run goes on
                 error = f"{type(exc).__name__}: {exc}"
+            finally:
+                try:
+                    await self._stop_acr_session(session_id)
+                except Exception as exc:  # the session stays counted open: visible in acr/sessions_open
+                    log.warning("StopRuntimeSession failed for %s: %s", session_id, exc)
+                    error = error or f"stop failed: {type(exc).__name__}: {exc}"
         finally:
-            await self._close(session_id)
             capture = await self._gateway.close_session(session_id)
         status = "completed" if reward is not None else "failed"
         sample = Sample(session_id=session_id, group_id=req.group_id, input_id=req.input_id,
@@ -172,9 +186,10 @@ class RolloutWorker:
             raise TimeoutError(f"no result at s3://{s.s3_bucket}/{key} within {s.timeout_s}s")
         return parse_reward(result, f"s3://{s.s3_bucket}/{key}")
 
-    async def _close(self, session_id: str) -> None:
+    async def _stop_acr_session(self, session_id: str) -> None:
         """Stop the ACR session; shielded so a cancelled rollout still releases its session."""
         await asyncio.shield(self._acr.stop_session(self._s.agent_runtime_arn, session_id, self._s.qualifier))
+        self._sessions_open -= 1
 
 
 class RolloutActor:
@@ -204,10 +219,11 @@ class RolloutActor:
         return list(await asyncio.gather(*(worker.run(r, partition) for r in reqs)))
 
     def acr_stats(self) -> dict[str, int]:
-        if self._acr is None:
+        """ACR call counters of this actor (invocations, stops, retries, throttled, sessions_open)."""
+        if self._acr is None or self._worker is None:
             return {}
         st = self._acr.stats()
-        return {k: int(v) for k, v in vars(st).items()}
+        return {**{k: int(v) for k, v in vars(st).items()}, "sessions_open": self._worker.sessions_open}
 
     async def shutdown(self) -> None:
         if self._acr is not None:
