@@ -38,7 +38,7 @@ class ModeConfig:
     sync_every: int = 1
 
     def __post_init__(self) -> None:
-        _one_of(self.name, "mode.name", ("sync",))
+        _one_of(self.name, "mode.name", ("sync", "async"))
         _check(self.sync_every >= 1, "mode.sync_every", "must be >= 1", self.sync_every)
 
 
@@ -212,6 +212,29 @@ class LoggerConfig:
 
 
 @dataclass
+class AsyncConfig:
+    """Async mode (`mode=async`; the config key is `async`, the attribute `RunConfig.async_`).
+
+    max_staleness: η in policy versions; at most (η + v + 1)·B groups admitted by version v.
+    on_stale: a sample older than η at update time is dropped (`expired`) or trained with its
+        loss mask zeroed (`train_masked`: kept for group statistics, no gradient).
+    in_flight: generation in flight at a weight sync keeps running (`continue`; tokens carry the
+        version that produced them) or is aborted and resumed (`abort_resume`).
+    resume_aborted: with `abort_resume`, resume aborted requests (False: they fail and are never trained).
+    """
+
+    max_staleness: int = 1
+    on_stale: str = "drop"
+    in_flight: str = "continue"
+    resume_aborted: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.max_staleness >= 0, "async.max_staleness", "must be >= 0", self.max_staleness)
+        _one_of(self.on_stale, "async.on_stale", ("drop", "train_masked"))
+        _one_of(self.in_flight, "async.in_flight", ("continue", "abort_resume"))
+
+
+@dataclass
 class RunConfig:
     """The whole run. `run_dir`: where metrics.jsonl, summary.json and checkpoints go."""
 
@@ -224,6 +247,7 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
     run_dir: str = MISSING
     seed: int = 0
 
@@ -240,22 +264,45 @@ class RunConfig:
         return self.rollout.batch_size * self.rollout.n
 
 
+# config group -> its schema; each group's yaml files extend `<group>_schema` (see configs/)
+GROUP_SCHEMAS: dict[str, type] = {
+    "mode": ModeConfig, "cluster": ClusterConfig, "model": ModelConfig, "trainer": TrainerConfig,
+    "inference": InferenceConfig, "rollout": RolloutConfig, "task": TaskConfig,
+    "algorithm": AlgorithmConfig, "logger": LoggerConfig, "async": AsyncConfig,
+}
+
+
+def _attr(group: str) -> str:
+    return "async_" if group == "async" else group
+
+
 def register() -> None:
-    """Register the schema as `run_schema` (used first in `configs/config.yaml`'s defaults)."""
-    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+    """Register each group's schema as `<group>/<group>_schema` in Hydra's ConfigStore."""
+    cs = ConfigStore.instance()
+    for group, node in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=f"{group}_schema", node=node)
+
+
+def _unwrap(exc: Exception) -> ConfigError:
+    cause = exc.__cause__ or exc.__context__
+    return cause if isinstance(cause, ConfigError) else ConfigError(str(exc))
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """Build and validate the typed config. Raises ConfigError naming the key on a bad value."""
-    try:
-        obj = OmegaConf.to_object(cfg)
-    except ConfigError:
-        raise
-    except Exception as exc:  # omegaconf wraps __post_init__ errors and type errors
-        cause = exc.__cause__ or exc.__context__
-        if isinstance(cause, ConfigError):
-            raise cause from None
-        raise ConfigError(str(exc)) from None
-    if not isinstance(obj, RunConfig):
-        raise ConfigError(f"config did not build a RunConfig (got {type(obj).__name__})")
-    return obj
+    parts: dict[str, Any] = {}
+    for group, schema in GROUP_SCHEMAS.items():
+        if group not in cfg:
+            raise ConfigError(f"{group}: config group missing from the composed config")
+        try:
+            obj = OmegaConf.to_object(cfg[group])
+        except ConfigError:
+            raise
+        except Exception as exc:  # omegaconf wraps __post_init__ errors and type errors
+            raise _unwrap(exc) from None
+        if not isinstance(obj, schema):
+            raise ConfigError(f"{group}: does not extend {group}_schema (got {type(obj).__name__})")
+        parts[_attr(group)] = obj
+    if "run_dir" not in cfg or OmegaConf.is_missing(cfg, "run_dir"):
+        raise ConfigError("run_dir must be set")
+    return RunConfig(**parts, run_dir=str(cfg.run_dir), seed=int(cfg.seed))

@@ -28,6 +28,7 @@ class Rollouts(Protocol):
 class SampleStore(Protocol):
     async def get_groups(self, partition: str, group_ids: list[int]) -> list[Sample]: ...
     async def clear(self, partition: str) -> None: ...
+    async def clear_groups(self, partition: str, group_ids: list[int]) -> None: ...
 
 
 class Trainer(Protocol):
@@ -71,7 +72,7 @@ class LoopReport:
     counts: dict[str, int]
 
 
-def _ledger_key(s: Sample | Any) -> str:
+def ledger_key(s: Sample | Any) -> str:
     return f"g{s.group_id}/s{s.sample_index}"
 
 
@@ -87,21 +88,21 @@ async def run_sync(parts: SyncLoopParts, cfg: SyncLoopSettings, *, start_version
                 reqs.append(RolloutRequest(group_id=next_group, input_id=str(row["input_id"]), sample_index=i, row=row))
             next_group += 1
         for r in reqs:
-            parts.ledger.on_dispatched(_ledger_key(r))
+            parts.ledger.on_dispatched(ledger_key(r))
         partition = f"step-{step}"
 
         t0 = parts.clock()
         await parts.rollouts.run_all(reqs, partition)
         samples = await parts.store.get_groups(partition, sorted({r.group_id for r in reqs}))
         t_gen = parts.clock() - t0
-        if {_ledger_key(s) for s in samples} != {_ledger_key(r) for r in reqs}:
+        if {ledger_key(s) for s in samples} != {ledger_key(r) for r in reqs}:
             raise RuntimeError(f"step {step}: buffer returned {len(samples)} samples for {len(reqs)} rollouts")
 
         batch = assemble(samples, filter_zero_variance=cfg.filter_zero_variance)
         for s in batch.failed:
-            parts.ledger.on_terminal(_ledger_key(s), "failed")
+            parts.ledger.on_terminal(ledger_key(s), "failed")
         for s in batch.filtered:
-            parts.ledger.on_terminal(_ledger_key(s), "filtered")
+            parts.ledger.on_terminal(ledger_key(s), "filtered")
 
         t0 = parts.clock()
         update_metrics: list[dict[str, float]] = []
@@ -109,7 +110,7 @@ async def run_sync(parts: SyncLoopParts, cfg: SyncLoopSettings, *, start_version
             update_metrics.append(await parts.trainer.update(chunk))
         for g in batch.trainable:
             for s in g.samples:
-                parts.ledger.on_terminal(_ledger_key(s), "completed")
+                parts.ledger.on_terminal(ledger_key(s), "completed")
         t_update = parts.clock() - t0
 
         t0 = parts.clock()
@@ -135,7 +136,7 @@ async def run_sync(parts: SyncLoopParts, cfg: SyncLoopSettings, *, start_version
             "policy_version": float(version),
             **{k: float(v) for k, v in parts.ledger.counts().items()},
         }
-        metrics.update(_mean_metrics(update_metrics))
+        metrics.update(mean_update_metrics(update_metrics))
         # the short name of verl's `rollout_corr/rollout_is_mean` (mean TIS weight over trained tokens)
         metrics["rollout_corr/is_mean"] = metrics.get("rollout_corr/rollout_is_mean", math.nan)
         latencies = sorted(s.latency_s for s in samples)
@@ -148,7 +149,7 @@ async def run_sync(parts: SyncLoopParts, cfg: SyncLoopSettings, *, start_version
     return LoopReport(steps=cfg.total_steps, policy_version=version, counts=parts.ledger.counts())
 
 
-def _mean_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
+def mean_update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
     """Average each trainer metric over the step's mini-batches (`actor/num_tokens` is summed)."""
     keys = {k for m in updates for k in m}
     out = {}

@@ -153,9 +153,17 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
                               weights_dir=run_dir / "weights"),
         weights=CpuWeightSync(replicas), logger=logger, ledger=ledger)
     try:
-        report = await run_sync(parts, SyncLoopSettings(
-            total_steps=cfg.trainer.total_steps, batch_size=cfg.rollout.batch_size, n=cfg.rollout.n,
-            sync_every=cfg.mode.sync_every, filter_zero_variance=cfg.algorithm.filter_zero_variance))
+        if cfg.mode.name == "async":
+            from orchestrator.loop_async import AsyncLoopSettings, run_async
+
+            report = await run_async(parts, AsyncLoopSettings(
+                total_steps=cfg.trainer.total_steps, groups_per_update=cfg.rollout.batch_size // cfg.mode.sync_every,
+                n=cfg.rollout.n, sync_every=cfg.mode.sync_every, max_staleness=cfg.async_.max_staleness,
+                on_stale=cfg.async_.on_stale, filter_zero_variance=cfg.algorithm.filter_zero_variance))
+        else:
+            report = await run_sync(parts, SyncLoopSettings(
+                total_steps=cfg.trainer.total_steps, batch_size=cfg.rollout.batch_size, n=cfg.rollout.n,
+                sync_every=cfg.mode.sync_every, filter_zero_variance=cfg.algorithm.filter_zero_variance))
     finally:
         logger.close()
         with contextlib.suppress(Exception):

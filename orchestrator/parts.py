@@ -66,6 +66,9 @@ class TrainerClient:
         self._last_path: Path | None = None
 
     async def update(self, groups: tuple[Group, ...]) -> dict[str, float]:
+        """One optimizer step on `groups`; no step when no token is trainable (all masked)."""
+        if not any(r.num_generated for g in groups for s in g.samples for r in s.rows):
+            return {"actor/num_tokens": 0.0, "actor/step_skipped": 1.0}
         batch = build_train_batch(groups, pad_id=self._pad_id, norm_adv_by_std=self._norm)
         return await self._actor.update.remote(batch)
 
@@ -94,3 +97,6 @@ class BufferStore:
 
     async def clear(self, partition: str) -> None:
         await self._buffer.clear(partition)
+
+    async def clear_groups(self, partition: str, group_ids: list[int]) -> None:
+        await self._buffer.clear(partition, group_ids)

@@ -1,0 +1,237 @@
+"""The async loop: generation never stops; the trainer updates as mini-batches fill.
+
+A producer task admits groups while the staleness controller has capacity (at most
+(η + v + 1)·B groups admitted by policy version v) and runs each group's n rollouts as its own
+task; finished groups queue up. The consumer (this loop) takes finished groups, filters them,
+checks every sample's staleness (trainer version − oldest token version), trains `sync_every`
+mini-batches of B groups, pushes weights and bumps the version, which frees capacity.
+
+Invariants: every dispatched rollout reaches exactly one terminal state in the ledger
+(`completed` = trained, `filtered`, `failed`, `expired` = too stale, or still running when the
+run ended); a group that is not trained gives its admission capacity back; no sample staler
+than η is trained with a gradient. A producer task that dies stops the run.
+
+Called by `main.py` with the same parts as the sync loop plus the staleness controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.batching import Group, assemble, reward_stats
+from orchestrator.loop_sync import LoopReport, SyncLoopParts, ledger_key, mean_update_metrics
+from orchestrator.staleness import StalenessController, sample_staleness
+from orchestrator.staleness_gate import AdmissionGate
+from orchestrator.types import RolloutRequest, Sample
+
+PARTITION = "async"  # one buffer partition; groups are cleared one by one once consumed
+GROUP_WAIT_S = 0.5  # the consumer re-checks the producer's health at least this often (seconds)
+
+
+@dataclass(frozen=True)
+class AsyncLoopSettings:
+    total_steps: int  # weight syncs; each follows `sync_every` optimizer updates
+    groups_per_update: int  # B: trainable groups per mini-batch
+    n: int  # samples per group
+    sync_every: int
+    max_staleness: int  # η, in policy versions
+    on_stale: str  # "drop" | "train_masked"
+    filter_zero_variance: bool
+    drain_timeout_s: float = 300.0  # bound on waiting for in-flight groups at the end (seconds)
+
+
+@dataclass
+class _Version:
+    value: int = 0
+
+    def current(self) -> int:
+        return self.value
+
+
+@dataclass
+class _StepStats:
+    staleness: list[int] = field(default_factory=list)
+    spans: list[int] = field(default_factory=list)
+    dropped_stale: int = 0
+    masked: set[str] = field(default_factory=set)  # ledger keys trained with a zero loss mask
+    wait_s: float = 0.0
+    samples: list[Sample] = field(default_factory=list)
+
+
+async def run_async(parts: SyncLoopParts, cfg: AsyncLoopSettings, *, start_version: int = 0) -> LoopReport:
+    """Run `cfg.total_steps` async steps; returns ledger counts and the final policy version."""
+    version = _Version(start_version)
+    controller = StalenessController(version, max_staleness=cfg.max_staleness,
+                                     groups_per_update=cfg.groups_per_update)
+    gate = AdmissionGate(controller)
+    ready: asyncio.Queue[int] = asyncio.Queue()
+    running: set[asyncio.Task] = set()
+    stop = asyncio.Event()
+    producer = asyncio.create_task(_produce(parts, cfg, gate, ready, running, stop), name="producer")
+    try:
+        for step in range(1, cfg.total_steps + 1):
+            t_step = parts.clock()
+            st = _StepStats()
+            update_metrics: list[dict[str, float]] = []
+            t_update = 0.0
+            for _ in range(cfg.sync_every):
+                groups = await _collect(parts, cfg, controller, gate, ready, producer, version.value, st)
+                t0 = parts.clock()
+                update_metrics.append(await parts.trainer.update(tuple(groups)))
+                t_update += parts.clock() - t0
+                for g in groups:
+                    for s in g.samples:
+                        parts.ledger.on_terminal(ledger_key(s), "expired" if ledger_key(s) in st.masked
+                                                 else "completed")
+                    controller.on_finished(kept=True)
+            t0 = parts.clock()
+            path = await parts.trainer.export_weights(version.value + 1)
+            await parts.weights.push(path, version.value + 1)
+            version.value += 1
+            gate.notify()
+            t_sync = parts.clock() - t0
+            parts.logger.log(step, _metrics(parts, st, update_metrics, t_update, t_sync,
+                                            parts.clock() - t_step, version.value))
+    finally:
+        stop.set()
+        gate.notify()
+        await _drain(parts, cfg, producer, running, ready)
+    if parts.ledger.open_rollouts():
+        raise RuntimeError(f"rollouts left open after the loop: {parts.ledger.open_rollouts()[:5]}")
+    return LoopReport(steps=cfg.total_steps, policy_version=version.value, counts=parts.ledger.counts())
+
+
+async def _produce(parts: SyncLoopParts, cfg: AsyncLoopSettings, gate: AdmissionGate, ready: asyncio.Queue,
+                   running: set[asyncio.Task], stop: asyncio.Event) -> None:
+    """Admit groups while capacity lasts; each group runs as its own task and queues its id when done."""
+    next_group = 0
+    while not stop.is_set():
+        if not await gate.acquire(timeout_s=GROUP_WAIT_S):
+            continue
+        if stop.is_set():
+            gate.release()
+            return
+        row = parts.prompts.next_rows(1)[0]
+        gid, next_group = next_group, next_group + 1
+        reqs = [RolloutRequest(group_id=gid, input_id=str(row["input_id"]), sample_index=i, row=row)
+                for i in range(cfg.n)]
+        for r in reqs:
+            parts.ledger.on_dispatched(ledger_key(r))
+
+        async def run_group(gid: int = gid, reqs: list[RolloutRequest] = reqs) -> None:
+            await parts.rollouts.run_all(reqs, PARTITION)
+            ready.put_nowait(gid)
+
+        task = asyncio.create_task(run_group(), name=f"group-{gid}")
+        running.add(task)
+        task.add_done_callback(running.discard)
+
+
+def _masked(s: Sample, version: int, cfg: AsyncLoopSettings) -> bool:
+    return cfg.on_stale == "train_masked" and sample_staleness(s, version) > cfg.max_staleness
+
+
+async def _collect(parts: SyncLoopParts, cfg: AsyncLoopSettings, controller: StalenessController,
+                   gate: AdmissionGate, ready: asyncio.Queue, producer: asyncio.Task, version: int,
+                   st: _StepStats) -> list[Group]:
+    """Take finished groups until B trainable ones are in hand; close the others in the ledger."""
+    groups: list[Group] = []
+    while len(groups) < cfg.groups_per_update:
+        t0 = parts.clock()
+        gid = await _next_ready(ready, producer)
+        st.wait_s += parts.clock() - t0
+        samples = await parts.store.get_groups(PARTITION, [gid])
+        await parts.store.clear_groups(PARTITION, [gid])
+        st.samples.extend(samples)
+        fresh = []
+        for s in samples:
+            if s.status == "completed" and cfg.on_stale == "drop" and sample_staleness(s, version) > cfg.max_staleness:
+                parts.ledger.on_terminal(ledger_key(s), "expired")
+                st.dropped_stale += 1
+            else:
+                fresh.append(s)
+        batch = assemble(fresh, filter_zero_variance=cfg.filter_zero_variance)
+        for s in batch.failed:
+            parts.ledger.on_terminal(ledger_key(s), "failed")
+        for s in batch.filtered:
+            parts.ledger.on_terminal(ledger_key(s), "filtered")
+        if not batch.trainable:
+            controller.on_finished(kept=False)  # capacity back: the producer may admit another group
+            gate.notify()
+            continue
+        [group] = batch.trainable
+        for s in group.samples:
+            st.staleness.append(sample_staleness(s, version))
+            vr = s.version_range()
+            st.spans.append(vr[1] - vr[0] if vr else 0)
+            if _masked(s, version, cfg):
+                st.masked.add(ledger_key(s))
+        groups.append(Group(group.group_id, tuple(_without_gradient(s) if ledger_key(s) in st.masked else s
+                                                  for s in group.samples)))
+    return groups
+
+
+def _without_gradient(s: Sample) -> Sample:
+    """`train_masked`: the sample keeps its reward (group statistics) but no token is trained."""
+    rows = tuple(dataclasses.replace(r, loss_mask=(0,) * len(r.loss_mask)) for r in s.rows)
+    return dataclasses.replace(s, rows=rows)
+
+
+async def _next_ready(ready: asyncio.Queue, producer: asyncio.Task) -> int:
+    """Next finished group id; re-raises if the producer died (a dead producer must stop the run)."""
+    while True:
+        if producer.done():
+            producer.result()  # raises its exception
+            raise RuntimeError("the producer stopped before the run finished")
+        try:
+            return await asyncio.wait_for(ready.get(), GROUP_WAIT_S)
+        except TimeoutError:
+            continue
+
+
+async def _drain(parts: SyncLoopParts, cfg: AsyncLoopSettings, producer: asyncio.Task,
+                 running: set[asyncio.Task], ready: asyncio.Queue) -> None:
+    """Stop admitting, let in-flight groups finish (bounded), close their rollouts as `expired`."""
+    producer.cancel()
+    await asyncio.gather(producer, return_exceptions=True)
+    if running:
+        _, pending = await asyncio.wait(set(running), timeout=cfg.drain_timeout_s)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    while not ready.empty():
+        gid = ready.get_nowait()
+        await parts.store.clear_groups(PARTITION, [gid])
+    for key in parts.ledger.open_rollouts():
+        parts.ledger.on_terminal(key, "expired")  # generated after the last update: never trained
+
+
+def _metrics(parts: SyncLoopParts, st: _StepStats, updates: list[dict[str, float]], t_update: float,
+             t_sync: float, step_s: float, version: int) -> dict[str, Any]:
+    trained_tokens = sum(m.get("actor/num_tokens", 0.0) for m in updates)
+    m: dict[str, Any] = {
+        **reward_stats(st.samples),
+        "perf/throughput": trained_tokens / step_s if step_s > 0 else 0.0,
+        "perf/trained_tokens": trained_tokens,
+        "timing_s/gen": st.wait_s,  # async: generation overlaps training; this is the wait for it
+        "timing_s/wait_for_batch": st.wait_s,
+        "timing_s/update_actor": t_update,
+        "timing_s/update_weights": t_sync,
+        "timing_s/step": step_s,
+        "policy_version": float(version),
+        "staleness/mean": sum(st.staleness) / len(st.staleness) if st.staleness else math.nan,
+        "staleness/max": float(max(st.staleness)) if st.staleness else math.nan,
+        "staleness/version_span": float(max(st.spans)) if st.spans else math.nan,
+        "async/dropped_stale": float(st.dropped_stale),
+        "async/masked_stale": float(len(st.masked)),
+        **{f"staleness/hist_{k}": float(v) for k, v in sorted(Counter(st.staleness).items())},
+        **{k: float(v) for k, v in parts.ledger.counts().items()},
+    }
+    m.update(mean_update_metrics(updates))
+    m["rollout_corr/is_mean"] = m.get("rollout_corr/rollout_is_mean", math.nan)
+    return m
