@@ -10,10 +10,13 @@ torch or vLLM, so a bad config fails in about a second, before any process start
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+from orchestrator.algorithms.rollout_correction_config import RejectionRule, parse_is_threshold
+from orchestrator.algorithms.rollout_correction_config import RolloutCorrectionConfig as TypedRolloutCorrection
 
 
 class ConfigError(ValueError):
@@ -118,6 +121,7 @@ class AcrConfig:
     num_agents: int = 2
     session_rate_per_s: float = 25.0
     agent_cmd: str | None = None
+    agent_env: dict[str, str] = field(default_factory=dict)  # extra env vars of the agent processes
 
 
 @dataclass
@@ -166,16 +170,56 @@ class TaskConfig:
 
 
 @dataclass
-class RolloutCorrectionConfig:
-    """Rollout correction between π_old and π_rollout (token-level TIS for now)."""
+class RejectionRuleConfig:
+    """One rejection rule of `algorithm.rollout_correction.rs`. `name`: one of token_k{1,2,3},
+    seq_sum_k{1,2,3}, seq_mean_k{1,2,3}, seq_max_k{2,3}. k2/k3 rules take `threshold` (keep
+    stat <= threshold); k1 rules bound the ratio π_old/π_rollout (or its product / geometric mean):
+    `lower` and `upper`, or `threshold` C for the band [1/C, C]."""
 
-    is_level: str | None = "token"
-    is_threshold: float = 2.0
+    name: str = MISSING
+    threshold: Optional[float] = None
+    lower: Optional[float] = None
+    upper: Optional[float] = None
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Rollout correction between π_rollout, π_old and π_θ (orchestrator/algorithms/rollout_correction_config.py).
+
+    mode: decoupled (π_old recomputed; IS weights π_old/π_rollout) | bypass (π_old := π_rollout).
+    is_level: token | sequence | null (no IS weights; diagnostics only).
+    is_threshold: TIS cap C (> 1), or a quoted IcePop band "lo_hi" (weights outside it are 0).
+    rs: rejection rules; a token is trained only if every rule keeps it.
+    The typed form is parsed once here and read with `typed()`.
+    """
+
+    mode: str = "decoupled"
+    is_level: Optional[str] = "token"
+    is_threshold: Any = 2.0
+    rs: list[RejectionRuleConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.is_level is not None:
-            _one_of(self.is_level, "algorithm.rollout_correction.is_level", ("token",))
-        _check(self.is_threshold > 0, "algorithm.rollout_correction.is_threshold", "must be > 0", self.is_threshold)
+        key = "algorithm.rollout_correction"
+        try:
+            upper, lower = parse_is_threshold(self.is_threshold, f"{key}.is_threshold")
+            rules = tuple(
+                RejectionRule.from_spec(
+                    r.name, threshold=r.threshold, lower=r.lower, upper=r.upper, key=f"{key}.rs[{i}]"
+                )
+                for i, r in enumerate(self.rs)
+            )
+            self._typed = TypedRolloutCorrection(
+                mode=self.mode, is_level=self.is_level, is_threshold=upper,  # type: ignore[arg-type]
+                is_threshold_lower=lower, rs=rules,
+            )
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def typed(self) -> TypedRolloutCorrection:
+        """The validated, typed settings the trainer takes (`TrainerSettings.rollout_correction`)."""
+        return self._typed
 
 
 @dataclass

@@ -17,15 +17,13 @@ Called by `main.py` with the same parts as the sync loop plus the staleness cont
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.batching import Group, assemble, reward_stats
 from orchestrator.loop_sync import LoopReport, SyncLoopParts, ledger_key, mean_update_metrics
-from orchestrator.staleness import StalenessController, sample_staleness
+from orchestrator.staleness import SampleStaleness, StalenessController, StalenessPolicy, judge_samples, staleness_metrics
 from orchestrator.staleness_gate import AdmissionGate
 from orchestrator.types import RolloutRequest, Sample
 
@@ -55,9 +53,7 @@ class _Version:
 
 @dataclass
 class _StepStats:
-    staleness: list[int] = field(default_factory=list)
-    spans: list[int] = field(default_factory=list)
-    dropped_stale: int = 0
+    facts: list[SampleStaleness] = field(default_factory=list)
     masked: set[str] = field(default_factory=set)  # ledger keys trained with a zero loss mask
     wait_s: float = 0.0
     samples: list[Sample] = field(default_factory=list)
@@ -67,7 +63,8 @@ async def run_async(parts: SyncLoopParts, cfg: AsyncLoopSettings, *, start_versi
     """Run `cfg.total_steps` async steps; returns ledger counts and the final policy version."""
     version = _Version(start_version)
     controller = StalenessController(version, max_staleness=cfg.max_staleness,
-                                     groups_per_update=cfg.groups_per_update)
+                                     groups_per_update=cfg.groups_per_update, updates_per_version=cfg.sync_every)
+    policy = StalenessPolicy(cfg.max_staleness, cfg.on_stale)
     gate = AdmissionGate(controller)
     ready: asyncio.Queue[int] = asyncio.Queue()
     running: set[asyncio.Task] = set()
@@ -80,7 +77,7 @@ async def run_async(parts: SyncLoopParts, cfg: AsyncLoopSettings, *, start_versi
             update_metrics: list[dict[str, float]] = []
             t_update = 0.0
             for _ in range(cfg.sync_every):
-                groups = await _collect(parts, cfg, controller, gate, ready, producer, version.value, st)
+                groups = await _collect(parts, cfg, policy, controller, gate, ready, producer, version.value, st)
                 t0 = parts.clock()
                 update_metrics.append(await parts.trainer.update(tuple(groups)))
                 t_update += parts.clock() - t0
@@ -89,6 +86,7 @@ async def run_async(parts: SyncLoopParts, cfg: AsyncLoopSettings, *, start_versi
                         parts.ledger.on_terminal(ledger_key(s), "expired" if ledger_key(s) in st.masked
                                                  else "completed")
                     controller.on_finished(kept=True)
+                controller.on_trained(len(groups))
             t0 = parts.clock()
             path = await parts.trainer.export_weights(version.value + 1)
             await parts.weights.push(path, version.value + 1)
@@ -132,14 +130,14 @@ async def _produce(parts: SyncLoopParts, cfg: AsyncLoopSettings, gate: Admission
         task.add_done_callback(running.discard)
 
 
-def _masked(s: Sample, version: int, cfg: AsyncLoopSettings) -> bool:
-    return cfg.on_stale == "train_masked" and sample_staleness(s, version) > cfg.max_staleness
+async def _collect(parts: SyncLoopParts, cfg: AsyncLoopSettings, policy: StalenessPolicy,
+                   controller: StalenessController, gate: AdmissionGate, ready: asyncio.Queue,
+                   producer: asyncio.Task, version: int, st: _StepStats) -> list[Group]:
+    """Take finished groups until B trainable ones are in hand; close the others in the ledger.
 
-
-async def _collect(parts: SyncLoopParts, cfg: AsyncLoopSettings, controller: StalenessController,
-                   gate: AdmissionGate, ready: asyncio.Queue, producer: asyncio.Task, version: int,
-                   st: _StepStats) -> list[Group]:
-    """Take finished groups until B trainable ones are in hand; close the others in the ledger."""
+    Staleness is judged against `version`, the trainer's version at this update: stale samples
+    are dropped (`expired`) or kept loss-masked, per `async.on_stale`.
+    """
     groups: list[Group] = []
     while len(groups) < cfg.groups_per_update:
         t0 = parts.clock()
@@ -148,14 +146,14 @@ async def _collect(parts: SyncLoopParts, cfg: AsyncLoopSettings, controller: Sta
         samples = await parts.store.get_groups(PARTITION, [gid])
         await parts.store.clear_groups(PARTITION, [gid])
         st.samples.extend(samples)
-        fresh = []
-        for s in samples:
-            if s.status == "completed" and cfg.on_stale == "drop" and sample_staleness(s, version) > cfg.max_staleness:
-                parts.ledger.on_terminal(ledger_key(s), "expired")
-                st.dropped_stale += 1
-            else:
-                fresh.append(s)
-        batch = assemble(fresh, filter_zero_variance=cfg.filter_zero_variance)
+        completed = [s for s in samples if s.status == "completed"]
+        verdict = judge_samples(completed, version, policy)
+        st.facts.extend(verdict.facts)
+        for s in verdict.expired:
+            parts.ledger.on_terminal(ledger_key(s), "expired")
+        st.masked.update(ledger_key(s) for s, f in zip(completed, verdict.facts) if f.stale and policy.on_stale != "drop")
+        batch = assemble([*verdict.train, *(s for s in samples if s.status != "completed")],
+                         filter_zero_variance=cfg.filter_zero_variance)
         for s in batch.failed:
             parts.ledger.on_terminal(ledger_key(s), "failed")
         for s in batch.filtered:
@@ -164,22 +162,8 @@ async def _collect(parts: SyncLoopParts, cfg: AsyncLoopSettings, controller: Sta
             controller.on_finished(kept=False)  # capacity back: the producer may admit another group
             gate.notify()
             continue
-        [group] = batch.trainable
-        for s in group.samples:
-            st.staleness.append(sample_staleness(s, version))
-            vr = s.version_range()
-            st.spans.append(vr[1] - vr[0] if vr else 0)
-            if _masked(s, version, cfg):
-                st.masked.add(ledger_key(s))
-        groups.append(Group(group.group_id, tuple(_without_gradient(s) if ledger_key(s) in st.masked else s
-                                                  for s in group.samples)))
+        groups.extend(batch.trainable)
     return groups
-
-
-def _without_gradient(s: Sample) -> Sample:
-    """`train_masked`: the sample keeps its reward (group statistics) but no token is trained."""
-    rows = tuple(dataclasses.replace(r, loss_mask=(0,) * len(r.loss_mask)) for r in s.rows)
-    return dataclasses.replace(s, rows=rows)
 
 
 async def _next_ready(ready: asyncio.Queue, producer: asyncio.Task) -> int:
@@ -224,12 +208,8 @@ def _metrics(parts: SyncLoopParts, st: _StepStats, updates: list[dict[str, float
         "timing_s/update_weights": t_sync,
         "timing_s/step": step_s,
         "policy_version": float(version),
-        "staleness/mean": sum(st.staleness) / len(st.staleness) if st.staleness else math.nan,
-        "staleness/max": float(max(st.staleness)) if st.staleness else math.nan,
-        "staleness/version_span": float(max(st.spans)) if st.spans else math.nan,
-        "async/dropped_stale": float(st.dropped_stale),
+        **staleness_metrics(st.facts),
         "async/masked_stale": float(len(st.masked)),
-        **{f"staleness/hist_{k}": float(v) for k, v in sorted(Counter(st.staleness).items())},
         **{k: float(v) for k, v in parts.ledger.counts().items()},
     }
     m.update(mean_update_metrics(updates))

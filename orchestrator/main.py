@@ -70,7 +70,8 @@ def run(cfg: RunConfig) -> dict:
                                session_rate_per_s=cfg.rollout.acr.session_rate_per_s,
                                bucket=cfg.rollout.acr.s3_bucket, region=cfg.rollout.acr.region,
                                agent_runtime_arn=cfg.rollout.acr.agent_runtime_arn,
-                               log_dir=run_dir / "logs")
+                               log_dir=run_dir / "logs",
+                               agent_env={k: str(v) for k, v in cfg.rollout.acr.agent_env.items()})
             stack.enter_context(local)
             started = {**local.pids(), **{f"agent-{i}": pid for i, pid in enumerate(local.stats().agent_pids)}}
             (run_dir / "pids.json").write_text(json.dumps(started, indent=2) + "\n")  # for audits/tests
@@ -123,7 +124,7 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
     trainer = ray.remote(num_cpus=0)(TrainerWorker).options(runtime_env=threads).remote(TrainerSettings(
         model_path=model_path, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
         grad_clip=cfg.trainer.grad_clip, clip_ratio_low=cfg.algorithm.clip_ratio_low,
-        clip_ratio_high=cfg.algorithm.clip_ratio_high, tis_threshold=cfg.algorithm.rollout_correction.is_threshold if cfg.algorithm.rollout_correction.is_level else None,
+        clip_ratio_high=cfg.algorithm.clip_ratio_high, rollout_correction=cfg.algorithm.rollout_correction.typed(),
         seed=cfg.trainer.seed, micro_batch_size=cfg.trainer.micro_batch_size))
     gateway = ray.remote(num_cpus=0, max_concurrency=1000)(GatewayServer).remote(GatewayConfig(
         model_path=model_path, served_model_name=cfg.model.served_name,

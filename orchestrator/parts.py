@@ -8,19 +8,52 @@ sends holds exactly the rows of the given groups, each row carrying its sample's
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from orchestrator.algorithms.advantages import grpo_outcome_advantages
-from orchestrator.algorithms.batch import TrainBatch
+from orchestrator.algorithms.batch import SampleTable, TrainBatch
 from orchestrator.batching import Group
 
 
+@dataclass(frozen=True)
+class PromptCycleState:
+    """PromptCycle's resumable state (JSON-safe). `order`: row indices left in this epoch (drawn
+    from the end); `rng_state`: `random.Random.getstate()` as nested lists; `rows_digest`: sha256
+    of the dataset rows, so a resume on different rows is refused."""
+
+    epoch: int
+    order: tuple[int, ...]
+    rng_state: list
+    num_rows: int
+    rows_digest: str
+
+    def to_json(self) -> dict:
+        return {"epoch": self.epoch, "order": list(self.order), "rng_state": self.rng_state,
+                "num_rows": self.num_rows, "rows_digest": self.rows_digest}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "PromptCycleState":
+        return cls(epoch=int(d["epoch"]), order=tuple(int(i) for i in d["order"]), rng_state=d["rng_state"],
+                   num_rows=int(d["num_rows"]), rows_digest=str(d["rows_digest"]))
+
+
+def rows_digest(rows: list[dict]) -> str:
+    """sha256 over the rows' canonical JSON (keys sorted; non-JSON values by str())."""
+    return hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
+
+
 class PromptCycle:
-    """Endless prompt source over `rows`: reshuffled each epoch with a seeded RNG (reproducible)."""
+    """Endless prompt source over `rows`: reshuffled each epoch with a seeded RNG (reproducible).
+
+    Invariant: `PromptCycle.from_state(rows, c.state())` draws exactly the rows `c` would draw next.
+    """
 
     def __init__(self, rows: list[dict], seed: int) -> None:
         if not rows:
@@ -29,6 +62,32 @@ class PromptCycle:
         self._rng = random.Random(seed)
         self._order: list[int] = []
         self.epoch = 0
+
+    def state(self) -> PromptCycleState:
+        """The cursor (epoch, indices left in this epoch) and RNG state, JSON-safe."""
+        version, internal, gauss = self._rng.getstate()
+        return PromptCycleState(self.epoch, tuple(self._order), [version, list(internal), gauss],
+                                len(self._rows), rows_digest(self._rows))
+
+    @classmethod
+    def from_state(cls, rows: list[dict], state: PromptCycleState) -> "PromptCycle":
+        """A cycle over `rows` that continues where `state` was taken.
+
+        Raises ValueError when `rows` are not the rows the state was taken on, or the state is corrupt.
+        """
+        if len(rows) != state.num_rows or rows_digest(list(rows)) != state.rows_digest:
+            raise ValueError(
+                f"prompt state was saved for {state.num_rows} rows (digest {state.rows_digest[:12]}), "
+                f"got {len(rows)} different rows: the dataset changed since the checkpoint"
+            )
+        if any(not 0 <= i < len(rows) for i in state.order):
+            raise ValueError(f"prompt state holds row indices outside [0, {len(rows)})")
+        cycle = cls(rows, seed=0)
+        version, internal, gauss = state.rng_state
+        cycle._rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
+        cycle._order = list(state.order)
+        cycle.epoch = state.epoch
+        return cycle
 
     def next_rows(self, num: int) -> list[dict]:
         out = []
@@ -42,17 +101,25 @@ class PromptCycle:
 
 
 def build_train_batch(groups: tuple[Group, ...], *, pad_id: int, norm_adv_by_std: bool) -> TrainBatch:
-    """Rows of every sample in `groups`, each with its sample's GRPO advantage ([rows, seq] tensors)."""
+    """Rows of every sample in `groups`, each with its sample's GRPO advantage ([rows, seq] tensors).
+
+    The batch carries a SampleTable (group and reward of every sample, row -> sample) so the trainer
+    can recompute group advantages when rejection masks exclude a sample (algorithms/rejection.py).
+    """
     samples = [s for g in groups for s in g.samples]
     rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)  # type: ignore[arg-type]
-    adv = grpo_outcome_advantages(rewards, [s.group_id for s in samples], norm_adv_by_std=norm_adv_by_std)
-    rows, row_adv = [], []
-    for s, a in zip(samples, adv.tolist()):
+    group_ids = [s.group_id for s in samples]
+    adv = grpo_outcome_advantages(rewards, group_ids, norm_adv_by_std=norm_adv_by_std)
+    rows, row_adv, row_sample = [], [], []
+    for i, (s, a) in enumerate(zip(samples, adv.tolist())):
         for r in s.rows:
             if r.num_generated > 0:
                 rows.append(r)
                 row_adv.append(a)
-    return TrainBatch.from_rows(rows, row_adv, pad_id=pad_id)
+                row_sample.append(i)
+    table = SampleTable(group_index=torch.tensor(group_ids, dtype=torch.long), rewards=rewards,
+                        row_sample=torch.tensor(row_sample, dtype=torch.long), norm_adv_by_std=norm_adv_by_std)
+    return TrainBatch.from_rows(rows, row_adv, pad_id=pad_id, samples=table)
 
 
 class TrainerClient:

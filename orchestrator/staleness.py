@@ -111,6 +111,12 @@ class Admission:
 
     Invariant: admitted == running + accepted + returned at every call boundary; no counter
     goes negative; illegal transitions raise `StalenessError`.
+
+    Events of one group, in order: `on_admitted()` before its rollouts are dispatched; then
+    `on_finished(kept=False)` if it ends filtered or failed, or `on_finished(kept=True)` once it
+    is known trainable; then `on_trained(1)` when an update consumes it, or `on_expired(1)` if
+    it is dropped as too stale instead. (A loop that calls `on_finished(kept=True)` only after the
+    update must still call `on_trained` then: checkpoints count trained groups.)
     """
 
     def __init__(
@@ -254,6 +260,9 @@ class Admission:
             raise StalenessError(f"admission invariant broken: {c}")
 
 
+StalenessController = Admission  # the name the async-mode issue uses
+
+
 # --- per-sample verdict ------------------------------------------------------------------------
 
 
@@ -269,18 +278,28 @@ class SampleStaleness:
     stale: bool
 
 
-def sample_staleness(sample: Sample, trainer_version: int, max_staleness: int) -> SampleStaleness:
-    """staleness = trainer_version - (oldest policy version among the sample's generated tokens);
-    stale iff staleness > max_staleness (DESIGN.md "staleness")."""
+def sample_staleness(sample: Sample, trainer_version: int) -> int | None:
+    """staleness = trainer_version - (oldest policy version among the sample's generated tokens)
+    (DESIGN.md "staleness"); None when the sample generated nothing (failed samples, empty rows).
+
+    Raises StalenessError when a token is newer than `trainer_version`.
+    """
     rng = sample.version_range()
     if rng is None:
-        return SampleStaleness(sample.session_id, None, None, None, False)
-    lo, hi = rng
-    st = trainer_version - lo
-    if st < 0:
+        return None
+    if rng[0] > trainer_version:
         raise StalenessError(
-            f"sample {sample.session_id} has tokens of version {lo}, newer than the trainer's {trainer_version}"
+            f"sample {sample.session_id} has tokens of version {rng[0]}, newer than the trainer's {trainer_version}"
         )
+    return trainer_version - rng[0]
+
+
+def staleness_facts(sample: Sample, trainer_version: int, max_staleness: int) -> SampleStaleness:
+    """`sample_staleness` plus the version range and the verdict: stale iff staleness > max_staleness."""
+    st = sample_staleness(sample, trainer_version)
+    if st is None:
+        return SampleStaleness(sample.session_id, None, None, None, False)
+    lo, hi = sample.version_range()  # type: ignore[misc]
     return SampleStaleness(sample.session_id, lo, hi, st, st > max_staleness)
 
 
@@ -319,7 +338,7 @@ def judge_samples(samples: list[Sample], trainer_version: int, policy: Staleness
 
     Raises StalenessError when a sample is newer than `trainer_version`.
     """
-    facts = tuple(sample_staleness(s, trainer_version, policy.max_staleness) for s in samples)
+    facts = tuple(staleness_facts(s, trainer_version, policy.max_staleness) for s in samples)
     train: list[Sample] = []
     expired: list[Sample] = []
     for s, f in zip(samples, facts):

@@ -44,20 +44,43 @@ class GenerateResult:
     """Token-out answer of one inference replica.
 
     output_ids: [n_out] sampled ids (stop token included when finish_reason == "stop").
-    logprobs: [n_out] log π_rollout(token) of each sampled token, natural log.
-    policy_version: weights version that produced every token of this result.
+    logprobs: [n_out] log π_rollout(token) of each sampled token, natural log, each under the
+        weights of its own version.
+    policy_version: weights version that produced the LAST token (with no tokens: the replica's
+        version when the request ended). When every token has one version, that version.
+    token_versions: [n_out] the version that produced each token, non-decreasing (a weight update
+        that lands mid-request, see InferenceSettings.in_flight, splits a result into spans); ()
+        means every token carries `policy_version`. Read it through `versions()`.
     """
 
     output_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: FinishReason
     policy_version: int
+    token_versions: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.output_ids) != len(self.logprobs):
             raise ValueError(
                 f"output_ids ({len(self.output_ids)}) and logprobs ({len(self.logprobs)}) differ in length"
             )
+        if self.token_versions:
+            if len(self.token_versions) != len(self.output_ids):
+                raise ValueError(
+                    f"token_versions ({len(self.token_versions)}) and output_ids ({len(self.output_ids)}) "
+                    "differ in length"
+                )
+            if any(b < a for a, b in zip(self.token_versions, self.token_versions[1:])):
+                raise ValueError(f"token_versions must be non-decreasing, got {self.token_versions}")
+            if self.token_versions[-1] != self.policy_version:
+                raise ValueError(
+                    f"policy_version {self.policy_version} must equal the last token's version "
+                    f"{self.token_versions[-1]}"
+                )
+
+    def versions(self) -> tuple[int, ...]:
+        """[n_out] the policy version of each generated token."""
+        return self.token_versions or (self.policy_version,) * len(self.output_ids)
 
 
 class InferenceEngine(Protocol):

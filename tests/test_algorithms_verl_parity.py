@@ -284,7 +284,7 @@ def test_rollout_correction_rejects_empty_mask_and_bad_threshold():
     with pytest.raises(ValueError, match="is_threshold"):
         RolloutCorrectionConfig(is_threshold=1.0)
     with pytest.raises(ValueError, match="is_level"):
-        RolloutCorrectionConfig(is_level="sequence")  # type: ignore[arg-type]
+        RolloutCorrectionConfig(is_level="geometric")  # type: ignore[arg-type]
 
 
 # --- TrainBatch ------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from orchestrator.algorithms.batch import TrainBatch
+from orchestrator.algorithms.rollout_correction_config import RolloutCorrectionConfig
 from orchestrator.types import TrajectoryRow
 from workers.trainer import TrainerSettings, TrainerWorker
 
@@ -197,7 +198,7 @@ def test_settings_reject_bad_values(trainer_tiny_model):
     with pytest.raises(ValueError, match="micro_batch_size"):
         TrainerSettings(model_path=trainer_tiny_model, micro_batch_size=0)
     with pytest.raises(ValueError, match="is_threshold"):
-        TrainerSettings(model_path=trainer_tiny_model, tis_threshold=0.5)
+        TrainerSettings(model_path=trainer_tiny_model, rollout_correction=RolloutCorrectionConfig(is_threshold=0.5))
     with pytest.raises(ValueError, match="clip_ratio_c"):
         TrainerSettings(model_path=trainer_tiny_model, clip_ratio_c=0.9)
 

@@ -4,21 +4,35 @@ A plain class (callers apply `ray.remote` where they create actors). It implemen
 `InferenceEngine` protocol of orchestrator/types.py on any vLLM build: the CPU build locally,
 CUDA in production. vLLM is imported in `start()` only, so importing this module is cheap.
 
-Invariant (the policy-version contract): every token of a `GenerateResult` was produced by the
-weights of `GenerateResult.policy_version`. A weight update and a request never overlap:
-`update_weights` first stops admitting new requests (they wait), then waits for the in-flight ones
-to drain, reloads, resets the prefix cache, sets the new version, and re-opens admission
-(`WeightsGate`). So an update that lands mid-request waits for that request (at most its
-`max_tokens` of decoding); the request reports the old version, and every request admitted after
-the update reports the new one. A later async-mode design may instead pause the engine with
-in-flight requests kept (`AsyncLLM.pause_generation(mode="keep")`), which would need per-token
-versions in `GenerateResult`.
+Invariant (the policy-version contract): every generated token carries the version of the weights
+that produced it (`GenerateResult.token_versions`; `policy_version` is the last token's). The
+engine labels its own outputs (vLLM's weight-version spans): the label changes only while the
+scheduler is paused, together with the weights, so a label can never disagree with the weights.
+What a weight update does to requests in flight is `InferenceSettings.in_flight`:
+- "drain" (sync mode): `update_weights` stops admitting new requests (they wait), waits for the
+  in-flight ones to finish, reloads, and re-opens admission (`WeightsGate`). Every result has one
+  version; an update waits for the longest running request (up to its whole `max_tokens`).
+- "continue": the engine pauses with requests kept (`pause_generation(mode="keep")`: at most the
+  step under way finishes), reloads, preempts the kept requests so that their KV cache is
+  recomputed from prompt + tokens so far under the NEW weights, and resumes. A result's tokens
+  switch version exactly at the update; every token's log-prob is that of its own version.
+- "abort_resume": the engine pauses aborting every request (`mode="abort"`: partial tokens come
+  back); after the reload each aborted request is resubmitted with prompt + partial tokens and
+  `max_tokens` minus the tokens it already has (the original budget is never exceeded), and the
+  result concatenates the segments (ids, log-probs, versions). With `resume_aborted=False` the
+  request ends instead with finish_reason "abort" and its partial tokens (the gateway answers 503
+  and records nothing, so aborted samples never reach the trainer).
+In "continue" and "abort_resume", an update is bounded by one engine step (the pause) plus the
+reload and a cache reset, whatever the requests in flight; new requests are queued by the engine
+meanwhile. Every request returns exactly one result or raises; none is dropped by an update.
 
 Sampling contract: only `GenerateRequest.stop_token_ids` end a generation with "stop" (the engine's
 own EOS is ignored, `ignore_eos=True`), so the caller (the gateway) decides the stop set. Returned
 log-probs are the sampled token's log-probability under the distribution actually sampled from
 (`logprobs_mode="processed_logprobs"`: after temperature and top-p), i.e. log π_rollout;
-`prompt_logprobs` returns plain log-softmax of the logits (temperature 1), for probes.
+`prompt_logprobs` returns plain log-softmax of the logits (temperature 1), for probes. A seeded
+request resumed after an abort ("abort_resume") continues with a fresh generator of the same seed,
+so it is reproducible but differs from the same request run without an update.
 
 Callers: the gateway's replica router (generate), the weight sync (update_weights), tests and
 probes (prompt_logprobs).
@@ -49,6 +63,9 @@ KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's legacy CPU env; it would overr
 MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0" lets the model worker live in the engine-core process
 DEFAULT_KV_CACHE_BYTES = 64 * 2**20  # tiny model: 2 layers x 2 KV heads x 64 dims x fp32 -> 32k tokens
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+InFlightMode = Literal["drain", "continue", "abort_resume"]
+IN_FLIGHT_MODES: tuple[InFlightMode, ...] = ("drain", "continue", "abort_resume")
+_PAUSE_MODE: dict[InFlightMode, str] = {"continue": "keep", "abort_resume": "abort"}  # vLLM PauseMode
 
 
 @dataclass(frozen=True)
@@ -64,6 +81,11 @@ class InferenceSettings:
         On a small CPU host this starts faster and decodes several times faster; vLLM warns that
         OpenMP threads are then not pinned. Use False on many-core CPU hosts; ignored on GPU.
     initial_policy_version: version reported before the first `update_weights`.
+    in_flight: what a weight update does to requests in flight: "drain" (wait for them, sync
+        mode), "continue" (keep them running across the swap) or "abort_resume" (abort, then
+        resume them under the new weights); see the module docstring.
+    resume_aborted: with in_flight="abort_resume", False ends an aborted request with
+        finish_reason "abort" and its partial tokens instead of resuming it.
     """
 
     model_path: str
@@ -78,6 +100,8 @@ class InferenceSettings:
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     worker_in_engine_process: bool = True
     initial_policy_version: int = 0
+    in_flight: InFlightMode = "drain"
+    resume_aborted: bool = True
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -91,6 +115,8 @@ class InferenceSettings:
             raise ValueError(f"inference.logprobs_mode must be processed_logprobs or raw_logprobs, got {self.logprobs_mode!r}")
         if self.initial_policy_version < 0:
             raise ValueError(f"inference.initial_policy_version must be >= 0, got {self.initial_policy_version}")
+        if self.in_flight not in IN_FLIGHT_MODES:
+            raise ValueError(f"inference.in_flight must be one of {IN_FLIGHT_MODES}, got {self.in_flight!r}")
 
 
 @dataclass(frozen=True)
@@ -161,7 +187,12 @@ class InferenceWorker:
         self._settings = settings
         self._engine: AsyncLLM | None = None
         self._version = settings.initial_policy_version
-        self._gate = WeightsGate()
+        self._gate = WeightsGate()  # "drain" only
+        self._swap_lock = asyncio.Lock()  # "continue" / "abort_resume": one swap at a time
+        self._swaps_begun = 0  # swaps that paused (or are about to pause) the engine
+        self._swaps_done = 0  # swaps that resumed it
+        self._swaps_waiting = 0
+        self._running = 0  # requests in flight outside the gate ("continue" / "abort_resume")
 
     async def start(self) -> EngineInfo:
         """Build the engine (loads the model, allocates the KV cache). Call once, in the event loop
@@ -200,6 +231,7 @@ class InferenceWorker:
             disable_log_stats=True,
         )
         self._engine = AsyncLLM.from_engine_args(args)
+        await self._engine.update_weight_version(str(self._version))  # the label of every output
         info = EngineInfo(
             startup_s=time.perf_counter() - t0,
             max_model_len=s.max_model_len,
@@ -210,69 +242,57 @@ class InferenceWorker:
         return info
 
     def policy_version(self) -> int:
-        """Weights version that requests admitted now are generated with."""
+        """Version of the weights loaded now (the version of tokens generated from now on)."""
         return self._version
 
     def num_in_flight(self) -> int:
         """Requests admitted and not finished (generate and prompt_logprobs calls)."""
-        return self._gate.num_in_flight()
+        return self._gate.num_in_flight() + self._running
 
     def update_pending(self) -> bool:
-        """True while a weight update waits for in-flight requests or runs (new requests wait)."""
-        return self._gate.update_pending()
+        """True while a weight update waits or runs ("drain": new requests wait meanwhile)."""
+        return self._gate.update_pending() or self._swaps_waiting > 0 or self._swaps_begun > self._swaps_done
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
-        """Generate from `req.prompt_ids`; returns sampled ids, their log-probs and the version.
+        """Generate from `req.prompt_ids`; returns sampled ids, their log-probs and versions.
 
-        Raises ValueError for an empty prompt or max_tokens < 1, RuntimeError if the engine is not
-        started or reports an error. Cancelling the call aborts the request in the engine.
+        At most `req.max_tokens` tokens in total, also when an update makes the request resume
+        ("abort_resume"). Raises ValueError for an empty prompt or max_tokens < 1, RuntimeError if
+        the engine is not started or reports an error. Cancelling the call aborts the request in
+        the engine.
         """
-        from vllm import SamplingParams, TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
         engine = self._require_engine()
         if not req.prompt_ids:
             raise ValueError(f"request {req.request_id}: prompt_ids is empty")
         if req.max_tokens < 1:
             raise ValueError(f"request {req.request_id}: max_tokens must be >= 1, got {req.max_tokens}")
-        params = SamplingParams(
-            n=1,
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            seed=req.seed,
-            stop_token_ids=list(req.stop_token_ids),
-            ignore_eos=True,
-            logprobs=0,  # only the sampled token's log-prob
-            detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
-        async with self._gate.request():
-            version = self._version
-            final = await _last_output(
-                engine.generate(
-                    prompt=TokensPrompt(prompt_token_ids=list(req.prompt_ids)),
-                    sampling_params=params,
-                    request_id=req.request_id,
+        out = _Segments(req.request_id)
+        async with self._admitted():
+            while True:
+                swaps_done_at_submit = self._swaps_done
+                final = await _last_output(
+                    engine.generate(
+                        prompt=_tokens_prompt(req.prompt_ids + out.ids()),
+                        sampling_params=_sampling_params(req, req.max_tokens - out.num_tokens()),
+                        request_id=out.next_segment_id(),
+                    )
                 )
-            )
-        out = final.outputs[0]
-        ids = tuple(int(t) for t in out.token_ids)
-        if out.logprobs is None or len(out.logprobs) != len(ids):
-            raise RuntimeError(f"request {req.request_id}: engine returned no log-prob for some tokens")
-        logprobs = tuple(float(pos[tok].logprob) for tok, pos in zip(ids, out.logprobs))
-        reason = _FINISH_REASONS.get(str(out.finish_reason))
-        if reason is None:
-            raise RuntimeError(f"request {req.request_id}: engine finished with {out.finish_reason!r}")
-        return GenerateResult(output_ids=ids, logprobs=logprobs, finish_reason=reason, policy_version=version)
+                out.add(final.outputs[0])
+                if not (out.finish_reason() == "abort" and self._resumes(swaps_done_at_submit)):
+                    break
+                if out.num_tokens() >= req.max_tokens:  # budget spent just as the abort landed
+                    return out.result(finish_reason="length", version_if_empty=self._version)
+                logger.debug("request %s aborted by a weight update after %d tokens; resuming", req.request_id, out.num_tokens())
+        return out.result(version_if_empty=self._version)
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """log p(token_t | tokens_<t) for t = 1 .. len-1 under the current weights, temperature 1.
 
         Returns [len(token_ids) - 1] natural-log values (the prefix cache is bypassed for this
-        request, so every position is computed). Raises ValueError for fewer than 2 tokens.
+        request, so every position is computed). A probe aborted by a weight update is re-run on
+        the new weights. Raises ValueError for fewer than 2 tokens.
         """
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         engine = self._require_engine()
@@ -285,42 +305,57 @@ class InferenceWorker:
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        async with self._gate.request():
-            final = await _last_output(
-                engine.generate(
-                    prompt=TokensPrompt(prompt_token_ids=list(token_ids)),
-                    sampling_params=params,
-                    request_id=f"probe-{uuid.uuid4().hex}",
+        async with self._admitted():
+            while True:
+                swaps_done_at_submit = self._swaps_done
+                final = await _last_output(
+                    engine.generate(prompt=_tokens_prompt(token_ids), sampling_params=params, request_id=f"probe-{uuid.uuid4().hex}")
                 )
-            )
+                aborted = str(final.outputs[0].finish_reason) == "abort"
+                if not (aborted and self._swaps_begun > swaps_done_at_submit):
+                    break
         positions = final.prompt_logprobs
-        if positions is None or len(positions) != len(token_ids):
+        if aborted or positions is None or len(positions) != len(token_ids):
             raise RuntimeError("engine returned no prompt log-probs")
         return [float(positions[t][token_ids[t]].logprob) for t in range(1, len(token_ids))]
 
     async def update_weights(self, path: str, version: int) -> None:
         """Reload all weights from the safetensors file at `path` and make `version` current.
 
-        Waits for in-flight requests to finish and holds new ones until the reload is done (see the
-        module docstring). Raises ValueError if `version` is not greater than the current one,
-        FileNotFoundError if `path` is missing, RuntimeError if the engine reports a failure.
+        What happens to requests in flight is `settings.in_flight` (see the module docstring):
+        "drain" waits for them and holds new ones; "continue" and "abort_resume" return after one
+        engine step plus the reload. Raises ValueError if `version` is not greater than the current
+        one, FileNotFoundError if `path` is missing, RuntimeError if the engine reports a failure
+        (the engine is resumed either way; its weights may then be partly loaded).
         """
         engine = self._require_engine()
-        if version <= self._version:
-            raise ValueError(f"policy version must increase: current {self._version}, got {version}")
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"weights file {path} does not exist")
+        self._check_update(path, version)
         t0 = time.perf_counter()
-        async with self._gate.update():
-            counts = await engine.collective_rpc(RELOAD_RPC, args=(str(path),))
-            if not counts or min(counts) <= 0:
-                raise RuntimeError(f"weight reload from {path} loaded no tensors (per worker: {counts})")
-            # KV blocks computed by the old weights must not be reused; nothing is admitted now, so
-            # preempting "running" requests only touches aborts still in flight.
-            if not await engine.reset_prefix_cache(reset_running_requests=True):
-                raise RuntimeError("prefix cache reset failed after weight reload")
-            self._version = version
-        logger.info("weights v%d loaded from %s (%d tensors) in %.2f s", version, path, counts[0], time.perf_counter() - t0)
+        mode = self._settings.in_flight
+        if mode == "drain":
+            async with self._gate.update():
+                self._check_update(path, version)
+                await self._reload(engine, path, version)
+        else:
+            self._swaps_waiting += 1
+            try:
+                await self._swap_lock.acquire()
+            finally:
+                self._swaps_waiting -= 1
+            try:
+                self._check_update(path, version)
+                self._swaps_begun += 1  # before the pause: a request aborted by it must see this
+                try:
+                    await engine.pause_generation(mode=_PAUSE_MODE[mode], clear_cache=False)  # type: ignore[arg-type]
+                    try:
+                        await self._reload(engine, path, version)
+                    finally:
+                        await engine.resume_generation()
+                finally:
+                    self._swaps_done += 1
+            finally:
+                self._swap_lock.release()
+        logger.info("weights v%d loaded from %s (%s) in %.2f s", version, path, mode, time.perf_counter() - t0)
 
     async def shutdown(self) -> None:
         """Stop the engine and its processes; safe to call twice."""
@@ -328,10 +363,150 @@ class InferenceWorker:
         if engine is not None:
             engine.shutdown()
 
+    # -- internals -------------------------------------------------------------------------
+
+    def _check_update(self, path: str, version: int) -> None:
+        if version <= self._version:
+            raise ValueError(f"policy version must increase: current {self._version}, got {version}")
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"weights file {path} does not exist")
+
+    async def _reload(self, engine: AsyncLLM, path: str, version: int) -> None:
+        """Load the file, drop every KV block computed with the old weights, relabel the outputs.
+
+        Runs while nothing is scheduled (drained, or paused). `reset_running_requests=True`
+        preempts the requests kept by a "continue" pause: they recompute their KV cache from
+        prompt + generated tokens with the new weights when scheduled again.
+        """
+        counts = await engine.collective_rpc(RELOAD_RPC, args=(str(path),))
+        if not counts or min(counts) <= 0:
+            raise RuntimeError(f"weight reload from {path} loaded no tensors (per worker: {counts})")
+        if not await engine.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("prefix cache reset failed after weight reload")
+        await engine.update_weight_version(str(version))
+        self._version = version
+
+    def _resumes(self, swaps_done_at_submit: int) -> bool:
+        """Whether an aborted segment submitted when `swaps_done_at_submit` swaps had finished was
+        aborted by a swap and must be resumed (a swap began since: its pause aborted it)."""
+        return (
+            self._settings.in_flight == "abort_resume"
+            and self._settings.resume_aborted
+            and self._swaps_begun > swaps_done_at_submit
+        )
+
+    @asynccontextmanager
+    async def _admitted(self) -> AsyncIterator[None]:
+        if self._settings.in_flight == "drain":
+            async with self._gate.request():
+                yield
+            return
+        self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+
     def _require_engine(self) -> AsyncLLM:
         if self._engine is None:
             raise RuntimeError("InferenceWorker is not started (call start() first) or was shut down")
         return self._engine
+
+
+class _Segments:
+    """The engine outputs of one request, concatenated: one segment, or several when weight
+    updates aborted it and it was resumed ("abort_resume"). Token i of the result is token i of
+    the concatenation, with its own log-prob and the version from the engine's label."""
+
+    def __init__(self, request_id: str) -> None:
+        self._request_id = request_id
+        self._ids: list[int] = []
+        self._logprobs: list[float] = []
+        self._versions: list[int] = []
+        self._finish: FinishReason | None = None
+        self._num_segments = 0
+
+    def num_tokens(self) -> int:
+        return len(self._ids)
+
+    def ids(self) -> tuple[int, ...]:
+        return tuple(self._ids)
+
+    def finish_reason(self) -> FinishReason | None:
+        return self._finish
+
+    def next_segment_id(self) -> str:
+        """Engine request id of the next segment (unique per segment: a resumed one is new)."""
+        n = self._num_segments
+        return self._request_id if n == 0 else f"{self._request_id}-resume{n}"
+
+    def add(self, out: Any) -> None:
+        """Append one finished `CompletionOutput`. Raises RuntimeError on a missing log-prob or
+        version label, or an unknown finish reason."""
+        self._num_segments += 1
+        ids = [int(t) for t in out.token_ids]
+        positions = out.logprobs or []
+        if len(positions) != len(ids):
+            raise RuntimeError(f"request {self._request_id}: engine returned no log-prob for some tokens")
+        self._ids.extend(ids)
+        self._logprobs.extend(float(pos[tok].logprob) for tok, pos in zip(ids, positions))
+        self._versions.extend(_token_versions(self._request_id, out.weight_versions, len(ids)))
+        reason = _FINISH_REASONS.get(str(out.finish_reason))
+        if reason is None:
+            raise RuntimeError(f"request {self._request_id}: engine finished with {out.finish_reason!r}")
+        self._finish = reason
+
+    def result(self, *, version_if_empty: int, finish_reason: FinishReason | None = None) -> GenerateResult:
+        reason = finish_reason or self._finish
+        if reason is None:
+            raise RuntimeError(f"request {self._request_id}: no engine output")
+        return GenerateResult(
+            output_ids=tuple(self._ids),
+            logprobs=tuple(self._logprobs),
+            finish_reason=reason,
+            policy_version=self._versions[-1] if self._versions else version_if_empty,
+            token_versions=tuple(self._versions),
+        )
+
+
+def _token_versions(request_id: str, spans: Any, num_tokens: int) -> list[int]:
+    """[num_tokens] versions from vLLM's weight-version spans (`WeightVersionSpan(version, start,
+    end)`, labels set by `update_weight_version`). Raises RuntimeError unless the spans tile
+    [0, num_tokens) with integer labels."""
+    if num_tokens == 0:
+        return []
+    versions: list[int] = []
+    for span in spans or ():
+        if span.start != len(versions) or span.end <= span.start:
+            raise RuntimeError(f"request {request_id}: weight-version spans do not tile the output: {spans}")
+        versions.extend([int(span.version)] * (span.end - span.start))
+    if len(versions) != num_tokens:
+        raise RuntimeError(f"request {request_id}: weight-version spans cover {len(versions)} of {num_tokens} tokens")
+    return versions
+
+
+def _tokens_prompt(ids: Any) -> Any:
+    from vllm import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=[int(t) for t in ids])
+
+
+def _sampling_params(req: GenerateRequest, max_tokens: int) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=1,
+        max_tokens=max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        stop_token_ids=list(req.stop_token_ids),
+        ignore_eos=True,
+        logprobs=0,  # only the sampled token's log-prob
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
 
 
 async def _last_output(stream: AsyncIterator[Any]) -> Any:

@@ -1,4 +1,4 @@
-"""TrainerWorker: an HF causal LM under FSDP2, trained with the PPO clip loss and token TIS.
+"""TrainerWorker: an HF causal LM under FSDP2, trained with the PPO clip loss and rollout correction.
 
 A plain class; Ray is applied by the caller (`ray.remote(num_cpus=1)(TrainerWorker)`). One instance
 per data-parallel rank: each joins a torch.distributed process group (gloo on CPU, NCCL on GPU) and
@@ -8,9 +8,19 @@ and on the root) and of the AdamW state.
 Invariants:
 - Log-probs use TrainBatch's alignment: logprob[b, t] = log p(token t | tokens < t); column 0 and
   padding columns are 0.
-- `update` recomputes π_old from the current weights before any gradient is taken (decoupled rollout
-  correction: π_rollout -> π_old -> π_θ), takes exactly one optimizer step per call, and normalises
-  the loss over the whole mini-batch (token-mean by default), whatever the micro-batch size.
+- `update` takes exactly one optimizer step per call (none when every token is rejected) and
+  normalises the loss over the whole mini-batch (token-mean by default), whatever the micro-batch
+  size. Rollout correction (`TrainerSettings.rollout_correction`):
+  decoupled mode recomputes π_old from the current weights before any gradient is taken
+  (π_rollout -> π_old -> π_θ; PPO ratio π_θ/π_old, IS weights π_old/π_rollout multiply the loss);
+  bypass mode sets π_old := π_rollout (PPO ratio π_θ/π_rollout, no IS weights applied, as verl's
+  ppo_clip bypass) and runs no extra forward pass unless rejection rules are set (their masks and
+  the group advantages they change must be known before the first backward, so one no-grad pass
+  computes log π_θ). Within one `update` π_θ does not change before the step, so bypass-mode
+  weights, masks and metrics use log π_θ exactly where decoupled mode uses π_old.
+- Rejected tokens (rejection rules) leave the loss mask, hence the loss, its normaliser and the
+  gradient; a sample whose reward token is rejected is excluded from its group's advantage
+  statistics (`orchestrator/algorithms/rejection.py`).
 - Dropout is off (the model stays in eval mode), so on the first micro-batch π_θ == π_old exactly.
 - `export_weights` writes the full, unsharded fp32 state dict under HF parameter names, atomically.
 
@@ -36,7 +46,12 @@ from torch.distributed.fsdp import fully_shard
 
 from orchestrator.algorithms.batch import TrainBatch
 from orchestrator.algorithms.losses import LossAggMode, PolicyLossConfig, ppo_clip_loss
-from orchestrator.algorithms.rollout_correction import RolloutCorrectionConfig, compute_rollout_correction
+from orchestrator.algorithms.rejection import apply_rejection
+from orchestrator.algorithms.rollout_correction import (
+    RolloutCorrection,
+    RolloutCorrectionConfig,
+    compute_rollout_correction,
+)
 
 WEIGHTS_FILENAME = "model.safetensors"  # single-file HF checkpoint name
 
@@ -49,7 +64,8 @@ class TrainerSettings:
     lr, betas, weight_decay: AdamW. grad_clip: max global grad norm (clip_grad_norm_), > 0.
     clip_ratio_low / clip_ratio_high: PPO clip range (default: clip_ratio for both).
     clip_ratio_c: dual-clip bound for negative advantages (> 1), None to disable.
-    tis_threshold: token TIS cap C, None to disable importance weights (diagnostics still logged).
+    rollout_correction: mode (decoupled | bypass), IS level and thresholds, rejection rules
+        (orchestrator/algorithms/rollout_correction_config.py); default: decoupled, token TIS C=2.
     micro_batch_size: rows per forward/backward; gradients accumulate to one step per mini-batch.
     compute_entropy: log actor/entropy (costs one softmax over the vocabulary per micro-batch).
     device: "auto" picks CUDA when available, else CPU.
@@ -64,7 +80,7 @@ class TrainerSettings:
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
     clip_ratio_c: float | None = 3.0
-    tis_threshold: float | None = 2.0
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     seed: int = 0
     micro_batch_size: int = 4
     loss_agg_mode: LossAggMode = "token-mean"
@@ -81,7 +97,10 @@ class TrainerSettings:
         if self.micro_batch_size < 1:
             raise ValueError(f"trainer.micro_batch_size must be >= 1, got {self.micro_batch_size}")
         self.policy_loss_config()  # validates clip ratios and loss_agg_mode
-        self.rollout_correction_config()  # validates tis_threshold
+        if not isinstance(self.rollout_correction, RolloutCorrectionConfig):
+            raise ValueError(
+                f"trainer rollout_correction must be a RolloutCorrectionConfig, got {type(self.rollout_correction).__name__}"
+            )
 
     def policy_loss_config(self) -> PolicyLossConfig:
         low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
@@ -91,9 +110,7 @@ class TrainerSettings:
         )
 
     def rollout_correction_config(self) -> RolloutCorrectionConfig:
-        if self.tis_threshold is None:
-            return RolloutCorrectionConfig(is_level=None)
-        return RolloutCorrectionConfig(is_level="token", is_threshold=self.tis_threshold)
+        return self.rollout_correction
 
 
 def free_loopback_init_method() -> str:
@@ -234,72 +251,102 @@ class TrainerWorker:
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch.
 
-        Steps: recompute π_old (no grad); token TIS weights and `rollout_corr/*` metrics from
-        π_old vs π_rollout; per micro-batch, PPO clip loss on π_θ / π_old times the weights,
-        normalised by the mini-batch's global token (or sequence) count, backward; clip the global
-        grad norm; AdamW step (skipped when the grad norm is not finite).
+        Steps: log π_old (decoupled: recomputed, no grad; bypass: the rollout log-probs); IS
+        weights, rejection masks and `rollout_corr/*` metrics from π_old (bypass: π_θ before the
+        step) vs π_rollout; rejection narrows the loss mask and recomputes the advantages of groups
+        that lost a sample (`apply_rejection`); per micro-batch, PPO clip loss on π_θ / π_old
+        (times the IS weights in decoupled mode), normalised by the mini-batch's global token (or
+        sequence) count after rejection, backward; clip the global grad norm; AdamW step (skipped
+        when the grad norm is not finite, or when no token is left to train on any rank).
 
         Returns metrics: actor/pg_loss, actor/grad_norm, actor/pg_clipfrac, actor/ppo_kl,
         actor/pg_clipfrac_lower, actor/entropy (token-weighted means over this rank's micro-batches),
-        actor/num_tokens (global), actor/lr, actor/step_skipped (1.0 if the step was skipped), and
-        rollout_corr/* (this rank's mini-batch).
+        actor/num_tokens (global, after rejection), actor/lr, actor/step_skipped (1.0 if the step was
+        skipped), and rollout_corr/* (this rank's mini-batch; with rejection rules also
+        rs_excluded_sample_fraction and rs_recomputed_groups).
 
         Raises:
-            ValueError: the batch has no trained token, or (world_size > 1) ranks hold different
-                numbers of micro-batches.
+            ValueError: the batch has no trained token, (world_size > 1) ranks hold different
+                numbers of micro-batches, or a rejected reward token in a batch without SampleTable.
         """
         if batch.num_loss_tokens == 0:
             raise ValueError("update got a batch with no trained token (loss_mask is all 0)")
-        old_logprobs = self.compute_logprobs(batch)
-        rc = compute_rollout_correction(old_logprobs, batch.rollout_logprobs, batch.loss_mask, self._rc_cfg)
-        loss_mask = rc.loss_mask
+        rc_cfg = self._rc_cfg
+        rc: RolloutCorrection | None = None
+        if rc_cfg.mode == "decoupled":
+            old_logprobs = self.compute_logprobs(batch)
+            rc = compute_rollout_correction(old_logprobs, batch.rollout_logprobs, batch.loss_mask, rc_cfg)
+        elif rc_cfg.rs:  # bypass with rejection: masks must be known before the first backward
+            current = self.compute_logprobs(batch)
+            rc = compute_rollout_correction(current, batch.rollout_logprobs, batch.loss_mask, rc_cfg)
+        extra: dict[str, float] = {}
+        train = batch
+        if rc is not None and rc_cfg.rs:
+            outcome = apply_rejection(batch, rc.loss_mask)
+            train, extra = outcome.batch, outcome.metrics()
+        if rc_cfg.mode == "bypass":
+            old_logprobs = train.rollout_logprobs  # π_old := π_rollout
+        is_weights = rc.weights if rc is not None and rc_cfg.applies_weights else None
+        loss_mask = train.loss_mask
         num_tokens = self._global_sum(float(loss_mask.sum().item()))
         num_seqs = self._global_sum(float((loss_mask.sum(dim=-1) > 0).sum().item()))
 
-        self.optimizer.zero_grad(set_to_none=True)  # compute_logprobs checked the micro-batch counts
+        self.optimizer.zero_grad(set_to_none=True)
         sums = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/pg_clipfrac_lower": 0.0}
         if self.cfg.compute_entropy:
             sums["actor/entropy"] = 0.0
         size = self.cfg.micro_batch_size
-        for start in range(0, batch.batch_size, size):
-            stop = min(start + size, batch.batch_size)
-            mb = batch.select(start, stop)
-            mask = loss_mask[start:stop].to(self.device)
-            lp, ent = self._forward(mb, with_entropy=self.cfg.compute_entropy)
-            out = ppo_clip_loss(
-                lp,
-                old_logprobs[start:stop].to(self.device),
-                mb.advantages.to(self.device),
-                mask,
-                self._loss_cfg,
-                is_weights=None if rc.weights is None else rc.weights[start:stop].to(self.device),
-                dp_size=self.world_size,
-                batch_num_tokens=num_tokens,
-                global_batch_size=num_seqs,
-            )
-            out.loss.backward()
-            n_mb = float(mask.sum().item())
-            sums["actor/pg_loss"] += float(out.loss.detach().item()) / self.world_size
-            sums["actor/pg_clipfrac"] += float(out.pg_clipfrac.item()) * n_mb
-            sums["actor/ppo_kl"] += float(out.ppo_kl.item()) * n_mb
-            sums["actor/pg_clipfrac_lower"] += float(out.pg_clipfrac_lower.item()) * n_mb
-            if ent is not None:
-                sums["actor/entropy"] += float((ent * mask).sum().item())
+        current_parts: list[torch.Tensor] = []  # bypass without rules: log π_θ for the metrics
+        if num_tokens > 0:
+            if rc is None:
+                self._check_same_micro_batch_count(len(range(0, train.batch_size, size)))
+            for start in range(0, train.batch_size, size):
+                stop = min(start + size, train.batch_size)
+                mb = train.select(start, stop)
+                mask = loss_mask[start:stop].to(self.device)
+                lp, ent = self._forward(mb, with_entropy=self.cfg.compute_entropy)
+                if rc is None:
+                    current_parts.append(lp.detach().cpu())
+                out = ppo_clip_loss(
+                    lp,
+                    old_logprobs[start:stop].to(self.device),
+                    mb.advantages.to(self.device),
+                    mask,
+                    self._loss_cfg,
+                    is_weights=None if is_weights is None else is_weights[start:stop].to(self.device),
+                    dp_size=self.world_size,
+                    batch_num_tokens=num_tokens,
+                    global_batch_size=num_seqs,
+                )
+                out.loss.backward()
+                n_mb = float(mask.sum().item())
+                sums["actor/pg_loss"] += float(out.loss.detach().item()) / self.world_size
+                sums["actor/pg_clipfrac"] += float(out.pg_clipfrac.item()) * n_mb
+                sums["actor/ppo_kl"] += float(out.ppo_kl.item()) * n_mb
+                sums["actor/pg_clipfrac_lower"] += float(out.pg_clipfrac_lower.item()) * n_mb
+                if ent is not None:
+                    sums["actor/entropy"] += float((ent * mask).sum().item())
+        if rc is None:  # bypass without rules: π_θ before the step came from the training forward
+            current = torch.cat(current_parts, dim=0)
+            rc = compute_rollout_correction(current, batch.rollout_logprobs, batch.loss_mask, rc_cfg)
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm_value = float(grad_norm.item())
-        skipped = not math.isfinite(grad_norm_value)
+        skipped = num_tokens == 0
+        grad_norm_value = 0.0
         if not skipped:
-            self.optimizer.step()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            grad_norm_value = float(grad_norm.item())
+            skipped = not math.isfinite(grad_norm_value)
+            if not skipped:
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.num_updates += 1
 
         local_tokens = float(loss_mask.sum().item())
         metrics = {"actor/pg_loss": self._global_sum(sums.pop("actor/pg_loss"))}
         for name, total in sums.items():
-            metrics[name] = total / local_tokens
+            metrics[name] = total / local_tokens if local_tokens > 0 else 0.0
         metrics.update(
             {
                 "actor/grad_norm": grad_norm_value,
@@ -309,6 +356,7 @@ class TrainerWorker:
             }
         )
         metrics.update(rc.metrics)
+        metrics.update(extra)
         return metrics
 
     # --- weights out ----------------------------------------------------------------------
@@ -381,6 +429,47 @@ class TrainerWorker:
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False
+
+    # --- checkpoint: optimizer state ------------------------------------------------------
+
+    def save_optimizer(self, path: str) -> str:
+        """Write the full (unsharded) AdamW state and `num_updates` to `path` with torch.save
+        (temp file + rename); return path. Every rank must call it (the gather is collective);
+        only rank 0 writes. Parameter keys are HF names, so the file is world-size independent."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        osd = get_optimizer_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.rank == 0:
+            directory = os.path.dirname(os.path.abspath(path))
+            os.makedirs(directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".optim-", suffix=".pt.tmp")
+            os.close(fd)
+            try:
+                torch.save({"optimizer": osd, "num_updates": self.num_updates}, tmp)
+                os.replace(tmp, path)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+                raise
+        if self.world_size > 1:
+            dist.barrier()
+        return path
+
+    def load_optimizer(self, path: str) -> None:
+        """Load a `save_optimizer` file into this rank's optimizer (every rank reads `path`) and
+        restore `num_updates`. Raises ValueError when the file is not an optimizer checkpoint."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(blob, dict) or "optimizer" not in blob or "num_updates" not in blob:
+            raise ValueError(f"{path} is not an optimizer checkpoint written by save_optimizer")
+        set_optimizer_state_dict(
+            self.model, self.optimizer, optim_state_dict=blob["optimizer"],
+            options=StateDictOptions(full_state_dict=True),
+        )
+        self.num_updates = int(blob["num_updates"])
 
 
 def _tied_parameter_names(model: torch.nn.Module) -> set[str]:

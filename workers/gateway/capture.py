@@ -8,7 +8,8 @@ Recording rule. A session holds rows; each row is a token sequence ``prompt + ou
 extension + output + ...``. A turn whose prompt ids start with ALL the tokens of an existing row
 (that row's last prompt + last output, and everything before) is appended to that row: the new
 prompt-extension tokens get loss mask 0 and version -1, the generated tokens loss mask 1, their
-sampled log-prob and the policy version that produced them (CLEAN). A turn that extends no row
+sampled log-prob and the policy version that produced each of them (`GenerateResult.versions()`:
+a weight update that lands mid-turn gives one turn two versions) (CLEAN). A turn that extends no row
 starts a new row (FORK; the very first turn is FIRST). When several rows are extended the longest
 one wins (ties: the most recently touched), so an agent that interleaves an unrelated side call
 with its main conversation (a summariser, a sub-agent) still yields one row per conversation.
@@ -105,6 +106,7 @@ class TurnRecord:
 
     row_index: index of the row in the session's rows (creation order).
     num_prompt_ext: prompt tokens appended to the row before the output (whole prompt for FIRST/FORK).
+    policy_version: version of the turn's last generated token (per-token versions are in the row).
     """
 
     session_id: str
@@ -141,7 +143,7 @@ class _Row:
         self.token_ids.extend(result.output_ids)
         self.loss_mask.extend([1] * len(result.output_ids))
         self.logprobs.extend(result.logprobs)
-        self.versions.extend([result.policy_version] * len(result.output_ids))
+        self.versions.extend(result.versions())  # per token: a weight update may land mid-turn
         self.last_turn = turn_index
 
     def freeze(self) -> TrajectoryRow:
@@ -247,8 +249,8 @@ class CaptureStore:
         state = self._sessions.get(session_id)
         if state is None:
             raise SessionNotFound(f"session {session_id!r} is not open; turn not recorded")
-        if result.output_ids and result.policy_version < 0:
-            raise ValueError(f"generated tokens must carry a policy version >= 0, got {result.policy_version}")
+        if result.output_ids and min(result.versions()) < 0:
+            raise ValueError(f"generated tokens must carry a policy version >= 0, got {min(result.versions())}")
         prompt = tuple(prompt_ids)
         turn_index = len(state.turns)
         row_index = self._row_extended_by(state, prompt)

@@ -30,8 +30,11 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
+import random
 import sys
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,9 +119,23 @@ async def _ask_model(spec: RolloutSpec, prompt: str) -> str:
     return out.choices[0].message.content or ""
 
 
+def env_time_s(session_id: str) -> float:
+    """Simulated environment time (seconds) before the model call: log-normal with median
+    `LETTERS_ENV_TIME_MEDIAN_S` (default 0: none) and shape `LETTERS_ENV_TIME_SIGMA` (default 1),
+    seeded by the session id so a benchmark replays the same delays. Heavy-tailed like tool and
+    sandbox time of real agents; used by scripts/bench_modes.py."""
+    median_s = float(os.environ.get("LETTERS_ENV_TIME_MEDIAN_S", "0"))
+    if median_s <= 0:
+        return 0.0
+    sigma = float(os.environ.get("LETTERS_ENV_TIME_SIGMA", "1.0"))
+    rng = random.Random(zlib.crc32(session_id.encode()))
+    return median_s * math.exp(sigma * rng.gauss(0.0, 1.0))
+
+
 async def _rollout(spec: RolloutSpec, row: dict[str, Any], session_id: str, task_id: int) -> None:
     key = spec.result_key(session_id)
     try:
+        await asyncio.sleep(env_time_s(session_id))
         text = await _ask_model(spec, str(row["prompt"]))
         reward = float(score(row, text))
         body = json.dumps({"rewards": reward})

@@ -1,0 +1,272 @@
+"""Checkpoints: atomic save, `latest` pointer, refusal of corrupt or partial checkpoints, prompt
+cursor and staleness counters restored exactly, trainer weights + optimizer resumed bit for bit."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from orchestrator.algorithms.batch import TrainBatch
+from orchestrator.checkpoint import (
+    LATEST_FILENAME,
+    CheckpointError,
+    RunState,
+    checkpoints_dir,
+    load_checkpoint,
+    load_latest,
+    stage_checkpoint,
+)
+from orchestrator.parts import PromptCycle
+from orchestrator.staleness import Admission, AdmissionState
+from orchestrator.types import TrajectoryRow
+from workers.trainer import TrainerSettings, TrainerWorker
+
+ROWS = [{"input_id": f"p{i}", "prompt": f"question {i}"} for i in range(7)]
+
+
+@dataclass
+class Versions:
+    v: int = 0
+
+    def current(self) -> int:
+        return self.v
+
+
+def fake_trainer_files(stage) -> None:
+    """Stands in for TrainerWorker.save_hf/save_optimizer in the tests about files, not tensors."""
+    stage.model_dir.mkdir()
+    (stage.model_dir / "config.json").write_text('{"model_type": "qwen2"}')
+    (stage.model_dir / "model.safetensors").write_bytes(b"\x01" * 4096)
+    stage.optimizer_path.write_bytes(b"\x02" * 1024)
+
+
+def run_state(step: int, cycle: PromptCycle, *, version: int | None = None, pending=()) -> RunState:
+    v = step if version is None else version
+    return RunState(step=step, policy_version=v, next_group_id=3 * step, prompts=cycle.state(),
+                    admission=AdmissionState(policy_version=v, trained_groups=2 * step), pending_rows=tuple(pending))
+
+
+def save(run_dir: Path, state: RunState, **kw) -> Path:
+    with stage_checkpoint(run_dir, state.step, **kw) as stage:
+        fake_trainer_files(stage)
+        return stage.commit(state)
+
+
+# --- prompt cursor: save, restore, compare --------------------------------------------------------
+
+@pytest.mark.parametrize("drawn_before", [0, 3, 7, 12])  # fresh, mid-epoch, at an epoch edge, 2nd epoch
+def test_prompts_drawn_after_a_restore_are_the_same(tmp_path, drawn_before):
+    original = PromptCycle(ROWS, seed=11)
+    original.next_rows(drawn_before)
+    save(tmp_path, run_state(1, original))
+    expected = [r["input_id"] for r in original.next_rows(20)]  # crosses at least two epochs
+
+    ckpt = load_latest(tmp_path)
+    restored = PromptCycle.from_state(ROWS, ckpt.state.prompts)
+    assert [r["input_id"] for r in restored.next_rows(20)] == expected
+    assert restored.epoch == original.epoch
+
+
+def test_prompt_state_refuses_a_changed_dataset():
+    state = PromptCycle(ROWS, seed=0).state()
+    with pytest.raises(ValueError, match="dataset changed"):
+        PromptCycle.from_state(ROWS[:-1] + [{"input_id": "other", "prompt": "x"}], state)
+
+
+def test_run_state_round_trips_with_pending_rows(tmp_path):
+    cycle = PromptCycle(ROWS, seed=2)
+    pending = cycle.next_rows(2)  # drawn, dispatched, not trained at save time
+    state = run_state(4, cycle, pending=pending)
+    save(tmp_path, state)
+    assert load_latest(tmp_path).state == state
+
+
+def test_admission_resumes_from_the_checkpointed_state(tmp_path):
+    versions = Versions(0)
+    adm = Admission(versions, max_staleness=1, groups_per_update=2)
+    for _ in range(4):
+        adm.on_admitted()
+        adm.on_finished(kept=True)
+    adm.on_trained(2)
+    versions.v = 1
+    cycle = PromptCycle(ROWS, seed=0)
+    state = RunState(step=1, policy_version=1, next_group_id=4, prompts=cycle.state(), admission=adm.state())
+    save(tmp_path, state)
+
+    loaded = load_latest(tmp_path).state
+    resumed = Admission(Versions(loaded.policy_version), max_staleness=1, groups_per_update=2)
+    resumed.restore(loaded.admission)
+    # (η + v + 1)·B - trained = (1 + 1 + 1)·2 - 2 = 4
+    assert resumed.free_slots() == 4 and resumed.counts().trained == 2
+
+
+# --- atomicity, pointer, refusal ------------------------------------------------------------------
+
+def test_no_checkpoint_means_a_fresh_run(tmp_path):
+    assert load_latest(tmp_path) is None
+
+
+def test_latest_moves_and_old_checkpoints_are_pruned(tmp_path):
+    cycle = PromptCycle(ROWS, seed=0)
+    for step in (1, 2, 3):
+        save(tmp_path, run_state(step, cycle), keep_last=2)
+    assert load_latest(tmp_path).state.step == 3
+    names = sorted(p.name for p in checkpoints_dir(tmp_path).iterdir())
+    assert names == [LATEST_FILENAME, "step-00000002", "step-00000003"]  # no staging leftovers
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_in_charge(tmp_path):
+    cycle = PromptCycle(ROWS, seed=0)
+    save(tmp_path, run_state(1, cycle))
+    with pytest.raises(RuntimeError, match="trainer died"):
+        with stage_checkpoint(tmp_path, 2) as stage:
+            fake_trainer_files(stage)
+            raise RuntimeError("trainer died")
+    with stage_checkpoint(tmp_path, 2) as stage:
+        pass  # left without commit
+    assert load_latest(tmp_path).state.step == 1
+    assert sorted(p.name for p in checkpoints_dir(tmp_path).iterdir()) == [LATEST_FILENAME, "step-00000001"]
+
+
+def test_commit_refuses_missing_trainer_files(tmp_path):
+    with stage_checkpoint(tmp_path, 1) as stage:
+        with pytest.raises(CheckpointError, match="save the weights first"):
+            stage.commit(run_state(1, PromptCycle(ROWS, seed=0)))
+    assert load_latest(tmp_path) is None
+
+
+def corrupt_flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (lambda p: corrupt_flip_byte(p / "model" / "model.safetensors"), "model.safetensors is corrupt: sha256"),
+        (lambda p: (p / "optimizer.pt").write_bytes(b"\x02" * 10), "optimizer.pt is corrupt: 10 bytes"),
+        (lambda p: (p / "run_state.json").unlink(), "run_state.json missing"),
+        (lambda p: (p / "manifest.json").unlink(), "partial: manifest.json missing"),
+        (lambda p: (p / "manifest.json").write_text("{not json"), "manifest.json is corrupt"),
+    ],
+    ids=["flipped-weight-byte", "truncated-optimizer", "missing-run-state", "no-manifest", "bad-manifest"],
+)
+def test_a_corrupt_or_partial_checkpoint_is_refused(tmp_path, damage, message):
+    path = save(tmp_path, run_state(1, PromptCycle(ROWS, seed=0)))
+    damage(path)
+    with pytest.raises(CheckpointError, match=message):
+        load_latest(tmp_path)
+
+
+def test_a_pointer_to_a_missing_checkpoint_is_refused(tmp_path):
+    path = save(tmp_path, run_state(1, PromptCycle(ROWS, seed=0)))
+    (checkpoints_dir(tmp_path) / LATEST_FILENAME).write_text("step-00000009\n")
+    with pytest.raises(CheckpointError, match="step-00000009, which does not exist"):
+        load_latest(tmp_path)
+    assert load_checkpoint(path).state.step == 1  # the checkpoint itself is fine
+
+
+def test_a_run_state_that_does_not_match_its_manifest_is_refused(tmp_path):
+    path = save(tmp_path, run_state(1, PromptCycle(ROWS, seed=0)))
+    d = json.loads((path / "run_state.json").read_text())
+    d["format"] = 99
+    text = json.dumps(d)
+    (path / "run_state.json").write_text(text)  # rewritten: the manifest catches it first
+    with pytest.raises(CheckpointError, match="run_state.json is corrupt"):
+        load_checkpoint(path)
+
+
+def test_pending_rows_must_be_json(tmp_path):
+    cycle = PromptCycle(ROWS, seed=0)
+    with stage_checkpoint(tmp_path, 1) as stage:
+        fake_trainer_files(stage)
+        with pytest.raises(CheckpointError, match="not JSON-serializable"):
+            stage.commit(run_state(1, cycle, pending=[{"input_id": "p", "blob": object()}]))
+
+
+# --- the trainer: weights + optimizer resume exactly -----------------------------------------------
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def checkpoint_tiny_model(tmp_path_factory) -> str:
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    path = str(tmp_path_factory.mktemp("ckpt_tiny_qwen2"))
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def checkpoint_trainers():
+    made: list[TrainerWorker] = []
+
+    def build(model_path) -> TrainerWorker:
+        w = TrainerWorker(TrainerSettings(model_path=str(model_path), lr=1e-2, weight_decay=0.0,
+                                          micro_batch_size=4, seed=0))
+        made.append(w)
+        return w
+
+    yield build
+    for w in reversed(made):  # the first one owns the process group: close it last
+        w.close()
+
+
+def batch(seed: int) -> TrainBatch:
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(4):
+        ids = torch.randint(1, VOCAB, (9,), generator=gen).tolist()
+        mask = (0, 0, 0) + (1,) * 6
+        rows.append(TrajectoryRow(tuple(ids), mask, tuple(-4.0 * m for m in mask), (-1,) * 3 + (0,) * 6))
+    return TrainBatch.from_rows(rows, [1.0, -1.0, 0.5, -0.5], pad_id=0)
+
+
+def test_trainer_resumes_weights_and_optimizer_exactly(tmp_path, checkpoint_tiny_model, checkpoint_trainers):
+    """Train 2 steps, checkpoint, resume in a new worker; the next step matches the uninterrupted
+    worker's. Without the optimizer state (fresh AdamW moments) the step differs."""
+    a = checkpoint_trainers(checkpoint_tiny_model)
+    a.update(batch(1))
+    a.update(batch(2))
+    with stage_checkpoint(tmp_path, 2) as stage:
+        a.save_hf(str(stage.model_dir))
+        a.save_optimizer(str(stage.optimizer_path))
+        stage.commit(run_state(2, PromptCycle(ROWS, seed=0)))
+    ckpt = load_latest(tmp_path)
+
+    b = checkpoint_trainers(ckpt.model_dir)
+    b.load_optimizer(str(ckpt.optimizer_path))
+    assert b.num_updates == 2
+    fresh = checkpoint_trainers(ckpt.model_dir)  # weights only
+
+    a.update(batch(3))
+    b.update(batch(3))
+    fresh.update(batch(3))
+    wa, wb, wf = a.full_state_dict(), b.full_state_dict(), fresh.full_state_dict()
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], atol=1e-6, rtol=0, msg=name)
+    assert max(float((wf[n] - wa[n]).abs().max()) for n in wa) > 1e-4
+
+
+def test_load_optimizer_refuses_another_file(tmp_path, checkpoint_tiny_model, checkpoint_trainers):
+    t = checkpoint_trainers(checkpoint_tiny_model)
+    bogus = tmp_path / "bogus.pt"
+    torch.save({"weights": torch.zeros(1)}, bogus)
+    with pytest.raises(ValueError, match="not an optimizer checkpoint"):
+        t.load_optimizer(str(bogus))
+
+
+def test_run_state_of_another_format_is_refused():
+    d = run_state(1, PromptCycle(ROWS, seed=0)).to_json()
+    with pytest.raises(CheckpointError, match="format 99"):
+        RunState.from_json(d | {"format": 99})
+    with pytest.raises(CheckpointError, match="malformed"):
+        RunState.from_json({k: v for k, v in d.items() if k != "prompts"})

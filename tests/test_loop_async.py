@@ -1,0 +1,177 @@
+"""The async loop we ship, driven with simulated parts at its seams (no models, no Ray).
+
+Rollouts take random (seeded) time and record the policy version current when they generate,
+so staleness is real: the producer keeps admitting while the trainer updates.
+"""
+
+import asyncio
+import random
+
+import pytest
+
+from orchestrator.batching import RolloutLedger
+from orchestrator.loop_async import AsyncLoopSettings, run_async
+from orchestrator.loop_sync import SyncLoopParts
+from orchestrator.parts import PromptCycle, build_train_batch
+from orchestrator.types import Sample, TrajectoryRow
+
+
+class MemoryStore:
+    def __init__(self):
+        self.samples: dict[int, list[Sample]] = {}
+
+    async def put(self, samples, partition):
+        for s in samples:
+            self.samples.setdefault(s.group_id, []).append(s)
+
+    async def get_groups(self, partition, group_ids):
+        return [s for g in group_ids for s in self.samples.get(g, [])]
+
+    async def clear(self, partition):
+        self.samples.clear()
+
+    async def clear_groups(self, partition, group_ids):
+        for g in group_ids:
+            self.samples.pop(g, None)
+
+
+class Engine:
+    """Version source of the simulated inference replica; bumped by the weight push."""
+
+    def __init__(self):
+        self.version = 0
+
+    async def push(self, path, version):
+        assert version == self.version + 1
+        await asyncio.sleep(0.001)
+        self.version = version
+
+
+class SimRollouts:
+    """A rollout generates its two tokens at the start and at the end of a random latency, each
+    with the engine's version at that moment (in-flight generation spans weight syncs)."""
+
+    def __init__(self, store, engine, rng, reward_fn, max_latency_s=0.02):
+        self.store, self.engine, self.rng, self.reward_fn = store, engine, rng, reward_fn
+        self.max_latency_s = max_latency_s
+        self.dispatched = 0
+
+    async def run_all(self, reqs, partition):
+        async def one(r):
+            self.dispatched += 1
+            v0 = self.engine.version
+            await asyncio.sleep(self.rng.random() * self.max_latency_s)
+            v1 = self.engine.version
+            row = TrajectoryRow((1, 2, 3, 4), (0, 0, 1, 1), (0.0, 0.0, -0.3, -0.2), (-1, -1, v0, v1))
+            return Sample(f"s{r.group_id}-{r.sample_index}", r.group_id, r.input_id, r.sample_index, (row,),
+                          self.reward_fn(r), "completed", 0.01)
+
+        out = await asyncio.gather(*(one(r) for r in reqs))
+        await self.store.put(out, partition)
+        return out
+
+
+class RecordingTrainer:
+    def __init__(self, engine):
+        self.engine = engine
+        self.trained: list[tuple[int, Sample]] = []  # (trainer version at update, sample)
+
+    async def update(self, groups):
+        for g in groups:
+            for s in g.samples:
+                if any(r.num_generated for r in s.rows):
+                    self.trained.append((self.engine.version, s))
+        batch = build_train_batch(groups, pad_id=0, norm_adv_by_std=True)
+        await asyncio.sleep(0.005)
+        return {"actor/num_tokens": float(batch.num_loss_tokens)}
+
+    async def export_weights(self, version):
+        return f"/w/{version}"
+
+
+class ListLogger:
+    def __init__(self):
+        self.steps = []
+
+    def log(self, step, metrics):
+        self.steps.append((step, metrics))
+
+
+def build(reward_fn, *, seed=0, max_latency_s=0.02):
+    store, engine = MemoryStore(), Engine()
+    rollouts = SimRollouts(store, engine, random.Random(seed), reward_fn, max_latency_s)
+    trainer, logger = RecordingTrainer(engine), ListLogger()
+    rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(50)]
+    parts = SyncLoopParts(prompts=PromptCycle(rows, seed=seed), rollouts=rollouts, store=store, trainer=trainer,
+                          weights=engine, logger=logger, ledger=RolloutLedger())
+    return parts, trainer, logger, rollouts
+
+
+def varied(r):
+    return float(r.sample_index % 2)
+
+
+def settings(**kw):
+    base = dict(total_steps=6, groups_per_update=2, n=4, sync_every=1, max_staleness=1, on_stale="drop",
+                filter_zero_variance=True, drain_timeout_s=10)
+    return AsyncLoopSettings(**{**base, **kw})
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+async def test_trained_samples_never_exceed_the_staleness_bound(eta):
+    parts, trainer, logger, _ = build(varied)
+    report = await asyncio.wait_for(run_async(parts, settings(max_staleness=eta)), timeout=60)
+    assert report.policy_version == 6
+    assert trainer.trained
+    for v, s in trainer.trained:
+        assert v - s.version_range()[0] <= eta
+    m = logger.steps[-1][1]
+    assert {"staleness/mean", "staleness/max", "staleness/version_span", "async/dropped_stale",
+            "timing_s/wait_for_batch"} <= m.keys()
+
+
+async def test_eta_zero_trains_only_samples_of_the_trainers_version():
+    """Regression (async RL bug reports): with η = 0 every trained token was generated by the
+    very policy being updated, i.e. the run degenerates to on-policy, never off by one."""
+    parts, trainer, _, _ = build(varied, seed=3)
+    await asyncio.wait_for(run_async(parts, settings(max_staleness=0, total_steps=5)), timeout=60)
+    assert trainer.trained
+    assert all(set(s.rows[0].generated_versions()) == {v} for v, s in trainer.trained)
+
+
+async def test_zero_variance_groups_do_not_starve_the_producer():
+    """Regression: filtered groups must hand their admission slot back, or after (η+1)·B filtered
+    groups the producer waits forever for capacity that only training would free."""
+    parts, trainer, logger, rollouts = build(lambda r: 0.5 if r.group_id % 3 else float(r.sample_index % 2))
+    report = await asyncio.wait_for(run_async(parts, settings(max_staleness=0, total_steps=4)), timeout=60)
+    assert report.policy_version == 4
+    assert report.counts["rollout/filtered"] > 0
+
+
+@pytest.mark.parametrize("on_stale", ["drop", "train_masked"])
+async def test_every_dispatched_rollout_reaches_one_terminal_state(on_stale):
+    parts, trainer, logger, rollouts = build(varied, seed=7, max_latency_s=0.05)
+    report = await asyncio.wait_for(
+        run_async(parts, settings(max_staleness=1, on_stale=on_stale, sync_every=2, total_steps=4)), timeout=60)
+    c = report.counts
+    assert c["rollout/dispatched"] == rollouts.dispatched
+    assert c["rollout/dispatched"] == sum(c[f"rollout/{k}"] for k in ("completed", "failed", "expired", "filtered"))
+    assert not parts.ledger.open_rollouts()
+    if on_stale == "train_masked":  # masked samples carry no trainable token
+        assert all(v - s.version_range()[0] <= 1 for v, s in trainer.trained)
+
+
+async def test_a_dead_producer_stops_the_run():
+    parts, *_ = build(varied)
+
+    class Broken:
+        async def run_all(self, reqs, partition):
+            raise RuntimeError("pool exploded")
+
+    class ExplodingPrompts:
+        def next_rows(self, num):
+            raise RuntimeError("dataset exploded")
+
+    parts.prompts = ExplodingPrompts()
+    with pytest.raises(RuntimeError, match="dataset exploded"):
+        await asyncio.wait_for(run_async(parts, settings()), timeout=30)
