@@ -93,8 +93,10 @@ async def run_async(parts: SyncLoopParts, cfg: AsyncLoopSettings, *, start_versi
             version.value += 1
             gate.notify()
             t_sync = parts.clock() - t0
-            parts.logger.log(step, _metrics(parts, st, update_metrics, t_update, t_sync,
-                                            parts.clock() - t_step, version.value))
+            metrics = _metrics(parts, st, update_metrics, t_update, t_sync, parts.clock() - t_step, version.value)
+            if parts.probe is not None:
+                metrics.update(await parts.probe())
+            parts.logger.log(step, metrics)
     finally:
         stop.set()
         gate.notify()

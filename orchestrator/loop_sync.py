@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 from orchestrator.batching import Group, RolloutLedger, assemble, reward_stats, split_groups
 from orchestrator.types import RolloutRequest, Sample
@@ -63,6 +63,7 @@ class SyncLoopParts:
     logger: StepLogger
     ledger: RolloutLedger = field(default_factory=RolloutLedger)
     clock: Callable[[], float] = time.monotonic
+    probe: Callable[[], Awaitable[dict[str, float]]] | None = None  # extra per-step metrics (gateway, engine)
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,8 @@ async def run_sync(parts: SyncLoopParts, cfg: SyncLoopSettings, *, start_version
         if latencies:
             metrics["rollout/latency_s_p50"] = latencies[len(latencies) // 2]
             metrics["rollout/latency_s_max"] = latencies[-1]
+        if parts.probe is not None:
+            metrics.update(await parts.probe())
         parts.logger.log(step, metrics)
     if parts.ledger.open_rollouts():
         raise RuntimeError(f"rollouts left open after the loop: {parts.ledger.open_rollouts()[:5]}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import signal
 import sys
@@ -78,6 +77,7 @@ def run(cfg: RunConfig) -> dict:
             os.environ.update(local.env)  # boto3 everywhere (driver, Ray workers) reads these
         import ray
 
+        os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")  # TQ warns about thread counts on every op
         ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
                  log_to_driver=True, runtime_env={"env_vars": {k: os.environ[k] for k in _AWS_ENV if k in os.environ}}
                  if cfg.cluster.address else None)
@@ -101,7 +101,7 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
     from orchestrator.batching import RolloutLedger
     from orchestrator.loop_sync import SyncLoopParts, SyncLoopSettings, run_sync
     from orchestrator.metrics import MetricLogger, build_sinks, reward_initial_final
-    from orchestrator.parts import BufferStore, PromptCycle, TrainerClient
+    from orchestrator.parts import BufferStore, GatewayProbe, PromptCycle, TrainerClient
     from workers.buffer import BufferConfig, TrajectoryBuffer
     from workers.gateway.config import GatewayConfig
     from workers.gateway.server import GatewayServer
@@ -110,7 +110,6 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
     from workers.trainer import TrainerSettings, TrainerWorker
     from workers.weight_sync import CpuWeightSync
 
-    logging.getLogger("transfer_queue").setLevel(logging.ERROR)  # per-op thread-count warnings
     tok = AutoTokenizer.from_pretrained(model_path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
@@ -118,7 +117,10 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
     inference_cls = ray.remote(num_cpus=0, max_concurrency=1000)(InferenceWorker).options(runtime_env=quiet_vllm)
     replicas = [inference_cls.remote(InferenceSettings(
         model_path=model_path, dtype=cfg.inference.dtype, max_model_len=cfg.inference.max_model_len,
-        kv_cache_bytes=int(cfg.inference.kv_cache_gib * 2**30), max_num_seqs=cfg.inference.max_num_seqs, seed=cfg.seed + i))
+        kv_cache_bytes=int(cfg.inference.kv_cache_gib * 2**30), max_num_seqs=cfg.inference.max_num_seqs, seed=cfg.seed + i,
+        # sync mode never updates weights under a running request; async keeps generating
+        in_flight=cfg.async_.in_flight if cfg.mode.name == "async" else "drain",
+        resume_aborted=cfg.async_.resume_aborted))
         for i in range(cfg.inference.replicas)]
     threads = {"env_vars": {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads)}}
     trainer = ray.remote(num_cpus=0)(TrainerWorker).options(runtime_env=threads).remote(TrainerSettings(
@@ -152,7 +154,7 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
         store=BufferStore(buffer, cfg.rollout.n, cfg.rollout.timeout_s),
         trainer=TrainerClient(trainer, pad_id=pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
                               weights_dir=run_dir / "weights"),
-        weights=CpuWeightSync(replicas), logger=logger, ledger=ledger)
+        weights=CpuWeightSync(replicas), logger=logger, ledger=ledger, probe=GatewayProbe(gateway))
     try:
         if cfg.mode.name == "async":
             from orchestrator.loop_async import AsyncLoopSettings, run_async

@@ -167,3 +167,24 @@ class BufferStore:
 
     async def clear_groups(self, partition: str, group_ids: list[int]) -> None:
         await self._buffer.clear(partition, group_ids)
+
+
+class GatewayProbe:
+    """Per-step `perf/inference_concurrency`: the time-average number of requests at the engines
+    over the last interval, by Little's law (engine busy seconds summed over turns ÷ wall seconds)."""
+
+    def __init__(self, gateway: Any, clock=None) -> None:
+        import time
+
+        self._gateway = gateway
+        self._clock = clock or time.monotonic
+        self._last_t = self._clock()
+        self._last_busy = 0.0
+
+    async def __call__(self) -> dict[str, float]:
+        m = await self._gateway.metrics.remote()
+        now = self._clock()
+        dt, busy = now - self._last_t, m.engine_busy_s - self._last_busy
+        self._last_t, self._last_busy = now, m.engine_busy_s
+        return {"perf/inference_concurrency": busy / dt if dt > 0 else 0.0,
+                "gateway/turns_served": float(m.turns_served)}

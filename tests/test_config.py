@@ -24,8 +24,12 @@ def _compose(overrides: list[str]) -> RunConfig:
     [(g, p.stem) for g in GROUPS for p in sorted((CONFIGS / g).glob("*.yaml"))],
 )
 def test_every_shipped_config_loads(group, choice):
-    cfg = _compose([f"{group}={choice}"])
+    prefix = "+" if group == "experiment" else ""  # experiments are optional presets
+    cfg = _compose([f"{prefix}{group}={choice}"])
     assert isinstance(cfg, RunConfig)
+    if group == "experiment":  # blog_<mode>_<sync_every>
+        _, mode, k = choice.split("_")
+        assert (cfg.mode.name, cfg.mode.sync_every) == (mode, int(k))
 
 
 def test_default_config_is_the_embedded_default():

@@ -30,12 +30,13 @@ from orchestrator.types import GenerateRequest, GenerateResult
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import GatewayServer
 from workers.inference import InferenceSettings, InferenceWorker
+from workers.inference_segments import SegmentedGeneration, versions_from_spans
 from workers.tiny_model import ensure_tiny_model
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+on_module_loop = pytest.mark.asyncio(loop_scope="module")  # the engines live on the module's loop
 
 PROMPT = (1, 17, 42, 99, 5)
-LONG_TOKENS = 300  # ~3 s alone on the tiny model (2 CPU cores); max_model_len 512
+LONG_TOKENS = 400  # 1-4 s alone on the tiny model (2 shared CPU cores); max_model_len 512
 LOGPROB_ATOL = 1e-4  # fp32 engine vs fp32 HF: only summation order differs
 T_TIMEOUT_S = 90
 SESSION = "inflight-test-session-" + "0" * 16  # ACR-length session id
@@ -159,6 +160,35 @@ def test_generate_result_checks_token_versions():
     assert GenerateResult((1, 2), (-0.1, -0.2), "length", 3).versions() == (3, 3)
 
 
+@dataclass(frozen=True)
+class _Span:
+    version: str
+    start: int
+    end: int
+
+
+def test_segments_concatenate_and_pin_the_token_budget():
+    seg = SegmentedGeneration("r", max_tokens=5)
+    seg.add([7, 8], [-0.1, -0.2], versions_from_spans("r", [_Span("3", 0, 2)], 2), "abort")
+    assert (seg.remaining_tokens(), seg.next_segment_id()) == (3, "r-resume1")
+    with pytest.raises(RuntimeError, match="exceeds the remaining budget"):
+        seg.add([1, 2, 3, 4], [0.0] * 4, [4] * 4, "length")
+    with pytest.raises(RuntimeError, match="go backwards"):
+        seg.add([1], [0.0], [2], "length")
+    seg.add([9, 10, 11], [-0.3, -0.4, -0.5], versions_from_spans("r", [_Span("3", 0, 1), _Span("4", 1, 3)], 3), "length")
+    r = seg.result(version_if_empty=0)
+    assert r.output_ids == (7, 8, 9, 10, 11) and r.logprobs == (-0.1, -0.2, -0.3, -0.4, -0.5)
+    assert r.versions() == (3, 3, 3, 4, 4) and r.policy_version == 4 and r.finish_reason == "length"
+    with pytest.raises(RuntimeError, match="after one that finished"):
+        seg.add([], [], [], "abort")
+    with pytest.raises(RuntimeError, match="cover 1 of 2"):
+        versions_from_spans("r", [_Span("1", 0, 1)], 2)
+    empty = SegmentedGeneration("e", max_tokens=4)
+    empty.add([], [], [], "abort")
+    assert empty.result(version_if_empty=6).policy_version == 6
+
+
+@on_module_loop
 async def test_continue_switches_version_once_and_logprobs_follow_the_weights(continue_worker, weights):
     """Tokens before the swap are labelled and scored by A, tokens after by B (whose KV cache was
     recomputed: the engine's own prompt log-probs under B match the post-swap tokens)."""
@@ -182,6 +212,7 @@ async def test_continue_switches_version_once_and_logprobs_follow_the_weights(co
     assert diff_pre > 1e-2  # pre-swap tokens really were scored by other weights than B
 
 
+@on_module_loop
 async def test_abort_resume_concatenates_segments_within_the_token_budget(resume_worker, weights):
     """Two swaps during one request: it is aborted and resumed twice, never exceeds max_tokens,
     and each segment's log-probs are those of the weights its version names (A, B, C)."""
@@ -204,6 +235,7 @@ async def test_abort_resume_concatenates_segments_within_the_token_budget(resume
 
 
 @pytest.mark.parametrize("mode", ["continue", "abort_resume"])
+@on_module_loop
 async def test_every_concurrent_request_returns_one_full_result(mode, continue_worker, resume_worker, weights):
     """No request is lost or over budget when a swap lands in the middle of a busy batch."""
     w = continue_worker if mode == "continue" else resume_worker
@@ -220,6 +252,7 @@ async def test_every_concurrent_request_returns_one_full_result(mode, continue_w
 
 
 @pytest.mark.parametrize("mode", ["continue", "abort_resume"])
+@on_module_loop
 async def test_sync_is_bounded_while_a_long_generation_runs(mode, continue_worker, resume_worker, weights):
     """update_weights returns after one engine step + reload, long before the generation ends;
     a "drain" update would have waited for all of it."""
@@ -240,6 +273,7 @@ async def test_sync_is_bounded_while_a_long_generation_runs(mode, continue_worke
     assert update_s < 1.0 and update_s < rest_s
 
 
+@on_module_loop
 async def test_without_resumption_the_request_ends_aborted_and_the_gateway_records_nothing(
     no_resume_worker, weights, tiny_model_path
 ):

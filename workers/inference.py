@@ -35,7 +35,7 @@ request resumed after an abort ("abort_resume") continues with a fresh generator
 so it is reproducible but differs from the same request run without an update.
 
 Callers: the gateway's replica router (generate), the weight sync (update_weights), tests and
-probes (prompt_logprobs).
+probes (prompt_logprobs). Segment bookkeeping of resumed requests: workers/inference_segments.py.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, AsyncIterator, Literal
 
 from orchestrator.types import FinishReason, GenerateRequest, GenerateResult
+from workers.inference_segments import SegmentedGeneration, versions_from_spans
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -266,21 +267,21 @@ class InferenceWorker:
             raise ValueError(f"request {req.request_id}: prompt_ids is empty")
         if req.max_tokens < 1:
             raise ValueError(f"request {req.request_id}: max_tokens must be >= 1, got {req.max_tokens}")
-        out = _Segments(req.request_id)
+        out = SegmentedGeneration(req.request_id, req.max_tokens)
         async with self._admitted():
             while True:
                 swaps_done_at_submit = self._swaps_done
                 final = await _last_output(
                     engine.generate(
                         prompt=_tokens_prompt(req.prompt_ids + out.ids()),
-                        sampling_params=_sampling_params(req, req.max_tokens - out.num_tokens()),
+                        sampling_params=_sampling_params(req, out.remaining_tokens()),
                         request_id=out.next_segment_id(),
                     )
                 )
-                out.add(final.outputs[0])
+                _add_output(out, req.request_id, final.outputs[0])
                 if not (out.finish_reason() == "abort" and self._resumes(swaps_done_at_submit)):
                     break
-                if out.num_tokens() >= req.max_tokens:  # budget spent just as the abort landed
+                if out.remaining_tokens() == 0:  # the budget was spent just as the abort landed
                     return out.result(finish_reason="length", version_if_empty=self._version)
                 logger.debug("request %s aborted by a weight update after %d tokens; resuming", req.request_id, out.num_tokens())
         return out.result(version_if_empty=self._version)
@@ -413,76 +414,22 @@ class InferenceWorker:
         return self._engine
 
 
-class _Segments:
-    """The engine outputs of one request, concatenated: one segment, or several when weight
-    updates aborted it and it was resumed ("abort_resume"). Token i of the result is token i of
-    the concatenation, with its own log-prob and the version from the engine's label."""
-
-    def __init__(self, request_id: str) -> None:
-        self._request_id = request_id
-        self._ids: list[int] = []
-        self._logprobs: list[float] = []
-        self._versions: list[int] = []
-        self._finish: FinishReason | None = None
-        self._num_segments = 0
-
-    def num_tokens(self) -> int:
-        return len(self._ids)
-
-    def ids(self) -> tuple[int, ...]:
-        return tuple(self._ids)
-
-    def finish_reason(self) -> FinishReason | None:
-        return self._finish
-
-    def next_segment_id(self) -> str:
-        """Engine request id of the next segment (unique per segment: a resumed one is new)."""
-        n = self._num_segments
-        return self._request_id if n == 0 else f"{self._request_id}-resume{n}"
-
-    def add(self, out: Any) -> None:
-        """Append one finished `CompletionOutput`. Raises RuntimeError on a missing log-prob or
-        version label, or an unknown finish reason."""
-        self._num_segments += 1
-        ids = [int(t) for t in out.token_ids]
-        positions = out.logprobs or []
-        if len(positions) != len(ids):
-            raise RuntimeError(f"request {self._request_id}: engine returned no log-prob for some tokens")
-        self._ids.extend(ids)
-        self._logprobs.extend(float(pos[tok].logprob) for tok, pos in zip(ids, positions))
-        self._versions.extend(_token_versions(self._request_id, out.weight_versions, len(ids)))
-        reason = _FINISH_REASONS.get(str(out.finish_reason))
-        if reason is None:
-            raise RuntimeError(f"request {self._request_id}: engine finished with {out.finish_reason!r}")
-        self._finish = reason
-
-    def result(self, *, version_if_empty: int, finish_reason: FinishReason | None = None) -> GenerateResult:
-        reason = finish_reason or self._finish
-        if reason is None:
-            raise RuntimeError(f"request {self._request_id}: no engine output")
-        return GenerateResult(
-            output_ids=tuple(self._ids),
-            logprobs=tuple(self._logprobs),
-            finish_reason=reason,
-            policy_version=self._versions[-1] if self._versions else version_if_empty,
-            token_versions=tuple(self._versions),
-        )
-
-
-def _token_versions(request_id: str, spans: Any, num_tokens: int) -> list[int]:
-    """[num_tokens] versions from vLLM's weight-version spans (`WeightVersionSpan(version, start,
-    end)`, labels set by `update_weight_version`). Raises RuntimeError unless the spans tile
-    [0, num_tokens) with integer labels."""
-    if num_tokens == 0:
-        return []
-    versions: list[int] = []
-    for span in spans or ():
-        if span.start != len(versions) or span.end <= span.start:
-            raise RuntimeError(f"request {request_id}: weight-version spans do not tile the output: {spans}")
-        versions.extend([int(span.version)] * (span.end - span.start))
-    if len(versions) != num_tokens:
-        raise RuntimeError(f"request {request_id}: weight-version spans cover {len(versions)} of {num_tokens} tokens")
-    return versions
+def _add_output(segments: SegmentedGeneration, request_id: str, out: Any) -> None:
+    """Append one finished vLLM `CompletionOutput` (FINAL_ONLY: all of the segment's tokens).
+    Raises RuntimeError on a missing log-prob or version label, or an unknown finish reason."""
+    ids = [int(t) for t in out.token_ids]
+    positions = out.logprobs or []
+    if len(positions) != len(ids):
+        raise RuntimeError(f"request {request_id}: engine returned no log-prob for some tokens")
+    reason = _FINISH_REASONS.get(str(out.finish_reason))
+    if reason is None:
+        raise RuntimeError(f"request {request_id}: engine finished with {out.finish_reason!r}")
+    segments.add(
+        ids,
+        [float(pos[tok].logprob) for tok, pos in zip(ids, positions)],
+        versions_from_spans(request_id, out.weight_versions, len(ids)),
+        reason,
+    )
 
 
 def _tokens_prompt(ids: Any) -> Any:

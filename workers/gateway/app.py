@@ -55,6 +55,7 @@ class GatewayMetrics:
     server_errors: int = 0
     prompt_tokens: int = 0
     tokens_generated: int = 0
+    engine_busy_s: float = 0.0  # sum over turns of engine time (s); / wall time = mean concurrency
 
 
 class _Counters:
@@ -180,8 +181,10 @@ def create_app(
         stop_ids = renderer.stop_ids_for(req.stop)
         completion_id = f"chatcmpl-{uuid.uuid4().hex}"
         gen = _generate_request(req, session, prompt_ids, stop_ids, completion_id)
+        t0 = time.perf_counter()
         with router.lease(session.session_id) as engine:
             result = await engine.generate(gen)
+        counters.add("engine_busy_s", time.perf_counter() - t0)
         if result.finish_reason == "abort":
             counters.add("turns_aborted")
             raise ApiError(503, "the inference replica aborted the request (weights update?); retry", type="server_error")

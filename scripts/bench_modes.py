@@ -1,0 +1,102 @@
+"""Benchmark the blog's four configurations (sync/async × 1/2 mini-batches per weight sync).
+
+Each configuration runs the real main job (`python -m orchestrator.main +experiment=blog_<mode>_<k>`)
+on the same seed, prompts and model, with the example agent adding environment time drawn from a
+log-normal distribution (median `--env-median-s`, shape `--env-sigma`, seeded per session), and
+the table compares them: trained tokens per minute of loop time (startup excluded), time-average
+inference concurrency (Little's law at the gateway), KV-cache usage when the engine reports it,
+mean staleness, masked fraction, final reward, speedup over sync-1.
+
+    python scripts/bench_modes.py --out bench_modes.json [--steps 20] [--env-median-s 0.2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = ("sync_1", "sync_2", "async_1", "async_2")
+
+
+def _mean(values: list[float]) -> float:
+    vals = [v for v in values if isinstance(v, (int, float)) and not math.isnan(v)]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def run_config(name: str, args: argparse.Namespace, work: Path) -> dict:
+    """Run one configuration as a subprocess; return its figures (raises on a failed run)."""
+    run_dir = work / name
+    cmd = [sys.executable, "-m", "orchestrator.main", f"+experiment=blog_{name}",
+           f"trainer.total_steps={args.steps}", f"seed={args.seed}", "logger=console", f"run_dir={run_dir}",
+           f"+rollout.acr.agent_env.LETTERS_ENV_TIME_MEDIAN_S={args.env_median_s}",
+           f"+rollout.acr.agent_env.LETTERS_ENV_TIME_SIGMA={args.env_sigma}", *args.overrides]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s)
+    wall_s = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    loop_s = sum(s["timing_s/step"] for s in steps)
+    tokens = sum(s.get("perf/trained_tokens", 0.0) for s in steps)
+    masked = [s.get("rollout_corr/rollout_rs_masked_fraction", 0.0) for s in steps]
+    return {
+        "config": name,
+        "trained_tokens_per_min": 60.0 * tokens / loop_s if loop_s > 0 else 0.0,
+        "inference_concurrency": _mean([s.get("perf/inference_concurrency", math.nan) for s in steps]),
+        "kv_cache_usage": _mean([s.get("perf/kv_cache_usage", math.nan) for s in steps]),
+        "staleness_mean": _mean([s.get("staleness/mean", 0.0) for s in steps]),
+        "masked_fraction": _mean(masked),
+        "reward_initial": summary["reward/initial"],
+        "reward_final": summary["reward/final"],
+        "loop_s": loop_s,
+        "wall_s": wall_s,
+        "rollouts": summary["rollout/dispatched"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=20, help="weight syncs per configuration")
+    ap.add_argument("--env-median-s", type=float, default=0.2, help="median environment time per rollout (s)")
+    ap.add_argument("--env-sigma", type=float, default=1.0, help="log-normal shape of the environment time")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
+    ap.add_argument("--timeout-s", type=float, default=600.0, help="bound on one configuration's run")
+    ap.add_argument("--out", type=Path, help="write the figures as JSON")
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every configuration")
+    args = ap.parse_args()
+    names = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(names) - set(CONFIGS))
+    if unknown:
+        ap.error(f"unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-modes-") as tmp:
+        for name in names:
+            print(f"running {name} ...", flush=True)
+            rows.append(run_config(name, args, Path(tmp)))
+    base = next((r for r in rows if r["config"] == "sync_1"), rows[0])
+    for r in rows:
+        r["speedup"] = r["trained_tokens_per_min"] / base["trained_tokens_per_min"] if base["trained_tokens_per_min"] else math.nan
+    header = ("config", "tok/min", "concurrency", "kv_usage", "staleness", "masked", "reward 0->T", "speedup")
+    print("\n" + " | ".join(f"{h:>12}" for h in header))
+    for r in rows:
+        cells = (r["config"], f"{r['trained_tokens_per_min']:.0f}", f"{r['inference_concurrency']:.2f}",
+                 f"{r['kv_cache_usage']:.3f}", f"{r['staleness_mean']:.2f}", f"{r['masked_fraction']:.3f}",
+                 f"{r['reward_initial']:.2f}->{r['reward_final']:.2f}", f"{r['speedup']:.2f}x")
+        print(" | ".join(f"{c:>12}" for c in cells))
+    if args.out:
+        args.out.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k != "out"}
+                                        | {"out": str(args.out)}, "results": rows}, indent=2, default=str) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
