@@ -17,6 +17,7 @@ Called by `main.py` with the same parts as the sync loop plus the staleness cont
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from orchestrator.staleness import SampleStaleness, StalenessController, Stalene
 from orchestrator.staleness_gate import AdmissionGate
 from orchestrator.types import RolloutRequest, Sample
 
+log = logging.getLogger(__name__)
 PARTITION = "async"  # one buffer partition; groups are cleared one by one once consumed
 GROUP_WAIT_S = 0.5  # the consumer re-checks the producer's health at least this often (seconds)
 
@@ -158,6 +160,7 @@ async def _collect(parts: SyncLoopParts, cfg: AsyncLoopSettings, policy: Stalene
                          filter_zero_variance=cfg.filter_zero_variance)
         for s in batch.failed:
             parts.ledger.on_terminal(ledger_key(s), "failed")
+            log.warning("rollout %s failed: %s", s.session_id, s.error)
         for s in batch.filtered:
             parts.ledger.on_terminal(ledger_key(s), "filtered")
         if not batch.trainable:

@@ -8,6 +8,7 @@ partition is cleared, and the policy version has increased by exactly one.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,9 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from orchestrator.batching import Group, RolloutLedger, assemble, reward_stats, split_groups
 from orchestrator.types import RolloutRequest, Sample
+
+
+log = logging.getLogger(__name__)
 
 
 class PromptSource(Protocol):
@@ -102,6 +106,7 @@ async def run_sync(parts: SyncLoopParts, cfg: SyncLoopSettings, *, start_version
         batch = assemble(samples, filter_zero_variance=cfg.filter_zero_variance)
         for s in batch.failed:
             parts.ledger.on_terminal(ledger_key(s), "failed")
+            log.warning("rollout %s failed: %s", s.session_id, s.error)
         for s in batch.filtered:
             parts.ledger.on_terminal(ledger_key(s), "filtered")
 
