@@ -15,7 +15,9 @@ What a weight update does to requests in flight is `InferenceSettings.in_flight`
 - "continue": the engine pauses with requests kept (`pause_generation(mode="keep")`: at most the
   step under way finishes), reloads, preempts the kept requests so that their KV cache is
   recomputed from prompt + tokens so far under the NEW weights, and resumes. A result's tokens
-  switch version exactly at the update; every token's log-prob is that of its own version.
+  switch version exactly at the update; every token's log-prob is that of its own version (no
+  stale KV is reused, unlike a keep-the-cache in-flight update). Cost: one prefill of prompt +
+  tokens so far per running request, paid by the requests after the update, as in "abort_resume".
 - "abort_resume": the engine pauses aborting every request (`mode="abort"`: partial tokens come
   back); after the reload each aborted request is resubmitted with prompt + partial tokens and
   `max_tokens` minus the tokens it already has (the original budget is never exceeded), and the
@@ -326,8 +328,11 @@ class InferenceWorker:
         What happens to requests in flight is `settings.in_flight` (see the module docstring):
         "drain" waits for them and holds new ones; "continue" and "abort_resume" return after one
         engine step plus the reload. Raises ValueError if `version` is not greater than the current
-        one, FileNotFoundError if `path` is missing, RuntimeError if the engine reports a failure
-        (the engine is resumed either way; its weights may then be partly loaded).
+        one, FileNotFoundError if `path` is missing, ValueError if it is not a safetensors file
+        with tensors (all checked before requests are touched), RuntimeError if the engine reports
+        a failure during the reload: the engine is resumed, but its weights may be partly loaded
+        (vLLM's CPU reload then kills the engine, and in-flight requests raise); treat the replica
+        as broken.
         """
         engine = self._require_engine()
         self._check_update(path, version)
@@ -367,10 +372,21 @@ class InferenceWorker:
     # -- internals -------------------------------------------------------------------------
 
     def _check_update(self, path: str, version: int) -> None:
+        """Refuse an update before the engine is touched: a reload that fails half-way leaves the
+        model with unloaded (meta) tensors and the engine dies at its next step."""
+        from safetensors import SafetensorError, safe_open
+
         if version <= self._version:
             raise ValueError(f"policy version must increase: current {self._version}, got {version}")
         if not Path(path).is_file():
             raise FileNotFoundError(f"weights file {path} does not exist")
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:  # reads the header only
+                num_tensors = len(list(f.keys()))
+        except SafetensorError as e:
+            raise ValueError(f"weights file {path} is not a readable safetensors file: {e}") from e
+        if num_tensors == 0:
+            raise ValueError(f"weights file {path} holds no tensors")
 
     async def _reload(self, engine: AsyncLLM, path: str, version: int) -> None:
         """Load the file, drop every KV block computed with the old weights, relabel the outputs.

@@ -99,7 +99,8 @@ class TrainerSettings:
         self.policy_loss_config()  # validates clip ratios and loss_agg_mode
         if not isinstance(self.rollout_correction, RolloutCorrectionConfig):
             raise ValueError(
-                f"trainer rollout_correction must be a RolloutCorrectionConfig, got {type(self.rollout_correction).__name__}"
+                "trainer rollout_correction must be a RolloutCorrectionConfig, "
+                f"got {type(self.rollout_correction).__name__}"
             )
 
     def policy_loss_config(self) -> PolicyLossConfig:

@@ -107,7 +107,9 @@ class RejectionRule:
             if threshold is not None:
                 c = _positive_finite(threshold, f"{key}.threshold")
                 if c < 1.0:
-                    raise ValueError(f"{key}.threshold of {name} is the band [1/C, C] and must be >= 1, got {threshold!r}")
+                    raise ValueError(
+                        f"{key}.threshold of {name} is the band [1/C, C] and must be >= 1, got {threshold!r}"
+                    )
                 return cls(name=name, lower=1.0 / c, upper=c, key=key)  # type: ignore[arg-type]
             if lower is None or upper is None:
                 raise ValueError(f"{key}: {name} needs threshold, or both lower and upper")
