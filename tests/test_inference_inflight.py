@@ -160,6 +160,21 @@ def test_generate_result_checks_token_versions():
     assert GenerateResult((1, 2), (-0.1, -0.2), "length", 3).versions() == (3, 3)
 
 
+def test_capture_records_the_version_of_each_token_of_a_turn():
+    """A turn split by a weight update lands in the row with one version per generated token."""
+    from orchestrator.types import PROMPT_VERSION
+    from workers.gateway.capture import CaptureStore
+
+    store = CaptureStore(default_max_context_tokens=64)
+    store.open("s")
+    turn = GenerateResult((5, 6, 7), (-0.1, -0.2, -0.3), "stop", 4, token_versions=(3, 3, 4))
+    record = store.record_turn("s", (1, 2), turn)
+    assert record.policy_version == 4
+    (row,) = store.close("s").rows
+    assert row.versions == (PROMPT_VERSION, PROMPT_VERSION, 3, 3, 4)
+    assert row.rollout_logprobs == (0.0, 0.0, -0.1, -0.2, -0.3)
+
+
 @dataclass(frozen=True)
 class _Span:
     version: str
