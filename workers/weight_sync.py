@@ -4,8 +4,8 @@ Protocol (any `WeightSync` implementation follows it, so the loop does not care 
   1. The trainer materializes the full weights for version v (CPU: `TrainerWorker.export_weights(
      path)` writes one safetensors file of the fp32 HF state dict; GPU: the trainer's rank 0
      gathers full tensors bucket by bucket).
-  2. `sync.push(source, v)` hands them to every inference replica; each replica drain (or keep generating, per `inference.in_flight`)s its
-     in-flight requests, loads the weights, resets its prefix cache and sets its policy version
+  2. `sync.push(source, v)` hands them to every inference replica; each replica handles its
+     in-flight requests per `inference.in_flight` (drain, continue, abort_resume), loads the weights, resets its prefix cache and sets its policy version
      to v (`InferenceWorker.update_weights`). CPU: every replica reads the file. GPU (later, same
      interface): replicas join an NCCL group with the trainer once, then receive a broadcast per
      bucket into their model (`load_weights` per bucket), with the source naming the trainer.
