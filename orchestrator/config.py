@@ -10,6 +10,7 @@ torch or vLLM, so a bad config fails in about a second, before any process start
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -68,6 +69,11 @@ class ModelConfig:
     name: str = "tiny"
     path: str | None = None
     served_name: str = "policy"
+
+    def __post_init__(self) -> None:
+        if self.path is not None:
+            _check(Path(self.path).is_dir() and (Path(self.path) / "config.json").is_file(), "model.path",
+                   "must be a local Hugging Face model directory (with config.json)", self.path)
 
 
 @dataclass
@@ -151,6 +157,12 @@ class RolloutConfig:
         _check(self.temperature > 0, "rollout.temperature", "must be > 0", self.temperature)
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
         _check(self.timeout_s > 0, "rollout.timeout_s", "must be > 0", self.timeout_s)
+        _check(self.poll_initial_s > 0, "rollout.poll_initial_s", "must be > 0", self.poll_initial_s)
+        _check(self.poll_max_s >= self.poll_initial_s, "rollout.poll_max_s", "must be >= rollout.poll_initial_s",
+               self.poll_max_s)
+        _check(self.max_context_tokens > self.max_tokens, "rollout.max_context_tokens",
+               f"must be > rollout.max_tokens={self.max_tokens} (prompt + answer must fit)", self.max_context_tokens)
+        _check(bool(self.acr.region), "rollout.acr.region", "must not be empty", self.acr.region)
         _check(self.acr.num_agents >= 1, "rollout.acr.num_agents", "must be >= 1", self.acr.num_agents)
         _check(self.acr.session_rate_per_s > 0, "rollout.acr.session_rate_per_s", "must be > 0",
                self.acr.session_rate_per_s)
@@ -300,6 +312,13 @@ class RunConfig:
         _check(groups % self.mode.sync_every == 0, "mode.sync_every",
                f"must divide rollout.batch_size={groups} so each mini-batch holds whole groups",
                self.mode.sync_every)
+        if self.algorithm.name == "grpo":
+            _check(self.rollout.n >= 2, "rollout.n", "must be >= 2 for GRPO (a group of one has no baseline)",
+                   self.rollout.n)
+        run_dir = Path(self.run_dir)
+        _check(not run_dir.exists() or run_dir.is_dir(), "run_dir", "exists and is not a directory", self.run_dir)
+        _check(not (run_dir / "metrics.jsonl").exists(), "run_dir",
+               "already holds a run (metrics.jsonl); choose a new run_dir", self.run_dir)
         _check(self.rollout.max_tokens < self.inference.max_model_len, "rollout.max_tokens",
                f"must be < inference.max_model_len={self.inference.max_model_len}", self.rollout.max_tokens)
 
@@ -347,6 +366,9 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
         if not isinstance(obj, schema):
             raise ConfigError(f"{group}: does not extend {group}_schema (got {type(obj).__name__})")
         parts[_attr(group)] = obj
+    unknown = sorted(set(cfg.keys()) - set(GROUP_SCHEMAS) - {"run_dir", "seed", "hydra", "experiment"})
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown config key (known: {sorted(GROUP_SCHEMAS)} run_dir seed)")
     if "run_dir" not in cfg or OmegaConf.is_missing(cfg, "run_dir"):
         raise ConfigError("run_dir must be set")
     return RunConfig(**parts, run_dir=str(cfg.run_dir), seed=int(cfg.seed))

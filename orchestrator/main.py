@@ -22,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.config import ConfigError, RunConfig, register, to_run_config
 
@@ -55,6 +55,9 @@ def run(cfg: RunConfig) -> dict:
     t_start = time.monotonic()
     run_dir = Path(cfg.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    resolved = OmegaConf.to_container(OmegaConf.structured(cfg))
+    resolved["async"] = resolved.pop("async_")  # the attribute's config key
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     print(f"run_dir: {run_dir}", flush=True)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     with contextlib.ExitStack() as stack:
@@ -82,6 +85,7 @@ def run(cfg: RunConfig) -> dict:
                  log_to_driver=True, runtime_env={"env_vars": {k: os.environ[k] for k in _AWS_ENV if k in os.environ}}
                  if cfg.cluster.address else None)
         stack.callback(ray.shutdown)
+        signal.signal(signal.SIGTERM, _raise_interrupt)  # ray.init installed its own; ours unwinds cleanly
         summary = asyncio.run(_run_parts(cfg, model_path, run_dir, local, stack))
     summary["wall_s"] = time.monotonic() - t_start
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
@@ -113,7 +117,7 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
     tok = AutoTokenizer.from_pretrained(model_path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
-    quiet_vllm = {"env_vars": {"VLLM_LOGGING_LEVEL": "WARNING"}}
+    quiet_vllm = {"env_vars": {"VLLM_LOGGING_LEVEL": "ERROR"}}  # a reload warns per step about rotary buffers
     inference_cls = ray.remote(num_cpus=0, max_concurrency=1000)(InferenceWorker).options(runtime_env=quiet_vllm)
     replicas = [inference_cls.remote(InferenceSettings(
         model_path=model_path, dtype=cfg.inference.dtype, max_model_len=cfg.inference.max_model_len,

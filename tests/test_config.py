@@ -47,7 +47,14 @@ def test_default_config_is_the_embedded_default():
         ("trainer.lr=0", "trainer.lr"),
         ("rollout.top_p=1.5", "rollout.top_p"),
         ("logger.sinks=[console,tensorboard]", "logger.sinks"),
-        ("rollout.max_tokens=600", "rollout.max_tokens"),  # >= inference.max_model_len
+        ("inference.max_model_len=16", "rollout.max_tokens"),  # 16 answer tokens do not fit
+        ("rollout.max_tokens=600", "rollout.max_context_tokens"),  # 512-token budget < answer
+        ("rollout.n=1", "rollout.n"),  # GRPO: a group of one has no baseline, nothing would train
+        ("+bogus.key=1", "bogus"),  # a typo added with + must not be ignored
+        ("model.path=/nonexistent/model", "model.path"),
+        ("rollout.poll_initial_s=-1", "rollout.poll_initial_s"),
+        ("async.max_staleness=-1", "async.max_staleness"),
+        ("async.on_stale=keep", "async.on_stale"),
     ],
 )
 def test_bad_value_names_the_key(override, key):
@@ -72,3 +79,20 @@ def test_cli_unknown_mode_exits_nonzero_naming_mode(tmp_path):
     )
     assert proc.returncode != 0
     assert "mode/turbo" in proc.stderr + proc.stdout
+
+
+def test_run_dir_of_an_earlier_run_or_a_file_is_refused(tmp_path):
+    """Regression (new-user report): a second run into the same run_dir appended its steps to the
+    first run's metrics.jsonl, mixing two histories."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ConfigError, match="^run_dir already holds a run"):
+        _compose_at(tmp_path)
+    a_file = tmp_path / "metrics.jsonl"
+    with pytest.raises(ConfigError, match="^run_dir exists and is not a directory"):
+        _compose_at(a_file)
+
+
+def _compose_at(run_dir):
+    register()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return to_run_config(compose(config_name="config", overrides=[f"run_dir={run_dir}"]))

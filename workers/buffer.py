@@ -408,12 +408,15 @@ def _make_client(handle: BufferHandle) -> Any:
     return client
 
 
+SHUTDOWN_TIMEOUT_S = 5.0  # a storage unit gets this long to stop cleanly (s), then it is killed
+
+
 def _kill_owned(owned: _Owned) -> None:
     """Shut the storage units down (bounded), then kill every actor we created."""
     import ray
 
     try:
-        ray.get([u.shutdown.remote() for u in owned.storage_units], timeout=owned.start_timeout_s)
+        ray.get([u.shutdown.remote() for u in owned.storage_units], timeout=SHUTDOWN_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - a unit that will not shut down cleanly is killed below anyway
         logger.warning("TransferQueue storage units did not shut down cleanly (%s); killing them", e)
     for actor in [*owned.storage_units, owned.controller]:

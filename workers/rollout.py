@@ -202,6 +202,7 @@ class RolloutActor:
         self._buffer_handle = buffer_handle
         self._worker: RolloutWorker | None = None
         self._acr = None
+        self._tasks: set[asyncio.Future] = set()
 
     async def _ensure(self) -> RolloutWorker:
         if self._worker is None:
@@ -216,7 +217,12 @@ class RolloutActor:
     async def run_many(self, reqs: list[RolloutRequest], partition: str) -> list[RolloutOutcome]:
         """Run `reqs` concurrently; outcomes in request order."""
         worker = await self._ensure()
-        return list(await asyncio.gather(*(worker.run(r, partition) for r in reqs)))
+        tasks = [asyncio.ensure_future(worker.run(r, partition)) for r in reqs]
+        self._tasks.update(tasks)
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            self._tasks.difference_update(tasks)
 
     def acr_stats(self) -> dict[str, int]:
         """ACR call counters of this actor (invocations, stops, retries, throttled, sessions_open)."""
@@ -226,6 +232,10 @@ class RolloutActor:
         return {**{k: int(v) for k, v in vars(st).items()}, "sessions_open": self._worker.sessions_open}
 
     async def shutdown(self) -> None:
+        """Cancel rollouts still running (each stops its ACR session on the way out), then close."""
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._acr is not None:
             await self._acr.close()
 
