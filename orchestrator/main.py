@@ -158,7 +158,7 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
         store=BufferStore(buffer, cfg.rollout.n, cfg.rollout.timeout_s),
         trainer=TrainerClient(trainer, pad_id=pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
                               weights_dir=run_dir / "weights"),
-        weights=CpuWeightSync(replicas), logger=logger, ledger=ledger, probe=GatewayProbe(gateway))
+        weights=CpuWeightSync(replicas), logger=logger, ledger=ledger, probe=GatewayProbe(gateway, replicas))
     try:
         if cfg.mode.name == "async":
             from orchestrator.loop_async import AsyncLoopSettings, run_async

@@ -171,12 +171,14 @@ class BufferStore:
 
 class GatewayProbe:
     """Per-step `perf/inference_concurrency`: the time-average number of requests at the engines
-    over the last interval, by Little's law (engine busy seconds summed over turns ÷ wall seconds)."""
+    over the last interval, by Little's law (engine busy seconds summed over turns ÷ wall seconds),
+    and `perf/kv_cache_usage`: the replicas' mean KV-cache usage (0..1) over the interval."""
 
-    def __init__(self, gateway: Any, clock=None) -> None:
+    def __init__(self, gateway: Any, replicas: list[Any] = (), clock=None) -> None:
         import time
 
         self._gateway = gateway
+        self._replicas = list(replicas)
         self._clock = clock or time.monotonic
         self._last_t = self._clock()
         self._last_busy = 0.0
@@ -186,5 +188,9 @@ class GatewayProbe:
         now = self._clock()
         dt, busy = now - self._last_t, m.engine_busy_s - self._last_busy
         self._last_t, self._last_busy = now, m.engine_busy_s
-        return {"perf/inference_concurrency": busy / dt if dt > 0 else 0.0,
-                "gateway/turns_served": float(m.turns_served)}
+        out = {"perf/inference_concurrency": busy / dt if dt > 0 else 0.0,
+               "gateway/turns_served": float(m.turns_served)}
+        if self._replicas:
+            usage = await asyncio.gather(*(r.kv_cache_usage.remote() for r in self._replicas))
+            out["perf/kv_cache_usage"] = sum(usage) / len(usage)
+        return out

@@ -270,3 +270,12 @@ async def test_probe_after_a_real_trainer_update_matches_the_trainers_logprobs(w
         assert sum(engine) > float(before[1:].sum())  # and moved toward the favoured tokens
     finally:
         trainer.close()
+
+
+async def test_kv_cache_usage_is_reported_per_interval(worker):
+    worker.kv_cache_usage()  # reset the interval
+    await asyncio.wait_for(asyncio.gather(*(worker.generate(_req([1, 5, 9, 13], 24, seed=i)) for i in range(8))),
+                           T_TIMEOUT_S)
+    usage = worker.kv_cache_usage()
+    assert 0.0 < usage < 1.0  # blocks were in use during decoding, fraction of the explicit cache
+    assert math.isnan(worker.kv_cache_usage())  # no engine step since the last read

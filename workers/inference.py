@@ -191,6 +191,7 @@ class InferenceWorker:
         self._engine: AsyncLLM | None = None
         self._version = settings.initial_policy_version
         self._gate = WeightsGate()  # "drain" only
+        self._kv_usage = KvCacheUsage()
         self._swap_lock = asyncio.Lock()  # "continue" / "abort_resume": one swap at a time
         self._swaps_begun = 0  # swaps that paused (or are about to pause) the engine
         self._swaps_done = 0  # swaps that resumed it
@@ -233,7 +234,7 @@ class InferenceWorker:
             distributed_executor_backend="uni" if in_core else None,
             disable_log_stats=True,
         )
-        self._engine = AsyncLLM.from_engine_args(args)
+        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[self._kv_usage.logger_factory()])
         await self._engine.update_weight_version(str(self._version))  # the label of every output
         info = EngineInfo(
             startup_s=time.perf_counter() - t0,
@@ -247,6 +248,11 @@ class InferenceWorker:
     def policy_version(self) -> int:
         """Version of the weights loaded now (the version of tokens generated from now on)."""
         return self._version
+
+    def kv_cache_usage(self) -> float:
+        """Mean KV-cache usage (fraction of blocks in use, 0..1) over the engine steps since the
+        last call; NaN when the engine ran no step in between."""
+        return self._kv_usage.take_mean()
 
     def num_in_flight(self) -> int:
         """Requests admitted and not finished (generate and prompt_logprobs calls)."""
@@ -488,3 +494,40 @@ def _make_package_importable_by_engine_processes() -> None:
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if root not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
+
+
+class KvCacheUsage:
+    """Collects `SchedulerStats.kv_cache_usage` from vLLM's stat-logger hook (one record per engine
+    step) and reports the mean since the last read. The hook is vLLM's `StatLoggerBase`; passing it
+    enables stats without vLLM's default console/Prometheus loggers."""
+
+    def __init__(self) -> None:
+        self._sum = 0.0
+        self._n = 0
+
+    def add(self, usage: float) -> None:
+        self._sum += usage
+        self._n += 1
+
+    def take_mean(self) -> float:
+        mean = self._sum / self._n if self._n else float("nan")
+        self._sum, self._n = 0.0, 0
+        return mean
+
+    def logger_factory(self):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        sink = self
+
+        class _KvUsageLogger(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+                if scheduler_stats is not None:
+                    sink.add(float(scheduler_stats.kv_cache_usage))
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _KvUsageLogger
