@@ -30,6 +30,8 @@ Callers: the training loops (through a Ray actor handle) and weight sync (`expor
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import math
 import os
 import socket
@@ -389,17 +391,7 @@ class TrainerWorker:
         """
         sd = self.full_state_dict()
         if self.rank == 0:
-            directory = os.path.dirname(os.path.abspath(path))
-            os.makedirs(directory, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".weights-", suffix=".safetensors.tmp")
-            os.close(fd)
-            try:
-                save_file(sd, tmp, metadata={"format": "pt"})
-                os.replace(tmp, path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-                raise
+            _atomic_write(path, lambda tmp: save_file(sd, tmp, metadata={"format": "pt"}))
         if self.world_size > 1:
             dist.barrier()
         return path
@@ -443,17 +435,7 @@ class TrainerWorker:
             self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
         if self.rank == 0:
-            directory = os.path.dirname(os.path.abspath(path))
-            os.makedirs(directory, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".optim-", suffix=".pt.tmp")
-            os.close(fd)
-            try:
-                torch.save({"optimizer": osd, "num_updates": self.num_updates}, tmp)
-                os.replace(tmp, path)
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-                raise
+            _atomic_write(path, lambda tmp: torch.save({"optimizer": osd, "num_updates": self.num_updates}, tmp))
         if self.world_size > 1:
             dist.barrier()
         return path
@@ -479,3 +461,19 @@ def _tied_parameter_names(model: torch.nn.Module) -> set[str]:
         return set()
     keys = getattr(model, "_tied_weights_keys", None) or {}
     return set(keys.keys() if isinstance(keys, dict) else keys)
+
+
+def _atomic_write(path: str, write: Callable[[str], None]) -> None:
+    """Call `write(tmp)` on a temp file beside `path`, then rename it to `path`: readers see the
+    old file or the complete new one, never a partial write. The temp file is removed on error."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".partial-", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
