@@ -87,9 +87,19 @@ class TrainerConfig:
     grad_clip: float = 1.0
     micro_batch_size: int = 32
     seed: int = 0
+    # checkpoints (verl's names): every `save_freq` steps (<= 0: never), keep the newest
+    # `max_ckpt_to_keep`; `resume_mode`: disable | auto (latest under run_dir, if any) | resume_path
+    save_freq: int = 0
+    max_ckpt_to_keep: int = 2
+    resume_mode: str = "disable"
+    resume_from_path: str | None = None
 
     def __post_init__(self) -> None:
         _one_of(self.name, "trainer.name", ("fsdp",))
+        _check(self.max_ckpt_to_keep >= 1, "trainer.max_ckpt_to_keep", "must be >= 1", self.max_ckpt_to_keep)
+        _one_of(self.resume_mode, "trainer.resume_mode", ("disable", "auto", "resume_path"))
+        _check((self.resume_mode == "resume_path") == bool(self.resume_from_path), "trainer.resume_from_path",
+               "must be set exactly when trainer.resume_mode=resume_path", self.resume_from_path)
         _check(self.total_steps >= 1, "trainer.total_steps", "must be >= 1", self.total_steps)
         _check(self.lr > 0, "trainer.lr", "must be > 0", self.lr)
         _check(self.grad_clip > 0, "trainer.grad_clip", "must be > 0", self.grad_clip)
@@ -317,8 +327,10 @@ class RunConfig:
                    self.rollout.n)
         run_dir = Path(self.run_dir)
         _check(not run_dir.exists() or run_dir.is_dir(), "run_dir", "exists and is not a directory", self.run_dir)
-        _check(not (run_dir / "metrics.jsonl").exists(), "run_dir",
-               "already holds a run (metrics.jsonl); choose a new run_dir", self.run_dir)
+        resuming = self.trainer.resume_mode == "auto" and (run_dir / "checkpoints" / "latest").is_file()
+        _check(resuming or not (run_dir / "metrics.jsonl").exists(), "run_dir",
+               "already holds a run (metrics.jsonl) and no checkpoint to resume from; choose a new run_dir "
+               "(or resume one saved with trainer.save_freq > 0 using trainer.resume_mode=auto)", self.run_dir)
         _check(self.rollout.max_tokens < self.inference.max_model_len, "rollout.max_tokens",
                f"must be < inference.max_model_len={self.inference.max_model_len}", self.rollout.max_tokens)
 

@@ -24,6 +24,8 @@ from typing import Any
 
 from orchestrator.batching import Group, assemble, reward_stats
 from orchestrator.loop_sync import LoopReport, SyncLoopParts, ledger_key, mean_update_metrics
+from orchestrator.run_checkpoint import LoopPosition
+from orchestrator.staleness import AdmissionState
 from orchestrator.staleness import SampleStaleness, StalenessController, StalenessPolicy, judge_samples, staleness_metrics
 from orchestrator.staleness_gate import AdmissionGate
 from orchestrator.types import RolloutRequest, Sample
@@ -54,6 +56,19 @@ class _Version:
 
 
 @dataclass
+class _InFlight:
+    """Groups admitted and not yet taken by an update: their dataset rows, for checkpoints."""
+
+    next_group: int = 0
+    rows: dict[int, dict] = field(default_factory=dict)
+
+    def admit(self, row: dict) -> int:
+        gid, self.next_group = self.next_group, self.next_group + 1
+        self.rows[gid] = row
+        return gid
+
+
+@dataclass
 class _StepStats:
     facts: list[SampleStaleness] = field(default_factory=list)
     masked: set[str] = field(default_factory=set)  # ledger keys trained with a zero loss mask
@@ -61,25 +76,34 @@ class _StepStats:
     samples: list[Sample] = field(default_factory=list)
 
 
-async def run_async(parts: SyncLoopParts, cfg: AsyncLoopSettings, *, start_version: int = 0) -> LoopReport:
-    """Run `cfg.total_steps` async steps; returns ledger counts and the final policy version."""
-    version = _Version(start_version)
+async def run_async(parts: SyncLoopParts, cfg: AsyncLoopSettings, *, start: LoopPosition | None = None) -> LoopReport:
+    """Run async steps up to `cfg.total_steps` (from `start.step + 1` when resuming from a
+    checkpoint: the staleness counters are re-seeded from the restored version, and the pending
+    rows of `start` are dispatched first by the prompt source); returns ledger counts and the
+    final policy version."""
+    start = start or LoopPosition(0, 0, 0, 0)
+    version = _Version(start.policy_version)
     controller = StalenessController(version, max_staleness=cfg.max_staleness,
                                      groups_per_update=cfg.groups_per_update, updates_per_version=cfg.sync_every)
+    if start.step:
+        controller.restore(AdmissionState(start.policy_version, start.trained_groups))
+    inflight = _InFlight(next_group=start.next_group_id)
     policy = StalenessPolicy(cfg.max_staleness, cfg.on_stale)
     gate = AdmissionGate(controller)
     ready: asyncio.Queue[int] = asyncio.Queue()
     running: set[asyncio.Task] = set()
     stop = asyncio.Event()
-    producer = asyncio.create_task(_produce(parts, cfg, gate, ready, running, stop), name="producer")
+    producer = asyncio.create_task(_produce(parts, cfg, gate, ready, running, stop, inflight), name="producer")
+    finished = False  # an error or an interrupt cancels in-flight groups at once instead of waiting
     try:
-        for step in range(1, cfg.total_steps + 1):
+        for step in range(start.step + 1, cfg.total_steps + 1):
             t_step = parts.clock()
             st = _StepStats()
             update_metrics: list[dict[str, float]] = []
             t_update = 0.0
             for _ in range(cfg.sync_every):
-                groups = await _collect(parts, cfg, policy, controller, gate, ready, producer, version.value, st)
+                groups = await _collect(parts, cfg, policy, controller, gate, ready, producer, version.value, st,
+                                        inflight)
                 t0 = parts.clock()
                 update_metrics.append(await parts.trainer.update(tuple(groups)))
                 t_update += parts.clock() - t0
@@ -99,19 +123,22 @@ async def run_async(parts: SyncLoopParts, cfg: AsyncLoopSettings, *, start_versi
             if parts.probe is not None:
                 metrics.update(await parts.probe())
             parts.logger.log(step, metrics)
+            if parts.checkpoint is not None:  # pending rows and prompt cursor read with no await between
+                await parts.checkpoint(LoopPosition(step, version.value, inflight.next_group,
+                                                    controller.counts().trained, tuple(inflight.rows.values())))
+        finished = True
     finally:
         stop.set()
         gate.notify()
-        await _drain(parts, cfg, producer, running, ready)
+        await _drain(parts, producer, running, ready, cfg.drain_timeout_s if finished else 0.0)
     if parts.ledger.open_rollouts():
         raise RuntimeError(f"rollouts left open after the loop: {parts.ledger.open_rollouts()[:5]}")
     return LoopReport(steps=cfg.total_steps, policy_version=version.value, counts=parts.ledger.counts())
 
 
 async def _produce(parts: SyncLoopParts, cfg: AsyncLoopSettings, gate: AdmissionGate, ready: asyncio.Queue,
-                   running: set[asyncio.Task], stop: asyncio.Event) -> None:
+                   running: set[asyncio.Task], stop: asyncio.Event, inflight: "_InFlight") -> None:
     """Admit groups while capacity lasts; each group runs as its own task and queues its id when done."""
-    next_group = 0
     while not stop.is_set():
         if not await gate.acquire(timeout_s=GROUP_WAIT_S):
             continue
@@ -119,7 +146,7 @@ async def _produce(parts: SyncLoopParts, cfg: AsyncLoopSettings, gate: Admission
             gate.release()
             return
         row = parts.prompts.next_rows(1)[0]
-        gid, next_group = next_group, next_group + 1
+        gid = inflight.admit(row)
         reqs = [RolloutRequest(group_id=gid, input_id=str(row["input_id"]), sample_index=i, row=row)
                 for i in range(cfg.n)]
         for r in reqs:
@@ -136,7 +163,7 @@ async def _produce(parts: SyncLoopParts, cfg: AsyncLoopSettings, gate: Admission
 
 async def _collect(parts: SyncLoopParts, cfg: AsyncLoopSettings, policy: StalenessPolicy,
                    controller: StalenessController, gate: AdmissionGate, ready: asyncio.Queue,
-                   producer: asyncio.Task, version: int, st: _StepStats) -> list[Group]:
+                   producer: asyncio.Task, version: int, st: _StepStats, inflight: "_InFlight") -> list[Group]:
     """Take finished groups until B trainable ones are in hand; close the others in the ledger.
 
     Staleness is judged against `version`, the trainer's version at this update: stale samples
@@ -149,6 +176,7 @@ async def _collect(parts: SyncLoopParts, cfg: AsyncLoopSettings, policy: Stalene
         st.wait_s += parts.clock() - t0
         samples = await parts.store.get_groups(PARTITION, [gid])
         await parts.store.clear_groups(PARTITION, [gid])
+        inflight.rows.pop(gid, None)  # every sample of the group reaches its terminal state below
         st.samples.extend(samples)
         completed = [s for s in samples if s.status == "completed"]
         verdict = judge_samples(completed, version, policy)
@@ -183,13 +211,14 @@ async def _next_ready(ready: asyncio.Queue, producer: asyncio.Task) -> int:
             continue
 
 
-async def _drain(parts: SyncLoopParts, cfg: AsyncLoopSettings, producer: asyncio.Task,
-                 running: set[asyncio.Task], ready: asyncio.Queue) -> None:
-    """Stop admitting, let in-flight groups finish (bounded), close their rollouts as `expired`."""
+async def _drain(parts: SyncLoopParts, producer: asyncio.Task, running: set[asyncio.Task], ready: asyncio.Queue,
+                 timeout_s: float) -> None:
+    """Stop admitting, let in-flight groups finish (at most `timeout_s` seconds, then cancel them),
+    close their rollouts as `expired`."""
     producer.cancel()
     await asyncio.gather(producer, return_exceptions=True)
     if running:
-        _, pending = await asyncio.wait(set(running), timeout=cfg.drain_timeout_s)
+        _, pending = await asyncio.wait(set(running), timeout=timeout_s) if timeout_s > 0 else (set(), set(running))
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
 
 from orchestrator.batching import Group, RolloutLedger, assemble, reward_stats, split_groups
+from orchestrator.run_checkpoint import LoopPosition
 from orchestrator.types import RolloutRequest, Sample
 
 
@@ -68,6 +69,7 @@ class SyncLoopParts:
     ledger: RolloutLedger = field(default_factory=RolloutLedger)
     clock: Callable[[], float] = time.monotonic
     probe: Callable[[], Awaitable[dict[str, float]]] | None = None  # extra per-step metrics (gateway, engine)
+    checkpoint: Callable[[LoopPosition], Awaitable[None]] | None = None  # called after every step
 
 
 @dataclass(frozen=True)
@@ -81,11 +83,12 @@ def ledger_key(s: Sample | Any) -> str:
     return f"g{s.group_id}/s{s.sample_index}"
 
 
-async def run_sync(parts: SyncLoopParts, cfg: SyncLoopSettings, *, start_version: int = 0) -> LoopReport:
-    """Run `cfg.total_steps` sync steps. Returns the ledger counts and the final policy version."""
-    version = start_version
-    next_group = 0
-    for step in range(1, cfg.total_steps + 1):
+async def run_sync(parts: SyncLoopParts, cfg: SyncLoopSettings, *, start: LoopPosition | None = None) -> LoopReport:
+    """Run sync steps up to `cfg.total_steps` (from `start.step + 1` when resuming from a checkpoint).
+    Returns the ledger counts and the final policy version."""
+    start = start or LoopPosition(0, 0, 0, 0)
+    version, next_group, trained_groups = start.policy_version, start.next_group_id, start.trained_groups
+    for step in range(start.step + 1, cfg.total_steps + 1):
         t_step = parts.clock()
         reqs: list[RolloutRequest] = []
         for row in parts.prompts.next_rows(cfg.batch_size):
@@ -125,6 +128,7 @@ async def run_sync(parts: SyncLoopParts, cfg: SyncLoopSettings, *, start_version
         version += 1
         t_sync = parts.clock() - t0
         await parts.store.clear(partition)
+        trained_groups += cfg.batch_size  # every group of the step is consumed (trained, filtered or failed)
 
         step_s = parts.clock() - t_step
         trained_tokens = sum(m.get("actor/num_tokens", 0.0) for m in update_metrics)
@@ -152,6 +156,8 @@ async def run_sync(parts: SyncLoopParts, cfg: SyncLoopSettings, *, start_version
         if parts.probe is not None:
             metrics.update(await parts.probe())
         parts.logger.log(step, metrics)
+        if parts.checkpoint is not None:
+            await parts.checkpoint(LoopPosition(step, version, next_group, trained_groups))
     if parts.ledger.open_rollouts():
         raise RuntimeError(f"rollouts left open after the loop: {parts.ledger.open_rollouts()[:5]}")
     return LoopReport(steps=cfg.total_steps, policy_version=version, counts=parts.ledger.counts())

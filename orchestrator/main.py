@@ -54,6 +54,12 @@ def run(cfg: RunConfig) -> dict:
     """Run the whole job described by `cfg`; return the summary (also written to summary.json)."""
     t_start = time.monotonic()
     run_dir = Path(cfg.run_dir).resolve()
+    from orchestrator.run_checkpoint import find_resume_checkpoint
+
+    ckpt = find_resume_checkpoint(run_dir, cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
+    if ckpt is not None:
+        print(f"resuming from {ckpt.path} (step {ckpt.state.step}, policy version {ckpt.state.policy_version})",
+              flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = OmegaConf.to_container(OmegaConf.structured(cfg))
     resolved["async"] = resolved.pop("async_")  # the attribute's config key
@@ -64,6 +70,8 @@ def run(cfg: RunConfig) -> dict:
         from workers.tiny_model import ensure_tiny_model
 
         model_path = str(Path(cfg.model.path).resolve()) if cfg.model.path else str(ensure_tiny_model())
+        if ckpt is not None:  # trainer and inference replicas start from the checkpoint's weights
+            model_path = str(ckpt.model_dir)
         local = None
         if cfg.rollout.name == "local":
             from workers.acr.local_stack import LocalStack
@@ -86,7 +94,7 @@ def run(cfg: RunConfig) -> dict:
                  if cfg.cluster.address else None)
         stack.callback(ray.shutdown)
         signal.signal(signal.SIGTERM, _raise_interrupt)  # ray.init installed its own; ours unwinds cleanly
-        summary = asyncio.run(_run_parts(cfg, model_path, run_dir, local, stack))
+        summary = asyncio.run(_run_parts(cfg, model_path, run_dir, local, stack, ckpt))
     summary["wall_s"] = time.monotonic() - t_start
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
     print(json.dumps(summary, indent=2, allow_nan=True), flush=True)
@@ -98,14 +106,16 @@ _AWS_ENV = ("AWS_ENDPOINT_URL_BEDROCK_AGENTCORE", "AWS_ENDPOINT_URL_S3", "AWS_AC
             "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_REGION")
 
 
-async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stack: contextlib.ExitStack) -> dict:
+async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stack: contextlib.ExitStack,
+                     ckpt=None) -> dict:
     import ray
     from transformers import AutoTokenizer
 
     from orchestrator.batching import RolloutLedger
     from orchestrator.loop_sync import SyncLoopParts, SyncLoopSettings, run_sync
     from orchestrator.metrics import MetricLogger, build_sinks, reward_initial_final
-    from orchestrator.parts import BufferStore, GatewayProbe, PromptCycle, TrainerClient
+    from orchestrator.parts import BufferStore, GatewayProbe, TrainerClient
+    from orchestrator.run_checkpoint import LoopPosition, ResumablePrompts, RunCheckpointer
     from workers.buffer import BufferConfig, TrajectoryBuffer
     from workers.gateway.config import GatewayConfig
     from workers.gateway.server import GatewayServer
@@ -124,7 +134,7 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
         kv_cache_bytes=int(cfg.inference.kv_cache_gib * 2**30), max_num_seqs=cfg.inference.max_num_seqs, seed=cfg.seed + i,
         # sync mode never updates weights under a running request; async keeps generating
         in_flight=cfg.async_.in_flight if cfg.mode.name == "async" else "drain",
-        resume_aborted=cfg.async_.resume_aborted))
+        resume_aborted=cfg.async_.resume_aborted, initial_policy_version=ckpt.state.policy_version if ckpt else 0))
         for i in range(cfg.inference.replicas)]
     threads = {"env_vars": {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads)}}
     trainer = ray.remote(num_cpus=0)(TrainerWorker).options(runtime_env=threads).remote(TrainerSettings(
@@ -140,6 +150,8 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
     stack.callback(buffer.stop)
 
     await asyncio.gather(*(r.start.remote() for r in replicas))
+    if ckpt is not None:
+        await trainer.load_optimizer.remote(str(ckpt.optimizer_path))
     await gateway.set_engines.remote(replicas)
     base_url = await gateway.start.remote()
     settings = RolloutSettings(
@@ -153,12 +165,16 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
                         cfg.logger.wandb_mode, asdict(cfg))
     logger = MetricLogger(sinks)
     ledger = RolloutLedger()
+    prompts = ResumablePrompts.restore(_task_rows(cfg), cfg.seed, ckpt.state if ckpt else None)
+    start = LoopPosition.of(ckpt.state) if ckpt else None
     parts = SyncLoopParts(
-        prompts=PromptCycle(_task_rows(cfg), cfg.seed), rollouts=pool,
+        prompts=prompts, rollouts=pool,
         store=BufferStore(buffer, cfg.rollout.n, cfg.rollout.timeout_s),
         trainer=TrainerClient(trainer, pad_id=pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
                               weights_dir=run_dir / "weights"),
-        weights=CpuWeightSync(replicas), logger=logger, ledger=ledger, probe=GatewayProbe(gateway, replicas))
+        weights=CpuWeightSync(replicas), logger=logger, ledger=ledger, probe=GatewayProbe(gateway, replicas),
+        checkpoint=RunCheckpointer(run_dir, trainer, prompts, save_freq=cfg.trainer.save_freq,
+                                   keep_last=cfg.trainer.max_ckpt_to_keep))
     try:
         if cfg.mode.name == "async":
             from orchestrator.loop_async import AsyncLoopSettings, run_async
@@ -166,11 +182,11 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
             report = await run_async(parts, AsyncLoopSettings(
                 total_steps=cfg.trainer.total_steps, groups_per_update=cfg.rollout.batch_size // cfg.mode.sync_every,
                 n=cfg.rollout.n, sync_every=cfg.mode.sync_every, max_staleness=cfg.async_.max_staleness,
-                on_stale=cfg.async_.on_stale, filter_zero_variance=cfg.algorithm.filter_zero_variance))
+                on_stale=cfg.async_.on_stale, filter_zero_variance=cfg.algorithm.filter_zero_variance), start=start)
         else:
             report = await run_sync(parts, SyncLoopSettings(
                 total_steps=cfg.trainer.total_steps, batch_size=cfg.rollout.batch_size, n=cfg.rollout.n,
-                sync_every=cfg.mode.sync_every, filter_zero_variance=cfg.algorithm.filter_zero_variance))
+                sync_every=cfg.mode.sync_every, filter_zero_variance=cfg.algorithm.filter_zero_variance), start=start)
     finally:
         logger.close()
         with contextlib.suppress(Exception):
@@ -203,8 +219,13 @@ def main(dcfg: DictConfig) -> None:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
+    from orchestrator.checkpoint import CheckpointError
+
     try:
         run(cfg)
+    except CheckpointError as exc:
+        print(f"checkpoint error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted: stopped every process this run started", file=sys.stderr, flush=True)
         sys.exit(130)

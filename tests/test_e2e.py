@@ -93,3 +93,29 @@ def test_ctrl_c_stops_every_server_the_run_started(tmp_path, sig):
         alive = {n: p for n, p in started.items() if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
         time.sleep(0.2)
     assert not alive, (alive, rest[-3000:])
+
+
+@pytest.mark.timeout(900)
+def test_async_run_resumes_from_its_checkpoint(tmp_path):
+    """A 2-step async run saves a checkpoint; the same command with `trainer.resume_mode=auto` and
+    a higher step count continues at step 3 and policy version 3 (weights, optimizer, prompt cursor
+    and staleness counters from the checkpoint), appending to the same metrics.jsonl."""
+    run_dir = tmp_path / "run"
+    base = [sys.executable, "-m", "orchestrator.main", "mode=async", "rollout.batch_size=2", "rollout.n=4",
+            "logger=console", f"run_dir={run_dir}", "trainer.save_freq=2"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    first = subprocess.run([*base, "trainer.total_steps=2"], cwd=REPO, capture_output=True, text=True,
+                           timeout=420, env=env)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000002"
+    refused = subprocess.run([*base, "trainer.total_steps=3"], cwd=REPO, capture_output=True, text=True,
+                             timeout=60, env=env)
+    assert refused.returncode == 2 and "run_dir" in refused.stderr  # no silent overwrite without resume
+    second = subprocess.run([*base, "trainer.total_steps=3", "trainer.resume_mode=auto"], cwd=REPO,
+                            capture_output=True, text=True, timeout=420, env=env)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resuming from" in second.stdout and "step-00000002" in second.stdout
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert [s["policy_version"] for s in steps] == [1, 2, 3]
+    assert steps[-1]["staleness/max"] <= 1  # the bound holds after the resume (async.max_staleness=1)

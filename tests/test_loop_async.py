@@ -175,3 +175,20 @@ async def test_a_dead_producer_stops_the_run():
     parts.prompts = ExplodingPrompts()
     with pytest.raises(RuntimeError, match="dataset exploded"):
         await asyncio.wait_for(run_async(parts, settings()), timeout=30)
+
+
+async def test_an_error_cancels_in_flight_groups_instead_of_waiting_for_them():
+    """A failing update (or Ctrl-C) must not wait `drain_timeout_s` for long rollouts to finish."""
+    parts, trainer, _, rollouts = build(varied, max_latency_s=0.02)
+
+    async def broken_update(groups):
+        rollouts.max_latency_s = 30.0  # groups admitted from now on run for up to 30 s
+        await asyncio.sleep(0.05)
+        raise RuntimeError("trainer exploded")
+
+    trainer.update = broken_update
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(RuntimeError, match="trainer exploded"):
+        await asyncio.wait_for(run_async(parts, settings(drain_timeout_s=60)), timeout=20)
+    assert loop.time() - t0 < 5

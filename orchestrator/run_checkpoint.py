@@ -1,0 +1,124 @@
+"""Checkpoint and resume of a whole run: when to save, what a loop hands over, where it restarts.
+
+The loops call a hook after every step with a `LoopPosition` (step, policy version, next group
+id, groups trained, and the dataset rows of groups admitted but not trained yet). `RunCheckpointer`
+turns every `save_freq`-th position into a checkpoint (`orchestrator/checkpoint.py`): the trainer
+writes its HF weights and optimizer state, the driver its `RunState`. On resume, `ResumablePrompts`
+hands out the pending rows before drawing new ones from the restored prompt cycle.
+
+Invariant: no prompt is lost or drawn twice across a checkpoint and resume. The prompt cursor and
+the pending rows are read in the same synchronous instant (no await between them), so a row is
+either behind the cursor and pending, behind the cursor and trained, or ahead of the cursor.
+The staleness counters restart from the restored version (`Admission.restore`), never from zero.
+
+No Ray import: the trainer is any object whose `save_hf` / `save_optimizer` have a `.remote`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestrator.checkpoint import Checkpoint, RunState, load_checkpoint, load_latest, stage_checkpoint
+from orchestrator.parts import PromptCycle, PromptCycleState
+from orchestrator.staleness import AdmissionState
+
+
+@dataclass(frozen=True)
+class LoopPosition:
+    """Where a loop stands between two steps.
+
+    step: optimizer steps done (the loop's step counter). policy_version: the version the trainer
+    weights carry now. next_group_id: the id of the next group to admit. trained_groups: groups
+    consumed by updates so far (the staleness controller's counter). pending_rows: dataset rows of
+    groups admitted but not trained (running or buffered): they are dispatched again on resume.
+    """
+
+    step: int
+    policy_version: int
+    next_group_id: int
+    trained_groups: int
+    pending_rows: tuple[dict, ...] = ()
+
+    @classmethod
+    def of(cls, state: RunState) -> "LoopPosition":
+        """The position a loop resumes from, given a checkpoint's run state."""
+        return cls(state.step, state.policy_version, state.next_group_id, state.admission.trained_groups,
+                   state.pending_rows)
+
+
+class ResumablePrompts:
+    """The loop's prompt source: rows left over from a checkpoint first, then the prompt cycle."""
+
+    def __init__(self, cycle: PromptCycle, pending: tuple[dict, ...] = ()) -> None:
+        self._cycle = cycle
+        self._pending = list(pending)
+
+    @classmethod
+    def restore(cls, rows: list[dict], seed: int, state: RunState | None) -> "ResumablePrompts":
+        """A fresh cycle over `rows` (seeded) or, with `state`, the one the checkpoint saved.
+
+        Raises ValueError when the dataset rows differ from those the checkpoint was taken on."""
+        if state is None:
+            return cls(PromptCycle(rows, seed))
+        return cls(PromptCycle.from_state(rows, state.prompts), state.pending_rows)
+
+    def next_rows(self, num: int) -> list[dict]:
+        out = self._pending[:num]
+        del self._pending[:num]
+        if len(out) < num:
+            out.extend(self._cycle.next_rows(num - len(out)))
+        return out
+
+    def snapshot(self) -> tuple[PromptCycleState, tuple[dict, ...]]:
+        """The cycle's state and the leftover rows not handed out yet (read without awaiting)."""
+        return self._cycle.state(), tuple(self._pending)
+
+
+class RunCheckpointer:
+    """The loops' checkpoint hook: saves every `save_freq` steps (and never when `save_freq <= 0`).
+
+    Args:
+        run_dir: the run directory (checkpoints go to `run_dir/checkpoints/step-XXXXXXXX/`).
+        trainer: the trainer actor (`save_hf(dir)`, `save_optimizer(path)`, called with `.remote`).
+        prompts: the loop's prompt source.
+        save_freq: steps between checkpoints. keep_last: checkpoints kept (older ones pruned).
+    """
+
+    def __init__(self, run_dir: Path, trainer: Any, prompts: ResumablePrompts, *, save_freq: int,
+                 keep_last: int) -> None:
+        self._run_dir = Path(run_dir)
+        self._trainer = trainer
+        self._prompts = prompts
+        self._save_freq = save_freq
+        self._keep_last = keep_last
+        self.saved: list[Path] = []
+
+    async def __call__(self, pos: LoopPosition) -> None:
+        if self._save_freq <= 0 or pos.step % self._save_freq:
+            return
+        prompt_state, undrawn = self._prompts.snapshot()  # same instant as pos.pending_rows: no await before
+        state = RunState(step=pos.step, policy_version=pos.policy_version, next_group_id=pos.next_group_id,
+                         prompts=prompt_state, admission=AdmissionState(pos.policy_version, pos.trained_groups),
+                         pending_rows=(*pos.pending_rows, *undrawn))
+        with stage_checkpoint(self._run_dir, pos.step, keep_last=self._keep_last) as stage:
+            await self._trainer.save_hf.remote(str(stage.model_dir))
+            await self._trainer.save_optimizer.remote(str(stage.optimizer_path))
+            self.saved.append(stage.commit(state))
+
+
+def find_resume_checkpoint(run_dir: Path, resume_mode: str, resume_from_path: str | None) -> Checkpoint | None:
+    """The checkpoint a run continues from (verl's `trainer.resume_mode`), verified, or None.
+
+    disable: None. auto: `run_dir/checkpoints/latest` if present, else None (a fresh run).
+    resume_path: the checkpoint directory `resume_from_path`.
+
+    Raises:
+        CheckpointError: the named checkpoint is missing, partial or corrupt.
+    """
+    if resume_mode == "disable":
+        return None
+    if resume_mode == "auto":
+        return load_latest(run_dir)
+    return load_checkpoint(Path(resume_from_path or ""))
