@@ -1,8 +1,8 @@
 """A tiny real ACR agent for the emulator tests (run as a script, not collected by pytest).
 
 Built on `bedrock_agentcore.runtime.BedrockAgentCoreApp` like any ACR container app. It answers
-`{"pid", "session_id", "payload"}` so a test can see which process served a session and which
-session header reached it; payload `{"fail": true}` raises (HTTP 500 from the SDK);
+`{"pid", "session_id", "payload", "headers"}` so a test can see which process served a session,
+which session header reached it and which forwardable headers (the SDK's request_headers) arrived; payload `{"fail": true}` raises (HTTP 500 from the SDK);
 payload `{"stream": n}` answers n server-sent events.
 """
 
@@ -21,7 +21,8 @@ def invoke(payload, context):
         raise RuntimeError("asked to fail")
     if payload.get("stream"):
         return ({"i": i, "session_id": context.session_id} for i in range(int(payload["stream"])))
-    return {"pid": os.getpid(), "session_id": context.session_id, "payload": payload}
+    headers = dict(context.request_headers or {})
+    return {"pid": os.getpid(), "session_id": context.session_id, "payload": payload, "headers": headers}
 
 
 if __name__ == "__main__":

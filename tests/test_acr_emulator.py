@@ -8,17 +8,19 @@ through the standard AWS_ENDPOINT_URL_* env vars.
 from __future__ import annotations
 
 import json
+import math
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import boto3
 import pytest
 from botocore.config import Config
-from botocore.exceptions import ParamValidationError
+from botocore.exceptions import ClientError, ParamValidationError
 
 from workers.acr.client import AcrClient, AcrClientConfig
-from workers.acr.emulator import SessionRefused, SessionTable, TokenBucket
+from workers.acr.emulator import RateWindow, SessionRefused, SessionTable, TokenBucket
 from workers.acr.local_stack import LocalStack
 
 ECHO_AGENT = [sys.executable, str(Path(__file__).with_name("acr_echo_agent.py"))]
@@ -40,18 +42,26 @@ def test_token_bucket_allows_burst_then_refills_at_rate():
     assert [b.try_acquire(100.0) for _ in range(4)] == [True, True, True, False]  # capped at burst
 
 
+def test_rate_window_peak_is_the_busiest_sliding_second():
+    w = RateWindow(1.0)
+    for t in (0.0, 0.2, 0.5, 0.9, 0.9):  # all five inside (-0.1, 0.9]
+        w.record(t)
+    assert w.peak == 5
+    assert w.record(1.25) == 4  # window (0.25, 1.25]: 0.5, 0.9, 0.9, 1.25
+    assert w.record(5.0) == 1 and w.peak == 5 and w.total == 7
+
+
 def test_session_table_is_sticky_and_balances_new_sessions():
     t = SessionTable(3, TokenBucket(1000, 1000, 0.0))
     assert [t.route(s, 0.0) for s in ("a", "b", "c", "d")] == [(0, True), (1, True), (2, True), (0, True)]
     assert t.route("b", 1.0) == (1, False)  # sticky, not a creation
-    assert t.stop("a", 1.0) and not t.stop("a", 1.0)
+    assert t.stop("a") and not t.stop("a")
     # loads after a..d: [2, 1, 1]; a left: [1, 1, 1]; ties go to the lowest index
     assert t.route("e", 1.0) == (0, True)
     t.mark_dead(2)  # loads [2, 1, 1], agent 2 dead -> agent 1
     assert t.route("f", 1.0) == (1, True)
-    s = t.snapshot(1.0)
+    s = t.snapshot()
     assert (s.sessions_open, s.sessions_created, s.sessions_stopped, s.peak_open) == (5, 6, 1, 5)
-    assert s.invocations == 7
 
 
 def test_session_table_refuses_by_rate_and_quota_without_creating():
@@ -65,18 +75,34 @@ def test_session_table_refuses_by_rate_and_quota_without_creating():
     with pytest.raises(SessionRefused) as e:
         t.route("c", 5.0)
     assert e.value.error == "ServiceQuotaExceededException"
-    s = t.snapshot(5.0)
-    assert (s.sessions_open, s.sessions_created, s.throttled) == (2, 2, 1)
+    s = t.snapshot()
+    assert (s.sessions_open, s.sessions_created, s.throttled, s.quota_refused) == (2, 2, 1, 1)
 
 
-def test_session_table_expires_idle_sessions():
-    t = SessionTable(1, TokenBucket(10, 10, 0.0), idle_timeout_s=10.0)
-    t.route("a", 0.0)
-    t.route("b", 0.0)
-    t.route("b", 8.0)  # keeps b alive
-    s = t.snapshot(12.0)  # a idle 12 s > 10 s; b idle 4 s
-    assert (s.sessions_open, s.sessions_expired) == (1, 1)
+def test_session_table_expires_idle_sessions_but_not_busy_or_in_flight_ones():
+    t = SessionTable(2, TokenBucket(10, 10, 0.0), idle_timeout_s=10.0)
+    for sid in ("a", "b", "c", "d"):
+        t.route(sid, 0.0)  # a, c -> agent 0; b, d -> agent 1
+    for sid in ("a", "b", "c"):
+        t.release(sid, 0.0)  # d keeps its call in flight
+    t.route("b", 8.0)
+    t.release("b", 8.0)  # b active at 8
+    t.keep_alive(0, 9.0)  # agent 0 answered HealthyBusy at 9: a and c active
+    assert t.expire(12.0) == []  # a, c idle 3 s; b idle 4 s; d in flight
+    assert sorted(t.expire(19.5)) == ["a", "b", "c"]  # idle 10.5, 11.5, 10.5 s >= 10 s; d in flight
+    s = t.snapshot()
     assert s.sessions_open == s.sessions_created - s.sessions_stopped - s.sessions_expired
+
+
+def test_session_table_max_lifetime_ends_even_busy_sessions():
+    t = SessionTable(1, TokenBucket(10, 10, 0.0), idle_timeout_s=100.0, max_lifetime_s=30.0)
+    t.route("a", 0.0)  # in flight for ever
+    t.route("b", 20.0)
+    t.keep_alive(0, 29.0)
+    assert t.expire(29.9) == []
+    assert t.expire(30.0) == ["a"]  # lifetime counts from creation, whatever the session does
+    assert t.expire(50.0) == ["b"]
+    assert t.snapshot().sessions_expired == 2
 
 
 # ----------------------------------------------------------------------------- real server
@@ -154,22 +180,60 @@ def test_stop_runtime_session_closes_the_session(echo_env):
     assert c.stop_session(arn, sid) is False  # already stopped: ResourceNotFoundException -> False
 
 
-def test_unknown_runtime_is_resource_not_found(echo_env):
+def test_unknown_runtime_or_qualifier_is_resource_not_found_and_a_bad_arn_is_invalid(echo_env):
     client = acr()
     arn = echo_env.agent_runtime_arn.replace("emulator0", "nobody")
-    with pytest.raises(client.exceptions.ResourceNotFoundException):
+    with pytest.raises(client.exceptions.ResourceNotFoundException) as e:
         client.invoke_agent_runtime(agentRuntimeArn=arn, runtimeSessionId=new_sid(), payload=b"{}")
+    assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 404
     with pytest.raises(client.exceptions.ResourceNotFoundException):
         client.invoke_agent_runtime(
             agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=new_sid(), payload=b"{}", qualifier="prod"
         )
+    with pytest.raises(client.exceptions.ValidationException) as e:
+        client.invoke_agent_runtime(agentRuntimeArn="not-an-arn", runtimeSessionId=new_sid(), payload=b"{}")
+    assert e.value.response["fieldList"][0]["name"] == "agentRuntimeArn"
+    with pytest.raises(client.exceptions.ResourceNotFoundException):  # stopping a session never opened
+        client.stop_runtime_session(agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=new_sid())
+    assert echo_env.stats().sessions_open == 0  # none of the refused calls opened a session
+
+
+def test_too_long_session_id_is_a_validation_exception(echo_env):
+    client = acr(parameter_validation=False)
+    with pytest.raises(client.exceptions.ValidationException):
+        client.invoke_agent_runtime(
+            agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId="x" * 257, payload=b"{}"
+        )
+
+
+def test_custom_headers_reach_the_agent_and_calls_are_counted(echo_env):
+    client = acr()
+    before = echo_env.stats()
+
+    def add_header(request, **_):
+        request.headers["X-Amzn-Bedrock-AgentCore-Runtime-Custom-Trace"] = "t-42"
+
+    client.meta.events.register("before-sign.bedrock-agentcore.InvokeAgentRuntime", add_header)
+    sid = new_sid()
+    resp = client.invoke_agent_runtime(
+        agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=sid, payload=b"{}", contentType="application/json"
+    )
+    headers = {k.lower(): v for k, v in json.loads(resp["response"].read())["headers"].items()}
+    assert headers["x-amzn-bedrock-agentcore-runtime-custom-trace"] == "t-42"  # the SDK's request_headers
+    client.stop_runtime_session(agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=sid)
+    after = echo_env.stats()
+    assert (after.invocations, after.stops) == (before.invocations + 1, before.stops + 1)
+    assert after.requests == after.invocations + after.stops + after.commands
+    assert 1 <= after.peak_request_rate <= after.requests
 
 
 def test_agent_error_is_runtime_client_error(echo_env):
     client = acr(retries={"total_max_attempts": 1})
     sid = new_sid()
     with pytest.raises(client.exceptions.RuntimeClientError) as e:
-        client.invoke_agent_runtime(agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=sid, payload=b'{"fail": true}')
+        client.invoke_agent_runtime(
+            agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=sid, payload=b'{"fail": true}'
+        )
     assert "500" in e.value.response["Error"]["Message"]
     AcrClient().stop_session(echo_env.agent_runtime_arn, sid)
 
@@ -190,10 +254,12 @@ def test_streamed_agent_answer_passes_through(echo_env):
 
 @pytest.fixture(scope="module")
 def slow_stack(tmp_path_factory):
-    # 0.5 session creations per second, burst 1: a second creation within 2 s is throttled.
+    # 0.5 session creations per second, burst 1: a second creation within 2 s is throttled;
+    # at most 15 data-plane calls per second of any kind.
     with LocalStack(
-        ECHO_AGENT, num_agents=1, session_rate_per_s=0.5, session_burst=1, log_dir=tmp_path_factory.mktemp("slow")
-    ) as stack:
+        ECHO_AGENT, num_agents=1, session_rate_per_s=0.5, session_burst=1, request_rate_per_s=15,
+        log_dir=tmp_path_factory.mktemp("slow"),
+    ) as stack:  # fmt: skip
         yield stack
 
 
@@ -213,3 +279,25 @@ def test_burst_past_the_rate_is_throttled_and_botocore_retries_it(slow_stack, mo
     assert out["payload"] == {"ok": True}
     assert c.stats().retries >= 1  # the bucket was empty: at least one 429 was retried
     assert slow_stack.stats().sessions_created == 2
+
+
+def test_all_calls_share_the_request_rate_cap_and_the_peak_is_measured(slow_stack, monkeypatch):
+    for k, v in slow_stack.env.items():
+        monkeypatch.setenv(k, v)
+    client = acr(retries={"mode": "standard", "total_max_attempts": 1})
+    arn = slow_stack.agent_runtime_arn
+    errors = []
+    t0 = time.monotonic()
+    for _ in range(40):  # stops of unknown sessions: cheap calls, 404 when let through
+        try:
+            client.stop_runtime_session(agentRuntimeArn=arn, runtimeSessionId=new_sid())
+        except ClientError as e:
+            errors.append(e.response["Error"]["Code"])
+    elapsed_s = time.monotonic() - t0
+    # bucket: 15 stored + 15/s refill -> at most 15 + 15 * elapsed_s calls let through
+    assert errors.count("ThrottlingException") >= 40 - (15 + 15 * elapsed_s) - 1
+    assert set(errors) <= {"ThrottlingException", "ResourceNotFoundException"}
+    stats = slow_stack.stats()
+    # refused calls count too; some 1 s bin of the ceil(elapsed_s) bins held >= 40 / bins calls
+    assert stats.peak_request_rate >= 40 / math.ceil(elapsed_s)
+    assert stats.stops >= 40 and stats.throttled >= errors.count("ThrottlingException")

@@ -1,351 +1,96 @@
 """Local emulator of the AgentCore Runtime (ACR) data plane, for runs without AWS.
 
-It answers `InvokeAgentRuntime` and `StopRuntimeSession` exactly as boto3's `bedrock-agentcore`
-client sends them (rest-json, botocore service model 2024-02-28):
+It answers the three data-plane calls exactly as boto3's `bedrock-agentcore` client sends them
+(rest-json, botocore service model 2024-02-28):
 
-    POST /runtimes/{agentRuntimeArn}/invocations?qualifier=Q
+    POST /runtimes/{agentRuntimeArn}/invocations?qualifier=Q       InvokeAgentRuntime
          header X-Amzn-Bedrock-AgentCore-Runtime-Session-Id, body = payload blob
-         -> 200, streamed body, Content-Type and the session id echoed in the same header
-    POST /runtimes/{agentRuntimeArn}/stopruntimesession
-         -> 200, session id echoed
+         -> 200, the agent's body streamed through, its Content-Type, the session id echoed
+    POST /runtimes/{agentRuntimeArn}/stopruntimesession             StopRuntimeSession
+         -> 200, session id echoed; 404 ResourceNotFoundException when the session is not open
+    POST /runtimes/{agentRuntimeArn}/commands                       InvokeAgentRuntimeCommand
+         body {"command": str, "timeout": int} -> an event stream (workers.acr.emulator_commands)
 
-and errors in the service's own shape (HTTP status, `x-amzn-ErrorType` header, `{"message"}` body)
-so that botocore raises `client.exceptions.<Name>` and its retry modes treat 429 as throttling.
+and errors in the service's own shape (HTTP status, `x-amzn-ErrorType` header, `{"message"}`
+body) so that botocore raises `client.exceptions.<Name>`: ValidationException 400 (malformed
+ARN, session id outside 33-256 chars, bad command body), ResourceNotFoundException 404 (unknown
+runtime ARN or qualifier, unknown session on stop), ServiceQuotaExceededException 402 (open-session
+cap), RuntimeClientError 424 (the agent answered >= 400 or could not be reached),
+ThrottlingException 429 (session-creation rate, optional all-call rate), InternalServerException
+500 (no agent alive). `GET /_emulator/stats` answers `EmulatorStats` as JSON.
 
-Behind it run K agent processes (one command, each on its own loopback port given as env `PORT`
-and as `{port}` substituted into the command). Invariants:
-
-- a session is routed to exactly one agent process for its whole life (sticky); a new session
-  goes to the alive agent with the fewest open sessions (ties: lowest index);
-- a session is *created* by the first invoke that names it; creations pass a token bucket
-  (`session_rate_per_s`, default 25/s like ACR's per-runtime TPS); a refused creation answers
-  ThrottlingException (429) and creates nothing; invokes on an open session are not rate-limited;
-- sessions_open == sessions_created - sessions_stopped - sessions_expired at every moment;
-- on shutdown (SIGTERM/SIGINT) every agent process is stopped by PID; agents also get SIGTERM
-  from the kernel if the emulator dies without cleaning up (PR_SET_PDEATHSIG).
+Behind it run K agent processes (workers.acr.emulator_agents). Invariants:
+- sessions follow workers.acr.emulator_sessions.SessionTable: sticky routing, creation limits,
+  open == created - stopped - expired, idle timeout (a HealthyBusy /ping of the session's agent
+  counts as activity; the emulator pings every agent each tick) and maximum lifetime;
+- every data-plane call is counted in a sliding 1 s window (`peak_request_rate`) before any
+  check, refused calls included;
+- a session that ends (stop or expiry) loses its command working directory and processes;
+- faults (workers.acr.faults) are decided by FaultPlan per session: emulator-side kinds answer
+  the session's first `repeats` InvokeAgentRuntime calls with their error before anything else
+  happens (no session is created); agent-side kinds reach the agent as the FAULT_HEADER header;
+- on shutdown (SIGTERM/SIGINT) every agent process is stopped by PID.
 
 What it does not emulate: one microVM per session (sessions share K processes, so stopping a
 session does not kill work the agent started for it), auth/SigV4 checking, MCP headers.
 
 Callers: `workers.acr.local_stack.LocalStack` starts it as a subprocess; tests start it the same way.
-CLI: `python -m workers.acr.emulator --port P --agent-cmd "..." --num-agents K --session-rate 25`.
+CLI: `python -m workers.acr.emulator --port P --agent-cmd "..." --num-agents K --session-rate 25
+[--faults '{"throttle": 0.1, "seed": 1}'] [--idle-timeout-s S] [--max-lifetime-s S] ...`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
+import json
 import logging
-import os
+import re
 import shlex
 import signal
-import socket
 import sys
+import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
+
+from workers.acr.emulator_agents import AgentProcess, free_port, ping_status, start_agents, stop_agents
+from workers.acr.emulator_commands import (
+    DEFAULT_COMMAND_TIMEOUT_S, DEFAULT_MAX_OUTPUT_BYTES, EVENTSTREAM_CONTENT_TYPE, MAX_COMMAND_CHARS,
+    MAX_COMMAND_TIMEOUT_S, MIN_COMMAND_TIMEOUT_S, Workspaces, exception_event, run_command,
+)  # fmt: skip
+from workers.acr.emulator_sessions import (
+    DEFAULT_SESSION_IDLE_TIMEOUT_S, DEFAULT_SESSION_MAX_LIFETIME_S, EmulatorStats, RateWindow,
+    SessionRefused, SessionTable, TokenBucket,
+)  # fmt: skip
+from workers.acr.faults import AGENT_FAULTS, EMULATOR_FAULT_ERRORS, EMULATOR_FAULTS, FAULT_HEADER, FaultPlan, FaultRates
+
+__all__ = [
+    "DEFAULT_RUNTIME_ARN", "STATS_PATH", "EmulatorConfig", "EmulatorStats", "SessionRefused", "SessionTable",
+    "TokenBucket", "RateWindow", "free_port", "serve", "main",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Amzn-Bedrock-AgentCore-Runtime-Session-Id"
 REQUEST_ID_HEADER = "X-Amzn-Bedrock-AgentCore-Runtime-Request-Id"
 USER_ID_HEADER = "X-Amzn-Bedrock-AgentCore-Runtime-User-Id"
+CUSTOM_HEADER_PREFIX = "x-amzn-bedrock-agentcore-runtime-custom-"  # forwarded to the agent, like ACR
 SESSION_ID_MIN_LEN = 33  # botocore shape SessionType: min 33
 SESSION_ID_MAX_LEN = 256  # botocore shape SessionType: max 256
 MAX_PAYLOAD_BYTES = 100_000_000  # botocore shape Body: max 100 MB
 DEFAULT_RUNTIME_ARN = "arn:aws:bedrock-agentcore:us-west-2:000000000000:runtime/local_agent-emulator0"
-DEFAULT_SESSION_IDLE_TIMEOUT_S = 900.0  # ACR's default idle session timeout (15 min)
+RUNTIME_ARN_RE = re.compile(r"arn:aws[a-z-]*:bedrock-agentcore:[a-z0-9-]+:\d{12}:runtime/[A-Za-z][A-Za-z0-9_-]{0,99}")
 STATS_PATH = "/_emulator/stats"
 READY_LINE_PREFIX = "ACR emulator ready"
-AGENT_STOP_GRACE_S = 5.0  # SIGTERM -> SIGKILL grace per agent process
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-# ----------------------------------------------------------------------------- pure logic
-
-
-class TokenBucket:
-    """Token bucket: `rate_per_s` tokens per second, at most `burst` stored. Time is passed in.
-
-    try_acquire(now_s) takes one token if one is available. Raises ValueError on a non-positive
-    rate or burst, or when time goes backwards.
-    """
-
-    def __init__(self, rate_per_s: float, burst: float, now_s: float) -> None:
-        if rate_per_s <= 0:
-            raise ValueError(f"session_rate_per_s must be > 0, got {rate_per_s}")
-        if burst < 1:
-            raise ValueError(f"session_burst must be >= 1, got {burst}")
-        self._rate = rate_per_s
-        self._burst = float(burst)
-        self._tokens = float(burst)
-        self._last = now_s
-
-    def try_acquire(self, now_s: float) -> bool:
-        if now_s < self._last:
-            raise ValueError(f"time went backwards: {now_s} < {self._last}")
-        self._tokens = min(self._burst, self._tokens + (now_s - self._last) * self._rate)
-        self._last = now_s
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
-            return True
-        return False
-
-
-@dataclass(frozen=True)
-class EmulatorStats:
-    """Counters of one emulator; JSON at GET /_emulator/stats."""
-
-    sessions_open: int
-    sessions_created: int
-    sessions_stopped: int
-    sessions_expired: int
-    peak_open: int
-    throttled: int
-    invocations: int
-    open_per_agent: tuple[int, ...]
-    agent_pids: tuple[int, ...]
-    agent_ports: tuple[int, ...]  # each agent serves /ping and /invocations on 127.0.0.1:port
-
-    @classmethod
-    def from_json(cls, d: dict) -> "EmulatorStats":
-        tuples = {k: tuple(d[k]) for k in ("open_per_agent", "agent_pids", "agent_ports")}
-        return cls(**{**d, **tuples})
-
-
-class SessionRefused(Exception):
-    """A new session could not be created; `error` is the ACR exception name to answer with."""
-
-    def __init__(self, error: str, message: str) -> None:
-        super().__init__(message)
-        self.error = error
-
-
-@dataclass
-class _Session:
-    agent: int
-    last_used_s: float
-
-
-class SessionTable:
-    """Routes sessions to agents and counts them. Pure: no I/O, time passed in.
-
-    Invariant: open == created - stopped - expired; each open session maps to one agent for life.
-    """
-
-    def __init__(
-        self,
-        num_agents: int,
-        limiter: TokenBucket,
-        *,
-        idle_timeout_s: float = DEFAULT_SESSION_IDLE_TIMEOUT_S,
-        max_open: int | None = None,
-    ) -> None:
-        if num_agents < 1:
-            raise ValueError(f"num_agents must be >= 1, got {num_agents}")
-        self._num_agents = num_agents
-        self._limiter = limiter
-        self._idle_timeout_s = idle_timeout_s
-        self._max_open = max_open
-        self._sessions: dict[str, _Session] = {}
-        self._dead: set[int] = set()
-        self.created = self.stopped = self.expired = self.peak_open = self.throttled = self.invocations = 0
-
-    def mark_dead(self, agent: int) -> bool:
-        """Agent `agent` exited: route no new sessions to it. True the first time it is marked."""
-        if agent in self._dead:
-            return False
-        self._dead.add(agent)
-        return True
-
-    def route(self, session_id: str, now_s: float) -> tuple[int, bool]:
-        """Agent index for `session_id` and whether the session was created by this call.
-
-        Raises SessionRefused("ThrottlingException") when the creation rate is exceeded,
-        ("ServiceQuotaExceededException") at max_open, ("InternalServerException") when no agent
-        is alive.
-        """
-        self._expire(now_s)
-        self.invocations += 1
-        s = self._sessions.get(session_id)
-        if s is not None:
-            s.last_used_s = now_s
-            return s.agent, False
-        if self._max_open is not None and len(self._sessions) >= self._max_open:
-            raise SessionRefused("ServiceQuotaExceededException", f"open sessions at quota {self._max_open}")
-        alive = [a for a in range(self._num_agents) if a not in self._dead]
-        if not alive:
-            raise SessionRefused("InternalServerException", "no agent process is alive")
-        if not self._limiter.try_acquire(now_s):
-            self.throttled += 1
-            raise SessionRefused("ThrottlingException", "Rate exceeded for session creation")
-        load = self.open_per_agent()
-        agent = min(alive, key=lambda a: (load[a], a))
-        self._sessions[session_id] = _Session(agent=agent, last_used_s=now_s)
-        self.created += 1
-        self.peak_open = max(self.peak_open, len(self._sessions))
-        return agent, True
-
-    def stop(self, session_id: str, now_s: float) -> bool:
-        """Close a session; False when it is not open (never created, stopped or expired)."""
-        self._expire(now_s)
-        if self._sessions.pop(session_id, None) is None:
-            return False
-        self.stopped += 1
-        return True
-
-    def open_per_agent(self) -> list[int]:
-        load = [0] * self._num_agents
-        for s in self._sessions.values():
-            load[s.agent] += 1
-        return load
-
-    def snapshot(self, now_s: float, agent_pids: tuple[int, ...] = (), agent_ports: tuple[int, ...] = ()) -> EmulatorStats:
-        self._expire(now_s)
-        return EmulatorStats(
-            sessions_open=len(self._sessions),
-            sessions_created=self.created,
-            sessions_stopped=self.stopped,
-            sessions_expired=self.expired,
-            peak_open=self.peak_open,
-            throttled=self.throttled,
-            invocations=self.invocations,
-            open_per_agent=tuple(self.open_per_agent()),
-            agent_pids=agent_pids,
-            agent_ports=agent_ports,
-        )
-
-    def _expire(self, now_s: float) -> None:
-        idle = [sid for sid, s in self._sessions.items() if now_s - s.last_used_s > self._idle_timeout_s]
-        for sid in idle:
-            del self._sessions[sid]
-            self.expired += 1
-
-
-# ----------------------------------------------------------------------------- agent processes
-
-
-@dataclass
-class EmulatorConfig:
-    """How to run the emulator. `agent_cmd` is an argv list; `{port}` in it is substituted."""
-
-    agent_cmd: list[str]
-    num_agents: int = 2
-    session_rate_per_s: float = 25.0
-    session_burst: int | None = None  # default: max(1, round(session_rate_per_s))
-    agent_runtime_arn: str = DEFAULT_RUNTIME_ARN
-    idle_timeout_s: float = DEFAULT_SESSION_IDLE_TIMEOUT_S
-    max_open_sessions: int | None = None
-    agent_start_timeout_s: float = 60.0
-    invoke_read_timeout_s: float = 900.0
-    agent_env: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not self.agent_cmd:
-            raise ValueError("agent_cmd must not be empty")
-        if self.num_agents < 1:
-            raise ValueError(f"num_agents must be >= 1, got {self.num_agents}")
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (bind to port 0, read it, release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Child-side: ask the kernel to SIGTERM us if the emulator dies (Linux only)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
-@dataclass
-class AgentProcess:
-    index: int
-    port: int
-    proc: asyncio.subprocess.Process
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def alive(self) -> bool:
-        return self.proc.returncode is None
-
-
-async def start_agents(cfg: EmulatorConfig, http: aiohttp.ClientSession) -> list[AgentProcess]:
-    """Launch cfg.num_agents agents and wait until each answers GET /ping with 200.
-
-    Raises RuntimeError naming the agent when one exits early or is not healthy within
-    cfg.agent_start_timeout_s; agents already started are stopped before raising.
-    """
-    agents: list[AgentProcess] = []
-    try:
-        for i in range(cfg.num_agents):
-            port = free_port()
-            argv = [a.replace("{port}", str(port)) for a in cfg.agent_cmd]
-            env = {**os.environ, **cfg.agent_env, "PORT": str(port)}
-            proc = await asyncio.create_subprocess_exec(*argv, env=env, preexec_fn=_die_with_parent)
-            agents.append(AgentProcess(index=i, port=port, proc=proc))
-        deadline = time.monotonic() + cfg.agent_start_timeout_s
-        for a in agents:
-            await _wait_healthy(a, http, deadline)
-        return agents
-    except BaseException:
-        await stop_agents(agents)
-        raise
-
-
-async def _wait_healthy(agent: AgentProcess, http: aiohttp.ClientSession, deadline: float) -> None:
-    delay_s = 0.05
-    while True:
-        if not agent.alive():
-            raise RuntimeError(f"agent {agent.index} (pid {agent.proc.pid}) exited with {agent.proc.returncode}")
-        try:
-            async with http.get(f"{agent.url}/ping", timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status == 200:
-                    return
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"agent {agent.index} (pid {agent.proc.pid}) not healthy on {agent.url}/ping in time")
-        await asyncio.sleep(delay_s)
-        delay_s = min(delay_s * 2, 0.5)
-
-
-async def stop_agents(agents: list[AgentProcess]) -> None:
-    """SIGTERM each agent by PID, SIGKILL after AGENT_STOP_GRACE_S, reap all. Idempotent."""
-    for a in agents:
-        if a.alive():
-            try:
-                a.proc.terminate()
-            except ProcessLookupError:
-                pass
-    for a in agents:
-        try:
-            await asyncio.wait_for(a.proc.wait(), AGENT_STOP_GRACE_S)
-        except asyncio.TimeoutError:
-            try:
-                a.proc.kill()
-            except ProcessLookupError:
-                pass
-            await a.proc.wait()
-
-
-# ----------------------------------------------------------------------------- HTTP
-
-
-def acr_error(error: str, message: str, status: int, **extra) -> web.Response:
-    """An error in ACR's rest-json shape: botocore reads the code from x-amzn-ErrorType."""
-    return web.json_response({"message": message, **extra}, status=status, headers={"x-amzn-ErrorType": error})
-
+MAX_TICK_S = 1.0  # reaper/ping period upper bound; shrunk to a quarter of small timeouts
+MIN_TICK_S = 0.02
+AGENT_ERROR_SNIPPET_CHARS = 2000  # of an agent's error body quoted in RuntimeClientError
 
 _ERROR_STATUS = {
     "ValidationException": 400,
@@ -357,54 +102,195 @@ _ERROR_STATUS = {
 }
 
 
-def _validation_error(name: str, message: str) -> web.Response:
+@dataclass
+class EmulatorConfig:
+    """How to run the emulator. `agent_cmd` is an argv list; `{port}` in it is substituted.
+
+    qualifiers: endpoint names that exist (others: ResourceNotFoundException).
+    request_rate_per_s: optional cap on all data-plane calls (ThrottlingException past it).
+    max_output_bytes: per-stream cap of InvokeAgentRuntimeCommand output.
+    """
+
+    agent_cmd: list[str]
+    num_agents: int = 2
+    session_rate_per_s: float = 25.0
+    session_burst: int | None = None  # default: max(1, round(session_rate_per_s))
+    agent_runtime_arn: str = DEFAULT_RUNTIME_ARN
+    qualifiers: tuple[str, ...] = ("DEFAULT",)
+    idle_timeout_s: float = DEFAULT_SESSION_IDLE_TIMEOUT_S
+    max_lifetime_s: float = DEFAULT_SESSION_MAX_LIFETIME_S
+    max_open_sessions: int | None = None
+    request_rate_per_s: float | None = None
+    agent_start_timeout_s: float = 60.0
+    invoke_read_timeout_s: float = 900.0
+    max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES
+    faults: FaultRates | None = None
+    agent_env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.agent_cmd:
+            raise ValueError("agent_cmd must not be empty")
+        if self.num_agents < 1:
+            raise ValueError(f"num_agents must be >= 1, got {self.num_agents}")
+        if not RUNTIME_ARN_RE.fullmatch(self.agent_runtime_arn):
+            raise ValueError(f"agent_runtime_arn {self.agent_runtime_arn!r} is not a runtime ARN")
+
+    def tick_s(self) -> float:
+        return max(MIN_TICK_S, min(MAX_TICK_S, self.idle_timeout_s / 4, self.max_lifetime_s / 4))
+
+
+def acr_error(error: str, message: str, status: int | None = None, **extra) -> web.Response:
+    """An error in ACR's rest-json shape: botocore reads the code from x-amzn-ErrorType."""
+    status = status if status is not None else _ERROR_STATUS[error]
+    return web.json_response({"message": message, **extra}, status=status, headers={"x-amzn-ErrorType": error})
+
+
+def validation_error(name: str, message: str) -> web.Response:
     return acr_error(
-        "ValidationException",
-        message,
-        400,
-        reason="FieldValidationFailed",
-        fieldList=[{"name": name, "message": message}],
+        "ValidationException", message, reason="FieldValidationFailed", fieldList=[{"name": name, "message": message}]
     )
 
 
-def create_app(cfg: EmulatorConfig, table: SessionTable, agents: list[AgentProcess], http: aiohttp.ClientSession) -> web.Application:
-    """The ACR data-plane routes over already-started agents (see module docstring for shapes)."""
-    app = web.Application(client_max_size=MAX_PAYLOAD_BYTES)
-    pids = tuple(a.proc.pid for a in agents)
-    ports = tuple(a.port for a in agents)
+class Emulator:
+    """The data-plane routes over already-started agents; owns the session table and workspaces."""
 
-    def check_target(request: web.Request) -> web.Response | None:
+    def __init__(
+        self, cfg: EmulatorConfig, agents: list[AgentProcess], http: aiohttp.ClientSession, workdir: Path
+    ) -> None:
+        now = time.monotonic()
+        burst = cfg.session_burst or max(1, round(cfg.session_rate_per_s))
+        self.cfg = cfg
+        self.agents = agents
+        self.http = http
+        self.table = SessionTable(
+            cfg.num_agents, TokenBucket(cfg.session_rate_per_s, burst, now), idle_timeout_s=cfg.idle_timeout_s,
+            max_lifetime_s=cfg.max_lifetime_s, max_open=cfg.max_open_sessions,
+        )  # fmt: skip
+        self.request_limiter = (
+            TokenBucket(cfg.request_rate_per_s, max(1, round(cfg.request_rate_per_s)), now)
+            if cfg.request_rate_per_s
+            else None
+        )
+        self.rate = RateWindow(1.0)
+        self.calls: Counter = Counter()
+        self.request_throttled = 0
+        self.plan = FaultPlan(cfg.faults) if cfg.faults is not None and cfg.faults.total() > 0 else None
+        self.fault_hits: Counter = Counter()  # session id -> emulator-side fault answers sent
+        self.faults_injected: Counter = Counter()
+        self.workspaces = Workspaces(workdir)
+
+    # ------------------------------------------------------------------ app
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_PAYLOAD_BYTES, middlewares=[self._count_calls])
+        # The ARN arrives percent-encoded ('/' as %2F); aiohttp matches on the encoded path.
+        app.router.add_post("/runtimes/{arn:[^/]+}/invocations", self.invoke)
+        app.router.add_post("/runtimes/{arn:[^/]+}/stopruntimesession", self.stop_session)
+        app.router.add_post("/runtimes/{arn:[^/]+}/commands", self.command)
+        app.router.add_get(STATS_PATH, self.stats_handler)
+        return app
+
+    @web.middleware
+    async def _count_calls(self, request: web.Request, handler) -> web.StreamResponse:
+        if not request.path.startswith("/runtimes/"):
+            return await handler(request)
+        self.rate.record(time.monotonic())
+        self.calls[request.path.rsplit("/", 1)[-1]] += 1
+        if self.request_limiter is not None and not self.request_limiter.try_acquire(time.monotonic()):
+            self.request_throttled += 1
+            return acr_error("ThrottlingException", "Rate exceeded")
+        return await handler(request)
+
+    def stats(self) -> EmulatorStats:
+        self._expire(time.monotonic())
+        snap = self.table.snapshot(tuple(a.proc.pid for a in self.agents), tuple(a.port for a in self.agents))
+        return replace(
+            snap,
+            invocations=self.calls["invocations"],
+            commands=self.calls["commands"],
+            stops=self.calls["stopruntimesession"],
+            requests=self.rate.total,
+            peak_request_rate=self.rate.peak,
+            throttled=snap.throttled + self.request_throttled,
+            faults_injected=dict(self.faults_injected),
+        )
+
+    async def stats_handler(self, request: web.Request) -> web.Response:
+        return web.json_response(asdict(self.stats()))
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_target(self, request: web.Request) -> web.Response | None:
         arn = request.match_info["arn"]
-        if arn != cfg.agent_runtime_arn:
-            return acr_error("ResourceNotFoundException", f"agent runtime {arn} not found", 404)
+        if not RUNTIME_ARN_RE.fullmatch(arn):
+            return validation_error("agentRuntimeArn", f"{arn!r} is not an agent runtime ARN")
+        if arn != self.cfg.agent_runtime_arn:
+            return acr_error("ResourceNotFoundException", f"agent runtime {arn} not found")
         qualifier = request.query.get("qualifier", "DEFAULT")
-        if qualifier != "DEFAULT":
-            return acr_error("ResourceNotFoundException", f"endpoint {qualifier} of {arn} not found", 404)
+        if qualifier not in self.cfg.qualifiers:
+            return acr_error("ResourceNotFoundException", f"endpoint {qualifier} of {arn} not found")
         return None
 
-    def session_id_of(request: web.Request) -> str | web.Response:
-        sid = request.headers.get(SESSION_HEADER) or str(uuid.uuid4())  # botocore's idempotency default
+    def _session_id(self, request: web.Request, required: bool = False) -> str | web.Response:
+        sid = request.headers.get(SESSION_HEADER)
+        if sid is None:
+            if required:
+                return validation_error("runtimeSessionId", "runtimeSessionId is required")
+            sid = str(uuid.uuid4())  # botocore fills this idempotency token itself
         if not SESSION_ID_MIN_LEN <= len(sid) <= SESSION_ID_MAX_LEN:
-            return _validation_error(
+            return validation_error(
                 "runtimeSessionId",
                 f"runtimeSessionId length {len(sid)} outside [{SESSION_ID_MIN_LEN}, {SESSION_ID_MAX_LEN}]",
             )
         return sid
 
-    async def invoke(request: web.Request) -> web.StreamResponse:
-        if (err := check_target(request)) is not None:
+    def _refresh_agents(self) -> None:
+        for a in self.agents:
+            if not a.alive() and self.table.mark_dead(a.index):
+                logger.warning("agent %d (pid %d) exited with %s", a.index, a.proc.pid, a.proc.returncode)
+
+    def _expire(self, now: float) -> None:
+        for sid in self.table.expire(now):
+            self.workspaces.close(sid)
+
+    def _route(self, sid: str) -> tuple[int, bool] | web.Response:
+        now = time.monotonic()
+        self._expire(now)
+        self._refresh_agents()
+        try:
+            return self.table.route(sid, now)
+        except SessionRefused as e:
+            return acr_error(e.error, str(e))
+
+    # ------------------------------------------------------------------ routes
+
+    async def invoke(self, request: web.Request) -> web.StreamResponse:
+        """InvokeAgentRuntime: route the session, forward to its agent, stream the answer back."""
+        if (err := self._check_target(request)) is not None:
             return err
-        sid = session_id_of(request)
+        sid = self._session_id(request)
         if isinstance(sid, web.Response):
             return sid
-        for a in agents:
-            if not a.alive() and table.mark_dead(a.index):
-                logger.warning("agent %d (pid %d) exited with %s", a.index, a.proc.pid, a.proc.returncode)
+        fault = self.plan.fault_for(sid) if self.plan is not None else None
+        if fault in EMULATOR_FAULTS and self.fault_hits[sid] < self.plan.rates.repeats:
+            self.fault_hits[sid] += 1
+            self.faults_injected[fault] += 1
+            name, status = EMULATOR_FAULT_ERRORS[fault]
+            return acr_error(name, f"injected fault: {fault}", status)
+        routed = self._route(sid)
+        if isinstance(routed, web.Response):
+            return routed
+        index, created = routed
         try:
-            index, _created = table.route(sid, time.monotonic())
-        except SessionRefused as e:
-            return acr_error(e.error, str(e), _ERROR_STATUS[e.error])
-        agent = agents[index]
+            if created and fault in AGENT_FAULTS:
+                self.faults_injected[fault] += 1
+            return await self._forward(request, sid, self.agents[index], fault if fault in AGENT_FAULTS else None)
+        finally:
+            self.table.release(sid, time.monotonic())
+
+    async def _forward(
+        self, request: web.Request, sid: str, agent: AgentProcess, fault: str | None
+    ) -> web.StreamResponse:
         body = await request.read()
         headers = {
             SESSION_HEADER: sid,
@@ -412,19 +298,19 @@ def create_app(cfg: EmulatorConfig, table: SessionTable, agents: list[AgentProce
             "Content-Type": request.headers.get("Content-Type", "application/json"),
             "Accept": request.headers.get("Accept", "*/*"),
         }
-        if USER_ID_HEADER in request.headers:
-            headers[USER_ID_HEADER] = request.headers[USER_ID_HEADER]
+        for name, value in request.headers.items():
+            if name.lower().startswith(CUSTOM_HEADER_PREFIX) or name == USER_ID_HEADER:
+                headers[name] = value
+        if fault is not None:
+            headers[FAULT_HEADER] = fault
         try:
-            async with http.post(f"{agent.url}/invocations", data=body, headers=headers) as up:
+            async with self.http.post(f"{agent.url}/invocations", data=body, headers=headers) as up:
                 if up.status >= 400:
-                    text = (await up.text())[:2000]
-                    return acr_error("RuntimeClientError", f"agent returned HTTP {up.status}: {text}", 424)
+                    text = (await up.text())[:AGENT_ERROR_SNIPPET_CHARS]
+                    return acr_error("RuntimeClientError", f"agent returned HTTP {up.status}: {text}")
                 resp = web.StreamResponse(
                     status=200,
-                    headers={
-                        SESSION_HEADER: sid,
-                        "Content-Type": up.headers.get("Content-Type", "application/json"),
-                    },
+                    headers={SESSION_HEADER: sid, "Content-Type": up.headers.get("Content-Type", "application/json")},
                 )
                 await resp.prepare(request)
                 async for chunk in up.content.iter_any():
@@ -432,52 +318,109 @@ def create_app(cfg: EmulatorConfig, table: SessionTable, agents: list[AgentProce
                 await resp.write_eof()
                 return resp
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return acr_error("RuntimeClientError", f"agent {index} unreachable: {e!r}", 424)
+            return acr_error("RuntimeClientError", f"agent {agent.index} unreachable: {e!r}")
 
-    async def stop_session(request: web.Request) -> web.Response:
-        if (err := check_target(request)) is not None:
+    async def stop_session(self, request: web.Request) -> web.Response:
+        """StopRuntimeSession: close the session and its command workspace."""
+        if (err := self._check_target(request)) is not None:
             return err
-        if SESSION_HEADER not in request.headers:
-            return _validation_error("runtimeSessionId", "runtimeSessionId is required")
-        sid = session_id_of(request)
+        sid = self._session_id(request, required=True)
         if isinstance(sid, web.Response):
             return sid
-        if not table.stop(sid, time.monotonic()):
-            return acr_error("ResourceNotFoundException", f"session {sid} not found", 404)
+        self._expire(time.monotonic())
+        if not self.table.stop(sid):
+            return acr_error("ResourceNotFoundException", f"session {sid} not found")
+        self.workspaces.close(sid)
         return web.json_response({}, headers={SESSION_HEADER: sid})
 
-    async def stats(request: web.Request) -> web.Response:
-        return web.json_response(asdict(table.snapshot(time.monotonic(), pids, ports)))
+    async def command(self, request: web.Request) -> web.StreamResponse:
+        """InvokeAgentRuntimeCommand: run the command in the session's directory, stream events."""
+        if (err := self._check_target(request)) is not None:
+            return err
+        sid = self._session_id(request)
+        if isinstance(sid, web.Response):
+            return sid
+        try:
+            body = json.loads(await request.read() or b"{}")
+        except ValueError:
+            return acr_error("ValidationException", "body is not JSON", reason="CannotParse")
+        command, timeout_s = body.get("command"), body.get("timeout", DEFAULT_COMMAND_TIMEOUT_S)
+        if not isinstance(command, str) or not 1 <= len(command) <= MAX_COMMAND_CHARS:
+            return validation_error("body.command", f"command must be a string of 1-{MAX_COMMAND_CHARS} characters")
+        if type(timeout_s) is not int or not MIN_COMMAND_TIMEOUT_S <= timeout_s <= MAX_COMMAND_TIMEOUT_S:
+            bounds = f"[{MIN_COMMAND_TIMEOUT_S}, {MAX_COMMAND_TIMEOUT_S}]"
+            return validation_error("body.timeout", f"timeout must be an integer in {bounds}")
+        routed = self._route(sid)
+        if isinstance(routed, web.Response):
+            return routed
+        proc_box: list = []
+        try:
+            cwd = self.workspaces.path(sid)
+            headers = {SESSION_HEADER: sid, "Content-Type": EVENTSTREAM_CONTENT_TYPE}
+            resp = web.StreamResponse(status=200, headers=headers)
+            await resp.prepare(request)
 
-    # The ARN arrives percent-encoded ('/' as %2F); aiohttp matches on the still-encoded path.
-    app.router.add_post("/runtimes/{arn:[^/]+}/invocations", invoke)
-    app.router.add_post("/runtimes/{arn:[^/]+}/stopruntimesession", stop_session)
-    app.router.add_get(STATS_PATH, stats)
-    return app
+            def on_start(proc) -> None:
+                proc_box.append(proc)
+                self.workspaces.attach(sid, proc)
+
+            try:
+                await run_command(command, cwd, timeout_s, self.cfg.max_output_bytes, resp.write, on_start)
+            except (ConnectionError, asyncio.CancelledError):
+                raise
+            except Exception as e:  # after the 200 went out, errors travel as a stream event
+                logger.exception("command in session %s failed", sid)
+                await resp.write(exception_event("internalServerException", f"command failed: {e!r}"))
+            await resp.write_eof()
+            return resp
+        finally:
+            for proc in proc_box:
+                self.workspaces.detach(sid, proc)
+            self.table.release(sid, time.monotonic())
+
+    # ------------------------------------------------------------------ background
+
+    async def tick_forever(self) -> None:
+        """Each tick: expire sessions, probe every agent's /ping, keep busy agents' sessions alive."""
+        while True:
+            await asyncio.sleep(self.cfg.tick_s())
+            try:
+                self._refresh_agents()
+                alive = [a for a in self.agents if a.alive()]
+                statuses = await asyncio.gather(*(ping_status(a, self.http) for a in alive))
+                now = time.monotonic()
+                for a, status in zip(alive, statuses):
+                    if status == "HealthyBusy":
+                        self.table.keep_alive(a.index, now)
+                self._expire(now)
+            except Exception:
+                logger.exception("emulator tick failed")
 
 
 async def serve(cfg: EmulatorConfig, port: int, stop: asyncio.Event) -> None:
     """Start agents, serve on 127.0.0.1:port until `stop` is set, then stop agents."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=cfg.invoke_read_timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
-        agents = await start_agents(cfg, http)
-        runner = None
-        try:
-            burst = cfg.session_burst or max(1, round(cfg.session_rate_per_s))
-            limiter = TokenBucket(cfg.session_rate_per_s, burst, time.monotonic())
-            table = SessionTable(
-                cfg.num_agents, limiter, idle_timeout_s=cfg.idle_timeout_s, max_open=cfg.max_open_sessions
-            )
-            runner = web.AppRunner(create_app(cfg, table, agents, http), access_log=None)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            pids = ",".join(str(a.proc.pid) for a in agents)
-            print(f"{READY_LINE_PREFIX} on http://127.0.0.1:{port} arn={cfg.agent_runtime_arn} agent_pids={pids}", flush=True)
-            await stop.wait()
-        finally:
-            if runner is not None:
-                await runner.cleanup()
-            await stop_agents(agents)
+        agents = await start_agents(cfg.agent_cmd, cfg.num_agents, cfg.agent_env, http, cfg.agent_start_timeout_s)
+        runner = ticker = None
+        with tempfile.TemporaryDirectory(prefix="acr-emulator-sessions-") as workdir:
+            emu = Emulator(cfg, agents, http, Path(workdir))
+            try:
+                runner = web.AppRunner(emu.app(), access_log=None)
+                await runner.setup()
+                await web.TCPSite(runner, "127.0.0.1", port).start()
+                ticker = asyncio.create_task(emu.tick_forever())
+                pids = ",".join(str(a.proc.pid) for a in agents)
+                ready = f"{READY_LINE_PREFIX} on http://127.0.0.1:{port} arn={cfg.agent_runtime_arn} agent_pids={pids}"
+                print(ready, flush=True)
+                await stop.wait()
+            finally:
+                if ticker is not None:
+                    ticker.cancel()
+                if runner is not None:
+                    await runner.cleanup()
+                emu.workspaces.close_all()
+                await stop_agents(agents)
 
 
 def _parse_args(argv: list[str] | None) -> tuple[EmulatorConfig, int]:
@@ -488,8 +431,13 @@ def _parse_args(argv: list[str] | None) -> tuple[EmulatorConfig, int]:
     p.add_argument("--session-rate", type=float, default=25.0, help="session creations per second")
     p.add_argument("--session-burst", type=int, default=None)
     p.add_argument("--agent-runtime-arn", default=DEFAULT_RUNTIME_ARN)
+    p.add_argument("--qualifiers", default="DEFAULT", help="comma-separated endpoint names")
     p.add_argument("--idle-timeout-s", type=float, default=DEFAULT_SESSION_IDLE_TIMEOUT_S)
+    p.add_argument("--max-lifetime-s", type=float, default=DEFAULT_SESSION_MAX_LIFETIME_S)
     p.add_argument("--max-open-sessions", type=int, default=None)
+    p.add_argument("--request-rate", type=float, default=None, help="cap on all data-plane calls per second")
+    p.add_argument("--max-output-bytes", type=int, default=DEFAULT_MAX_OUTPUT_BYTES)
+    p.add_argument("--faults", default=None, help="FaultRates as JSON, e.g. '{\"throttle\": 0.1, \"seed\": 3}'")
     p.add_argument("--agent-start-timeout-s", type=float, default=60.0)
     a = p.parse_args(argv)
     cfg = EmulatorConfig(
@@ -498,8 +446,13 @@ def _parse_args(argv: list[str] | None) -> tuple[EmulatorConfig, int]:
         session_rate_per_s=a.session_rate,
         session_burst=a.session_burst,
         agent_runtime_arn=a.agent_runtime_arn,
+        qualifiers=tuple(q for q in a.qualifiers.split(",") if q),
         idle_timeout_s=a.idle_timeout_s,
+        max_lifetime_s=a.max_lifetime_s,
         max_open_sessions=a.max_open_sessions,
+        request_rate_per_s=a.request_rate,
+        max_output_bytes=a.max_output_bytes,
+        faults=FaultRates.from_json(a.faults) if a.faults else None,
         agent_start_timeout_s=a.agent_start_timeout_s,
     )
     return cfg, a.port

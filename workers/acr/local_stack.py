@@ -1,8 +1,8 @@
 """The embedded default's AWS side: a moto S3 server and the ACR emulator on loopback.
 
-`LocalStack` starts two real servers as subprocesses on free 127.0.0.1 ports:
+`LocalStack` starts two real servers as subprocesses on free 127.0.0.1 ports, concurrently:
 
-1. `python -m moto.server` (S3), then creates the results bucket;
+1. `python -m moto.server` (S3); once it answers, the results bucket is created;
 2. `python -m workers.acr.emulator`, which launches the agent processes with this stack's AWS
    env (so agents write their S3 results to moto) and prints a ready line when they answer /ping.
 
@@ -33,6 +33,7 @@ from typing import Sequence
 import boto3
 
 from workers.acr.emulator import DEFAULT_RUNTIME_ARN, STATS_PATH, EmulatorStats, free_port
+from workers.acr.faults import FaultRates
 
 STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL wait per process; the emulator needs it to stop agents
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -51,6 +52,9 @@ class LocalStack:
         PORT is set for each agent process.
     startup_timeout_s: bound on each server (and all agents) becoming healthy; LocalStackError after.
     log_dir: where `moto.log` and `emulator.log` (with agent output) go; a temp dir if None.
+    faults: fault injection rates (workers.acr.faults), passed to the emulator as --faults JSON.
+    idle_timeout_s / max_lifetime_s: session idle timeout and maximum lifetime (ACR: 900 s / 8 h).
+    request_rate_per_s: optional cap on all ACR data-plane calls (ThrottlingException past it).
     """
 
     def __init__(
@@ -67,6 +71,10 @@ class LocalStack:
         startup_timeout_s: float = 60.0,
         log_dir: str | Path | None = None,
         agent_env: dict[str, str] | None = None,
+        faults: FaultRates | None = None,
+        idle_timeout_s: float | None = None,
+        max_lifetime_s: float | None = None,
+        request_rate_per_s: float | None = None,
     ) -> None:
         self.agent_cmd = shlex.split(agent_cmd) if isinstance(agent_cmd, str) else list(agent_cmd)
         if not self.agent_cmd:
@@ -81,6 +89,10 @@ class LocalStack:
         self.startup_timeout_s = startup_timeout_s
         self.log_dir = Path(log_dir) if log_dir else None
         self.agent_env = dict(agent_env or {})
+        self.faults = faults
+        self.idle_timeout_s = idle_timeout_s
+        self.max_lifetime_s = max_lifetime_s
+        self.request_rate_per_s = request_rate_per_s
         self.s3_endpoint: str | None = None
         self.acr_endpoint: str | None = None
         self._procs: list[tuple[str, subprocess.Popen, Path]] = []
@@ -90,7 +102,7 @@ class LocalStack:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> "LocalStack":
-        """Start moto, create the bucket, start the emulator; raises LocalStackError (after
+        """Start moto and the emulator, create the bucket; raises LocalStackError (after
         stopping whatever did start) when a server is not healthy within startup_timeout_s."""
         if self._started:
             raise RuntimeError("LocalStack already started")
@@ -103,10 +115,6 @@ class LocalStack:
             s3_port = free_port()
             self.s3_endpoint = f"http://127.0.0.1:{s3_port}"
             self._spawn("moto", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)])
-            self._wait_http("moto", f"{self.s3_endpoint}/moto-api/data.json")
-            boto3.client("s3", endpoint_url=self.s3_endpoint, region_name=self.region, **_creds()).create_bucket(
-                Bucket=self.bucket, CreateBucketConfiguration={"LocationConstraint": self.region}
-            )
             acr_port = free_port()
             self.acr_endpoint = f"http://127.0.0.1:{acr_port}"
             cmd = [
@@ -122,7 +130,21 @@ class LocalStack:
                 cmd += ["--session-burst", str(self.session_burst)]
             if self.max_open_sessions is not None:
                 cmd += ["--max-open-sessions", str(self.max_open_sessions)]
+            if self.faults is not None:
+                cmd += ["--faults", self.faults.to_json()]
+            for flag, value in (
+                ("--idle-timeout-s", self.idle_timeout_s),
+                ("--max-lifetime-s", self.max_lifetime_s),
+                ("--request-rate", self.request_rate_per_s),
+            ):
+                if value is not None:
+                    cmd += [flag, str(value)]
+            # Both start at once (agents write to S3 only when invoked, after start() returns).
             self._spawn("emulator", cmd, extra_env={**self.env, **self.agent_env})
+            self._wait_http("moto", f"{self.s3_endpoint}/moto-api/data.json")
+            boto3.client("s3", endpoint_url=self.s3_endpoint, region_name=self.region, **_creds()).create_bucket(
+                Bucket=self.bucket, CreateBucketConfiguration={"LocationConstraint": self.region}
+            )
             self._wait_http("emulator", f"{self.acr_endpoint}{STATS_PATH}")
             return self
         except BaseException:
@@ -174,7 +196,7 @@ class LocalStack:
         return dict(self._history)
 
     def stats(self) -> EmulatorStats:
-        """The emulator's counters (sessions open/created, peak, throttled, agent PIDs)."""
+        """The emulator's counters (sessions, peak open, peak request rate, faults, agent PIDs)."""
         if self.acr_endpoint is None:
             raise RuntimeError("LocalStack not started")
         with urllib.request.urlopen(f"{self.acr_endpoint}{STATS_PATH}", timeout=10) as r:
