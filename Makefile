@@ -5,6 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 ARGS   ?=
+SKY_VENV ?= .venv-sky
 
 .PHONY: run test install install-dev clean-venv
 
@@ -30,11 +31,18 @@ $(VENV)/.installed: pyproject.toml
 
 # verl is a test dependency only (parity tests of the algorithms); its own pins would pull a
 # CUDA torch, so it goes in with --no-deps.
-$(VENV)/.installed-dev: $(VENV)/.installed
+$(VENV)/.installed-dev: $(VENV)/.installed $(SKY_VENV)/.installed
 	$(PIP) install -q -e '.[cpu,dev]'
 	$(PIP) install -q --no-deps verl==0.9.1
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@
 
+# SkyPilot pins click/uvicorn differently from ray: its own venv, only for the offline check of
+# scripts/sky/train.yaml (tests/test_sky_yaml.py runs it through this venv's python).
+$(SKY_VENV)/.installed:
+	test -x $(SKY_VENV)/bin/python || $(PYTHON) -m venv $(SKY_VENV)
+	$(SKY_VENV)/bin/python -m pip install -q skypilot==0.14.1
+	touch $@
+
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(SKY_VENV)

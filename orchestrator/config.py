@@ -47,38 +47,137 @@ class ModeConfig:
 
 
 @dataclass
+class TrainerPlacementConfig:
+    """Trainer GPUs (`cluster.trainer`): `nodes` x `gpus_per_node` ranks, one GPU each (0: CPU, cluster=local)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 0
+
+
+@dataclass
+class InferencePlacementConfig:
+    """Inference GPUs (`cluster.inference`): `replicas` engines of `tensor_parallel_size` GPUs each.
+    `replicas` must equal `inference.replicas` (the cluster yamls interpolate it from there)."""
+
+    replicas: int = 1
+    tensor_parallel_size: int = 1
+
+
+@dataclass
 class ClusterConfig:
-    """Where actors go. `num_cpus`: logical CPUs given to a local Ray cluster (None: the machine's)."""
+    """Where actors go (orchestrator/placement.py). `name`: local (no GPUs), disaggregated (trainer
+    and inference on separate GPUs) or colocated (they share GPUs; inference sleeps during updates).
+    `num_cpus` / `num_gpus`: logical CPUs / GPUs of a Ray cluster the driver starts itself (None:
+    the machine's; ignored when joining a cluster). `placement_timeout_s`: wait for placement groups."""
 
     name: str = "local"
     address: str | None = None
     num_cpus: int | None = None
+    num_gpus: int | None = None
     trainer_replicas: int = 1
     torch_threads: int = 1
+    trainer: TrainerPlacementConfig = field(default_factory=TrainerPlacementConfig)
+    inference: InferencePlacementConfig = field(default_factory=InferencePlacementConfig)
+    placement_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        _one_of(self.name, "cluster.name", ("local",))
+        _one_of(self.name, "cluster.name", ("local", "disaggregated", "colocated"))
         _check(self.trainer_replicas == 1, "cluster.trainer_replicas", "must be 1 on a CPU cluster", self.trainer_replicas)
         _check(self.torch_threads >= 1, "cluster.torch_threads", "must be >= 1", self.torch_threads)
+        _check(self.num_gpus is None or self.num_gpus >= 0, "cluster.num_gpus", "must be >= 0", self.num_gpus)
+        _check(self.placement_timeout_s > 0, "cluster.placement_timeout_s", "must be > 0", self.placement_timeout_s)
+        try:
+            self.placement_spec()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def placement_spec(self):
+        """The typed request of orchestrator/placement.py (raises ValueError naming the key)."""
+        from orchestrator.placement import PlacementSpec
+
+        return PlacementSpec(mode=self.name, trainer_nodes=self.trainer.nodes,  # type: ignore[arg-type]
+                             trainer_gpus_per_node=self.trainer.gpus_per_node,
+                             inference_replicas=self.inference.replicas,
+                             tensor_parallel_size=self.inference.tensor_parallel_size)
 
 
 @dataclass
 class ModelConfig:
-    """The policy. `path`: a Hugging Face model dir; None builds (once) and uses the tiny default."""
+    """The policy. `path`: a Hugging Face model dir; None builds (once) and uses the tiny default.
+
+    chat_template: a Jinja file replacing the tokenizer's chat template in the gateway (vLLM's
+    `--chat-template`), e.g. for a model whose own template renders no tools.
+    tool_call_parser: the gateway's tool-call format: "auto" (from the template), "hermes",
+    "qwen3_coder" or "none" (requests offering tools are then refused with a 400).
+    """
 
     name: str = "tiny"
     path: str | None = None
     served_name: str = "policy"
+    chat_template: str | None = None
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
+        _check(self.tool_call_parser in ("auto", "hermes", "qwen3_coder", "none"), "model.tool_call_parser",
+               "must be one of auto, hermes, qwen3_coder, none", self.tool_call_parser)
+        if self.chat_template is not None:
+            _check(Path(self.chat_template).is_file(), "model.chat_template", "must be a Jinja file", self.chat_template)
         if self.path is not None:
             _check(Path(self.path).is_dir() and (Path(self.path) / "config.json").is_file(), "model.path",
                    "must be a local Hugging Face model directory (with config.json)", self.path)
 
 
+WEIGHT_SYNC_BACKENDS = ("file", "shm", "cuda_ipc", "gloo", "nccl")
+WEIGHT_SYNC_WIRED = WEIGHT_SYNC_BACKENDS  # all built by workers/weight_sync_run.py (nccl / cuda_ipc need CUDA)
+
+
+@dataclass
+class WeightSyncConfig:
+    """Trainer -> inference weight transfer (workers/weight_sync*.py). `backend`: file (one
+    safetensors file every replica reloads) | shm (bucketed broadcast through /dev/shm, one node)
+    | cuda_ipc (the same through CUDA IPC buffers, trainer and inference on one GPU) | gloo
+    (bucketed broadcast over a TCP process group) | nccl (the same over NCCL, GPU).
+    `bucket_mb`: broadcast bucket size in MiB (verl: update_weights_bucket_megabytes). The sent
+    dtype is `inference.dtype`."""
+
+    backend: str = "file"
+    bucket_mb: float = 512.0
+
+    def __post_init__(self) -> None:
+        _one_of(self.backend, "trainer.weight_sync.backend", WEIGHT_SYNC_BACKENDS)
+        _check(self.backend in WEIGHT_SYNC_WIRED, "trainer.weight_sync.backend",
+               f"is not wired into the run yet (wired: {list(WEIGHT_SYNC_WIRED)})", self.backend)
+        _check(self.bucket_mb > 0, "trainer.weight_sync.bucket_mb", "must be > 0", self.bucket_mb)
+
+
+@dataclass
+class VerlEngineConfig:
+    """`trainer.verl.*`, read only when `trainer.name=verl` (workers/trainer_verl.py): `strategy`
+    fsdp (verl's FSDP2 engine; CPU or GPU) | megatron (verl's Megatron-Core engine; GPU only);
+    `use_remove_padding` packs sequences (flash-attn varlen, GPU); `attn_implementation` is the HF
+    attention verl loads the model with; `tensor/pipeline_model_parallel_size`: Megatron only."""
+
+    strategy: str = "fsdp"
+    use_remove_padding: bool = False
+    attn_implementation: str = "sdpa"
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _one_of(self.strategy, "trainer.verl.strategy", ("fsdp", "megatron"))
+        _check(self.tensor_model_parallel_size >= 1, "trainer.verl.tensor_model_parallel_size", "must be >= 1",
+               self.tensor_model_parallel_size)
+        _check(self.pipeline_model_parallel_size >= 1, "trainer.verl.pipeline_model_parallel_size",
+               "must be >= 1", self.pipeline_model_parallel_size)
+
+
 @dataclass
 class TrainerConfig:
-    """Optimizer and loop length. `total_steps`: training steps (one batch of groups each)."""
+    """Optimizer and loop length. `total_steps`: training steps (one batch of groups each).
+    GPU scale: `max_tokens_per_micro_batch` (token budget per forward/backward, rows x longest
+    row; null: `micro_batch_size` rows), `mixed_precision` (null | bf16: FSDP2 bf16 compute, fp32
+    master weights and gradient reduction), `activation_checkpointing` (recompute each decoder
+    layer in backward)."""
 
     name: str = "fsdp"
     total_steps: int = 60
@@ -93,9 +192,18 @@ class TrainerConfig:
     max_ckpt_to_keep: int = 2
     resume_mode: str = "disable"
     resume_from_path: str | None = None
+    max_tokens_per_micro_batch: Optional[int] = None
+    mixed_precision: Optional[str] = None
+    activation_checkpointing: bool = False
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    verl: VerlEngineConfig = field(default_factory=VerlEngineConfig)  # trainer.name=verl only
 
     def __post_init__(self) -> None:
-        _one_of(self.name, "trainer.name", ("fsdp",))
+        _one_of(self.name, "trainer.name", ("fsdp", "verl"))
+        _check(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
+               "trainer.max_tokens_per_micro_batch", "must be null or >= 1", self.max_tokens_per_micro_batch)
+        _check(self.mixed_precision in (None, "bf16"), "trainer.mixed_precision", "must be null or bf16",
+               self.mixed_precision)
         _check(self.max_ckpt_to_keep >= 1, "trainer.max_ckpt_to_keep", "must be >= 1", self.max_ckpt_to_keep)
         _one_of(self.resume_mode, "trainer.resume_mode", ("disable", "auto", "resume_path"))
         _check((self.resume_mode == "resume_path") == bool(self.resume_from_path), "trainer.resume_from_path",
@@ -126,6 +234,27 @@ class InferenceConfig:
 
 
 @dataclass
+class AcrLimitsSchema:
+    """Cluster-wide ACR limits (workers/acr/limits.py), each held by one named Ray actor.
+
+    requests_per_s: cap on EVERY ACR request (invoke, get, stop, command, botocore retries
+    included) in any 1 s window; headroom: fraction of it the token bucket holds back for the
+    delay between a grant and its request (see AcrLimitsConfig).
+    max_open_sessions: ACR sessions open at once (invoked, not yet stopped), whole cluster.
+    """
+
+    requests_per_s: float = 25.0
+    headroom: float = 0.2
+    max_open_sessions: int = 1000
+
+    def __post_init__(self) -> None:
+        _check(self.requests_per_s > 0, "rollout.acr.limits.requests_per_s", "must be > 0", self.requests_per_s)
+        _check(0 <= self.headroom < 1, "rollout.acr.limits.headroom", "must be in [0, 1)", self.headroom)
+        _check(self.max_open_sessions >= 1, "rollout.acr.limits.max_open_sessions", "must be >= 1",
+               self.max_open_sessions)
+
+
+@dataclass
 class AcrConfig:
     """ACR endpoint. With `rollout=local` the emulator and moto S3 are started on loopback and
     `agent_runtime_arn` / `s3_bucket` point at them; otherwise they name real AWS resources."""
@@ -138,6 +267,10 @@ class AcrConfig:
     session_rate_per_s: float = 25.0
     agent_cmd: str | None = None
     agent_env: dict[str, str] = field(default_factory=dict)  # extra env vars of the agent processes
+    limits: AcrLimitsSchema = field(default_factory=lambda: AcrLimitsSchema())
+    retry_mode: str = "standard"  # botocore retry mode for throttling / 5xx
+    max_attempts: int = 8  # botocore total attempts per call
+    runtime_error_attempts: int = 3  # invocations of one session on RuntimeClientError (424)
 
 
 @dataclass
@@ -156,6 +289,11 @@ class RolloutConfig:
     poll_initial_s: float = 0.02
     poll_max_s: float = 0.5
     max_context_tokens: int = 512
+    contract: str = "s3"  # s3: `_rollout` + result in S3 | http: `_config` + `_agentcore_runtime` records
+    http_background: bool = False  # http: start in the background and poll `get` (else the start answers)
+    push_grace_s: float = 0.0  # s3: S3 polling starts this long after the invoke (posted results win at once)
+    result_host: str = "127.0.0.1"  # where rollout actors take posted results ("" = S3 polling only)
+    max_consecutive_bad_results: int = 32  # agent results in a row without a usable reward: stop the run
     acr: AcrConfig = field(default_factory=AcrConfig)
 
     def __post_init__(self) -> None:
@@ -167,6 +305,14 @@ class RolloutConfig:
         _check(self.temperature > 0, "rollout.temperature", "must be > 0", self.temperature)
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
         _check(self.timeout_s > 0, "rollout.timeout_s", "must be > 0", self.timeout_s)
+        _one_of(self.contract, "rollout.contract", ("s3", "http"))
+        _check(self.push_grace_s >= 0, "rollout.push_grace_s", "must be >= 0", self.push_grace_s)
+        _check(self.max_consecutive_bad_results >= 1, "rollout.max_consecutive_bad_results", "must be >= 1",
+               self.max_consecutive_bad_results)
+        _one_of(self.acr.retry_mode, "rollout.acr.retry_mode", ("standard", "adaptive", "legacy"))
+        _check(self.acr.max_attempts >= 1, "rollout.acr.max_attempts", "must be >= 1", self.acr.max_attempts)
+        _check(self.acr.runtime_error_attempts >= 1, "rollout.acr.runtime_error_attempts", "must be >= 1",
+               self.acr.runtime_error_attempts)
         _check(self.poll_initial_s > 0, "rollout.poll_initial_s", "must be > 0", self.poll_initial_s)
         _check(self.poll_max_s >= self.poll_initial_s, "rollout.poll_max_s", "must be >= rollout.poll_initial_s",
                self.poll_max_s)
@@ -178,17 +324,38 @@ class RolloutConfig:
                self.acr.session_rate_per_s)
 
 
+TASK_NAMES: tuple[str, ...] = ("letters", "gsm8k")  # keys of orchestrator.main.TASKS (a test keeps them equal)
+
+
 @dataclass
 class TaskConfig:
-    """Dataset. `num_prompts`: rows generated for the built-in task (cycled through epochs)."""
+    """Dataset and its agent (orchestrator.main.TASKS maps `name` to a row loader and an agent app).
+
+    num_prompts: rows generated (letters) or drawn from the file (gsm8k; null: every row), cycled
+        through epochs. seed: which rows. data_path: the task's JSONL file (gsm8k); a relative
+        path resolves against the repository root. max_turns: model turns an agent may take per
+        episode (sent to the agent in each row of multi-turn tasks).
+    """
 
     name: str = "letters"
-    num_prompts: int = 512
+    num_prompts: Optional[int] = 512
     seed: int = 0
+    data_path: Optional[str] = None
+    max_turns: int = 1
 
     def __post_init__(self) -> None:
-        _one_of(self.name, "task.name", ("letters",))
-        _check(self.num_prompts >= 1, "task.num_prompts", "must be >= 1", self.num_prompts)
+        _one_of(self.name, "task.name", TASK_NAMES)
+        if self.num_prompts is not None or self.name == "letters":
+            _check(self.num_prompts is not None and self.num_prompts >= 1, "task.num_prompts", "must be >= 1",
+                   self.num_prompts)
+        _check(self.max_turns >= 1, "task.max_turns", "must be >= 1", self.max_turns)
+        if self.name == "gsm8k":
+            from orchestrator.tasks.gsm8k import resolve_data_path
+
+            try:
+                resolve_data_path(self.data_path)
+            except (FileNotFoundError, ValueError) as exc:
+                raise ConfigError(str(exc)) from None
 
 
 @dataclass
@@ -331,8 +498,14 @@ class RunConfig:
         _check(resuming or not (run_dir / "metrics.jsonl").exists(), "run_dir",
                "already holds a run (metrics.jsonl) and no checkpoint to resume from; choose a new run_dir "
                "(or resume one saved with trainer.save_freq > 0 using trainer.resume_mode=auto)", self.run_dir)
+        _check(self.cluster.inference.replicas == self.inference.replicas, "cluster.inference.replicas",
+               f"must equal inference.replicas={self.inference.replicas} (set inference.replicas)",
+               self.cluster.inference.replicas)
         _check(self.rollout.max_tokens < self.inference.max_model_len, "rollout.max_tokens",
                f"must be < inference.max_model_len={self.inference.max_model_len}", self.rollout.max_tokens)
+        _check(self.trainer.weight_sync.backend not in ("nccl", "cuda_ipc") or self.cluster.name != "local",
+               "trainer.weight_sync.backend", "needs CUDA GPUs: use cluster=disaggregated or cluster=colocated "
+               "(cluster=local runs on CPU; use file, shm or gloo)", self.trainer.weight_sync.backend)
 
     @property
     def samples_per_step(self) -> int:

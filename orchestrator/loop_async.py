@@ -61,6 +61,11 @@ class _InFlight:
 
     next_group: int = 0
     rows: dict[int, dict] = field(default_factory=dict)
+    errors: list[BaseException] = field(default_factory=list)  # raised by group tasks: they stop the run
+
+    def on_group_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.errors.append(task.exception())
 
     def admit(self, row: dict) -> int:
         gid, self.next_group = self.next_group, self.next_group + 1
@@ -159,6 +164,7 @@ async def _produce(parts: SyncLoopParts, cfg: AsyncLoopSettings, gate: Admission
         task = asyncio.create_task(run_group(), name=f"group-{gid}")
         running.add(task)
         task.add_done_callback(running.discard)
+        task.add_done_callback(inflight.on_group_done)
 
 
 async def _collect(parts: SyncLoopParts, cfg: AsyncLoopSettings, policy: StalenessPolicy,
@@ -172,7 +178,7 @@ async def _collect(parts: SyncLoopParts, cfg: AsyncLoopSettings, policy: Stalene
     groups: list[Group] = []
     while len(groups) < cfg.groups_per_update:
         t0 = parts.clock()
-        gid = await _next_ready(ready, producer)
+        gid = await _next_ready(ready, producer, inflight)
         st.wait_s += parts.clock() - t0
         samples = await parts.store.get_groups(PARTITION, [gid])
         await parts.store.clear_groups(PARTITION, [gid])
@@ -199,9 +205,12 @@ async def _collect(parts: SyncLoopParts, cfg: AsyncLoopSettings, policy: Stalene
     return groups
 
 
-async def _next_ready(ready: asyncio.Queue, producer: asyncio.Task) -> int:
-    """Next finished group id; re-raises if the producer died (a dead producer must stop the run)."""
+async def _next_ready(ready: asyncio.Queue, producer: asyncio.Task, inflight: _InFlight) -> int:
+    """Next finished group id; re-raises if the producer or a group's rollouts died (for example a
+    `ContractError`: a dataset row or an agent broke the contract), which must stop the run."""
     while True:
+        if inflight.errors:
+            raise inflight.errors[0]
         if producer.done():
             producer.result()  # raises its exception
             raise RuntimeError("the producer stopped before the run finished")

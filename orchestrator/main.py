@@ -18,16 +18,46 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator.config import ConfigError, RunConfig, register, to_run_config
+from orchestrator.config import ConfigError, RunConfig, TaskConfig, register, to_run_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_AGENT = REPO_ROOT / "examples" / "agents" / "letters_agent" / "app.py"
+AGENTS_DIR = REPO_ROOT / "examples" / "agents"
+
+
+@dataclass(frozen=True)
+class TaskEntry:
+    """A task: its row loader (task config -> dataset rows) and its agent app (run with this Python
+    by the local ACR emulator unless `rollout.acr.agent_cmd` names another command)."""
+
+    rows: Callable[[TaskConfig], list[dict]]
+    agent: Path
+
+
+def _letters_rows(t: TaskConfig) -> list[dict]:
+    from orchestrator.tasks import letters
+
+    return letters.make_rows(t.num_prompts, t.seed)
+
+
+def _gsm8k_rows(t: TaskConfig) -> list[dict]:
+    from orchestrator.tasks import gsm8k
+
+    return gsm8k.load_rows(t.data_path, t.num_prompts, t.seed, t.max_turns)
+
+
+# task.name -> (rows, agent); orchestrator.config.TASK_NAMES lists the same names (a test checks)
+TASKS: dict[str, TaskEntry] = {
+    "letters": TaskEntry(_letters_rows, AGENTS_DIR / "letters_agent" / "app.py"),
+    "gsm8k": TaskEntry(_gsm8k_rows, AGENTS_DIR / "gsm8k_agent" / "app.py"),
+}
+DEFAULT_AGENT = TASKS["letters"].agent
 
 register()
 
@@ -41,13 +71,11 @@ def _agent_cmd(cfg: RunConfig) -> list[str]:
         import shlex
 
         return shlex.split(cfg.rollout.acr.agent_cmd)
-    return [sys.executable, str(DEFAULT_AGENT)]
+    return [sys.executable, str(TASKS[cfg.task.name].agent)]
 
 
 def _task_rows(cfg: RunConfig) -> list[dict]:
-    from orchestrator.tasks import letters
-
-    return letters.make_rows(cfg.task.num_prompts, cfg.task.seed)
+    return TASKS[cfg.task.name].rows(cfg.task)
 
 
 def run(cfg: RunConfig) -> dict:
@@ -89,9 +117,11 @@ def run(cfg: RunConfig) -> dict:
         import ray
 
         os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")  # TQ warns about thread counts on every op
+        joining = bool(cfg.cluster.address or os.environ.get("RAY_ADDRESS"))  # RAY_ADDRESS: under `ray job submit`
         ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
+                 num_gpus=None if joining else cfg.cluster.num_gpus,  # logical GPUs of a cluster we start
                  log_to_driver=True, runtime_env={"env_vars": {k: os.environ[k] for k in _AWS_ENV if k in os.environ}}
-                 if cfg.cluster.address else None)
+                 if joining else None)
         stack.callback(ray.shutdown)
         signal.signal(signal.SIGTERM, _raise_interrupt)  # ray.init installed its own; ours unwinds cleanly
         summary = asyncio.run(_run_parts(cfg, model_path, run_dir, local, stack, ckpt))
@@ -120,30 +150,46 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
     from workers.gateway.config import GatewayConfig
     from workers.gateway.server import GatewayServer
     from workers.inference import InferenceSettings, InferenceWorker
-    from workers.rollout import RolloutPool, RolloutSettings, start_rollout_actors
-    from workers.trainer import TrainerSettings, TrainerWorker
-    from workers.weight_sync import CpuWeightSync
+    from workers.rollout_pool import pool_from_config
+    from workers.trainer import TrainerSettings
+    from workers.weight_sync_run import FILE_BACKEND, close_weight_sync, open_weight_sync
 
     tok = AutoTokenizer.from_pretrained(model_path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
+    from workers.placement_groups import place
+
+    trainer_cls, trainer_kw = _trainer_class(cfg)  # trainer=verl: fails here, before any actor, when it cannot run
+    placed = place(cfg.cluster)  # GPUs checked and reserved before any actor starts (errors name the numbers)
+    stack.callback(placed.remove)
     quiet_vllm = {"env_vars": {"VLLM_LOGGING_LEVEL": "ERROR"}}  # a reload warns per step about rotary buffers
-    inference_cls = ray.remote(num_cpus=0, max_concurrency=1000)(InferenceWorker).options(runtime_env=quiet_vllm)
-    replicas = [inference_cls.remote(InferenceSettings(
+    inference_cls = ray.remote(num_cpus=0, max_concurrency=1000)(InferenceWorker)
+    replicas = [inference_cls.options(runtime_env=quiet_vllm, **placed.inference_options(i)).remote(InferenceSettings(
         model_path=model_path, dtype=cfg.inference.dtype, max_model_len=cfg.inference.max_model_len,
         kv_cache_bytes=int(cfg.inference.kv_cache_gib * 2**30), max_num_seqs=cfg.inference.max_num_seqs, seed=cfg.seed + i,
         # sync mode never updates weights under a running request; async keeps generating
         in_flight=cfg.async_.in_flight if cfg.mode.name == "async" else "drain",
-        resume_aborted=cfg.async_.resume_aborted, initial_policy_version=ckpt.state.policy_version if ckpt else 0))
+        resume_aborted=cfg.async_.resume_aborted, tensor_parallel_size=cfg.cluster.inference.tensor_parallel_size,
+        enable_sleep_mode=cfg.cluster.name == "colocated",
+        initial_policy_version=ckpt.state.policy_version if ckpt else 0))
         for i in range(cfg.inference.replicas)]
     threads = {"env_vars": {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads)}}
-    trainer = ray.remote(num_cpus=0)(TrainerWorker).options(runtime_env=threads).remote(TrainerSettings(
+    from orchestrator.trainer_group import start_trainer_ranks  # world size > 1: a TrainerGroup of rank actors
+
+    trainer = await start_trainer_ranks(  # one actor, or N data-parallel ranks behind the same .remote surface
+        ray.remote(num_cpus=0)(trainer_cls), TrainerSettings(
         model_path=model_path, lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay,
         grad_clip=cfg.trainer.grad_clip, clip_ratio_low=cfg.algorithm.clip_ratio_low,
         clip_ratio_high=cfg.algorithm.clip_ratio_high, rollout_correction=cfg.algorithm.rollout_correction.typed(),
-        seed=cfg.trainer.seed, micro_batch_size=cfg.trainer.micro_batch_size))
+        seed=cfg.trainer.seed, micro_batch_size=cfg.trainer.micro_batch_size,
+        max_tokens_per_micro_batch=cfg.trainer.max_tokens_per_micro_batch, mixed_precision=cfg.trainer.mixed_precision,
+        activation_checkpointing=cfg.trainer.activation_checkpointing, weight_sync_dtype=cfg.inference.dtype,
+        weight_sync_bucket_mb=cfg.trainer.weight_sync.bucket_mb),
+        world_size=len(placed.plan.trainer) if placed.plan.groups else 1,
+        rank_options=lambda r: {"runtime_env": threads, **placed.trainer_options(r)}, **trainer_kw)
     gateway = ray.remote(num_cpus=0, max_concurrency=1000)(GatewayServer).remote(GatewayConfig(
         model_path=model_path, served_model_name=cfg.model.served_name,
+        chat_template=cfg.model.chat_template, tool_call_parser=cfg.model.tool_call_parser,
         max_context_tokens=cfg.rollout.max_context_tokens, max_tokens=cfg.rollout.max_tokens,
         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p))
     buffer = TrajectoryBuffer.start(BufferConfig(num_storage_units=1))
@@ -152,14 +198,16 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
     await asyncio.gather(*(r.start.remote() for r in replicas))
     if ckpt is not None:
         await trainer.load_optimizer.remote(str(ckpt.optimizer_path))
+    ws_backend = cfg.trainer.weight_sync.backend  # file, or a bucketed broadcast group formed here
+    weights = await open_weight_sync(ws_backend, trainer, replicas,
+                                     ranks_per_replica=cfg.cluster.inference.tensor_parallel_size,
+                                     initial_version=ckpt.state.policy_version if ckpt else 0)
     await gateway.set_engines.remote(replicas)
     base_url = await gateway.start.remote()
-    settings = RolloutSettings(
-        exp_id=f"exp-{run_dir.name}", agent_runtime_arn=local.agent_runtime_arn if local else cfg.rollout.acr.agent_runtime_arn,
-        qualifier=cfg.rollout.acr.qualifier, s3_bucket=cfg.rollout.acr.s3_bucket, gateway_base_url=base_url,
-        model_id=cfg.model.served_name, max_tokens=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p, timeout_s=cfg.rollout.timeout_s, max_context_tokens=cfg.rollout.max_context_tokens)
-    pool = RolloutPool(start_rollout_actors(cfg.rollout.num_workers, settings, gateway, buffer.handle))
+    pool = pool_from_config(  # also starts the named cluster-wide ACR limit actors
+        cfg.rollout, exp_id=f"exp-{run_dir.name}", gateway_base_url=base_url, model_id=cfg.model.served_name,
+        agent_runtime_arn=local.agent_runtime_arn if local else cfg.rollout.acr.agent_runtime_arn,
+        gateway=gateway, buffer_handle=buffer.handle)
 
     sinks = build_sinks(cfg.logger.sinks, run_dir, cfg.trainer.total_steps, cfg.logger.wandb_project,
                         cfg.logger.wandb_mode, asdict(cfg))
@@ -170,9 +218,10 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
     parts = SyncLoopParts(
         prompts=prompts, rollouts=pool,
         store=BufferStore(buffer, cfg.rollout.n, cfg.rollout.timeout_s),
-        trainer=TrainerClient(trainer, pad_id=pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
-                              weights_dir=run_dir / "weights"),
-        weights=CpuWeightSync(replicas), logger=logger, ledger=ledger, probe=GatewayProbe(gateway, replicas),
+        trainer=_colocated(cfg, TrainerClient(trainer, pad_id=pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
+                                              weights_dir=run_dir / "weights",
+                                              export_file=ws_backend == FILE_BACKEND), replicas),
+        weights=weights, logger=logger, ledger=ledger, probe=GatewayProbe(gateway, replicas),
         checkpoint=RunCheckpointer(run_dir, trainer, prompts, save_freq=cfg.trainer.save_freq,
                                    keep_last=cfg.trainer.max_ckpt_to_keep))
     try:
@@ -193,9 +242,12 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
             await pool.shutdown()
         with contextlib.suppress(Exception):
             await gateway.stop.remote()
+        with contextlib.suppress(Exception):
+            await close_weight_sync(weights, trainer)  # the sender's /dev/shm slots, process groups
     initial, final = reward_initial_final(logger.rewards)
     counts = report.counts
     acr_stats = await pool.acr_stats()
+    pool_counts = await pool.rollout_counts()  # rollout/failed/{reason}, acr/stop_failed
     summary = {
         "steps": report.steps,
         "policy_version": report.policy_version,
@@ -206,10 +258,39 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
         "acr/sessions_open_at_exit": local.stats().sessions_open if local else acr_stats.get("sessions_open", 0),
         "acr/throttled": local.stats().throttled if local else acr_stats.get("throttled", 0),
         "acr/retries": acr_stats.get("retries", 0),
+        "acr/requests": acr_stats.get("requests", 0),
+        **{k: pool_counts[k] for k in sorted(pool_counts) if k.startswith(("rollout/failed/", "acr/"))},
     }
     with contextlib.suppress(Exception):
         await asyncio.gather(*(r.shutdown.remote() for r in replicas))
     return summary
+
+
+def _trainer_class(cfg: RunConfig) -> tuple[type, dict]:
+    """The trainer actor class for `trainer.name` and its extra constructor kwargs. trainer=verl
+    checks here that verl's engine can run (raises RuntimeError naming what is missing)."""
+    from workers.trainer import TrainerWorker
+
+    if cfg.trainer.name != "verl":
+        return TrainerWorker, {}
+    from workers.trainer_verl import VerlSettings, VerlTrainerWorker, check_verl_available
+
+    v = cfg.trainer.verl
+    settings = VerlSettings(strategy=v.strategy, use_remove_padding=v.use_remove_padding,  # type: ignore[arg-type]
+                            attn_implementation=v.attn_implementation,
+                            tensor_model_parallel_size=v.tensor_model_parallel_size,
+                            pipeline_model_parallel_size=v.pipeline_model_parallel_size)
+    check_verl_available(settings, cuda=cfg.cluster.trainer.gpus_per_node > 0)
+    return VerlTrainerWorker, {"verl": settings}
+
+
+def _colocated(cfg: RunConfig, trainer_client, replicas: list):
+    """cluster=colocated: the engines sleep while the trainer updates on their GPUs (orchestrator/colocate.py)."""
+    if cfg.cluster.name != "colocated":
+        return trainer_client
+    from orchestrator.colocate import SleepingTrainer
+
+    return SleepingTrainer(trainer_client, replicas)
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="config")
@@ -220,11 +301,15 @@ def main(dcfg: DictConfig) -> None:
         print(f"config error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     from orchestrator.checkpoint import CheckpointError
+    from orchestrator.placement import InsufficientGpusError
 
     try:
         run(cfg)
     except CheckpointError as exc:
         print(f"checkpoint error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except InsufficientGpusError as exc:  # raised before any actor starts
+        print(f"config error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted: stopped every process this run started", file=sys.stderr, flush=True)

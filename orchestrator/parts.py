@@ -125,11 +125,15 @@ def build_train_batch(groups: tuple[Group, ...], *, pad_id: int, norm_adv_by_std
 class TrainerClient:
     """Loop-facing trainer: builds the batch on the driver, updates on the trainer actor."""
 
-    def __init__(self, actor: Any, *, pad_id: int, norm_adv_by_std: bool, weights_dir: Path) -> None:
+    def __init__(self, actor: Any, *, pad_id: int, norm_adv_by_std: bool, weights_dir: Path,
+                 export_file: bool = True) -> None:
+        """export_file=False (broadcast weight sync, workers/weight_sync_run.py): `export_weights`
+        writes nothing and returns a label; the push itself makes the trainer send its weights."""
         self._actor = actor
         self._pad_id = pad_id
         self._norm = norm_adv_by_std
         self._weights_dir = weights_dir
+        self._export_file = export_file
         self._last_path: Path | None = None
 
     async def update(self, groups: tuple[Group, ...]) -> dict[str, float]:
@@ -142,6 +146,10 @@ class TrainerClient:
     async def export_weights(self, version: int) -> str:
         """Write the trainer's full weights for `version`; the previous file is removed once
         superseded (the inference replicas have already loaded it)."""
+        if not self._export_file:
+            from workers.weight_sync_run import broadcast_label
+
+            return broadcast_label(version)
         self._weights_dir.mkdir(parents=True, exist_ok=True)
         path = self._weights_dir / f"policy-v{version}.safetensors"
         out = await self._actor.export_weights.remote(str(path))

@@ -123,11 +123,15 @@ class TrajectoryRow:
 
 @dataclass(frozen=True)
 class SessionCapture:
-    """Everything the gateway recorded for one session, returned when the session closes."""
+    """Everything the gateway recorded for one session, returned when the session closes.
+
+    num_ill_formed_turns: turns whose output opened a tool call the gateway could not parse.
+    """
 
     session_id: str
     rows: tuple[TrajectoryRow, ...]
     num_turns: int
+    num_ill_formed_turns: int = 0
 
 
 @dataclass(frozen=True)

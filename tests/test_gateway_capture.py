@@ -13,9 +13,11 @@ from orchestrator.types import PROMPT_VERSION, GenerateResult
 from workers.gateway.capture import (
     CaptureStore,
     SamplingDefaults,
+    SessionClosed,
     SessionExists,
     SessionNotFound,
     TurnKind,
+    TurnLimitExceeded,
     Unauthorized,
 )
 from workers.gateway.router import NoReplicas, ReplicaRouter
@@ -57,7 +59,7 @@ def test_closed_session_token_is_revoked_and_close_is_once():
     s = store()
     tok = s.open(SID)
     s.close(SID)
-    with pytest.raises(Unauthorized):
+    with pytest.raises(SessionClosed):  # closed, not unknown: answered 409
         s.authenticate(tok)
     with pytest.raises(SessionNotFound):
         s.close(SID)
@@ -66,7 +68,7 @@ def test_closed_session_token_is_revoked_and_close_is_once():
     # the id can be reopened, with a new token; the old token stays dead
     tok2 = s.open(SID)
     assert tok2 != tok and s.authenticate(tok2).session_id == SID
-    with pytest.raises(Unauthorized):
+    with pytest.raises(SessionClosed):
         s.authenticate(tok)
 
 
@@ -250,3 +252,37 @@ def test_router_releases_on_error_and_resets_on_new_engines():
     with pytest.raises(NoReplicas):
         with r.lease("s1"):
             pass
+
+
+def test_router_takes_a_failed_replica_out_and_moves_its_sessions():
+    a, b, c = object(), object(), object()
+    r = ReplicaRouter([a, b, c])  # type: ignore[list-item]
+    with r.lease("s1") as e:
+        assert e is a
+    assert r.mark_failed(a) and not r.mark_failed(a) and r.num_healthy() == 2
+    with r.lease("s1") as e1, r.lease("s2") as e2:  # s1 was stuck to a: moved to least-loaded b
+        assert (e1, e2) == (b, c)
+    with r.lease("s1") as e:
+        assert e is b  # and sticks there
+    r.mark_failed(b)
+    r.mark_failed(c)
+    with pytest.raises(NoReplicas, match="all 3"):
+        with r.lease("s3"):
+            pass
+    r.set_engines([a])  # a new list clears the failed marks
+    with r.lease("s3") as e:
+        assert e is a
+
+
+def test_turn_cap_and_ill_formed_count():
+    s = store()
+    s.open(SID, max_turns=2)
+    assert s.begin_turn(SID) == 1 and s.begin_turn(SID) == 2
+    with pytest.raises(TurnLimitExceeded):
+        s.begin_turn(SID)
+    s.record_turn(SID, [1, 2], result([3]), ill_formed=True)
+    s.record_turn(SID, [1, 2, 3, 4], result([5]))
+    assert [t.ill_formed for t in s.turns(SID)] == [True, False]
+    assert s.close(SID).num_ill_formed_turns == 1
+    with pytest.raises(ValueError, match="max_turns"):
+        s.open("x", max_turns=0)

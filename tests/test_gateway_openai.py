@@ -143,7 +143,7 @@ async def test_extended_conversation_is_clean_and_edited_history_forks(gateway, 
     assert (m.turns_first, m.turns_clean, m.turns_fork, m.turns_served) == (1, 1, 1, 3)
 
 
-async def test_bad_and_closed_keys_are_401_in_openai_shape(gateway):
+async def test_bad_keys_are_401_and_closed_keys_409_in_openai_shape(gateway):
     token = await gateway.open_session(SESSION)
     msgs = [{"role": "user", "content": "hi"}]
     async with await _client(gateway, "not-a-session-token") as bad:
@@ -154,10 +154,11 @@ async def test_bad_and_closed_keys_are_401_in_openai_shape(gateway):
     assert err.value.body["type"] == "invalid_request_error"  # OpenAI's `error` object fields
     await gateway.close_session(SESSION)
     async with await _client(gateway, token) as closed:
-        with pytest.raises(openai.AuthenticationError):
+        with pytest.raises(openai.ConflictError) as err:
             await closed.chat.completions.create(model=MODEL_ID, messages=msgs)
+    assert err.value.code == "session_closed"
     m = gateway.metrics()
-    assert (m.unauthorized, m.turns_served) == (2, 0)
+    assert (m.unauthorized, m.closed_session_requests, m.turns_served) == (1, 1, 0)
 
 
 async def test_models_list_names_the_served_model(gateway):
@@ -168,15 +169,13 @@ async def test_models_list_names_the_served_model(gateway):
     await gateway.close_session(SESSION)
 
 
-async def test_n2_and_stream_are_bad_requests(gateway, engine):
+async def test_n2_is_a_bad_request(gateway, engine):
     token = await gateway.open_session(SESSION)
     msgs = [{"role": "user", "content": "hi"}]
     async with await _client(gateway, token) as client:
         with pytest.raises(openai.BadRequestError) as err:
             await client.chat.completions.create(model=MODEL_ID, messages=msgs, n=2)
         assert err.value.param == "n"
-        with pytest.raises(openai.BadRequestError, match="stream"):
-            await client.chat.completions.create(model=MODEL_ID, messages=msgs, stream=True)
     assert engine.requests == []  # nothing reached the engine
     assert (await gateway.close_session(SESSION)).num_turns == 0
 
@@ -223,7 +222,7 @@ async def test_aborted_turn_is_503_and_not_recorded(gateway, engine):
     assert (m.turns_aborted, m.turns_served, m.server_errors) == (1, 0, 1)
 
 
-async def test_session_closed_while_turn_runs_is_401_and_counted(gateway, engine):
+async def test_session_closed_while_turn_runs_is_409_and_counted(gateway, engine):
     """The rollout worker closed the session while the agent's call was still generating."""
     token = await gateway.open_session(SESSION)
     engine.gate = asyncio.Event()
@@ -234,7 +233,7 @@ async def test_session_closed_while_turn_runs_is_401_and_counted(gateway, engine
         await asyncio.wait_for(engine.started.wait(), TIMEOUT_S)
         cap = await gateway.close_session(SESSION)
         engine.gate.set()
-        with pytest.raises(openai.AuthenticationError, match="closed"):
+        with pytest.raises(openai.ConflictError, match="closed"):
             await asyncio.wait_for(call, TIMEOUT_S)
     assert cap.num_turns == 0
     assert gateway.metrics().turns_unrecorded_closed == 1
@@ -320,8 +319,25 @@ async def test_single_token_stop_strings_become_stop_ids(gateway, renderer, engi
     im_start = renderer.tokenizer.convert_tokens_to_ids("<|im_start|>")
     async with await _client(gateway, token) as client:
         await client.chat.completions.create(model=MODEL_ID, messages=msgs, stop=["<|im_start|>"])
-        with pytest.raises(openai.BadRequestError, match="single-token"):
-            await client.chat.completions.create(model=MODEL_ID, messages=msgs, stop="The answer is 4")
+        with pytest.raises(openai.BadRequestError, match="non-empty"):
+            await client.chat.completions.create(model=MODEL_ID, messages=msgs, stop=[""])
     assert engine.requests[0].stop_token_ids == (renderer.tokenizer.eos_token_id, im_start)
     assert len(engine.requests) == 1
     await gateway.close_session(SESSION)
+
+
+async def test_multi_token_stop_string_cuts_answer_and_record_alike(gateway, renderer, engine):
+    """The engine stops on ids only. A stop string of several tokens is applied after generation:
+    the text ends before it, and the row keeps exactly the tokens up to the one completing it
+    (what the agent's next prompt will hold), not the tokens generated after it."""
+    token = await gateway.open_session(SESSION)
+    msgs = [{"role": "user", "content": "hi"}]
+    async with await _client(gateway, token) as client:
+        r = await client.chat.completions.create(model=MODEL_ID, messages=msgs, stop=["answer is", "zzz zzz"])
+    assert r.choices[0].message.content == "The " and r.choices[0].finish_reason == "stop"
+    tok = renderer.tokenizer
+    kept = r.usage.completion_tokens
+    assert "answer is" in tok.decode(engine.full[:kept]) and "answer is" not in tok.decode(engine.full[: kept - 1])
+    row = (await gateway.close_session(SESSION)).rows[0]
+    assert row.token_ids == engine.requests[0].prompt_ids + tuple(engine.full[:kept])
+    assert row.rollout_logprobs[-kept:] == (LOGPROB,) * kept

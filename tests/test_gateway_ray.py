@@ -88,6 +88,52 @@ def test_gateway_actor_serves_a_sync_openai_client_through_a_ray_engine(local_ra
     assert ray.get(engine.num_served.remote(), timeout=TIMEOUT_S) == 2
     metrics = ray.get(gateway.metrics.remote(), timeout=TIMEOUT_S)
     assert (metrics.turns_served, metrics.turns_clean) == (2, 1)
-    with pytest.raises(openai.AuthenticationError):
+    with pytest.raises(openai.ConflictError):
         client.chat.completions.create(model="tiny", messages=msgs)
+    ray.get(gateway.stop.remote(), timeout=TIMEOUT_S)
+
+
+class StallingEngine:
+    """A replica that never answers; counts the requests it got and those cancelled."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.cancelled = 0
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        import asyncio
+
+        self.started += 1
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        raise AssertionError("unreachable")
+
+    async def counts(self) -> tuple[int, int]:
+        return self.started, self.cancelled
+
+
+def test_client_disconnect_cancels_the_ray_replica_task(local_ray):
+    """An agent that gives up (timeout, crash) must not leave its request generating: the gateway
+    actor cancels the replica's actor task (ray.cancel), which cancels the engine call."""
+    import time
+
+    import httpx
+
+    model_dir = ensure_tiny_model()
+    engine = ray.remote(num_cpus=0)(StallingEngine).remote()
+    gateway = ray.remote(num_cpus=0)(GatewayServer).remote(GatewayConfig(model_path=str(model_dir), served_model_name="tiny"))
+    base_url = ray.get(gateway.start.remote(), timeout=TIMEOUT_S)
+    ray.get(gateway.set_engines.remote([engine]), timeout=TIMEOUT_S)
+    token = ray.get(gateway.open_session.remote(SESSION + "-stall"), timeout=TIMEOUT_S)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {token}"}, timeout=3.0)
+    deadline = time.monotonic() + TIMEOUT_S
+    while ray.get(engine.counts.remote(), timeout=TIMEOUT_S) != (1, 1) and time.monotonic() < deadline:
+        time.sleep(0.1)  # across processes there is no event to wait on; bounded poll
+    assert ray.get(engine.counts.remote(), timeout=TIMEOUT_S) == (1, 1)
+    assert ray.get(gateway.metrics.remote(), timeout=TIMEOUT_S).turns_cancelled == 1
     ray.get(gateway.stop.remote(), timeout=TIMEOUT_S)

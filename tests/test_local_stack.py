@@ -176,7 +176,7 @@ def test_ping_is_healthy_busy_while_a_rollout_runs(letters_env, fake_model):
     assert c.stop_session(arn, sid)
 
 
-def test_model_error_writes_no_result(letters_env, fake_model):
+def test_model_error_writes_an_error_object_and_no_reward(letters_env, fake_model):
     c = AcrClient()
     arn = letters_env.agent_runtime_arn
     sid = f"rollout-{uuid.uuid4()}"
@@ -184,7 +184,8 @@ def test_model_error_writes_no_result(letters_env, fake_model):
     port = letters_env.stats().agent_ports[letters_env.stats().open_per_agent.index(1)]
     assert wait_until(lambda: any(r["messages"][0]["content"] == ERROR_PROMPT for r in fake_model.requests), 10)
     assert wait_until(lambda: agent_ping(port) == "Healthy", 10)  # the rollout has ended
-    assert c.wait_for_result(letters_env.bucket, f"exp-test/row-err/{sid}.json", timeout_s=0.5) is None
+    result = c.wait_for_result(letters_env.bucket, f"exp-test/row-err/{sid}.json", timeout_s=5)
+    assert result is not None and result["status_code"] == 500 and "rewards" not in result  # toolkit's error shape
     assert c.stop_session(arn, sid)
 
 

@@ -192,3 +192,17 @@ async def test_an_error_cancels_in_flight_groups_instead_of_waiting_for_them():
     with pytest.raises(RuntimeError, match="trainer exploded"):
         await asyncio.wait_for(run_async(parts, settings(drain_timeout_s=60)), timeout=20)
     assert loop.time() - t0 < 5
+
+
+async def test_an_error_raised_by_a_groups_rollouts_stops_the_run():
+    """Regression: an exception in a group's task (e.g. a ContractError from the pool) was never
+    observed, and the consumer waited forever for groups that would not come."""
+    parts, *_ = build(varied)
+
+    class ContractBreaking:
+        async def run_all(self, reqs, partition):
+            raise ValueError(f"dataset row input_id={reqs[0].input_id!r} has reserved field(s) ['_rollout']")
+
+    parts.rollouts = ContractBreaking()
+    with pytest.raises(ValueError, match="reserved field"):
+        await asyncio.wait_for(run_async(parts, settings()), timeout=20)

@@ -50,10 +50,11 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Literal
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Literal
 
 from orchestrator.types import FinishReason, GenerateRequest, GenerateResult
 from workers.inference_segments import SegmentedGeneration, versions_from_spans
+from workers.inference_swap import WeightSwap
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -68,7 +69,6 @@ DEFAULT_KV_CACHE_BYTES = 64 * 2**20  # tiny model: 2 layers x 2 KV heads x 64 di
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 InFlightMode = Literal["drain", "continue", "abort_resume"]
 IN_FLIGHT_MODES: tuple[InFlightMode, ...] = ("drain", "continue", "abort_resume")
-_PAUSE_MODE: dict[InFlightMode, str] = {"continue": "keep", "abort_resume": "abort"}  # vLLM PauseMode
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,11 @@ class InferenceSettings:
         resume them under the new weights); see the module docstring.
     resume_aborted: with in_flight="abort_resume", False ends an aborted request with
         finish_reason "abort" and its partial tokens instead of resuming it.
+    tensor_parallel_size: GPUs of this engine (the Ray actor holds them; vLLM's "mp" executor
+        runs one worker per GPU inside the actor). On CPU the in-process engine takes only 1.
+    enable_sleep_mode: build the engine so that `sleep()` releases device memory (vLLM sleep
+        mode, level 1). Where the platform has no sleep mode (vLLM's CPU build), the engine is
+        built without it and `sleep()` only pauses scheduling (level 0); see `SleepReport`.
     """
 
     model_path: str
@@ -105,6 +110,8 @@ class InferenceSettings:
     initial_policy_version: int = 0
     in_flight: InFlightMode = "drain"
     resume_aborted: bool = True
+    tensor_parallel_size: int = 1
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -118,6 +125,8 @@ class InferenceSettings:
             raise ValueError(f"inference.logprobs_mode must be processed_logprobs or raw_logprobs, got {self.logprobs_mode!r}")
         if self.initial_policy_version < 0:
             raise ValueError(f"inference.initial_policy_version must be >= 0, got {self.initial_policy_version}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"inference.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.in_flight not in IN_FLIGHT_MODES:
             raise ValueError(f"inference.in_flight must be one of {IN_FLIGHT_MODES}, got {self.in_flight!r}")
 
@@ -131,6 +140,17 @@ class EngineInfo:
     max_model_len: int
     kv_cache_bytes: int
     max_num_seqs: int
+    sleep_level: int = 0  # what sleep() does: 0 pauses scheduling only, 1 also frees device memory
+
+
+@dataclass(frozen=True)
+class SleepReport:
+    """One `sleep()` / `wake_up()`. level 0: scheduling paused only (vLLM's CPU build has no sleep
+    mode); level 1: weights offloaded to host memory, KV cache dropped (GPU). elapsed_s: wall time."""
+
+    level: int
+    released_memory: bool
+    elapsed_s: float
 
 
 class WeightsGate:
@@ -183,8 +203,9 @@ class WeightsGate:
                 self._cond.notify_all()
 
 
-class InferenceWorker:
-    """One vLLM `AsyncLLM` engine; see the module docstring for the version and sampling contracts."""
+class InferenceWorker(WeightSwap):
+    """One vLLM `AsyncLLM` engine; see the module docstring for the version and sampling contracts.
+    The swap under `update_weights` and the broadcast receiver: workers/inference_swap.py."""
 
     def __init__(self, settings: InferenceSettings) -> None:
         self._settings = settings
@@ -197,6 +218,8 @@ class InferenceWorker:
         self._swaps_done = 0  # swaps that resumed it
         self._swaps_waiting = 0
         self._running = 0  # requests in flight outside the gate ("continue" / "abort_resume")
+        self._sleep_level = 0  # set by start(): 1 where vLLM sleep mode is available and asked for
+        self._asleep = False
 
     async def start(self) -> EngineInfo:
         """Build the engine (loads the model, allocates the KV cache). Call once, in the event loop
@@ -218,6 +241,12 @@ class InferenceWorker:
         in_core = s.worker_in_engine_process and current_platform.is_cpu()
         if in_core:
             os.environ[MP_ENV] = "0"
+        self._sleep_level = 1 if s.enable_sleep_mode and current_platform.is_sleep_mode_available() else 0
+        if s.enable_sleep_mode and not self._sleep_level:
+            logger.warning("vLLM on %s has no sleep mode: sleep() pauses scheduling only and releases no memory",
+                           current_platform.device_type)
+        # an actor holding its GPUs runs TP workers as local processes ("mp"), not as Ray actors
+        backend = "uni" if in_core else ("mp" if s.tensor_parallel_size > 1 else None)
         args = AsyncEngineArgs(
             model=s.model_path,
             dtype=s.dtype,
@@ -231,7 +260,9 @@ class InferenceWorker:
             logprobs_mode=s.logprobs_mode,
             skip_tokenizer_init=True,  # token-in/token-out: the gateway owns the tokenizer
             worker_extension_cls=EXTENSION_CLS,
-            distributed_executor_backend="uni" if in_core else None,
+            distributed_executor_backend=backend,
+            tensor_parallel_size=s.tensor_parallel_size,
+            enable_sleep_mode=bool(self._sleep_level),
             disable_log_stats=True,
         )
         self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[self._kv_usage.logger_factory()])
@@ -241,6 +272,7 @@ class InferenceWorker:
             max_model_len=s.max_model_len,
             kv_cache_bytes=s.kv_cache_bytes,
             max_num_seqs=s.max_num_seqs,
+            sleep_level=self._sleep_level,
         )
         logger.info("vLLM engine for %s started in %.1f s", s.model_path, info.startup_s)
         return info
@@ -340,34 +372,49 @@ class InferenceWorker:
         (vLLM's CPU reload then kills the engine, and in-flight requests raise); treat the replica
         as broken.
         """
-        engine = self._require_engine()
+        self._require_engine()
         self._check_update(path, version)
+
+        async def load(engine: AsyncLLM) -> None:
+            counts = await engine.collective_rpc(RELOAD_RPC, args=(str(path),))
+            if not counts or min(counts) <= 0:
+                raise RuntimeError(f"weight reload from {path} loaded no tensors (per worker: {counts})")
+
+        await self._swap(version, load, f"from {path}", check=lambda: self._check_update(path, version))
+
+    async def sleep(self) -> SleepReport:
+        """Stop generating so a co-located trainer can use the GPU (cluster=colocated).
+
+        Requests in flight are kept (vLLM pause mode "keep"; with level 1 their KV cache is
+        dropped and recomputed after waking) and new ones queue until `wake_up()`. Level 1 (GPU
+        sleep mode) offloads weights to host memory and frees the KV cache; level 0 (vLLM's CPU
+        build) only pauses scheduling: `SleepReport.released_memory` says which happened.
+        Raises RuntimeError if not started or already asleep.
+        """
+        engine = self._require_engine()
+        if self._asleep:
+            raise RuntimeError("InferenceWorker.sleep() called while asleep")
         t0 = time.perf_counter()
-        mode = self._settings.in_flight
-        if mode == "drain":
-            async with self._gate.update():
-                self._check_update(path, version)
-                await self._reload(engine, path, version)
-        else:
-            self._swaps_waiting += 1
-            try:
-                await self._swap_lock.acquire()
-            finally:
-                self._swaps_waiting -= 1
-            try:
-                self._check_update(path, version)
-                self._swaps_begun += 1  # before the pause: a request aborted by it must see this
-                try:
-                    await engine.pause_generation(mode=_PAUSE_MODE[mode], clear_cache=False)  # type: ignore[arg-type]
-                    try:
-                        await self._reload(engine, path, version)
-                    finally:
-                        await engine.resume_generation()
-                finally:
-                    self._swaps_done += 1
-            finally:
-                self._swap_lock.release()
-        logger.info("weights v%d loaded from %s (%s) in %.2f s", version, path, mode, time.perf_counter() - t0)
+        await engine.sleep(level=self._sleep_level, mode="keep")
+        self._asleep = True
+        return SleepReport(self._sleep_level, self._sleep_level >= 1, time.perf_counter() - t0)
+
+    async def wake_up(self) -> SleepReport:
+        """Undo `sleep()`: restore weights and KV cache (level 1) and resume scheduling; the
+        requests kept by `sleep()` continue. Raises RuntimeError if not asleep or if vLLM reports
+        that part of the engine's memory is still asleep."""
+        engine = self._require_engine()
+        if not self._asleep:
+            raise RuntimeError("InferenceWorker.wake_up() called while awake")
+        t0 = time.perf_counter()
+        awake = await engine.wake_up(None if self._sleep_level >= 1 else ["scheduling"])
+        if not awake:
+            raise RuntimeError("vLLM reports the engine is not fully awake after wake_up()")
+        self._asleep = False
+        return SleepReport(self._sleep_level, self._sleep_level >= 1, time.perf_counter() - t0)
+
+    def is_asleep(self) -> bool:
+        return self._asleep  # between sleep() and wake_up()
 
     async def shutdown(self) -> None:
         """Stop the engine and its processes; safe to call twice."""
@@ -394,16 +441,14 @@ class InferenceWorker:
         if num_tensors == 0:
             raise ValueError(f"weights file {path} holds no tensors")
 
-    async def _reload(self, engine: AsyncLLM, path: str, version: int) -> None:
-        """Load the file, drop every KV block computed with the old weights, relabel the outputs.
+    async def _reload(self, engine: AsyncLLM, load: Callable[[AsyncLLM], Awaitable[None]], version: int) -> None:
+        """`load(engine)`, drop every KV block computed with the old weights, relabel the outputs.
 
         Runs while nothing is scheduled (drained, or paused). `reset_running_requests=True`
         preempts the requests kept by a "continue" pause: they recompute their KV cache from
         prompt + generated tokens with the new weights when scheduled again.
         """
-        counts = await engine.collective_rpc(RELOAD_RPC, args=(str(path),))
-        if not counts or min(counts) <= 0:
-            raise RuntimeError(f"weight reload from {path} loaded no tensors (per worker: {counts})")
+        await load(engine)
         if not await engine.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError("prefix cache reset failed after weight reload")
         await engine.update_weight_version(str(version))

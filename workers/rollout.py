@@ -1,13 +1,23 @@
-"""Rollout pool: one ACR invocation per sample, joined with the gateway's token capture.
+"""RolloutWorker: one ACR invocation per sample, joined with the gateway's token capture.
 
-Invariant: every `RolloutWorker.run` call returns exactly one `RolloutOutcome` with a terminal
-status ("completed" or "failed"), and on every exit path (success, agent error, missing result,
-timeout, cancellation) the ACR session is stopped and the gateway session closed. A sample with
-captured tokens but no finite reward is stored with status "failed" and reward None, so it can
-never be trained as if it had one.
+Invariant: every `RolloutWorker.run` call either returns exactly one `RolloutOutcome` with a
+terminal status ("completed" or "failed", with a `reason` from `FailReason`) after storing
+exactly one sample, or raises (ContractError: the run must stop; CancelledError) after storing
+nothing. On every exit path (success, agent error, bad result, timeout, cancellation, shutdown)
+the ACR session is stopped (shielded from cancellation), the gateway session closed and the
+session slot of the cluster-wide cap released. A sample with captured tokens but no usable reward
+is stored with status "failed" and reward None, so it can never be trained as if it had one.
 
-Callers: `orchestrator.loop_sync` through `RolloutPool.run_all`. The worker class holds no Ray
-import; `start_rollout_workers` applies `ray.remote` where the actors are created.
+Which bad data stops the run and which fails one rollout: see `workers.rollout_contract`.
+
+Completion: with a `ResultBoard` the agent's POST to `result_url` wakes the worker at once (S3
+contract); the HTTP contract's foreground invocation answers with the result itself. S3 polling
+(bounded backoff) stays the fallback; it starts `push_grace_s` after the invoke when a result
+board is present. The sample is stored before the ACR session is stopped, so the stop's latency
+is not on the completion -> sample-in-buffer path.
+
+Callers: `workers.rollout_pool.RolloutActor` (Ray), tests and scripts/bench_rollout.py (direct).
+No Ray import here.
 """
 
 from __future__ import annotations
@@ -16,23 +26,52 @@ import asyncio
 import logging
 import math
 import time
-import uuid
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
+
+import tenacity
+from botocore.exceptions import ClientError
 
 from orchestrator.types import RolloutRequest, Sample, SessionCapture
+from workers.acr.client import AgentBodyError
+from workers.rollout_contract import (
+    RESERVED_KEYS,
+    AgentFailed,
+    BadResult,
+    BadResultStreak,
+    Contract,
+    ContractError,
+    check_row,
+    http_payload,
+    http_reward,
+    new_invocation_id,
+    new_session_id,
+    parse_record,
+    parse_result_body,
+    parse_reward,
+    result_key,
+    s3_payload,
+)
+from workers.rollout_results import ResultBoard
 
-RESERVED_KEYS = ("_rollout", "_config", "_agentcore_runtime")  # keys a dataset row must not carry
+__all__ = ["RESERVED_KEYS", "ContractError", "BadResult", "RolloutSettings", "RolloutOutcome", "RolloutWorker",
+           "build_payload", "new_session_id", "parse_reward", "result_key", "FailReason"]
+
 log = logging.getLogger(__name__)
-
-
-class ContractError(ValueError):
-    """The agent or the dataset broke the rollout contract (names the row and the field)."""
+FailReason = Literal["timeout", "bad_result", "agent_error", "throttled", "acr_error", "transport"]
 
 
 @dataclass(frozen=True)
 class RolloutSettings:
-    """What every rollout of a run shares. Times in seconds."""
+    """What every rollout of a run shares. Times in seconds.
+
+    contract: "s3" (`_rollout`, result in S3) or "http" (`_config` + `_agentcore_runtime`).
+    http_background: HTTP contract: start in the background and poll `get` (backoff
+        `http_poll_initial_s` doubling to `http_poll_max_s`); False: the start answers the result.
+    push_grace_s: with a result board, S3 polling starts this long after the invoke.
+    max_consecutive_bad_results: bad agent results in a row that stop the run (ContractError).
+    """
 
     exp_id: str
     agent_runtime_arn: str
@@ -45,11 +84,27 @@ class RolloutSettings:
     top_p: float
     timeout_s: float
     max_context_tokens: int
+    contract: Contract = "s3"
+    http_background: bool = False
+    http_poll_initial_s: float = 0.05
+    http_poll_max_s: float = 1.0
+    push_grace_s: float = 0.0
+    max_consecutive_bad_results: int = 32
+
+    def __post_init__(self) -> None:
+        if self.contract not in ("s3", "http"):
+            raise ValueError(f"rollout.contract must be 's3' or 'http', got {self.contract!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"rollout.timeout_s must be > 0, got {self.timeout_s}")
 
 
 @dataclass(frozen=True)
 class RolloutOutcome:
-    """What the driver learns of a rollout; the full sample goes to the trajectory buffer."""
+    """What the driver learns of a rollout; the full sample goes to the trajectory buffer.
+
+    result_to_stored_s: seconds from the result reaching this worker (push, HTTP answer or S3
+    hit) to the sample being in the buffer; None when no result arrived.
+    """
 
     session_id: str
     group_id: int
@@ -59,6 +114,8 @@ class RolloutOutcome:
     num_generated_tokens: int
     latency_s: float
     error: str | None
+    reason: FailReason | None = None
+    result_to_stored_s: float | None = None
 
 
 class GatewaySessions(Protocol):
@@ -76,215 +133,238 @@ class SampleSink(Protocol):
     async def put(self, samples: list[Sample], partition: str) -> None: ...
 
 
-def new_session_id(exp_id: str, group_id: int, sample_index: int) -> str:
-    """A `runtimeSessionId` (33-256 chars, ACR's bound): readable prefix + 32 hex random chars."""
-    return f"{exp_id[:64]}-g{group_id}-s{sample_index}-{uuid.uuid4().hex}"
+class SessionGate(Protocol):
+    """The cluster-wide open-session cap (workers.acr.limits.SessionSlots)."""
+
+    async def acquire(self) -> None: ...
+    def release_held(self) -> None: ...
 
 
-def result_key(exp_id: str, input_id: str, session_id: str) -> str:
-    """S3 key of the agent's result (agentcore-rl-toolkit S3-result contract)."""
-    return f"{exp_id}/{input_id}/{session_id}.json"
-
-
-def build_payload(req: RolloutRequest, s: RolloutSettings, session_id: str, api_key: str) -> dict:
-    """Dataset row + the reserved `_rollout` dict. Raises ContractError if the row has reserved keys."""
-    bad = [k for k in RESERVED_KEYS if k in req.row]
-    if bad:
-        raise ContractError(f"dataset row input_id={req.input_id!r} has reserved field(s) {bad}")
+def build_payload(req: RolloutRequest, s: RolloutSettings, session_id: str, api_key: str,
+                  result_url: str | None = None) -> dict:
+    """S3 contract: dataset row + `_rollout`. Raises ContractError if the row has reserved keys."""
     rollout = {
         "exp_id": s.exp_id, "input_id": req.input_id, "session_id": session_id,
         "s3_bucket": s.s3_bucket, "base_url": s.gateway_base_url, "model_id": s.model_id,
         "api_key": api_key, "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
-    }
-    return {**req.row, "_rollout": rollout}
+    }  # fmt: skip
+    if result_url is not None:
+        rollout["result_url"] = result_url
+    return s3_payload(req.row, req.input_id, rollout)
 
 
-def parse_reward(result: dict, where: str) -> float:
-    """The reward of a `{"rewards": r}` result (r a number, or a list whose last item counts).
+def fail_reason(exc: BaseException) -> FailReason:
+    """The reason a rollout failed with `exc` (see FailReason)."""
+    if isinstance(exc, (BadResult, AgentBodyError)):
+        return "bad_result"
+    if isinstance(exc, AgentFailed):
+        return "agent_error"
+    if isinstance(exc, ClientError):
+        code = exc.response.get("Error", {}).get("Code")
+        if code == "ThrottlingException":
+            return "throttled"
+        return "agent_error" if code == "RuntimeClientError" else "acr_error"
+    return "transport"
 
-    Raises ContractError naming `where` if the field is missing, empty, non-numeric or not finite.
-    """
-    if "rewards" not in result:
-        raise ContractError(f"{where}: result has no 'rewards' field (keys: {sorted(result)})")
-    r = result["rewards"]
-    if isinstance(r, list):
-        if not r:
-            raise ContractError(f"{where}: 'rewards' is an empty list")
-        r = r[-1]
-    if isinstance(r, bool) or not isinstance(r, (int, float)):
-        raise ContractError(f"{where}: 'rewards' is not a number: {r!r}")
-    if not math.isfinite(r):
-        raise ContractError(f"{where}: 'rewards' is not finite: {r!r}")
-    return float(r)
+
+def _consume(task: asyncio.Future) -> None:
+    """Done callback of a task nobody awaits: retrieve its outcome so asyncio does not log it."""
+    if not task.cancelled():
+        task.exception()
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    reward: float | None
+    reason: FailReason | None
+    error: str | None
+    result_s: float | None  # clock time the result reached this worker
 
 
 class RolloutWorker:
     """Runs rollouts concurrently in one asyncio loop (an async Ray actor in production).
 
-    Collaborators are injected: `gateway` (session open/close), `acr` (ACR + S3 calls),
-    `sink` (the trajectory buffer). `clock` returns seconds (monotonic).
+    Collaborators are injected: `gateway` (session open/close), `acr` (ACR + S3 calls; it holds
+    the request-rate gate), `sink` (the trajectory buffer), `slots` (open-session cap, optional),
+    `results` + `result_url` (fast completion, optional). `clock` returns seconds (monotonic).
     """
 
-    def __init__(self, settings: RolloutSettings, gateway: GatewaySessions, acr: AcrCalls,
-                 sink: SampleSink, clock=time.monotonic) -> None:
+    def __init__(self, settings: RolloutSettings, gateway: GatewaySessions, acr: AcrCalls, sink: SampleSink,
+                 clock=time.monotonic, *, slots: SessionGate | None = None, results: ResultBoard | None = None,
+                 result_url: str | None = None) -> None:
         self._s = settings
         self._gateway = gateway
         self._acr = acr
         self._sink = sink
         self._clock = clock
+        self._slots = slots
+        self._results = results
+        self._result_url = result_url if results is not None else None
         self._sessions_open = 0
+        self._streak = BadResultStreak(settings.max_consecutive_bad_results)
+        self.counts: Counter[str] = Counter()
 
     @property
     def sessions_open(self) -> int:
         """ACR sessions this worker invoked and has not stopped yet (0 between rollouts)."""
         return self._sessions_open
 
+    def rollout_counts(self) -> dict[str, int]:
+        """`rollout/{completed,failed}` and `rollout/failed/{reason}` so far, plus stop failures."""
+        return dict(self.counts)
+
     async def run(self, req: RolloutRequest, partition: str) -> RolloutOutcome:
         """Run one rollout to a terminal state, store its sample in `partition`, return the outcome.
 
-        ContractError from the dataset row propagates (the run must stop and name the row).
+        Raises ContractError (reserved key in the row, or a streak of bad results): stop the run.
         """
-        t0 = self._clock()
-        session_id = new_session_id(self._s.exp_id, req.group_id, req.sample_index)
-        reward: float | None = None
-        error: str | None = None
-        api_key = await self._gateway.open_session(session_id, self._s.max_context_tokens)
+        check_row(req.row, req.input_id)
+        sid = new_session_id(self._s.exp_id, req.group_id, req.sample_index)
+        if self._slots is not None:
+            await self._slots.acquire()
+        t0 = self._clock()  # latency_s: the session's life, not the wait for a slot
+        invoked = False
         try:
-            payload = build_payload(req, self._s, session_id, api_key)  # ContractError: stop the run
-            self._sessions_open += 1  # counted before the call: a timed-out invoke may still open it
+            api_key = await self._gateway.open_session(sid, self._s.max_context_tokens)
             try:
-                reward = await asyncio.wait_for(self._invoke_and_wait(req, session_id, payload), self._s.timeout_s)
-            except TimeoutError:  # asyncio.TimeoutError is TimeoutError since 3.11
-                key = result_key(self._s.exp_id, req.input_id, session_id)
-                error = f"timeout after {self._s.timeout_s}s waiting for s3://{self._s.s3_bucket}/{key}"
-            except ContractError as exc:
-                error = f"contract: {exc}"
-            except Exception as exc:  # agent/transport failure: the rollout fails, the run goes on
-                error = f"{type(exc).__name__}: {exc}"
+                if self._results is not None:
+                    self._results.expect(sid, api_key)
+                invoked = True  # counted before the call: a timed-out invoke may still open it
+                self._sessions_open += 1
+                v = await self._attempt(req, sid, api_key)
             finally:
-                try:
-                    await self._stop_acr_session(session_id)
-                except Exception as exc:  # the session stays counted open: visible in acr/sessions_open
-                    log.warning("StopRuntimeSession failed for %s: %s", session_id, exc)
-                    error = error or f"stop failed: {type(exc).__name__}: {exc}"
+                if self._results is not None:
+                    self._results.forget(sid)
+                capture = await self._gateway.close_session(sid)  # no task: not on the completion path
+            if v.reason is None:
+                self._streak.on_good()
+            elif v.reason == "bad_result":
+                self._streak.on_bad(f"dataset row input_id={req.input_id!r}: {v.error}")  # may stop the run
+            status = "completed" if v.reward is not None else "failed"
+            sample = Sample(session_id=sid, group_id=req.group_id, input_id=req.input_id,
+                            sample_index=req.sample_index, rows=capture.rows, reward=v.reward, status=status,
+                            latency_s=self._clock() - t0, error=v.error)
+            await self._sink.put([sample], partition)
+            stored_s = self._clock()
+            self.counts[f"rollout/{status}"] += 1
+            if v.reason is not None:
+                self.counts[f"rollout/failed/{v.reason}"] += 1
+            return RolloutOutcome(sid, req.group_id, req.sample_index, status, v.reward, sample.num_generated_tokens,
+                                  sample.latency_s, v.error, v.reason,
+                                  None if v.result_s is None else stored_s - v.result_s)
         finally:
-            capture = await self._gateway.close_session(session_id)
-        status = "completed" if reward is not None else "failed"
-        sample = Sample(session_id=session_id, group_id=req.group_id, input_id=req.input_id,
-                        sample_index=req.sample_index, rows=capture.rows, reward=reward, status=status,
-                        latency_s=self._clock() - t0, error=error)
-        await self._sink.put([sample], partition)
-        return RolloutOutcome(session_id, req.group_id, req.sample_index, status, reward,
-                              sample.num_generated_tokens, sample.latency_s, error)
+            stopped = True
+            if invoked:
+                stopped = await self._stop_acr_session(sid)
+            if self._slots is not None and stopped:
+                self._slots.release_held()  # a session whose stop failed keeps its slot: never over the cap
 
-    async def _invoke_and_wait(self, req: RolloutRequest, session_id: str, payload: dict) -> float:
-        s = self._s
-        await self._acr.invoke(s.agent_runtime_arn, session_id, payload, s.qualifier)
-        key = result_key(s.exp_id, req.input_id, session_id)
-        result = await self._acr.wait_for_result(s.s3_bucket, key, s.timeout_s)
-        if result is None:
-            raise TimeoutError(f"no result at s3://{s.s3_bucket}/{key} within {s.timeout_s}s")
-        return parse_reward(result, f"s3://{s.s3_bucket}/{key}")
-
-    async def _stop_acr_session(self, session_id: str) -> None:
-        """Stop the ACR session; shielded so a cancelled rollout still releases its session."""
-        await asyncio.shield(self._acr.stop_session(self._s.agent_runtime_arn, session_id, self._s.qualifier))
-        self._sessions_open -= 1
-
-
-class RolloutActor:
-    """The Ray-facing shell: builds the AsyncAcrClient, the gateway and buffer adapters inside the
-    actor process, and exposes `run` / `run_many` / `acr_stats`."""
-
-    def __init__(self, settings: RolloutSettings, gateway_handle: Any, buffer_handle: Any) -> None:
-        self._settings = settings
-        self._gateway_handle = gateway_handle
-        self._buffer_handle = buffer_handle
-        self._worker: RolloutWorker | None = None
-        self._acr = None
-        self._tasks: set[asyncio.Future] = set()
-
-    async def _ensure(self) -> RolloutWorker:
-        if self._worker is None:
-            from workers.acr.client import AcrClientConfig, AsyncAcrClient
-            from workers.buffer import TrajectoryBuffer
-
-            self._acr = await AsyncAcrClient(AcrClientConfig()).start()
-            sink = TrajectoryBuffer.connect(self._buffer_handle)
-            self._worker = RolloutWorker(self._settings, _GatewayActorClient(self._gateway_handle), self._acr, sink)
-        return self._worker
-
-    async def run_many(self, reqs: list[RolloutRequest], partition: str) -> list[RolloutOutcome]:
-        """Run `reqs` concurrently; outcomes in request order."""
-        worker = await self._ensure()
-        tasks = [asyncio.ensure_future(worker.run(r, partition)) for r in reqs]
-        self._tasks.update(tasks)
+    async def _attempt(self, req: RolloutRequest, sid: str, api_key: str) -> _Verdict:
+        """Invoke and wait for the result under the rollout timeout; failures become data."""
         try:
-            return list(await asyncio.gather(*tasks))
+            async with asyncio.timeout(self._s.timeout_s):  # unlike wait_for, no extra task (latency)
+                reward, result_s = await self._invoke_and_wait(req, sid, api_key)
+            return _Verdict(reward, None, None, result_s)
+        except TimeoutError:  # asyncio.TimeoutError is TimeoutError since 3.11
+            return _Verdict(None, "timeout", f"timeout after {self._s.timeout_s}s waiting for {self._where(req, sid)}",
+                            None)
+        except ContractError:
+            raise
+        except Exception as exc:  # agent/transport failure: the rollout fails, the run goes on
+            log.debug("rollout %s failed", sid, exc_info=True)
+            reason = fail_reason(exc)
+            return _Verdict(None, reason, f"{reason}: {type(exc).__name__}: {exc}", None)
+
+    def _where(self, req: RolloutRequest, sid: str) -> str:
+        if self._s.contract == "http":
+            return f"the HTTP result of session {sid}"
+        return f"s3://{self._s.s3_bucket}/{result_key(self._s.exp_id, req.input_id, sid)}"
+
+    def _result_url_of(self, sid: str) -> str | None:
+        return f"{self._result_url}/{sid}" if self._result_url else None
+
+    async def _invoke_and_wait(self, req: RolloutRequest, sid: str, api_key: str) -> tuple[float, float]:
+        if self._s.contract == "http":
+            return await self._http_rollout(req, sid, api_key)
+        return await self._s3_rollout(req, sid, api_key)
+
+    # -- S3 contract ------------------------------------------------------------------------
+
+    async def _s3_rollout(self, req: RolloutRequest, sid: str, api_key: str) -> tuple[float, float]:
+        s = self._s
+        payload = build_payload(req, s, sid, api_key, self._result_url_of(sid))
+        await self._acr.invoke(s.agent_runtime_arn, sid, payload, s.qualifier)
+        key = result_key(s.exp_id, req.input_id, sid)
+        where = f"s3://{s.s3_bucket}/{key}"
+        poll = asyncio.ensure_future(self._poll_s3(key))
+        posted = self._results.future(sid) if self._results is not None else None
+        try:
+            if posted is None:
+                got = await poll
+            else:  # the board's own future: a post wakes this coroutine directly (no wrapper task)
+                await asyncio.wait((poll, posted), return_when=asyncio.FIRST_COMPLETED)
+                got = posted.result() if posted.done() else poll.result()  # poll.result re-raises S3 errors
         finally:
-            self._tasks.difference_update(tasks)
+            if not poll.done():
+                poll.cancel()  # not awaited: finishing its cancellation is not on the completion path
+                poll.add_done_callback(_consume)
+        if posted is None or not posted.done():
+            if got is None:
+                raise TimeoutError(f"no result at {where} within {s.timeout_s}s")
+            return parse_reward(got, where), self._clock()
+        return parse_reward(parse_result_body(got.body, f"{where} (posted)"), f"{where} (posted)"), got.arrived_s
 
-    def acr_stats(self) -> dict[str, int]:
-        """ACR call counters of this actor (invocations, stops, retries, throttled, sessions_open)."""
-        if self._acr is None or self._worker is None:
-            return {}
-        st = self._acr.stats()
-        return {**{k: int(v) for k, v in vars(st).items()}, "sessions_open": self._worker.sessions_open}
+    async def _poll_s3(self, key: str) -> dict | None:
+        if self._results is not None and self._s.push_grace_s > 0:
+            await asyncio.sleep(self._s.push_grace_s)
+        return await self._acr.wait_for_result(self._s.s3_bucket, key, math.inf)  # the rollout timeout decides
 
-    async def shutdown(self) -> None:
-        """Cancel rollouts still running (each stops its ACR session on the way out), then close."""
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._acr is not None:
-            await self._acr.close()
+    # -- HTTP contract ----------------------------------------------------------------------
 
+    async def _http_rollout(self, req: RolloutRequest, sid: str, api_key: str) -> tuple[float, float]:
+        s = self._s
+        inv = new_invocation_id()
+        where = f"session {sid}"
+        config = {"base_url": s.gateway_base_url, "model_id": s.model_id, "api_key": api_key, "session_id": sid,
+                  "exp_id": s.exp_id, "input_id": req.input_id, "max_tokens": s.max_tokens,
+                  "temperature": s.temperature, "top_p": s.top_p}
+        if (url := self._result_url_of(sid)) is not None:
+            config["result_url"] = url
 
-class _GatewayActorClient:
-    """GatewaySessions over the gateway's Ray actor handle."""
+        async def call(operation: Literal["start", "get"]):
+            payload = http_payload(req.row, req.input_id, config, operation, inv, s.http_background)
+            return parse_record(await self._acr.invoke(s.agent_runtime_arn, sid, payload, s.qualifier), inv, where)
 
-    def __init__(self, handle: Any) -> None:
-        self._h = handle
+        record = await call("start")
+        if record.status == "in_progress":  # background start: poll `get` with bounded backoff
+            poll = tenacity.AsyncRetrying(
+                retry=tenacity.retry_if_result(lambda r: r.status == "in_progress"),
+                wait=tenacity.wait_exponential_jitter(initial=s.http_poll_initial_s, max=s.http_poll_max_s,
+                                                      jitter=s.http_poll_initial_s),
+                stop=tenacity.stop_never,  # bounded by the rollout timeout around this call
+            )
+            record = await poll(call, "get")
+        return http_reward(record, where), self._clock()
 
-    async def open_session(self, session_id: str, max_context_tokens: int | None = None) -> str:
-        return await self._h.open_session.remote(session_id, max_context_tokens)
+    # -- cleanup ----------------------------------------------------------------------------
 
-    async def close_session(self, session_id: str) -> SessionCapture:
-        return await self._h.close_session.remote(session_id)
-
-
-class RolloutPool:
-    """Driver-side handle on the rollout actors: spreads a step's requests over them round-robin."""
-
-    def __init__(self, actors: list[Any]) -> None:
-        if not actors:
-            raise ValueError("RolloutPool needs at least one rollout actor")
-        self._actors = actors
-
-    async def run_all(self, reqs: list[RolloutRequest], partition: str) -> list[RolloutOutcome]:
-        shards: list[list[RolloutRequest]] = [[] for _ in self._actors]
-        for i, r in enumerate(reqs):
-            shards[i % len(shards)].append(r)
-        results = await asyncio.gather(*(a.run_many.remote(sh, partition)
-                                         for a, sh in zip(self._actors, shards) if sh))
-        return [o for shard in results for o in shard]
-
-    async def acr_stats(self) -> dict[str, int]:
-        total: dict[str, int] = {}
-        for st in await asyncio.gather(*(a.acr_stats.remote() for a in self._actors)):
-            for k, v in st.items():
-                total[k] = total.get(k, 0) + v
-        return total
-
-    async def shutdown(self) -> None:
-        await asyncio.gather(*(a.shutdown.remote() for a in self._actors), return_exceptions=True)
+    async def _stop_acr_session(self, session_id: str) -> bool:
+        """Stop the ACR session; shielded so a cancelled rollout still releases its session.
+        False when the stop failed (the session stays counted open: acr/sessions_open)."""
+        try:
+            await asyncio.shield(self._acr.stop_session(self._s.agent_runtime_arn, session_id, self._s.qualifier))
+        except Exception as exc:  # noqa: BLE001 - counted and visible; the outcome is already decided
+            log.warning("StopRuntimeSession failed for %s: %s", session_id, exc)
+            self.counts["acr/stop_failed"] += 1
+            return False
+        self._sessions_open -= 1
+        return True
 
 
-def start_rollout_actors(num: int, settings: RolloutSettings, gateway_handle: Any, buffer_handle: Any,
-                         max_concurrency: int = 1000) -> list[Any]:
-    """Create `num` async Ray actors running RolloutActor."""
-    import ray
+def __getattr__(name: str) -> Any:
+    """The Ray-facing pool lives in workers.rollout_pool; old imports keep working."""
+    if name in ("RolloutActor", "RolloutPool", "start_rollout_actors"):
+        from workers import rollout_pool
 
-    cls = ray.remote(num_cpus=0, max_concurrency=max_concurrency)(RolloutActor)
-    return [cls.options(name=f"rollout-{i}-{uuid.uuid4().hex[:6]}").remote(settings, gateway_handle, buffer_handle)
-            for i in range(num)]
+        return getattr(rollout_pool, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

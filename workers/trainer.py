@@ -23,6 +23,12 @@ Invariants:
   statistics (`orchestrator/algorithms/rejection.py`).
 - Dropout is off (the model stays in eval mode), so on the first micro-batch π_θ == π_old exactly.
 - `export_weights` writes the full, unsharded fp32 state dict under HF parameter names, atomically.
+- `broadcast_weights` sends the same tensors (in `weight_sync_dtype`) in buckets to the weight-sync
+  group (workers/weight_sync_broadcast.py), gathering one parameter at a time.
+- At GPU scale (workers/trainer_scale.py): micro-batches by token budget
+  (`max_tokens_per_micro_batch`), bf16 mixed precision (fp32 master weights, optimizer state and
+  gradient reduction), activation checkpointing per decoder layer. None of them changes the
+  gradient of a mini-batch beyond float rounding (bf16 compute does, by design).
 
 Callers: the training loops (through a Ray actor handle) and weight sync (`export_weights` /
 `full_state_dict`).
@@ -30,12 +36,8 @@ Callers: the training loops (through a Ray actor handle) and weight sync (`expor
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import math
 import os
-import socket
-import tempfile
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -48,12 +50,28 @@ from torch.distributed.fsdp import fully_shard
 
 from orchestrator.algorithms.batch import TrainBatch
 from orchestrator.algorithms.losses import LossAggMode, PolicyLossConfig, ppo_clip_loss
-from orchestrator.algorithms.rejection import apply_rejection
 from orchestrator.algorithms.rollout_correction import (
-    RolloutCorrection,
     RolloutCorrectionConfig,
     compute_rollout_correction,
 )
+from workers.trainer_parts import (  # noqa: F401  (free_loopback_init_method, token_logprobs: public here)
+    plan_update,
+    _atomic_write,
+    _tied_parameter_names,
+    free_loopback_init_method,
+    token_logprobs,
+)
+from workers.trainer_scale import (
+    MixedPrecision,
+    checkpoint_layers,
+    mixed_precision_policy,
+    plan_micro_batches,
+    split_to_count,
+    take_rows,
+)
+from workers.weight_sync_broadcast import SendReport, bucket_bytes_of, send_weights
+from workers.weight_sync_plan import TensorSpec, dtype_from_name
+from workers.weight_sync_transport import BucketTransport, WeightGroupInfo, open_transport
 
 WEIGHTS_FILENAME = "model.safetensors"  # single-file HF checkpoint name
 
@@ -69,6 +87,12 @@ class TrainerSettings:
     rollout_correction: mode (decoupled | bypass), IS level and thresholds, rejection rules
         (orchestrator/algorithms/rollout_correction_config.py); default: decoupled, token TIS C=2.
     micro_batch_size: rows per forward/backward; gradients accumulate to one step per mini-batch.
+    max_tokens_per_micro_batch: token budget per forward/backward (rows x longest row); None: use
+        micro_batch_size. With a budget, rows are packed longest first (workers/trainer_scale.py).
+    mixed_precision: None (fp32 everywhere) or "bf16" (FSDP2 bf16 params in compute, fp32 grad
+        reduction, fp32 master weights and optimizer state).
+    activation_checkpointing: recompute each decoder layer's activations in backward.
+    weight_sync_dtype: dtype of the tensors `broadcast_weights` sends (the inference dtype).
     compute_entropy: log actor/entropy (costs one softmax over the vocabulary per micro-batch).
     device: "auto" picks CUDA when available, else CPU.
     """
@@ -85,6 +109,11 @@ class TrainerSettings:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     seed: int = 0
     micro_batch_size: int = 4
+    max_tokens_per_micro_batch: int | None = None
+    mixed_precision: MixedPrecision | None = None
+    activation_checkpointing: bool = False
+    weight_sync_dtype: str = "float32"
+    weight_sync_bucket_mb: float = 512.0
     loss_agg_mode: LossAggMode = "token-mean"
     attn_implementation: str = "sdpa"
     compute_entropy: bool = True
@@ -98,6 +127,13 @@ class TrainerSettings:
             raise ValueError(f"trainer.grad_clip must be > 0, got {self.grad_clip}")
         if self.micro_batch_size < 1:
             raise ValueError(f"trainer.micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ValueError(
+                f"trainer.max_tokens_per_micro_batch must be >= 1 or None, got {self.max_tokens_per_micro_batch}"
+            )
+        mixed_precision_policy(self.mixed_precision, root=True)  # validates the mode
+        dtype_from_name(self.weight_sync_dtype)
+        bucket_bytes_of(self.weight_sync_bucket_mb)
         self.policy_loss_config()  # validates clip ratios and loss_agg_mode
         if not isinstance(self.rollout_correction, RolloutCorrectionConfig):
             raise ValueError(
@@ -114,38 +150,6 @@ class TrainerSettings:
 
     def rollout_correction_config(self) -> RolloutCorrectionConfig:
         return self.rollout_correction
-
-
-def free_loopback_init_method() -> str:
-    """A `tcp://127.0.0.1:PORT` rendezvous on a port the OS just reported free (world size 1 only)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
-def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, *, with_entropy: bool = True
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-prob and entropy in TrainBatch alignment.
-
-    Args:
-        logits: [B, T, V] next-token logits (logits[:, t] predicts token t + 1).
-        input_ids: [B, T].
-
-    Returns:
-        (logprobs, entropy), both [B, T] float32; column 0 is 0 in both. entropy[b, t] is the entropy
-        of the distribution token t was drawn from; it is detached, and None unless with_entropy.
-    """
-    logits = logits[:, :-1].float()
-    targets = input_ids[:, 1:].unsqueeze(-1)
-    lse = torch.logsumexp(logits, dim=-1)
-    lp = torch.gather(logits, -1, targets).squeeze(-1) - lse
-    zero = torch.zeros_like(lp[:, :1])
-    if not with_entropy:
-        return torch.cat([zero, lp], dim=1), None
-    with torch.no_grad():
-        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
-    return torch.cat([zero, lp], dim=1), torch.cat([zero, ent.detach()], dim=1)
 
 
 class TrainerWorker:
@@ -195,9 +199,11 @@ class TrainerWorker:
         layers = getattr(getattr(model, "model", None), "layers", None)
         if layers is None:
             raise ValueError(f"{type(model).__name__} has no .model.layers; only HF decoder-only LMs are supported")
+        if cfg.activation_checkpointing:
+            checkpoint_layers(layers)
         for layer in layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=mixed_precision_policy(cfg.mixed_precision, root=False))
+        fully_shard(model, mesh=mesh, mp_policy=mixed_precision_policy(cfg.mixed_precision, root=True))
         model.eval()  # dropout off: π_θ equals π_old before the first step
         self.model = model
         self.optimizer = torch.optim.AdamW(
@@ -206,6 +212,7 @@ class TrainerWorker:
         self._loss_cfg = cfg.policy_loss_config()
         self._rc_cfg = cfg.rollout_correction_config()
         self.num_updates = 0
+        self._weight_transport: BucketTransport | None = None
 
     # --- forward passes -------------------------------------------------------------------
 
@@ -226,12 +233,26 @@ class TrainerWorker:
 
         Returns [B, T] float32 on CPU; column 0 and padding are 0.
         """
-        micro_batches = batch.split(self.cfg.micro_batch_size)
-        self._check_same_micro_batch_count(len(micro_batches))
-        parts = [self._forward(mb, with_entropy=False)[0].cpu() for mb in micro_batches]
-        return torch.cat(parts, dim=0)
+        out = torch.zeros(batch.batch_size, batch.seq_len, dtype=torch.float32)
+        for idx in self.micro_batches(batch):
+            out[idx] = self._forward(take_rows(batch, idx), with_entropy=False)[0].float().cpu()
+        return out
 
     # --- training -------------------------------------------------------------------------
+
+    def micro_batches(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """Row indices ([k] long) of each micro-batch of `batch` (trainer_scale.plan_micro_batches);
+        every rank gets as many micro-batches as the rank with the most (FSDP needs equal forwards).
+        Raises ValueError when a rank has too few rows to match."""
+        lengths = batch.attention_mask.sum(dim=-1).tolist()
+        plan = plan_micro_batches(lengths, micro_batch_size=self.cfg.micro_batch_size,
+                                  max_tokens=self.cfg.max_tokens_per_micro_batch)
+        if self.world_size > 1:
+            t = torch.tensor([len(plan)], dtype=torch.int64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            plan = split_to_count(plan, int(t.item()))
+        self._check_same_micro_batch_count(len(plan))
+        return [torch.tensor(mb, dtype=torch.long) for mb in plan]
 
     def _check_same_micro_batch_count(self, count: int) -> None:
         """FSDP collectives run per forward: every rank must run as many micro-batches, or all hang."""
@@ -272,24 +293,9 @@ class TrainerWorker:
             ValueError: the batch has no trained token, (world_size > 1) ranks hold different
                 numbers of micro-batches, or a rejected reward token in a batch without SampleTable.
         """
-        if batch.num_loss_tokens == 0:
-            raise ValueError("update got a batch with no trained token (loss_mask is all 0)")
         rc_cfg = self._rc_cfg
-        rc: RolloutCorrection | None = None
-        if rc_cfg.mode == "decoupled":
-            old_logprobs = self.compute_logprobs(batch)
-            rc = compute_rollout_correction(old_logprobs, batch.rollout_logprobs, batch.loss_mask, rc_cfg)
-        elif rc_cfg.rs:  # bypass with rejection: masks must be known before the first backward
-            current = self.compute_logprobs(batch)
-            rc = compute_rollout_correction(current, batch.rollout_logprobs, batch.loss_mask, rc_cfg)
-        extra: dict[str, float] = {}
-        train = batch
-        if rc is not None and rc_cfg.rs:
-            outcome = apply_rejection(batch, rc.loss_mask)
-            train, extra = outcome.batch, outcome.metrics()
-        if rc_cfg.mode == "bypass":
-            old_logprobs = train.rollout_logprobs  # π_old := π_rollout
-        is_weights = rc.weights if rc is not None and rc_cfg.applies_weights else None
+        plan = plan_update(batch, rc_cfg, self.compute_logprobs)
+        train, old_logprobs, rc, is_weights, extra = plan.train, plan.old_logprobs, plan.rc, plan.is_weights, plan.extra
         loss_mask = train.loss_mask
         num_tokens = self._global_sum(float(loss_mask.sum().item()))
         num_seqs = self._global_sum(float((loss_mask.sum(dim=-1) > 0).sum().item()))
@@ -298,25 +304,21 @@ class TrainerWorker:
         sums = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/pg_clipfrac_lower": 0.0}
         if self.cfg.compute_entropy:
             sums["actor/entropy"] = 0.0
-        size = self.cfg.micro_batch_size
-        current_parts: list[torch.Tensor] = []  # bypass without rules: log π_θ for the metrics
+        current = torch.zeros(batch.batch_size, batch.seq_len)  # bypass without rules: log π_θ for the metrics
         if num_tokens > 0:
-            if rc is None:
-                self._check_same_micro_batch_count(len(range(0, train.batch_size, size)))
-            for start in range(0, train.batch_size, size):
-                stop = min(start + size, train.batch_size)
-                mb = train.select(start, stop)
-                mask = loss_mask[start:stop].to(self.device)
+            for idx in self.micro_batches(train):
+                mb = take_rows(train, idx)
+                mask = loss_mask[idx].to(self.device)
                 lp, ent = self._forward(mb, with_entropy=self.cfg.compute_entropy)
                 if rc is None:
-                    current_parts.append(lp.detach().cpu())
+                    current[idx] = lp.detach().float().cpu()
                 out = ppo_clip_loss(
                     lp,
-                    old_logprobs[start:stop].to(self.device),
+                    old_logprobs[idx].to(self.device),
                     mb.advantages.to(self.device),
                     mask,
                     self._loss_cfg,
-                    is_weights=None if is_weights is None else is_weights[start:stop].to(self.device),
+                    is_weights=None if is_weights is None else is_weights[idx].to(self.device),
                     dp_size=self.world_size,
                     batch_num_tokens=num_tokens,
                     global_batch_size=num_seqs,
@@ -330,7 +332,6 @@ class TrainerWorker:
                 if ent is not None:
                     sums["actor/entropy"] += float((ent * mask).sum().item())
         if rc is None:  # bypass without rules: π_θ before the step came from the training forward
-            current = torch.cat(current_parts, dim=0)
             rc = compute_rollout_correction(current, batch.rollout_logprobs, batch.loss_mask, rc_cfg)
 
         skipped = num_tokens == 0
@@ -396,6 +397,47 @@ class TrainerWorker:
             dist.barrier()
         return path
 
+    # --- weights out: bucketed broadcast (workers/weight_sync_broadcast.py) ------------------
+
+    def weight_specs(self) -> list[TensorSpec]:
+        """Name, full shape and sync dtype of every tensor `broadcast_weights` sends (HF names, tied
+        aliases left out as in `full_state_dict`), in state-dict order."""
+        tied = _tied_parameter_names(self.model)
+        return [TensorSpec(name, tuple(t.shape), self.cfg.weight_sync_dtype)
+                for name, t in self.model.state_dict().items() if name not in tied]
+
+    def _full_tensors(self):
+        """(name, full tensor on this device) one parameter at a time: a collective all-gather per
+        tensor, so every rank must iterate to the end together."""
+        tied = _tied_parameter_names(self.model)
+        for name, t in self.model.state_dict().items():
+            if name in tied:
+                continue
+            t = t.detach()
+            yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
+
+    def open_weight_group(self, info: WeightGroupInfo) -> None:
+        """Rank 0 joins the weight-sync group `info` as its sender (blocks until every receiver
+        joined with a collective backend); other ranks only take part in the gathers later."""
+        if self.rank == 0:
+            if self._weight_transport is not None:
+                raise RuntimeError("this trainer already joined a weight-sync group")
+            self._weight_transport = open_transport(info, 0, self.device)
+
+    def broadcast_weights(self, version: int) -> SendReport | None:
+        """Send the current full weights as `version` to every receiver of the weight-sync group, in
+        buckets of `weight_sync_bucket_mb` (every rank must call it; rank 0 returns the SendReport,
+        others None). Raises RuntimeError before `open_weight_group`."""
+        tensors = self._full_tensors()
+        if self.rank != 0:
+            for _ in tensors:
+                pass
+            return None
+        if self._weight_transport is None:
+            raise RuntimeError("broadcast_weights before open_weight_group")
+        return send_weights(self._weight_transport, self.weight_specs(), tensors, version=version,
+                            bucket_bytes=bucket_bytes_of(self.cfg.weight_sync_bucket_mb))
+
     def save_hf(self, directory: str) -> str:
         """Write an HF model directory (config.json, generation config, model.safetensors, tokenizer
         files when the source directory has them) that `from_pretrained` loads; return directory."""
@@ -418,7 +460,10 @@ class TrainerWorker:
         tok.save_pretrained(directory)
 
     def close(self) -> None:
-        """Release the process group if this worker created it."""
+        """Release the weight-sync group, and the process group if this worker created it."""
+        if self._weight_transport is not None:
+            self._weight_transport.close()
+            self._weight_transport = None
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False
@@ -455,25 +500,3 @@ class TrainerWorker:
         self.num_updates = int(blob["num_updates"])
 
 
-def _tied_parameter_names(model: torch.nn.Module) -> set[str]:
-    """Names HF leaves out of a checkpoint because they alias another parameter."""
-    if not getattr(model.config, "tie_word_embeddings", False):
-        return set()
-    keys = getattr(model, "_tied_weights_keys", None) or {}
-    return set(keys.keys() if isinstance(keys, dict) else keys)
-
-
-def _atomic_write(path: str, write: Callable[[str], None]) -> None:
-    """Call `write(tmp)` on a temp file beside `path`, then rename it to `path`: readers see the
-    old file or the complete new one, never a partial write. The temp file is removed on error."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".partial-", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise

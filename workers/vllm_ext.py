@@ -1,4 +1,5 @@
-"""vLLM worker extension: reload the policy weights in place from a safetensors file.
+"""vLLM worker extension: reload the policy weights in place, from a safetensors file or from the
+trainer's bucketed broadcast (workers/weight_sync_broadcast.py).
 
 vLLM mixes this class into its worker class (engine arg `worker_extension_cls=
 "workers.vllm_ext.WeightReloadExtension"`), so its methods run inside the worker process with
@@ -18,8 +19,14 @@ output layer's packed copy, holds the file's values; a stale output layer raises
 returning (`StaleOutputLayerError`). Callers must reset the prefix cache afterwards (KV blocks
 computed with the old weights would otherwise be reused); `InferenceWorker.update_weights` does.
 
+Broadcast path: `join_weight_sync_group(info, rank_offset)` once (this worker becomes rank
+rank_offset + its rank inside the engine, so the tensor-parallel workers of one replica get
+consecutive ranks), then per push `receive_weights_broadcast(version, current_version)`: the
+buckets stream straight into the same in-place reload (kept tensors, since the layer-wise reload
+holds a layer's tensors until the layer is complete), then the same tied-output refresh and check.
+
 This module is imported by vLLM's worker process by dotted path, so it imports only torch,
-safetensors and (lazily) vLLM.
+safetensors, this package's weight-sync modules (torch only) and (lazily) vLLM.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ from collections.abc import Iterator
 
 import torch
 from safetensors import safe_open
+
+from workers.weight_sync_broadcast import receive_weights
+from workers.weight_sync_transport import BucketTransport, WeightGroupInfo, open_transport
 
 # Max |packed lm_head(x) - x @ W^T| accepted by the freshness check, fp32 logits on a random probe;
 # packed kernels differ from torch.matmul only by summation order (~1e-6 here).
@@ -65,6 +75,50 @@ class WeightReloadExtension:
         self._refresh_tied_output_layer()
         self._check_output_layer_fresh()
         return num_loaded
+
+    def join_weight_sync_group(self, info: WeightGroupInfo | dict, rank_offset: int) -> int:
+        """Join the weight-sync group as rank `rank_offset + self.rank`; return that rank. Blocks
+        until every rank joined with a collective backend (gloo / nccl). Raises RuntimeError if
+        this worker already joined a group. `info` may arrive as a dict: AsyncLLM's engine-core
+        RPC serializes dataclass arguments with msgpack."""
+        if isinstance(info, dict):
+            info = WeightGroupInfo(**info)
+        if getattr(self, "_weight_sync_transport", None) is not None:
+            raise RuntimeError("this vLLM worker already joined a weight-sync group")
+        rank = rank_offset + int(getattr(self, "rank", 0))
+        device = getattr(self, "device", None)
+        device = device if isinstance(device, torch.device) else torch.device("cpu")
+        self._weight_sync_transport: BucketTransport | None = open_transport(info, rank, device)
+        return rank
+
+    def receive_weights_broadcast(self, version: int, current_version: int) -> int:
+        """Receive the trainer's push of `version` and load it in place; return the tensor count.
+
+        Run while nothing is scheduled (the caller pauses or drains the engine) and reset the prefix
+        cache afterwards, as for `reload_weights_from_file`. Raises ValueError (after draining the
+        push) when the pushed version is not `version` or not newer than `current_version`,
+        RuntimeError before `join_weight_sync_group`, StaleOutputLayerError as the file path does.
+        """
+        transport = getattr(self, "_weight_sync_transport", None)
+        if transport is None:
+            raise RuntimeError("receive_weights_broadcast before join_weight_sync_group")
+
+        def load(tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+            self.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)  # type: ignore[attr-defined]
+
+        report = receive_weights(transport, load, current_version=current_version, keep=True)
+        if report.version != version:
+            raise ValueError(f"expected weights of version {version}, received version {report.version}")
+        self._refresh_tied_output_layer()
+        self._check_output_layer_fresh()
+        return report.num_tensors
+
+    def leave_weight_sync_group(self) -> None:
+        """Close this worker's side of the weight-sync group (no-op if it never joined)."""
+        transport = getattr(self, "_weight_sync_transport", None)
+        if transport is not None:
+            transport.close()
+            self._weight_sync_transport = None
 
     def output_layer_is_tied(self) -> bool:
         """Whether lm_head shares its weight with the input embedding (config `tie_word_embeddings`)."""

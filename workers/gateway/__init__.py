@@ -1,11 +1,18 @@
-"""The rollout gateway: OpenAI-compatible HTTP in front of token-in/token-out inference replicas.
+"""The rollout gateway: OpenAI- and Anthropic-compatible HTTP in front of token-in/token-out
+inference replicas.
 
 Modules (one job each; import the one you need, nothing heavy is imported here):
-  capture.py        sessions, secret tokens, CLEAN/FORK trajectory recording (pure)
-  router.py         sticky-per-session / least-in-flight replica choice (pure)
-  openai_api.py     Chat Completions request parsing, answer and error shapes (pure)
-  chat_template.py  chat-template rendering and answer decoding with the HF tokenizer
+  capture.py        sessions, secret tokens, turn cap, CLEAN/FORK trajectory recording (pure)
+  router.py         sticky-per-session / least-in-flight replica choice, failed replicas out (pure)
+  openai_api.py     Chat Completions request parsing, answer, chunk and error shapes (pure)
+  anthropic_api.py  Messages request conversion, answer, event and error shapes (pure)
+  tool_parsers.py   tool-call parsing in the template's format (hermes JSON, qwen3_coder XML) (pure)
+  auth.py           the session token of a request (Bearer or x-api-key)
+  chat_template.py  chat-template rendering (segment-cached tokenization) and answer decoding
+  turns.py          one turn: render, budget, route with failover, generate, parse, record
+  streaming.py      server-sent-event answers
+  metrics.py        GatewayMetrics counters
   config.py         GatewayConfig
-  app.py            aiohttp app factory: routes, auth, error middleware, metrics
+  app.py            aiohttp app factory: routes, error middleware
   server.py         GatewayServer: the object rollout workers call (wrapped as an async Ray actor)
 """

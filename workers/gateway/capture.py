@@ -25,7 +25,12 @@ only ``sha256(token)`` and looks sessions up by that digest in a dict. A dict lo
 token would compare the attacker's string with stored ones character by character on a hash
 collision; on the digest, the attacker controls no prefix of what is compared (finding an input
 whose digest shares a prefix with a stored one is a preimage problem), and the final check is
-``hmac.compare_digest`` anyway, so the comparison is constant-time.
+``hmac.compare_digest`` anyway, so the comparison is constant-time. Digests of closed sessions are
+remembered (at most CLOSED_TOKENS_KEPT, oldest forgotten first) so that a late request with a
+closed session's token is told "closed" (SessionClosed, HTTP 409) rather than "unknown" (401).
+
+Turn cap. A session admits at most ``max_turns`` turns (``begin_turn`` counts each request sent to
+the engine, whether or not it is recorded); the next one raises TurnLimitExceeded (HTTP 429).
 
 Callers: workers/gateway/app.py (authenticate, record_turn), workers/gateway/server.py (open,
 close for the rollout workers).
@@ -37,11 +42,14 @@ import enum
 import hashlib
 import hmac
 import secrets
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from orchestrator.types import PROMPT_VERSION, GenerateResult, SessionCapture, TrajectoryRow
 
 TOKEN_BYTES = 32  # session token entropy in bytes (256 bits); token_urlsafe gives 43 chars
+CLOSED_TOKENS_KEPT = 1_000_000  # closed-session digests remembered for 409 answers (32 B each)
+DEFAULT_MAX_TURNS = 256  # turns per session unless the opener says otherwise
 
 
 class CaptureError(Exception):
@@ -54,6 +62,14 @@ class Unauthorized(CaptureError):
 
 class SessionNotFound(CaptureError):
     """A session id that was never opened, or was already closed."""
+
+
+class SessionClosed(CaptureError):
+    """The token belongs to a session that was closed (the rollout is over)."""
+
+
+class TurnLimitExceeded(CaptureError):
+    """The session already used its `max_turns` turns."""
 
 
 class SessionExists(CaptureError):
@@ -98,6 +114,7 @@ class Session:
     session_id: str
     max_context_tokens: int
     sampling: SamplingDefaults
+    max_turns: int = DEFAULT_MAX_TURNS
 
 
 @dataclass(frozen=True)
@@ -117,6 +134,7 @@ class TurnRecord:
     num_output: int
     policy_version: int
     finish_reason: str
+    ill_formed: bool = False  # the output opened a tool call the gateway could not parse
 
 
 class _Row:
@@ -156,13 +174,14 @@ class _Row:
 
 
 class _SessionState:
-    __slots__ = ("view", "digest", "rows", "turns")
+    __slots__ = ("view", "digest", "rows", "turns", "started")
 
     def __init__(self, view: Session, digest: bytes) -> None:
         self.view = view
         self.digest = digest
         self.rows: list[_Row] = []
         self.turns: list[TurnRecord] = []
+        self.started = 0  # turns admitted by begin_turn
 
 
 def _digest(token: str) -> bytes:
@@ -182,6 +201,7 @@ class CaptureStore:
         self._default_sampling = default_sampling or SamplingDefaults()
         self._sessions: dict[str, _SessionState] = {}
         self._by_digest: dict[bytes, str] = {}
+        self._closed: OrderedDict[bytes, None] = OrderedDict()  # digests of closed sessions' tokens
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -191,11 +211,14 @@ class CaptureStore:
         *,
         max_context_tokens: int | None = None,
         sampling: SamplingDefaults | None = None,
+        max_turns: int | None = None,
     ) -> str:
         """Open a session and return its secret bearer token.
 
         max_context_tokens: prompt + generated tokens allowed per request (None: store default).
-        Raises SessionExists if `session_id` is open; ValueError on an empty id or a budget < 2.
+        max_turns: turns the session may run (None: DEFAULT_MAX_TURNS).
+        Raises SessionExists if `session_id` is open; ValueError on an empty id, a budget < 2 or
+        max_turns < 1.
         """
         if not session_id:
             raise ValueError("session_id must be a non-empty string")
@@ -204,23 +227,46 @@ class CaptureStore:
         ctx = self._default_ctx if max_context_tokens is None else max_context_tokens
         if ctx < 2:
             raise ValueError(f"max_context_tokens must be >= 2, got {ctx}")
+        turns = DEFAULT_MAX_TURNS if max_turns is None else max_turns
+        if turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {turns}")
         token = secrets.token_urlsafe(TOKEN_BYTES)
         digest = _digest(token)
-        view = Session(session_id=session_id, max_context_tokens=ctx, sampling=sampling or self._default_sampling)
+        view = Session(
+            session_id=session_id, max_context_tokens=ctx, sampling=sampling or self._default_sampling, max_turns=turns
+        )
         self._sessions[session_id] = _SessionState(view, digest)
         self._by_digest[digest] = session_id
         return token
 
     def authenticate(self, token: str | None) -> Session:
-        """Return the open session that owns `token`; raise Unauthorized otherwise."""
+        """Return the open session that owns `token`.
+
+        Raises Unauthorized for a missing or unknown token, SessionClosed for a closed session's.
+        """
         if not token:
             raise Unauthorized("missing session token")
         digest = _digest(token)
         session_id = self._by_digest.get(digest)
         state = self._sessions.get(session_id) if session_id is not None else None
         if state is None or not hmac.compare_digest(state.digest, digest):
-            raise Unauthorized("unknown or closed session token")
+            if digest in self._closed:
+                raise SessionClosed("the session of this token is closed")
+            raise Unauthorized("unknown session token")
         return state.view
+
+    def begin_turn(self, session_id: str) -> int:
+        """Admit one more turn of an open session; return how many it has now admitted.
+
+        Raises SessionNotFound if the session is not open, TurnLimitExceeded past max_turns.
+        """
+        state = self._sessions.get(session_id)
+        if state is None:
+            raise SessionNotFound(f"session {session_id!r} is not open")
+        if state.started >= state.view.max_turns:
+            raise TurnLimitExceeded(f"session used all of its {state.view.max_turns} turns")
+        state.started += 1
+        return state.started
 
     def close(self, session_id: str) -> SessionCapture:
         """Close the session, revoke its token and return its rows (creation order).
@@ -231,18 +277,30 @@ class CaptureStore:
         if state is None:
             raise SessionNotFound(f"session {session_id!r} is not open")
         del self._by_digest[state.digest]
+        self._closed[state.digest] = None
+        if len(self._closed) > CLOSED_TOKENS_KEPT:
+            self._closed.popitem(last=False)
         return SessionCapture(
             session_id=session_id,
             rows=tuple(r.freeze() for r in state.rows),
             num_turns=len(state.turns),
+            num_ill_formed_turns=sum(t.ill_formed for t in state.turns),
         )
 
     # -- recording -------------------------------------------------------------------------
 
-    def record_turn(self, session_id: str, prompt_ids: tuple[int, ...] | list[int], result: GenerateResult) -> TurnRecord:
+    def record_turn(
+        self,
+        session_id: str,
+        prompt_ids: tuple[int, ...] | list[int],
+        result: GenerateResult,
+        *,
+        ill_formed: bool = False,
+    ) -> TurnRecord:
         """Record one generated turn of an open session (see the module's recording rule).
 
-        prompt_ids: [prompt_len] ids the engine was given; result: its answer.
+        prompt_ids: [prompt_len] ids the engine was given; result: its answer; ill_formed: the
+        answer opened a tool call that could not be parsed (kept on the TurnRecord and counted).
         Raises SessionNotFound if the session is not open (e.g. closed while the turn ran);
         ValueError if a generated token carries a negative policy version.
         """
@@ -272,6 +330,7 @@ class CaptureStore:
             num_output=len(result.output_ids),
             policy_version=result.policy_version,
             finish_reason=result.finish_reason,
+            ill_formed=ill_formed,
         )
         state.turns.append(record)
         return record

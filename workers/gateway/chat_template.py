@@ -1,8 +1,19 @@
 """Prompt rendering and answer decoding with the served model's Hugging Face tokenizer.
 
-`ChatRenderer.render` applies the tokenizer's chat template with the generation prompt and
-returns the exact ids the engine is given (and the capture records); `decode` turns generated ids
-into the answer text, leaving out a trailing stop token (the ids keep it).
+`ChatRenderer.render` applies the chat template (the tokenizer's, or an override file, as vLLM's
+`--chat-template`) with the generation prompt and returns the exact ids the engine is given (and
+the capture records); `decode` turns generated ids into the answer text, leaving out a trailing
+stop token (the ids keep it). `tool_format` is the tool-call format the template teaches
+(tool_parsers.detect_tool_format, or the configured parser).
+
+Speed. Rendering the text is cheap (the compiled template is cached by transformers); tokenizing
+a long conversation is not (about 1 ms per 3 kB here). `SegmentEncoder` splits the text at added
+tokens (`<|im_start|>`, `<|im_end|>`, ...) and caches each piece's ids, so a turn tokenizes only
+the messages it adds. This is exact, not an approximation: a fast tokenizer extracts added tokens
+before normalization and pre-tokenization and encodes the text between them independently, so
+the concatenation of the pieces' ids equals the ids of the whole text. It is used only when that
+holds (a fast tokenizer whose added tokens strip nothing and are not normalized); otherwise the
+whole text is encoded (tests/test_gateway_fidelity.py compares both on random texts).
 
 Invariant: render never adds special tokens beyond what the template writes (the template owns
 BOS/EOS placement), so a prompt re-rendered from an earlier answer extends the earlier ids
@@ -11,24 +22,109 @@ whenever the template and tokenizer round-trip the text (the CLEAN case of captu
 
 from __future__ import annotations
 
+import functools
+import re
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from workers.gateway.tool_parsers import TOOL_FORMATS, ToolFormat, detect_tool_format
+
+SEGMENT_CACHE_ENTRIES = 32768  # cached text pieces (LRU); ~a few hundred conversations' messages
+SEGMENT_CACHE_MAX_CHARS = 65536  # longer pieces are encoded every time (bounded memory)
+_RESERVED_KWARGS = frozenset({"add_generation_prompt", "tokenize", "return_dict", "tools", "conversation", "chat_template"})
 
 
 class TemplateError(ValueError):
     """The chat template or tokenizer rejected the request (bad roles, unsupported stop, ...)."""
 
 
+class SegmentEncoder:
+    """Text -> ids with a per-piece cache (see the module docstring for why it is exact)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        safe = self._backend is not None and all(
+            not (t.lstrip or t.rstrip or t.single_word or t.normalized) for t in added.values()
+        )
+        self.segmented = bool(safe and added)
+        self._added_ids = {t.content: int(i) for i, t in added.items()}
+        contents = sorted(self._added_ids, key=len, reverse=True)  # longest first = leftmost-longest
+        self._split = re.compile("(" + "|".join(re.escape(c) for c in contents) + ")") if contents else None
+        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+
+    def _piece(self, text: str) -> tuple[int, ...]:
+        hit = self._cache.get(text)
+        if hit is not None:
+            self._cache.move_to_end(text)
+            return hit
+        ids = tuple(self._backend.encode(text, add_special_tokens=False).ids)
+        if len(text) <= SEGMENT_CACHE_MAX_CHARS:
+            self._cache[text] = ids
+            if len(self._cache) > SEGMENT_CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return ids
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        """[n] ids of `text`, no special tokens added (equal to `tokenizer.encode(text, add_special_tokens=False)`)."""
+        if not self.segmented:
+            return tuple(self._tok.encode(text, add_special_tokens=False))
+        out: list[int] = []
+        for piece in self._split.split(text):
+            if not piece:
+                continue
+            special = self._added_ids.get(piece)
+            if special is not None:
+                out.append(special)
+            else:
+                out.extend(self._piece(piece))
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class StopSpec:
+    """How a request's stop strings are enforced.
+
+    ids: base stop ids plus the id of each single-token stop string (the engine stops on them);
+    strings: the longer stop strings, cut after generation (`ChatRenderer.cut_at_stop_string`);
+    string_of_id: (id, stop string) for the single-token ones (to report which one ended a turn).
+    """
+
+    ids: tuple[int, ...]
+    strings: tuple[str, ...] = ()
+    string_of_id: tuple[tuple[int, str], ...] = ()
+
+    def string_for(self, token_id: int) -> str | None:
+        return dict(self.string_of_id).get(token_id)
+
+
 class ChatRenderer:
     """Chat template + tokenizer of the served model.
 
     base_stop_ids: ids that always end generation (eos plus configured extras).
+    chat_template: override of the tokenizer's template (the text of a Jinja file), or None.
+    tool_call_parser: "auto" (detect from the template), a format of tool_parsers, or "none".
+    tool_format: the resulting format, None when tools cannot be parsed for this model.
+    Raises ValueError when the tokenizer has no template and none is given, or no stop id exists.
     """
 
-    def __init__(self, tokenizer: Any, *, extra_stop_token_ids: Sequence[int] = ()) -> None:
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("tokenizer has no chat_template; the gateway needs one to render prompts")
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        extra_stop_token_ids: Sequence[int] = (),
+        chat_template: str | None = None,
+        tool_call_parser: str = "auto",
+    ) -> None:
+        self.template: str | None = chat_template or getattr(tokenizer, "chat_template", None)
+        if not isinstance(self.template, str):
+            raise ValueError(
+                "tokenizer has no chat_template (or has several); give gateway.chat_template, a Jinja file"
+            )
         self.tokenizer = tokenizer
         ids = []
         if tokenizer.eos_token_id is not None:
@@ -37,14 +133,68 @@ class ChatRenderer:
         if not ids:
             raise ValueError("tokenizer has no eos token and no extra_stop_token_ids were given")
         self.base_stop_ids: tuple[int, ...] = tuple(ids)
+        if tool_call_parser == "auto":
+            self.tool_format: ToolFormat | None = detect_tool_format(self.template)
+        elif tool_call_parser == "none":
+            self.tool_format = None
+        elif tool_call_parser in TOOL_FORMATS:
+            self.tool_format = tool_call_parser  # type: ignore[assignment]
+        else:
+            raise ValueError(f"gateway.tool_call_parser must be 'auto', 'none' or one of {TOOL_FORMATS}, got {tool_call_parser!r}")
+        self.encoder = SegmentEncoder(tokenizer)
+        # stop_spec(stop strings) -> StopSpec; raises TemplateError for an empty string
+        self.stop_spec = functools.lru_cache(maxsize=1024)(self._stop_ids_for)
+        self._token_text = functools.lru_cache(maxsize=65536)(self._one_token_text)
 
     @classmethod
-    def from_pretrained(cls, model_path: str | Path, *, extra_stop_token_ids: Sequence[int] = ()) -> ChatRenderer:
-        """Load the tokenizer from a local directory (no network access is attempted for a dir)."""
+    def from_pretrained(
+        cls,
+        model_path: str | Path,
+        *,
+        extra_stop_token_ids: Sequence[int] = (),
+        chat_template_path: str | None = None,
+        tool_call_parser: str = "auto",
+    ) -> ChatRenderer:
+        """Load the tokenizer from a local directory (no network access is attempted for a dir).
+
+        chat_template_path: a Jinja file that replaces the tokenizer's template (None: keep it).
+        """
         from transformers import AutoTokenizer  # heavy import, deferred to construction
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        return cls(tokenizer, extra_stop_token_ids=extra_stop_token_ids)
+        template = Path(chat_template_path).read_text() if chat_template_path else None
+        return cls(
+            tokenizer, extra_stop_token_ids=extra_stop_token_ids, chat_template=template, tool_call_parser=tool_call_parser
+        )
+
+    def render_text(
+        self,
+        messages: Sequence[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The templated conversation plus the assistant generation prompt, as text.
+
+        template_kwargs: extra variables for the template (e.g. enable_thinking for Qwen3).
+        Raises TemplateError when the template rejects the conversation.
+        """
+        extra = dict(template_kwargs or {})
+        if _RESERVED_KWARGS & extra.keys():
+            raise TemplateError(f"chat_template_kwargs may not set {sorted(_RESERVED_KWARGS & extra.keys())}")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages),
+                tools=list(tools) if tools else None,
+                chat_template=self.template,
+                add_generation_prompt=True,
+                tokenize=False,
+                **extra,
+            )
+        except Exception as e:  # jinja TemplateError, TypeError from odd content, ...
+            raise TemplateError(f"chat template rejected the messages: {e}") from e
+        if not isinstance(text, str):
+            raise TemplateError(f"chat template rendered {type(text).__name__}, not text")
+        return text
 
     def render(
         self,
@@ -52,47 +202,47 @@ class ChatRenderer:
         tools: Sequence[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[int, ...]:
-        """[prompt_len] ids of the templated conversation plus the assistant generation prompt.
+        """[prompt_len] ids of `render_text(...)`. Raises TemplateError (see render_text)."""
+        return self.encoder.encode(self.render_text(messages, tools, template_kwargs))
 
-        template_kwargs: extra variables for the template (e.g. enable_thinking for Qwen3).
-        Raises TemplateError when the template rejects the conversation.
-        """
-        reserved = {"add_generation_prompt", "tokenize", "return_dict", "tools", "conversation"}
-        extra = dict(template_kwargs or {})
-        if reserved & extra.keys():
-            raise TemplateError(f"chat_template_kwargs may not set {sorted(reserved & extra.keys())}")
-        try:
-            out = self.tokenizer.apply_chat_template(
-                list(messages),
-                tools=list(tools) if tools else None,
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=False,
-                **extra,
-            )
-        except Exception as e:  # jinja TemplateError, TypeError from odd content, ...
-            raise TemplateError(f"chat template rejected the messages: {e}") from e
-        if hasattr(out, "keys"):  # BatchEncoding on transformers versions that ignore return_dict
-            out = out["input_ids"]
-        if out and isinstance(out[0], list):
-            out = out[0]
-        return tuple(int(i) for i in out)
-
-    def stop_ids_for(self, stop: Sequence[str]) -> tuple[int, ...]:
-        """Base stop ids plus one id per stop string; each string must be exactly one token.
-
-        Raises TemplateError for a stop string that is several tokens (the engine stops on ids).
-        """
+    def _stop_ids_for(self, stop: tuple[str, ...]) -> StopSpec:
+        if any(not s for s in stop):
+            raise TemplateError("stop strings must be non-empty")
         ids = list(self.base_stop_ids)
+        strings, by_id = [], {}
         for s in stop:
             enc = self.tokenizer.encode(s, add_special_tokens=False)
-            if len(enc) != 1:
-                raise TemplateError(
-                    f"stop string {s!r} is {len(enc)} tokens; this gateway only supports single-token stop strings"
-                )
-            if enc[0] not in ids:
-                ids.append(int(enc[0]))
-        return tuple(ids)
+            if len(enc) == 1:
+                by_id.setdefault(int(enc[0]), s)
+                if enc[0] not in ids:
+                    ids.append(int(enc[0]))
+            else:
+                strings.append(s)
+        return StopSpec(ids=tuple(ids), strings=tuple(strings), string_of_id=tuple(by_id.items()))
+
+    def cut_at_stop_string(self, output_ids: Sequence[int], stops: Sequence[str]) -> tuple[int, str, str] | None:
+        """Where the first stop string ends in the decoded output, as (n_tokens, text, stop string).
+
+        n_tokens: the shortest prefix of `output_ids` whose text contains the stop string (the
+        tokens the answer really used); text: the decoded output before the stop string (OpenAI
+        leaves the stop sequence out). None when no stop string occurs.
+        """
+        if not stops or not output_ids:
+            return None
+        full = self.tokenizer.decode(list(output_ids), skip_special_tokens=False)
+        hits = [(i, s) for s in stops if (i := full.find(s)) >= 0]
+        if not hits:
+            return None
+        at, stop = min(hits)
+        end = at + len(stop)
+        lo, hi = 1, len(output_ids)  # smallest k with len(decode(ids[:k])) >= end (monotone in k)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(self.tokenizer.decode(list(output_ids[:mid]), skip_special_tokens=False)) >= end:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo, full[:at], stop
 
     def decode(self, output_ids: Sequence[int], *, finish_reason: str, stop_ids: Sequence[int]) -> str:
         """Answer text of generated ids; a final stop token is left out when finish_reason is "stop"."""
@@ -100,3 +250,10 @@ class ChatRenderer:
         if finish_reason == "stop" and ids and ids[-1] in stop_ids:
             ids = ids[:-1]
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _one_token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_texts(self, output_ids: Sequence[int]) -> list[str]:
+        """The text of each id on its own (for per-token log-probs; a split UTF-8 char shows as U+FFFD)."""
+        return [self._token_text(int(i)) for i in output_ids]

@@ -16,11 +16,17 @@ class GatewayConfig:
     model_path: local directory (or hub id already in the local cache) of the HF tokenizer whose
         chat template renders prompts; must match the model the inference replicas serve.
     served_model_name: model id listed by GET /v1/models and echoed in answers (None: model_path).
-    host / port: listen address; port 0 picks a free port.
+    host / port: listen address; port 0 picks a free port. The default host is loopback; a public
+        address (e.g. 0.0.0.0, for agents running elsewhere) must be configured explicitly.
     max_context_tokens: default per-request budget (prompt + generated tokens) of a session.
     max_body_bytes: largest accepted request body.
     temperature / top_p / max_tokens / enforce_sampling: the sessions' SamplingDefaults.
     extra_stop_token_ids: ids that end generation besides the tokenizer's eos token.
+    chat_template: path of a Jinja chat template that replaces the tokenizer's (vLLM's
+        `--chat-template`), e.g. one that renders tools for a model whose own template does not.
+    tool_call_parser: "auto" (detect the format from the template), "hermes" (Qwen2.5 JSON
+        `<tool_call>`), "qwen3_coder" (XML `<function=...>`), or "none" (requests with tools get 400).
+    max_turns: turns a session may run (429 past it).
     """
 
     model_path: str
@@ -34,6 +40,9 @@ class GatewayConfig:
     max_tokens: int | None = None
     enforce_sampling: bool = False
     extra_stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    chat_template: str | None = None
+    tool_call_parser: str = "auto"
+    max_turns: int = 256
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -50,6 +59,13 @@ class GatewayConfig:
             raise ValueError(f"gateway.top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"gateway.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_turns < 1:
+            raise ValueError(f"gateway.max_turns must be >= 1, got {self.max_turns}")
+        if self.tool_call_parser not in ("auto", "none", "hermes", "qwen3_coder"):
+            raise ValueError(
+                "gateway.tool_call_parser must be one of auto, none, hermes, qwen3_coder, "
+                f"got {self.tool_call_parser!r}"
+            )
 
     @property
     def model_id(self) -> str:

@@ -2,12 +2,14 @@
 
 Policy: a session sticks to the replica that served its first turn (its prompt prefix stays warm
 in that replica's KV/prefix cache); a new session goes to the replica with the fewest requests in
-flight (ties: lowest index). Pure bookkeeping, no asyncio or Ray: the caller holds a lease for the
+flight (ties: lowest index). A replica whose generate call failed is marked failed (`mark_failed`):
+it gets no new turns, and sessions stuck to it move to the least-loaded healthy one (their prefix
+cache is lost, their tokens are not: the gateway recorded them). Pure bookkeeping, no asyncio or Ray: the caller holds a lease for the
 duration of one generate call.
 
 Invariant: each replica's in-flight count equals the number of leases taken on it and not yet
 released, and never goes negative; `set_engines` drops every sticky assignment (indices of the old
-list mean nothing for the new one).
+list mean nothing for the new one) and every failed mark; a failed replica is never chosen.
 
 Callers: workers/gateway/app.py (one lease per chat request), workers/gateway/server.py
 (set_engines, forget on session close).
@@ -32,6 +34,7 @@ class ReplicaRouter:
         self._engines: list[InferenceEngine] = list(engines)
         self._in_flight: list[int] = [0] * len(self._engines)
         self._sticky: dict[str, int] = {}
+        self._failed: set[int] = set()
         self._generation = 0  # bumped by set_engines; leases of an old list release nothing
 
     def set_engines(self, engines: Sequence[InferenceEngine]) -> None:
@@ -39,6 +42,7 @@ class ReplicaRouter:
         self._engines = list(engines)
         self._in_flight = [0] * len(self._engines)
         self._sticky.clear()
+        self._failed.clear()
         self._generation += 1
 
     def num_replicas(self) -> int:
@@ -52,6 +56,19 @@ class ReplicaRouter:
         """Index of the replica the session sticks to, or None before its first lease."""
         return self._sticky.get(session_id)
 
+    def num_healthy(self) -> int:
+        """Replicas not marked failed."""
+        return len(self._engines) - len(self._failed)
+
+    def mark_failed(self, engine: InferenceEngine) -> bool:
+        """Take `engine` out of rotation (its generate raised). Returns False if it is not a
+        current replica (e.g. the list was replaced meanwhile) or was already marked."""
+        for i, e in enumerate(self._engines):
+            if e is engine and i not in self._failed:
+                self._failed.add(i)
+                return True
+        return False
+
     def forget(self, session_id: str) -> None:
         """Drop a closed session's sticky assignment (no-op if it has none)."""
         self._sticky.pop(session_id, None)
@@ -60,8 +77,11 @@ class ReplicaRouter:
         if not self._engines:
             raise NoReplicas("no inference replica registered with the gateway (call set_engines first)")
         idx = self._sticky.get(session_id)
-        if idx is None:
-            idx = min(range(len(self._engines)), key=lambda i: (self._in_flight[i], i))
+        if idx is None or idx in self._failed:
+            healthy = [i for i in range(len(self._engines)) if i not in self._failed]
+            if not healthy:
+                raise NoReplicas(f"all {len(self._engines)} inference replicas failed; none left to serve")
+            idx = min(healthy, key=lambda i: (self._in_flight[i], i))
             self._sticky[session_id] = idx
         return idx
 
@@ -69,7 +89,7 @@ class ReplicaRouter:
     def lease(self, session_id: str) -> Iterator[InferenceEngine]:
         """Pick the replica for this session and count the request in flight until exit.
 
-        Raises NoReplicas when no replica is registered.
+        Raises NoReplicas when no replica is registered or all are marked failed.
         """
         idx = self._choose(session_id)
         generation = self._generation

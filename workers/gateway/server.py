@@ -11,13 +11,14 @@ handles whose `generate` method has `.remote` (wrapped by `RayActorEngine`, whic
 ObjectRef; no Ray import needed).
 
 Invariant: a session id is open in the gateway from `open_session` until `close_session`, which
-returns everything recorded for it exactly once; after that its token answers 401.
+returns everything recorded for it exactly once; after that its token answers 409 (closed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,15 +31,28 @@ from workers.gateway.chat_template import ChatRenderer
 from workers.gateway.config import GatewayConfig
 from workers.gateway.router import ReplicaRouter
 
+log = logging.getLogger(__name__)
+
 
 class RayActorEngine:
-    """InferenceEngine over a Ray actor handle: `await handle.generate.remote(req)`."""
+    """InferenceEngine over a Ray actor handle: `await handle.generate.remote(req)`.
+
+    Cancelling the call cancels the actor task (`ray.cancel`), which raises CancelledError inside
+    the replica's async `generate` and so aborts the request in the engine.
+    """
 
     def __init__(self, handle: Any) -> None:
         self._handle = handle
 
     async def generate(self, req: GenerateRequest) -> GenerateResult:
-        return await self._handle.generate.remote(req)
+        ref = self._handle.generate.remote(req)
+        try:
+            return await ref
+        except asyncio.CancelledError:
+            import ray  # only reachable with a Ray handle, so Ray is installed and initialised
+
+            ray.cancel(ref)
+            raise
 
 
 def as_engine(obj: Any) -> InferenceEngine:
@@ -89,11 +103,23 @@ class GatewayServer:
             return self._base_url
         self._loop = asyncio.get_running_loop()
         renderer = self._renderer or await asyncio.to_thread(
-            ChatRenderer.from_pretrained, self._cfg.model_path, extra_stop_token_ids=self._cfg.extra_stop_token_ids
+            ChatRenderer.from_pretrained,
+            self._cfg.model_path,
+            extra_stop_token_ids=self._cfg.extra_stop_token_ids,
+            chat_template_path=self._cfg.chat_template,
+            tool_call_parser=self._cfg.tool_call_parser,
         )
         self._renderer = renderer
+        if renderer.tool_format is None:
+            log.warning(
+                "gateway: the chat template of %s renders no known tool-call format; requests offering "
+                "tools will be refused (set gateway.chat_template / tool_call_parser to serve tool agents)",
+                self._cfg.model_path,
+            )
         self._app = create_app(self._cfg, self._capture, self._router, renderer=renderer)
-        self._runner = web.AppRunner(self._app, access_log=None)
+        # access_log=None: no request lines (and so no headers or tokens) in the logs;
+        # handler_cancellation: a client that disconnects cancels its handler, hence its engine call
+        self._runner = web.AppRunner(self._app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._cfg.host, self._cfg.port)
         try:
@@ -121,17 +147,27 @@ class GatewayServer:
     # -- what the rollout workers call -----------------------------------------------------
 
     async def open_session(
-        self, session_id: str, max_context_tokens: int | None = None, sampling: SamplingDefaults | None = None
+        self,
+        session_id: str,
+        max_context_tokens: int | None = None,
+        sampling: SamplingDefaults | None = None,
+        max_turns: int | None = None,
     ) -> str:
-        """Open a capture session; return its secret token (the agent's OpenAI `api_key`).
+        """Open a capture session; return its secret token (the agent's OpenAI / Anthropic `api_key`).
 
+        max_turns: the session's turn cap (None: gateway.max_turns).
         Raises SessionExists if the id is already open, ValueError on a bad budget.
         """
         self._check_loop()
-        return self._capture.open(session_id, max_context_tokens=max_context_tokens, sampling=sampling)
+        return self._capture.open(
+            session_id,
+            max_context_tokens=max_context_tokens,
+            sampling=sampling,
+            max_turns=self._cfg.max_turns if max_turns is None else max_turns,
+        )
 
     async def close_session(self, session_id: str) -> SessionCapture:
-        """Close the session (its token answers 401 from now on) and return its recorded rows.
+        """Close the session (its token answers 409 from now on) and return its recorded rows.
 
         Raises SessionNotFound if the session is not open.
         """

@@ -1,0 +1,1 @@
+"""Helpers shared by the example agents (standalone: imports nothing from the orchestrator)."""

@@ -1,0 +1,136 @@
+"""task=gsm8k: the JSONL loader on the shared test copy, its errors, the config group, the task registry."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from orchestrator.config import TASK_NAMES, ConfigError, TaskConfig, register, to_run_config
+from orchestrator.tasks import RESERVED_KEYS, gsm8k
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "configs"
+TEST_COPY = "../shared/data/gsm8k/test.jsonl"  # relative to the repository root, as users write it
+GOOD = {"question": "Tom has 3 apples and buys 1,200 more. How many?", "answer": "3 + 1200 = 1203\n#### 1,203"}
+
+
+def _compose(overrides: list[str]):
+    register()
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return to_run_config(compose(config_name="config", overrides=["run_dir=/tmp/x", *overrides]))
+
+
+def _write(tmp_path: Path, lines: list[str]) -> Path:
+    p = tmp_path / "mini.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+# --- the shared test copy ------------------------------------------------------------------------
+
+def test_reads_every_row_of_the_shared_test_copy_with_numeric_answers():
+    rows = gsm8k.load_rows(TEST_COPY, None, seed=0, max_turns=3)
+    assert len(rows) == 1319  # GSM8K test split
+    first = rows[0]
+    assert first["input_id"] == "gsm8k-test-1"
+    assert first["question"].startswith("Janet\u2019s ducks lay 16 eggs per day.")
+    assert first["answer"] == 18 and isinstance(first["answer"], int)  # "... #### 18"
+    assert first["max_turns"] == 3
+    assert len({r["input_id"] for r in rows}) == len(rows)
+    assert all(isinstance(r["answer"], (int, float)) and not isinstance(r["answer"], bool) for r in rows)
+    assert not any(RESERVED_KEYS & r.keys() for r in rows)
+    json.dumps(rows)  # rows travel as JSON payloads
+
+
+def test_subset_is_seeded_and_a_smaller_num_is_a_prefix():
+    a = gsm8k.load_rows(TEST_COPY, 20, seed=7, max_turns=4)
+    assert a == gsm8k.load_rows(TEST_COPY, 20, seed=7, max_turns=4)
+    assert a != gsm8k.load_rows(TEST_COPY, 20, seed=8, max_turns=4)
+    assert gsm8k.load_rows(TEST_COPY, 5, seed=7, max_turns=4) == a[:5]
+    full = {r["input_id"]: r for r in gsm8k.load_rows(TEST_COPY, None, seed=0, max_turns=4)}
+    assert all(full[r["input_id"]] == r for r in a)  # a subset of the file's rows, unchanged
+
+
+def test_num_prompts_over_the_file_size_is_refused_naming_the_key():
+    with pytest.raises(ValueError, match=r"task.num_prompts=5000 must be in \[1, 1319\]"):
+        gsm8k.load_rows(TEST_COPY, 5000, seed=0, max_turns=4)
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+def test_missing_file_names_task_data_path_and_the_resolved_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"task.data_path='nope/gsm8k.jsonl': no file at .*nope/gsm8k.jsonl"):
+        gsm8k.load_rows("nope/gsm8k.jsonl", None, seed=0, max_turns=4, root=tmp_path)
+    with pytest.raises(ValueError, match="task.data_path must be set"):
+        gsm8k.resolve_data_path(None)
+
+
+def test_relative_paths_resolve_against_the_repository_root_not_the_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert gsm8k.resolve_data_path(TEST_COPY) == (REPO / TEST_COPY).resolve()
+
+
+@pytest.mark.parametrize(
+    "bad,why",
+    [
+        ("{not json", "not valid JSON"),
+        ('["a list"]', "expected a JSON object"),
+        ('{"answer": "#### 3"}', "non-empty string 'question'"),
+        ('{"question": "q?", "answer": 3}', "string 'answer'"),
+        ('{"question": "q?", "answer": "it is 3"}', r"does not end in '#### <number>'"),
+        ('{"question": "q?", "answer": "#### three"}', r"does not end in '#### <number>'"),
+    ],
+)
+def test_a_bad_line_is_refused_naming_file_and_line(tmp_path, bad, why):
+    path = _write(tmp_path, [json.dumps(GOOD), "", bad])
+    with pytest.raises(gsm8k.DatasetError, match=rf"mini.jsonl:3: .*{why}"):
+        gsm8k.load_rows(str(path), None, seed=0, max_turns=4)
+
+
+def test_thousands_commas_and_decimals_in_the_ground_truth():
+    assert gsm8k.parse_final_number("x\n#### 1,203") == 1203
+    assert gsm8k.parse_final_number("#### -4") == -4
+    assert gsm8k.parse_final_number("#### 2.50 ") == 2.5
+
+
+def test_an_empty_file_is_refused(tmp_path):
+    path = _write(tmp_path, ["", "  "])
+    with pytest.raises(gsm8k.DatasetError, match="no GSM8K rows"):
+        gsm8k.load_rows(str(path), None, seed=0, max_turns=4)
+
+
+# --- config and registry -------------------------------------------------------------------------
+
+def test_task_gsm8k_config_sets_the_tool_prompt_budgets_and_cli_overrides_win():
+    cfg = _compose(["task=gsm8k"])
+    assert (cfg.task.name, cfg.task.data_path, cfg.task.num_prompts, cfg.task.max_turns) == (
+        "gsm8k", "../shared/data/gsm8k/train.jsonl", None, 4)
+    assert (cfg.rollout.max_tokens, cfg.rollout.max_context_tokens, cfg.inference.max_model_len) == (128, 1024, 1024)
+    cfg = _compose(["task=gsm8k", "rollout.max_tokens=64", f"task.data_path={TEST_COPY}", "task.num_prompts=10"])
+    assert (cfg.rollout.max_tokens, cfg.task.data_path, cfg.task.num_prompts) == (64, TEST_COPY, 10)
+    letters = _compose([])  # the default task keeps its own budgets
+    assert (letters.task.name, letters.rollout.max_tokens, letters.inference.max_model_len) == ("letters", 16, 512)
+
+
+def test_a_missing_data_file_fails_config_validation_naming_the_key():
+    with pytest.raises(ConfigError, match=r"^task.data_path='/nonexistent/gsm8k.jsonl': no file"):
+        _compose(["task=gsm8k", "task.data_path=/nonexistent/gsm8k.jsonl"])
+    with pytest.raises(ConfigError, match=r"^task.max_turns must be >= 1"):
+        _compose(["task=gsm8k", "task.max_turns=0"])
+    with pytest.raises(ConfigError, match=r"^task.num_prompts must be >= 1"):
+        _compose(["task.num_prompts=null"])  # letters generates rows: it needs a count
+
+
+def test_the_registry_covers_every_task_name_and_loads_rows_for_its_agent():
+    from orchestrator.main import TASKS
+
+    assert set(TASKS) == set(TASK_NAMES)
+    for name, entry in TASKS.items():
+        assert entry.agent.is_file(), name
+    rows = TASKS["gsm8k"].rows(TaskConfig(name="gsm8k", num_prompts=3, seed=1, data_path=TEST_COPY, max_turns=2))
+    assert [r["max_turns"] for r in rows] == [2, 2, 2]
+    assert TASKS["gsm8k"].agent == REPO / "examples/agents/gsm8k_agent/app.py"
+    assert len(TASKS["letters"].rows(TaskConfig(num_prompts=4))) == 4

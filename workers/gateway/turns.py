@@ -1,0 +1,197 @@
+"""One model turn, whatever API asked for it: render, budget, route, generate, parse, record.
+
+`TurnRunner.run` is shared by the OpenAI and Anthropic routes. Steps, in order:
+1. refuse tools when the model's template has no known tool-call format (400 `tools_unsupported`,
+   never a silent no-op);
+2. render the conversation to ids (chat_template.py) and clamp max_tokens to the session's
+   remaining context: a prompt that leaves no room is 400 `context_length_exceeded`;
+3. admit the turn against the session's turn cap (capture.begin_turn: 429 past it);
+4. send it to the replica the router picks; a replica whose generate raises (anything but
+   cancellation or a ValueError about the request) is taken out of rotation and the turn is tried
+   on the next healthy replica (503 `engine_failed` when none is left); a cancelled handler (the
+   client disconnected) cancels the engine call, which aborts the request in the engine;
+5. parse tool calls in the template's format (a call it cannot read: raw text, turn ill_formed;
+   tool_choice "required" or a named function that the output does not honour: ill_formed too,
+   as the gateway cannot constrain decoding);
+6. record the turn in the capture store (exact served ids; see capture.py). A stop string of
+   several tokens (the engine stops on single ids only) is applied after generation: the answer
+   and the record both end with the token that completed it, and the text leaves it out.
+
+Invariant: a TurnOutcome is returned only for a recorded turn; every other exit raises, and is
+counted in the app's metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+from orchestrator.types import GenerateRequest, GenerateResult
+from workers.gateway.capture import CaptureStore, Session, SessionNotFound, TurnKind, TurnRecord
+from workers.gateway.chat_template import ChatRenderer
+from workers.gateway.metrics import Counters
+from workers.gateway.openai_api import ApiError, ChatRequest, bad_request
+from workers.gateway.router import ReplicaRouter
+from workers.gateway.tool_parsers import ParsedOutput, parse_tool_calls
+
+_KIND_COUNTER = {TurnKind.FIRST: "turns_first", TurnKind.CLEAN: "turns_clean", TurnKind.FORK: "turns_fork"}
+
+
+@dataclass(frozen=True)
+class TurnOutcome:
+    """A served and recorded turn: what the API layers shape their answer from.
+
+    prompt_ids: [prompt_len] ids sent to the engine; result: its answer; parsed: content + calls.
+    """
+
+    completion_id: str
+    created_s: int
+    prompt_ids: tuple[int, ...]
+    result: GenerateResult
+    parsed: ParsedOutput
+    record: TurnRecord
+    stop_sequence: str | None = None  # the multi-token stop string that ended the output, if any
+
+
+def generate_request(
+    req: ChatRequest, session: Session, prompt_ids: tuple[int, ...], stop_ids: tuple[int, ...], request_id: str
+) -> GenerateRequest:
+    """Engine request with sampling defaults applied and max_tokens clamped to the context budget.
+
+    Raises ApiError(400, code=context_length_exceeded) when the prompt leaves no room to generate.
+    """
+    remaining = session.max_context_tokens - len(prompt_ids)
+    if remaining < 1:
+        raise bad_request(
+            f"prompt is {len(prompt_ids)} tokens; the session's context budget is {session.max_context_tokens} "
+            "tokens, leaving no room to generate",
+            param="messages",
+            code="context_length_exceeded",
+        )
+    defaults = session.sampling
+    wanted = req.max_tokens or defaults.max_tokens or remaining
+    temperature = defaults.temperature if defaults.enforce or req.temperature is None else req.temperature
+    top_p = defaults.top_p if defaults.enforce or req.top_p is None else req.top_p
+    return GenerateRequest(
+        request_id=request_id,
+        prompt_ids=prompt_ids,
+        max_tokens=min(wanted, remaining),
+        temperature=temperature,
+        top_p=top_p,
+        stop_token_ids=stop_ids,
+        seed=req.seed,
+    )
+
+
+def truncate_result(result: GenerateResult, n_keep: int) -> GenerateResult:
+    """The first `n_keep` generated tokens of `result`, finished "stop" (a stop string ended there).
+
+    The engine stops on ids only; the tokens it generated after a multi-token stop string are
+    dropped from the answer and from the record alike, so the row holds what the agent saw.
+    """
+    versions = result.versions()[:n_keep]
+    return GenerateResult(
+        output_ids=result.output_ids[:n_keep],
+        logprobs=result.logprobs[:n_keep],
+        finish_reason="stop",
+        policy_version=versions[-1],
+        token_versions=versions if result.token_versions else (),
+    )
+
+
+class TurnRunner:
+    """Runs turns for the routes of one app (see the module docstring)."""
+
+    def __init__(self, capture: CaptureStore, router: ReplicaRouter, renderer: ChatRenderer, counters: Counters) -> None:
+        self.capture = capture
+        self.router = router
+        self.renderer = renderer
+        self.counters = counters
+
+    def check_tools(self, req: ChatRequest) -> None:
+        """Raise ApiError(400, tools_unsupported) when tools are offered but cannot be parsed."""
+        if req.tools and self.renderer.tool_format is None:
+            raise bad_request(
+                "tools were given but this model's chat template has no known tool-call format; configure "
+                "gateway.chat_template (a template with tools) and/or gateway.tool_call_parser",
+                param="tools",
+                code="tools_unsupported",
+            )
+
+    def prompt_ids(self, req: ChatRequest) -> tuple[int, ...]:
+        """[prompt_len] rendered ids of the request. Raises TemplateError, ApiError."""
+        self.check_tools(req)
+        return self.renderer.render(req.messages, req.tools, req.chat_template_kwargs)
+
+    async def run(self, session: Session, req: ChatRequest, *, id_prefix: str = "chatcmpl-") -> TurnOutcome:
+        """Serve one turn (see the module docstring for the steps and the errors raised)."""
+        prompt_ids = self.prompt_ids(req)
+        stops = self.renderer.stop_spec(req.stop)
+        stop_ids = stops.ids
+        completion_id = id_prefix + uuid.uuid4().hex
+        gen = generate_request(req, session, prompt_ids, stop_ids, completion_id)
+        self.capture.begin_turn(session.session_id)
+        result = await self._generate(session.session_id, gen)
+        if result.finish_reason == "abort":
+            self.counters.add("turns_aborted")
+            raise ApiError(503, "the inference replica aborted the request (weights update?); retry", type="server_error")
+        cut = self.renderer.cut_at_stop_string(result.output_ids, stops.strings)
+        stop_sequence = None
+        if cut is None:
+            text = self.renderer.decode(result.output_ids, finish_reason=result.finish_reason, stop_ids=stop_ids)
+            if result.finish_reason == "stop" and result.output_ids:
+                stop_sequence = stops.string_for(result.output_ids[-1])
+        else:
+            n_keep, text, stop_sequence = cut
+            result = truncate_result(result, n_keep)
+        parsed = self._parse(req, text)
+        try:
+            record = self.capture.record_turn(session.session_id, prompt_ids, result, ill_formed=parsed.ill_formed)
+        except SessionNotFound:
+            self.counters.add("turns_unrecorded_closed")
+            raise
+        c = self.counters
+        c.add("turns_served")
+        c.add(_KIND_COUNTER[record.kind])
+        c.add("prompt_tokens", len(prompt_ids))
+        c.add("tokens_generated", len(result.output_ids))
+        c.add("tool_calls", len(parsed.tool_calls))
+        if parsed.ill_formed:
+            c.add("turns_ill_formed")
+        return TurnOutcome(completion_id, int(time.time()), prompt_ids, result, parsed, record, stop_sequence)
+
+    def _parse(self, req: ChatRequest, text: str) -> ParsedOutput:
+        fmt = self.renderer.tool_format
+        if not req.tools or req.tool_choice == "none" or fmt is None:
+            return ParsedOutput(content=text)
+        parsed = parse_tool_calls(text, fmt, req.tools)
+        if parsed.ill_formed or req.tool_choice == "auto":
+            return parsed
+        names = {c.name for c in parsed.tool_calls}
+        honoured = bool(names) if req.tool_choice == "required" else names == {req.tool_choice}
+        return parsed if honoured else ParsedOutput(content=text, tool_calls=parsed.tool_calls, ill_formed=True)
+
+    async def _generate(self, session_id: str, gen: GenerateRequest) -> GenerateResult:
+        attempts = max(1, self.router.num_healthy())
+        last: Exception | None = None
+        for _ in range(attempts):
+            t0 = time.perf_counter()
+            with self.router.lease(session_id) as engine:
+                try:
+                    return await engine.generate(gen)
+                except asyncio.CancelledError:
+                    self.counters.add("turns_cancelled")
+                    raise
+                except ValueError as e:  # the engine refused this request; the replica is fine
+                    raise bad_request(f"the inference engine rejected the request: {e}") from e
+                except Exception as e:  # noqa: BLE001 - a failed replica is data: take it out, go on
+                    self.counters.add("replica_failures")
+                    self.router.mark_failed(engine)
+                    last = e
+                finally:
+                    self.counters.add("engine_busy_s", time.perf_counter() - t0)
+        raise ApiError(
+            503, f"inference replica failed: {type(last).__name__}: {last}", type="server_error", code="engine_failed"
+        )
