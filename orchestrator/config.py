@@ -291,7 +291,7 @@ class RolloutConfig:
     max_context_tokens: int = 512
     contract: str = "s3"  # s3: `_rollout` + result in S3 | http: `_config` + `_agentcore_runtime` records
     http_background: bool = False  # http: start in the background and poll `get` (else the start answers)
-    push_grace_s: float = 0.0  # s3: S3 polling starts this long after the invoke (posted results win at once)
+    push_grace_s: float = 5.0  # s3: once agents POST results, S3 polling starts this long after the invoke
     result_host: str = "127.0.0.1"  # where rollout actors take posted results ("" = S3 polling only)
     max_consecutive_bad_results: int = 32  # agent results in a row without a usable reward: stop the run
     acr: AcrConfig = field(default_factory=AcrConfig)

@@ -69,7 +69,10 @@ class RolloutSettings:
     contract: "s3" (`_rollout`, result in S3) or "http" (`_config` + `_agentcore_runtime`).
     http_background: HTTP contract: start in the background and poll `get` (backoff
         `http_poll_initial_s` doubling to `http_poll_max_s`); False: the start answers the result.
-    push_grace_s: with a result board, S3 polling starts this long after the invoke.
+    push_grace_s: with a result board, once this worker has received one posted result (its
+        agents POST to `result_url`), S3 polling of later rollouts starts this long after the
+        invoke: a posted result wins without any S3 request, and S3 stays the durable fallback.
+        Until then (agents that only write S3) polling starts at once.
     max_consecutive_bad_results: bad agent results in a row that stop the run (ContractError).
     """
 
@@ -199,6 +202,7 @@ class RolloutWorker:
         self._clock = clock
         self._slots = slots
         self._results = results
+        self._push_seen = False  # an agent posted a result: S3 polling waits push_grace_s from now on
         self._result_url = result_url if results is not None else None
         self._sessions_open = 0
         self._streak = BadResultStreak(settings.max_consecutive_bad_results)
@@ -312,10 +316,11 @@ class RolloutWorker:
             if got is None:
                 raise TimeoutError(f"no result at {where} within {s.timeout_s}s")
             return parse_reward(got, where), self._clock()
+        self._push_seen = True
         return parse_reward(parse_result_body(got.body, f"{where} (posted)"), f"{where} (posted)"), got.arrived_s
 
     async def _poll_s3(self, key: str) -> dict | None:
-        if self._results is not None and self._s.push_grace_s > 0:
+        if self._results is not None and self._push_seen and self._s.push_grace_s > 0:
             await asyncio.sleep(self._s.push_grace_s)
         return await self._acr.wait_for_result(self._s.s3_bucket, key, math.inf)  # the rollout timeout decides
 
