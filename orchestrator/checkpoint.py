@@ -265,6 +265,8 @@ def load_checkpoint(path: Path | str) -> Checkpoint:
             file where a listed one is expected, or a malformed run state.
     """
     path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint directory at {path}")
     manifest_path = path / MANIFEST_FILENAME
     if not manifest_path.is_file():
         raise CheckpointError(f"{path} is partial: {MANIFEST_FILENAME} missing")

@@ -536,6 +536,20 @@ def _unwrap(exc: Exception) -> ConfigError:
     return cause if isinstance(cause, ConfigError) else ConfigError(str(exc))
 
 
+def _refuse_unknown_keys(node: Any, obj: Any, where: str) -> None:
+    """A key the schema does not declare (e.g. a typo added with `+`) is an error, not ignored."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(obj)}
+    unknown = sorted(k for k in node.keys() if k not in names)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown config key (known: {sorted(names)})")
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value) and f.name in node and OmegaConf.is_dict(node[f.name]):
+            _refuse_unknown_keys(node[f.name], value, f"{where}.{f.name}")
+
+
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """Build and validate the typed config. Raises ConfigError naming the key on a bad value."""
     parts: dict[str, Any] = {}
@@ -550,10 +564,11 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
             raise _unwrap(exc) from None
         if not isinstance(obj, schema):
             raise ConfigError(f"{group}: does not extend {group}_schema (got {type(obj).__name__})")
+        _refuse_unknown_keys(cfg[group], obj, group)
         parts[_attr(group)] = obj
     unknown = sorted(set(cfg.keys()) - set(GROUP_SCHEMAS) - {"run_dir", "seed", "hydra", "experiment"})
     if unknown:
         raise ConfigError(f"{unknown[0]}: unknown config key (known: {sorted(GROUP_SCHEMAS)} run_dir seed)")
-    if "run_dir" not in cfg or OmegaConf.is_missing(cfg, "run_dir"):
-        raise ConfigError("run_dir must be set")
+    if "run_dir" not in cfg or OmegaConf.is_missing(cfg, "run_dir") or not str(cfg.run_dir or "").strip():
+        raise ConfigError("run_dir must be set (a directory path; empty would write into the current directory)")
     return RunConfig(**parts, run_dir=str(cfg.run_dir), seed=int(cfg.seed))

@@ -107,6 +107,9 @@ async def run_sync(parts: SyncLoopParts, cfg: SyncLoopSettings, *, start: LoopPo
             raise RuntimeError(f"step {step}: buffer returned {len(samples)} samples for {len(reqs)} rollouts")
 
         batch = assemble(samples, filter_zero_variance=cfg.filter_zero_variance)
+        if samples and len(batch.failed) == len(samples):  # nothing can ever train: stop instead of looping
+            errors = sorted({str(s.error)[:200] for s in batch.failed})
+            raise RuntimeError(f"step {step}: all {len(samples)} rollouts failed; errors: {errors[:3]}")
         for s in batch.failed:
             parts.ledger.on_terminal(ledger_key(s), "failed")
             log.warning("rollout %s failed: %s", s.session_id, s.error)

@@ -82,9 +82,17 @@ def run(cfg: RunConfig) -> dict:
     """Run the whole job described by `cfg`; return the summary (also written to summary.json)."""
     t_start = time.monotonic()
     run_dir = Path(cfg.run_dir).resolve()
+    from orchestrator.checkpoint import CheckpointError
     from orchestrator.run_checkpoint import find_resume_checkpoint
 
     ckpt = find_resume_checkpoint(run_dir, cfg.trainer.resume_mode, cfg.trainer.resume_from_path)
+    if ckpt is not None and ckpt.state.step >= cfg.trainer.total_steps:
+        raise CheckpointError(f"{ckpt.path} is at step {ckpt.state.step}; trainer.total_steps={cfg.trainer.total_steps} "
+                              f"leaves nothing to train (total_steps counts the steps before the resume too)")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"run_dir: cannot create {run_dir}: {exc}") from None
     if ckpt is not None:
         print(f"resuming from {ckpt.path} (step {ckpt.state.step}, policy version {ckpt.state.policy_version})",
               flush=True)
@@ -304,9 +312,16 @@ def main(dcfg: DictConfig) -> None:
     from orchestrator.placement import InsufficientGpusError
 
     try:
-        run(cfg)
+        summary = run(cfg)
+        if summary.get("rollout/completed", 0) == 0 and summary.get("rollout/failed", 0) > 0:
+            print(f"run failed: no rollout completed ({summary['rollout/failed']} failed; see summary.json and "
+                  f"logs/)", file=sys.stderr, flush=True)
+            sys.exit(1)
     except CheckpointError as exc:
         print(f"checkpoint error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     except InsufficientGpusError as exc:  # raised before any actor starts
         print(f"config error: {exc}", file=sys.stderr, flush=True)

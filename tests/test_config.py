@@ -55,6 +55,10 @@ def test_default_config_is_the_embedded_default():
         ("rollout.poll_initial_s=-1", "rollout.poll_initial_s"),
         ("async.max_staleness=-1", "async.max_staleness"),
         ("async.on_stale=keep", "async.on_stale"),
+        ("+trainer.total_stepz=3", "trainer.total_stepz"),  # a typo inside a group, added with +
+        ("+rollout.acr.limits.rps=9", "rollout.acr.limits.rps"),  # ... and in a nested dataclass
+        ("run_dir=", "run_dir"),  # empty: would write the run into the current directory
+        ("trainer.weight_sync.backend=nccl", "trainer.weight_sync.backend"),  # needs CUDA, cluster=local is CPU
     ],
 )
 def test_bad_value_names_the_key(override, key):

@@ -132,3 +132,23 @@ def test_train_batch_gives_each_row_its_sample_advantage():
     # rewards 0 and 1: advantages -0.5, +0.5; sample 0 has two rows
     assert batch.batch_size == 3
     assert batch.advantages[:, 1].tolist() == [-0.5, -0.5, 0.5]
+
+
+async def test_a_step_where_every_rollout_failed_stops_the_run():
+    """Regression (new-user report): with ACR unreachable every rollout failed and the run still
+    'succeeded' with nothing trained. A step with no usable sample now stops the run."""
+    store, push, trainer, logger = MemoryStore(), RecordingPush(), RecordingTrainer(), ListLogger()
+    class AllFail(SimRollouts):
+        async def run_all(self, reqs, partition):
+            out = [Sample(f"sess-{r.group_id}-{r.sample_index}", r.group_id, r.input_id, r.sample_index, (), None,
+                          "failed", 0.01, error="transport: could not connect") for r in reqs]
+            await self.store.put(out, partition)
+            return out
+
+    rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(10)]
+    parts = SyncLoopParts(prompts=PromptCycle(rows, seed=0), rollouts=AllFail(store, push.versions), store=store,
+                          trainer=trainer, weights=push, logger=logger, ledger=RolloutLedger())
+    with pytest.raises(RuntimeError, match="step 1: all 8 rollouts failed.*could not connect"):
+        await run_sync(parts, SyncLoopSettings(total_steps=3, batch_size=2, n=4, sync_every=1,
+                                               filter_zero_variance=True))
+    assert not trainer.updates and push.versions == [0]
