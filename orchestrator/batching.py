@@ -12,7 +12,7 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
-from orchestrator.types import TERMINAL_STATES, RolloutStatus, Sample
+from workers.core.types import TERMINAL_STATES, RolloutStatus, Sample
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from orchestrator.parts import PromptCycleState
+from orchestrator.prompts import PromptCycleState
 from orchestrator.staleness import AdmissionState
 
 FORMAT_VERSION = 1  # bump when RunState's JSON shape changes incompatibly

@@ -16,8 +16,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from orchestrator.algorithms.rollout_correction_config import RejectionRule, parse_is_threshold
-from orchestrator.algorithms.rollout_correction_config import RolloutCorrectionConfig as TypedRolloutCorrection
+from workers.core.algorithms.rollout_correction_config import RejectionRule, parse_is_threshold
+from workers.core.algorithms.rollout_correction_config import RolloutCorrectionConfig as TypedRolloutCorrection
 
 
 class ConfigError(ValueError):
@@ -65,7 +65,7 @@ class InferencePlacementConfig:
 
 @dataclass
 class ClusterConfig:
-    """Where actors go (orchestrator/placement.py). `name`: local (no GPUs), disaggregated (trainer
+    """Where actors go (workers/core/placement.py). `name`: local (no GPUs), disaggregated (trainer
     and inference on separate GPUs) or colocated (they share GPUs; inference sleeps during updates).
     `num_cpus` / `num_gpus`: logical CPUs / GPUs of a Ray cluster the driver starts itself (None:
     the machine's; ignored when joining a cluster). `placement_timeout_s`: wait for placement groups."""
@@ -92,8 +92,8 @@ class ClusterConfig:
             raise ConfigError(str(exc)) from None
 
     def placement_spec(self):
-        """The typed request of orchestrator/placement.py (raises ValueError naming the key)."""
-        from orchestrator.placement import PlacementSpec
+        """The typed request of workers/core/placement.py (raises ValueError naming the key)."""
+        from workers.core.placement import PlacementSpec
 
         return PlacementSpec(mode=self.name, trainer_nodes=self.trainer.nodes,  # type: ignore[arg-type]
                              trainer_gpus_per_node=self.trainer.gpus_per_node,
@@ -128,7 +128,7 @@ class ModelConfig:
 
 
 WEIGHT_SYNC_BACKENDS = ("file", "shm", "cuda_ipc", "gloo", "nccl")
-WEIGHT_SYNC_WIRED = WEIGHT_SYNC_BACKENDS  # all built by workers/weight_sync_run.py (nccl / cuda_ipc need CUDA)
+WEIGHT_SYNC_WIRED = WEIGHT_SYNC_BACKENDS  # all built by workers/weight_sync/setup.py (nccl / cuda_ipc need CUDA)
 
 
 @dataclass
@@ -152,7 +152,7 @@ class WeightSyncConfig:
 
 @dataclass
 class VerlEngineConfig:
-    """`trainer.verl.*`, read only when `trainer.name=verl` (workers/trainer_verl.py): `strategy`
+    """`trainer.verl.*`, read only when `trainer.name=verl` (workers/trainer/verl_worker.py): `strategy`
     fsdp (verl's FSDP2 engine; CPU or GPU) | megatron (verl's Megatron-Core engine; GPU only);
     `use_remove_padding` packs sequences (flash-attn varlen, GPU); `attn_implementation` is the HF
     attention verl loads the model with; `tensor/pipeline_model_parallel_size`: Megatron only."""
@@ -350,7 +350,7 @@ class TaskConfig:
                    self.num_prompts)
         _check(self.max_turns >= 1, "task.max_turns", "must be >= 1", self.max_turns)
         if self.name == "gsm8k":
-            from orchestrator.tasks.gsm8k import resolve_data_path
+            from workers.core.tasks.gsm8k import resolve_data_path
 
             try:
                 resolve_data_path(self.data_path)
@@ -373,7 +373,7 @@ class RejectionRuleConfig:
 
 @dataclass
 class RolloutCorrectionConfig:
-    """Rollout correction between π_rollout, π_old and π_θ (orchestrator/algorithms/rollout_correction_config.py).
+    """Rollout correction between π_rollout, π_old and π_θ (workers/core/algorithms/rollout_correction_config.py).
 
     mode: decoupled (π_old recomputed; IS weights π_old/π_rollout) | bypass (π_old := π_rollout).
     is_level: token | sequence | null (no IS weights; diagnostics only).

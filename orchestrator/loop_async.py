@@ -28,7 +28,7 @@ from orchestrator.run_checkpoint import LoopPosition
 from orchestrator.staleness import AdmissionState
 from orchestrator.staleness import SampleStaleness, StalenessController, StalenessPolicy, judge_samples, staleness_metrics
 from orchestrator.staleness_gate import AdmissionGate
-from orchestrator.types import RolloutRequest, Sample
+from workers.core.types import RolloutRequest, Sample
 
 log = logging.getLogger(__name__)
 PARTITION = "async"  # one buffer partition; groups are cleared one by one once consumed

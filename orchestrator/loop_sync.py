@@ -16,7 +16,7 @@ from typing import Any, Awaitable, Callable, Protocol
 
 from orchestrator.batching import Group, RolloutLedger, assemble, reward_stats, split_groups
 from orchestrator.run_checkpoint import LoopPosition
-from orchestrator.types import RolloutRequest, Sample
+from workers.core.types import RolloutRequest, Sample
 
 
 log = logging.getLogger(__name__)

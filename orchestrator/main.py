@@ -41,13 +41,13 @@ class TaskEntry:
 
 
 def _letters_rows(t: TaskConfig) -> list[dict]:
-    from orchestrator.tasks import letters
+    from workers.core.tasks import letters
 
     return letters.make_rows(t.num_prompts, t.seed)
 
 
 def _gsm8k_rows(t: TaskConfig) -> list[dict]:
-    from orchestrator.tasks import gsm8k
+    from workers.core.tasks import gsm8k
 
     return gsm8k.load_rows(t.data_path, t.num_prompts, t.seed, t.max_turns)
 
@@ -103,14 +103,14 @@ def run(cfg: RunConfig) -> dict:
     print(f"run_dir: {run_dir}", flush=True)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     with contextlib.ExitStack() as stack:
-        from workers.tiny_model import ensure_tiny_model
+        from workers.embedded.tiny_model import ensure_tiny_model
 
         model_path = str(Path(cfg.model.path).resolve()) if cfg.model.path else str(ensure_tiny_model())
         if ckpt is not None:  # trainer and inference replicas start from the checkpoint's weights
             model_path = str(ckpt.model_dir)
         local = None
         if cfg.rollout.name == "local":
-            from workers.acr.local_stack import LocalStack
+            from workers.embedded.local_stack import LocalStack
 
             local = LocalStack(_agent_cmd(cfg), num_agents=cfg.rollout.acr.num_agents,
                                session_rate_per_s=cfg.rollout.acr.session_rate_per_s,
@@ -152,15 +152,15 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
     from orchestrator.batching import RolloutLedger
     from orchestrator.loop_sync import SyncLoopParts, SyncLoopSettings, run_sync
     from orchestrator.metrics import MetricLogger, build_sinks, reward_initial_final
-    from orchestrator.parts import BufferStore, GatewayProbe, TrainerClient
+    from orchestrator.clients import BufferStore, GatewayProbe, TrainerClient
     from orchestrator.run_checkpoint import LoopPosition, ResumablePrompts, RunCheckpointer
-    from workers.buffer import BufferConfig, TrajectoryBuffer
+    from workers.buffer.store import BufferConfig, TrajectoryBuffer
     from workers.gateway.config import GatewayConfig
     from workers.gateway.server import GatewayServer
-    from workers.inference import InferenceSettings, InferenceWorker
-    from workers.rollout_pool import pool_from_config
-    from workers.trainer import TrainerSettings
-    from workers.weight_sync_run import FILE_BACKEND, close_weight_sync, open_weight_sync
+    from workers.inference.worker import InferenceSettings, InferenceWorker
+    from workers.rollout.pool import pool_from_config
+    from workers.trainer.worker import TrainerSettings
+    from workers.weight_sync.setup import FILE_BACKEND, close_weight_sync, open_weight_sync
 
     tok = AutoTokenizer.from_pretrained(model_path)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -182,7 +182,7 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
         initial_policy_version=ckpt.state.policy_version if ckpt else 0))
         for i in range(cfg.inference.replicas)]
     threads = {"env_vars": {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads)}}
-    from orchestrator.trainer_group import start_trainer_ranks  # world size > 1: a TrainerGroup of rank actors
+    from workers.trainer.group import start_trainer_ranks  # world size > 1: a TrainerGroup of rank actors
 
     trainer = await start_trainer_ranks(  # one actor, or N data-parallel ranks behind the same .remote surface
         ray.remote(num_cpus=0)(trainer_cls), TrainerSettings(
@@ -277,11 +277,11 @@ async def _run_parts(cfg: RunConfig, model_path: str, run_dir: Path, local, stac
 def _trainer_class(cfg: RunConfig) -> tuple[type, dict]:
     """The trainer actor class for `trainer.name` and its extra constructor kwargs. trainer=verl
     checks here that verl's engine can run (raises RuntimeError naming what is missing)."""
-    from workers.trainer import TrainerWorker
+    from workers.trainer.worker import TrainerWorker
 
     if cfg.trainer.name != "verl":
         return TrainerWorker, {}
-    from workers.trainer_verl import VerlSettings, VerlTrainerWorker, check_verl_available
+    from workers.trainer.verl_worker import VerlSettings, VerlTrainerWorker, check_verl_available
 
     v = cfg.trainer.verl
     settings = VerlSettings(strategy=v.strategy, use_remove_padding=v.use_remove_padding,  # type: ignore[arg-type]
@@ -309,7 +309,7 @@ def main(dcfg: DictConfig) -> None:
         print(f"config error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     from orchestrator.checkpoint import CheckpointError
-    from orchestrator.placement import InsufficientGpusError
+    from workers.core.placement import InsufficientGpusError
 
     try:
         summary = run(cfg)

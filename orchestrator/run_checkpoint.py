@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.checkpoint import Checkpoint, RunState, load_checkpoint, load_latest, stage_checkpoint
-from orchestrator.parts import PromptCycle, PromptCycleState
+from orchestrator.prompts import PromptCycle, PromptCycleState
 from orchestrator.staleness import AdmissionState
 
 

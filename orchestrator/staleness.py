@@ -29,7 +29,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from orchestrator.types import Sample, TrajectoryRow
+from workers.core.types import Sample, TrajectoryRow
 
 OnStale = Literal["drop", "train_masked"]
 ON_STALE_CHOICES: tuple[OnStale, ...] = ("drop", "train_masked")

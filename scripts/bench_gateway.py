@@ -5,7 +5,7 @@
 Setup. A child process serves two aiohttp apps on 127.0.0.1: the real gateway (create_app with
 the tiny model's tokenizer and chat template) and a "direct" endpoint that parses the same JSON
 body and awaits the same engine without rendering, tokenizing, parsing or recording. The engine
-is workers.gateway.sim_engine.ScriptedEngine (answers at once), so every millisecond measured is
+is workers.embedded.sim_engine.ScriptedEngine (answers at once), so every millisecond measured is
 HTTP + gateway work. The parent process is the load generator (aiohttp client, keep-alive): agents
 run multi-turn conversations with a tool offered; the scripted model alternates a calculator tool
 call and a text answer, and the agent sends back the assistant message and a tool result, as an
@@ -67,14 +67,14 @@ def serve(conn, num_sessions: int, pin: bool, use_uvloop: bool) -> None:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     from aiohttp import web
 
-    from orchestrator.types import GenerateRequest
+    from workers.core.types import GenerateRequest
     from workers.gateway.app import create_app
     from workers.gateway.capture import CaptureStore
     from workers.gateway.chat_template import ChatRenderer
     from workers.gateway.config import GatewayConfig
     from workers.gateway.router import ReplicaRouter
-    from workers.gateway.sim_engine import ScriptedEngine
-    from workers.tiny_model import ensure_tiny_model
+    from workers.embedded.sim_engine import ScriptedEngine
+    from workers.embedded.tiny_model import ensure_tiny_model
 
     path = str(ensure_tiny_model())
     renderer = ChatRenderer.from_pretrained(path)

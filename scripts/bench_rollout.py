@@ -1,6 +1,6 @@
 """Rollout dispatch benchmark: completion -> sample-in-buffer latency and rollouts per second.
 
-Real parts: the ACR emulator with `workers.acr.stub_agent` processes (model-free: each rollout
+Real parts: the ACR emulator with `workers.embedded.stub_agent` processes (model-free: each rollout
 only reports a reward) and moto S3 (LocalStack), the AsyncAcrClient over botocore, the cluster-
 wide limits (the same services and coalescing clients the Ray actors use, in this process), the
 fast-completion result server, and the real GatewayServer in front of a zero-cost engine. The
@@ -34,15 +34,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator.types import GenerateRequest, GenerateResult, RolloutRequest, Sample  # noqa: E402
+from workers.core.types import GenerateRequest, GenerateResult, RolloutRequest, Sample  # noqa: E402
 from workers.acr.client import AcrClientConfig, AsyncAcrClient  # noqa: E402
-from workers.acr.faults import FaultRates  # noqa: E402
+from workers.embedded.faults import FaultRates  # noqa: E402
 from workers.acr.limits import AcrLimitsConfig, limit_clients, limit_stats, local_limits  # noqa: E402
-from workers.acr.local_stack import LocalStack  # noqa: E402
-from workers.rollout import RolloutSettings, RolloutWorker  # noqa: E402
-from workers.rollout_results import ResultBoard, ResultServer  # noqa: E402
+from workers.embedded.local_stack import LocalStack  # noqa: E402
+from workers.rollout.worker import RolloutSettings, RolloutWorker  # noqa: E402
+from workers.rollout.results import ResultBoard, ResultServer  # noqa: E402
 
-STUB_AGENT = [sys.executable, "-m", "workers.acr.stub_agent"]
+STUB_AGENT = [sys.executable, "-m", "workers.embedded.stub_agent"]
 MODEL_ID = "bench-model"
 
 
@@ -100,7 +100,7 @@ async def run_bench(args: argparse.Namespace, stack: LocalStack) -> dict:
     from workers.gateway.chat_template import ChatRenderer
     from workers.gateway.config import GatewayConfig
     from workers.gateway.server import GatewayServer
-    from workers.tiny_model import ensure_tiny_model
+    from workers.embedded.tiny_model import ensure_tiny_model
 
     model_dir = ensure_tiny_model()
     renderer = ChatRenderer.from_pretrained(model_dir)

@@ -6,9 +6,9 @@ to one receiver process, end to end (sender's tensors in memory -> the
 receiver's own tensors hold the values), excluding process start and group setup:
   file: safetensors `save_file` into --file-dir, then `safe_open` + `get_tensor` + copy into the
         receiver's tensors (the path `make run` uses: TrainerWorker.export_weights and
-        workers/vllm_ext.py; here both halves run in this process, one after the other).
+        workers/inference/vllm_ext.py; here both halves run in this process, one after the other).
   file_tmpfs: the same with the file under /dev/shm (memory instead of disk).
-  shm:  bucketed broadcast through /dev/shm slots (workers/weight_sync_transport.py), receiver in
+  shm:  bucketed broadcast through /dev/shm slots (workers/weight_sync/transport.py), receiver in
         another process copying each tensor into its model.
   gloo: bucketed broadcast over a stateless gloo group (TCP on loopback), receiver as above.
 memcpy: `dst.copy_(src)` of a --memcpy-mb buffer, best of 5 after a warm-up (single thread and
@@ -36,10 +36,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from workers.weight_sync_broadcast import new_group_info, send_weights  # noqa: E402
-from workers.weight_sync_plan import TensorSpec, specs_of  # noqa: E402
-from workers.weight_sync_receiver import run_receiver_process  # noqa: E402
-from workers.weight_sync_transport import open_transport  # noqa: E402
+from workers.weight_sync.broadcast import new_group_info, send_weights  # noqa: E402
+from workers.weight_sync.plan import TensorSpec, specs_of  # noqa: E402
+from workers.weight_sync.receiver import run_receiver_process  # noqa: E402
+from workers.weight_sync.transport import open_transport  # noqa: E402
 
 WIDTH = 1024  # model matrices are [WIDTH, WIDTH] fp32 (4 MiB each) plus one remainder tensor
 

@@ -32,8 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from orchestrator.tasks import letters  # noqa: E402
-from workers import tiny_model  # noqa: E402
+from workers.core.tasks import letters  # noqa: E402
+from workers.embedded import tiny_model  # noqa: E402
 
 REWARD_PATH = REPO / "examples" / "agents" / "letters_agent" / "reward.py"
 RECOMMENDED_LR = 7e-4  # AdamW lr for trainer.lr: margin >= 0.59 over 3 seeds in 60 steps (5e-4..1e-3 >= 0.48)

@@ -9,7 +9,7 @@ failing section records its error, the others still run, and the exit status is 
             budget micro-batches; one warm-up update, then timed updates: tokens/s (trained
             sequence tokens per second of `update`, which includes the pi_old forward) and peak
             GPU memory.
-  transfer: the bucketed weight-sync protocol (workers/weight_sync_broadcast.py) from this process
+  transfer: the bucketed weight-sync protocol (workers/weight_sync/broadcast.py) from this process
             to a second process on the same GPU through CUDA IPC slots ("cuda_ipc"; NCCL refuses
             two ranks on one GPU), the 0.5B state dict in bf16; one warm-up push, timed pushes:
             GB/s. Also the host path ("shm") for comparison, and NCCL when --try-nccl is given.
@@ -102,7 +102,7 @@ def build_model(directory: str, shapes: dict, device: torch.device) -> int:
 def random_batch(num_rows: int, seq_len: int, vocab: int):
     """num_rows rows of seq_len tokens: a 64-token (dry run: 8) prompt, the rest generated, random
     advantages of both signs, rollout log-probs of -2 (stale enough for the IS weights to act)."""
-    from orchestrator.algorithms.batch import TrainBatch
+    from workers.core.algorithms.batch import TrainBatch
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, vocab, (num_rows, seq_len), generator=g)
@@ -114,7 +114,7 @@ def random_batch(num_rows: int, seq_len: int, vocab: int):
 
 
 def check_trainer(args, model_dir: str, shapes: dict) -> dict:
-    from workers.trainer import TrainerSettings, TrainerWorker
+    from workers.trainer.worker import TrainerSettings, TrainerWorker
 
     device = "cpu" if args.dry_run else "cuda"
     settings = TrainerSettings(model_path=model_dir, lr=1e-5, weight_decay=0.0, mixed_precision="bf16",
@@ -158,10 +158,10 @@ def check_trainer(args, model_dir: str, shapes: dict) -> dict:
 def check_transfer(backend: str, sd: dict, pushes: int, bucket_mb: float, receiver_device: str) -> dict:
     import multiprocessing as mp
 
-    from workers.weight_sync_broadcast import new_group_info, send_weights
-    from workers.weight_sync_plan import specs_of
-    from workers.weight_sync_receiver import run_receiver_process
-    from workers.weight_sync_transport import open_transport
+    from workers.weight_sync.broadcast import new_group_info, send_weights
+    from workers.weight_sync.plan import specs_of
+    from workers.weight_sync.receiver import run_receiver_process
+    from workers.weight_sync.transport import open_transport
 
     specs = specs_of(sd)
     total = sum(t.numel() * t.element_size() for t in sd.values())

@@ -20,8 +20,8 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, ParamValidationError
 
 from workers.acr.client import AcrClient, AcrClientConfig
-from workers.acr.emulator import RateWindow, SessionRefused, SessionTable, TokenBucket
-from workers.acr.local_stack import LocalStack
+from workers.embedded.emulator import RateWindow, SessionRefused, SessionTable, TokenBucket
+from workers.embedded.local_stack import LocalStack
 
 ECHO_AGENT = [sys.executable, str(Path(__file__).with_name("acr_echo_agent.py"))]
 

@@ -1,6 +1,6 @@
 """Fault injection and session lifecycle of the ACR emulator, with the stub agent behind it.
 
-Pure: FaultRates / FaultPlan. Real: LocalStack (moto S3 + emulator + `workers.acr.stub_agent`
+Pure: FaultRates / FaultPlan. Real: LocalStack (moto S3 + emulator + `workers.embedded.stub_agent`
 processes) driven by boto3 over loopback; each fault is observed where a client would see it
 (a botocore exception class, the S3 result object, or the HTTP-contract record).
 """
@@ -19,13 +19,13 @@ import boto3
 import pytest
 from botocore.config import Config
 
-from workers.acr.faults import (
+from workers.embedded.faults import (
     AGENT_FAULTS, EMULATOR_FAULT_ERRORS, EMULATOR_FAULTS, FAULT_HEADER, FAULT_KINDS, FaultPlan, FaultRates,
     fault_from_headers,
 )  # fmt: skip
-from workers.acr.local_stack import LocalStack
+from workers.embedded.local_stack import LocalStack
 
-STUB_AGENT = [sys.executable, "-m", "workers.acr.stub_agent"]
+STUB_AGENT = [sys.executable, "-m", "workers.embedded.stub_agent"]
 RATES = FaultRates.uniform(0.8, seed=11)  # 0.1 per kind, 0.2 none: every kind easy to find
 PLAN = FaultPlan(RATES)
 MAX_OPEN = 8

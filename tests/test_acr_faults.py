@@ -1,6 +1,6 @@
 """500 rollouts with 20 % injected faults of every kind through the production rollout path.
 
-Real parts: LocalStack (moto S3 + the ACR emulator + `workers.acr.stub_agent` processes that
+Real parts: LocalStack (moto S3 + the ACR emulator + `workers.embedded.stub_agent` processes that
 obey the emulator's fault header), two RolloutActor Ray actors with AsyncAcrClients, the two
 named cluster-wide limit actors (request rate, open sessions), each actor's result server (the
 stub agent POSTs its S3 result there), and a GatewayServer Ray actor in front of a zero-cost
@@ -30,16 +30,16 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from orchestrator.types import GenerateRequest, GenerateResult, RolloutRequest, Sample  # noqa: E402
+from workers.core.types import GenerateRequest, GenerateResult, RolloutRequest, Sample  # noqa: E402
 from workers.acr.client import AcrClientConfig  # noqa: E402
-from workers.acr.faults import FaultPlan, FaultRates  # noqa: E402
+from workers.embedded.faults import FaultPlan, FaultRates  # noqa: E402
 from workers.acr.limits import AcrLimitsConfig, limit_stats, start_limit_actors  # noqa: E402
-from workers.acr.local_stack import LocalStack  # noqa: E402
+from workers.embedded.local_stack import LocalStack  # noqa: E402
 from workers.gateway.config import GatewayConfig  # noqa: E402
 from workers.gateway.server import GatewayServer  # noqa: E402
-from workers.rollout import ContractError, RolloutSettings  # noqa: E402
-from workers.rollout_pool import PoolOptions, RolloutPool, start_rollout_actors  # noqa: E402
-from workers.tiny_model import ensure_tiny_model  # noqa: E402
+from workers.rollout.worker import ContractError, RolloutSettings  # noqa: E402
+from workers.rollout.pool import PoolOptions, RolloutPool, start_rollout_actors  # noqa: E402
+from workers.embedded.tiny_model import ensure_tiny_model  # noqa: E402
 
 N_PER_CONTRACT = 250
 RATES = FaultRates.uniform(0.2, seed=11)  # 2.5 % of each of the 8 kinds
@@ -96,7 +96,7 @@ class SampleCollector:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    agent = [sys.executable, "-m", "workers.acr.stub_agent"]
+    agent = [sys.executable, "-m", "workers.embedded.stub_agent"]
     with LocalStack(agent, num_agents=2, session_rate_per_s=1e6, session_burst=10**6, faults=RATES,
                     log_dir=tmp_path_factory.mktemp("faults-stack"), agent_env={"STUB_SLOW_S": "60"}) as s:
         yield s

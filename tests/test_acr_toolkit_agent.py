@@ -19,7 +19,7 @@ import boto3
 import pytest
 from agentcore_rl_toolkit import AgentCoreHttpClient
 
-from workers.acr.local_stack import LocalStack
+from workers.embedded.local_stack import LocalStack
 
 HERE = Path(__file__).parent
 S3_AGENT = [sys.executable, str(HERE / "acr_toolkit_agent.py")]

@@ -11,15 +11,15 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from orchestrator.algorithms.advantages import broadcast_to_tokens, grpo_outcome_advantages
-from orchestrator.algorithms.batch import TrainBatch
-from orchestrator.algorithms.losses import PolicyLossConfig, aggregate_loss, ppo_clip_loss
-from orchestrator.algorithms.rollout_correction import (
+from workers.core.algorithms.advantages import broadcast_to_tokens, grpo_outcome_advantages
+from workers.core.algorithms.batch import TrainBatch
+from workers.core.algorithms.losses import PolicyLossConfig, aggregate_loss, ppo_clip_loss
+from workers.core.algorithms.rollout_correction import (
     RolloutCorrectionConfig,
     compute_rollout_correction,
     truncated_is_weights,
 )
-from orchestrator.types import TrajectoryRow
+from workers.core.types import TrajectoryRow
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 rollout_corr_helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")

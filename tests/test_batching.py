@@ -6,7 +6,7 @@ import random
 import pytest
 
 from orchestrator.batching import RolloutLedger, assemble, reward_stats, split_groups
-from orchestrator.types import Sample, TrajectoryRow
+from workers.core.types import Sample, TrajectoryRow
 
 
 def make_sample(group_id, idx, reward, status="completed"):

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from orchestrator.types import PROMPT_VERSION, Sample, TrajectoryRow
-from workers.buffer import BufferConfig, TrajectoryBuffer
-from workers.buffer_codec import BufferCorruptError, SampleInfo, complete_sessions, decode_samples, encode_sample
+from workers.core.types import PROMPT_VERSION, Sample, TrajectoryRow
+from workers.buffer.store import BufferConfig, TrajectoryBuffer
+from workers.buffer.codec import BufferCorruptError, SampleInfo, complete_sessions, decode_samples, encode_sample
 
 AWAIT_TIMEOUT_S = 60.0  # bound on every await in this file
 

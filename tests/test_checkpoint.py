@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from orchestrator.algorithms.batch import TrainBatch
+from workers.core.algorithms.batch import TrainBatch
 from orchestrator.checkpoint import (
     LATEST_FILENAME,
     CheckpointError,
@@ -21,10 +21,10 @@ from orchestrator.checkpoint import (
     load_latest,
     stage_checkpoint,
 )
-from orchestrator.parts import PromptCycle
+from orchestrator.prompts import PromptCycle
 from orchestrator.staleness import Admission, AdmissionState
-from orchestrator.types import TrajectoryRow
-from workers.trainer import TrainerSettings, TrainerWorker
+from workers.core.types import TrajectoryRow
+from workers.trainer.worker import TrainerSettings, TrainerWorker
 
 ROWS = [{"input_id": f"p{i}", "prompt": f"question {i}"} for i in range(7)]
 

@@ -15,8 +15,8 @@ import pytest
 from workers.gateway.chat_template import ChatRenderer
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import GatewayServer
-from workers.gateway.sim_engine import ScriptedEngine
-from workers.tiny_model import ensure_tiny_model
+from workers.embedded.sim_engine import ScriptedEngine
+from workers.embedded.tiny_model import ensure_tiny_model
 
 MODEL_ID = "tiny-qwen2"
 SESSION = "gw-anthropic-session-" + "0" * 24

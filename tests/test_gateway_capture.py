@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from orchestrator.types import PROMPT_VERSION, GenerateResult
+from workers.core.types import PROMPT_VERSION, GenerateResult
 from workers.gateway.capture import (
     CaptureStore,
     SamplingDefaults,

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from workers.gateway.chat_template import ChatRenderer, SegmentEncoder
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import GatewayServer
-from workers.gateway.sim_engine import ScriptedEngine
+from workers.embedded.sim_engine import ScriptedEngine
 from workers.gateway.tool_parsers import detect_tool_format, parse_tool_calls
-from workers.tiny_model import CHAT_TEMPLATE, ensure_tiny_model
+from workers.embedded.tiny_model import CHAT_TEMPLATE, ensure_tiny_model
 
 MODEL_ID = "tiny-qwen2"
 SESSION = "gw-fidelity-session-" + "0" * 24

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import GatewayServer
-from workers.gateway.sim_engine import ScriptedEngine
-from workers.tiny_model import ensure_tiny_model
+from workers.embedded.sim_engine import ScriptedEngine
+from workers.embedded.tiny_model import ensure_tiny_model
 
 SESSION = "gw-hostile-session-" + "0" * 24
 PATHS = ["/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/chat/completions", "/v1/v1/messages"]

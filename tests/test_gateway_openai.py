@@ -14,12 +14,12 @@ from pathlib import Path
 import openai
 import pytest
 
-from orchestrator.types import GenerateRequest, GenerateResult
+from workers.core.types import GenerateRequest, GenerateResult
 from workers.gateway.capture import SamplingDefaults
 from workers.gateway.chat_template import ChatRenderer
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import GatewayServer
-from workers.tiny_model import ensure_tiny_model
+from workers.embedded.tiny_model import ensure_tiny_model
 
 MODEL_ID = "tiny-qwen2"
 REPLY = "The answer is 4"

@@ -17,10 +17,10 @@ ray = pytest.importorskip("ray")
 
 from ray import cloudpickle  # noqa: E402  (Ray pickles with its own vendored copy)
 
-from orchestrator.types import GenerateRequest, GenerateResult  # noqa: E402
+from workers.core.types import GenerateRequest, GenerateResult  # noqa: E402
 from workers.gateway.config import GatewayConfig  # noqa: E402
 from workers.gateway.server import GatewayServer  # noqa: E402
-from workers.tiny_model import ensure_tiny_model  # noqa: E402
+from workers.embedded.tiny_model import ensure_tiny_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SESSION = "gw-ray-session-" + "1" * 24

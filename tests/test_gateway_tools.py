@@ -2,7 +2,7 @@
 
 The real GatewayServer on 127.0.0.1, the tiny model's real tokenizer and chat template (Qwen2.5
 style, hermes `<tool_call>` format), the official `openai` SDK. The engine is
-workers.gateway.sim_engine.ScriptedEngine (zero-cost, at the InferenceEngine seam) so a test can
+workers.embedded.sim_engine.ScriptedEngine (zero-cost, at the InferenceEngine seam) so a test can
 script what the "model" says, tool calls included; tests/test_gateway_vllm.py runs the same SDK
 paths against vLLM.
 """
@@ -20,8 +20,8 @@ import pytest
 from workers.gateway.chat_template import ChatRenderer
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import GatewayServer
-from workers.gateway.sim_engine import ScriptedEngine
-from workers.tiny_model import ensure_tiny_model
+from workers.embedded.sim_engine import ScriptedEngine
+from workers.embedded.tiny_model import ensure_tiny_model
 
 MODEL_ID = "tiny-qwen2"
 SESSION = "gw-tools-session-" + "0" * 24

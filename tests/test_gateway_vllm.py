@@ -19,8 +19,8 @@ import pytest_asyncio
 
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import GatewayServer
-from workers.inference import InferenceSettings, InferenceWorker
-from workers.tiny_model import ensure_tiny_model
+from workers.inference.worker import InferenceSettings, InferenceWorker
+from workers.embedded.tiny_model import ensure_tiny_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -3,7 +3,7 @@
 The tool loop and the app talk over real sockets to a small OpenAI-compatible aiohttp server on
 127.0.0.1 (`ScriptedModel`): a stand-in for the inference engine behind the OpenAI interface,
 scripted per question so each test sees tool calls the tiny model would never produce. The app
-test runs the real agent process under the ACR emulator with moto S3 (workers.acr.local_stack).
+test runs the real agent process under the ACR emulator with moto S3 (workers.embedded.local_stack).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from aiohttp import web
 from openai import AsyncOpenAI, BadRequestError
 
 from workers.acr.client import AcrClient
-from workers.acr.emulator_agents import free_port
-from workers.acr.local_stack import LocalStack
+from workers.embedded.emulator_agents import free_port
+from workers.embedded.local_stack import LocalStack
 
 REPO = Path(__file__).resolve().parent.parent
 AGENT_DIR = REPO / "examples/agents/gsm8k_agent"

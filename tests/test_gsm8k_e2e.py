@@ -53,13 +53,13 @@ def test_gsm8k_task_runs_end_to_end_with_the_tool_agent(tmp_path):
 
     from transformers import AutoTokenizer
 
-    from orchestrator.tasks import gsm8k
+    from workers.core.tasks import gsm8k
 
     sys.path.insert(0, str(REPO / "examples/agents/gsm8k_agent"))
     from calculator import TOOL_SPEC
     from tool_loop import SYSTEM_PROMPT
 
-    from workers.tiny_model import ensure_tiny_model
+    from workers.embedded.tiny_model import ensure_tiny_model
 
     tok = AutoTokenizer.from_pretrained(str(ensure_tiny_model()))  # the run's model (model.path unset)
     questions = {r["input_id"]: r["question"] for r in gsm8k.load_rows(DATA, None, seed=0, max_turns=1)}

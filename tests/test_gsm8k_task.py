@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from orchestrator.config import TASK_NAMES, ConfigError, TaskConfig, register, to_run_config
-from orchestrator.tasks import RESERVED_KEYS, gsm8k
+from workers.core.tasks import RESERVED_KEYS, gsm8k
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"

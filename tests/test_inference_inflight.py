@@ -26,12 +26,12 @@ import pytest_asyncio
 import torch
 from safetensors.torch import save_file
 
-from orchestrator.types import GenerateRequest, GenerateResult
+from workers.core.types import GenerateRequest, GenerateResult
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import GatewayServer
-from workers.inference import InferenceSettings, InferenceWorker
-from workers.inference_segments import SegmentedGeneration, versions_from_spans
-from workers.tiny_model import ensure_tiny_model
+from workers.inference.worker import InferenceSettings, InferenceWorker
+from workers.inference.segments import SegmentedGeneration, versions_from_spans
+from workers.embedded.tiny_model import ensure_tiny_model
 
 on_module_loop = pytest.mark.asyncio(loop_scope="module")  # the engines live on the module's loop
 
@@ -162,7 +162,7 @@ def test_generate_result_checks_token_versions():
 
 def test_capture_records_the_version_of_each_token_of_a_turn():
     """A turn split by a weight update lands in the row with one version per generated token."""
-    from orchestrator.types import PROMPT_VERSION
+    from workers.core.types import PROMPT_VERSION
     from workers.gateway.capture import CaptureStore
 
     store = CaptureStore(default_max_context_tokens=64)

@@ -10,10 +10,10 @@ import ray
 import torch
 from safetensors.torch import save_file
 
-from orchestrator.types import GenerateRequest
-from workers.inference import InferenceSettings, InferenceWorker
-from workers.tiny_model import ensure_tiny_model
-from workers.weight_sync import CpuWeightSync
+from workers.core.types import GenerateRequest
+from workers.inference.worker import InferenceSettings, InferenceWorker
+from workers.embedded.tiny_model import ensure_tiny_model
+from workers.weight_sync.file import CpuWeightSync
 
 
 @pytest.fixture

@@ -18,10 +18,10 @@ import pytest_asyncio
 import torch
 from safetensors.torch import save_file
 
-from orchestrator.types import GenerateRequest
-from workers.inference import InferenceSettings, InferenceWorker, WeightsGate
-from workers.tiny_model import ensure_tiny_model
-from workers.weight_sync import CpuWeightSync
+from workers.core.types import GenerateRequest
+from workers.inference.worker import InferenceSettings, InferenceWorker, WeightsGate
+from workers.embedded.tiny_model import ensure_tiny_model
+from workers.weight_sync.file import CpuWeightSync
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -246,9 +246,9 @@ async def test_probe_after_a_real_trainer_update_matches_the_trainers_logprobs(w
     """The sync path end to end: TrainerWorker (FSDP2, gloo) takes a real PPO step, exports its
     weights, the engine reloads them; then the engine's log-probs on a probe sequence equal the
     trainer's own recompute (π_old path) to 1e-4 in fp32, and differ from the engine's before."""
-    from orchestrator.algorithms.batch import TrainBatch
-    from orchestrator.types import TrajectoryRow
-    from workers.trainer import TrainerSettings, TrainerWorker
+    from workers.core.algorithms.batch import TrainBatch
+    from workers.core.types import TrajectoryRow
+    from workers.trainer.worker import TrainerSettings, TrainerWorker
 
     trainer = TrainerWorker(TrainerSettings(model_path=str(tiny_model_path), lr=5e-2, seed=0, micro_batch_size=4))
     try:

@@ -21,8 +21,8 @@ import pytest
 from aiohttp import web
 
 from workers.acr.client import AcrClient, AsyncAcrClient
-from workers.acr.emulator import free_port
-from workers.acr.local_stack import LocalStack, LocalStackError
+from workers.embedded.emulator import free_port
+from workers.embedded.local_stack import LocalStack, LocalStackError
 
 REPO = Path(__file__).resolve().parents[1]
 LETTERS_AGENT = [sys.executable, str(REPO / "examples/agents/letters_agent/app.py")]

@@ -6,8 +6,9 @@ import pytest
 
 from orchestrator.batching import RolloutLedger
 from orchestrator.loop_sync import SyncLoopParts, SyncLoopSettings, run_sync
-from orchestrator.parts import PromptCycle, build_train_batch
-from orchestrator.types import Sample, TrajectoryRow
+from orchestrator.prompts import PromptCycle
+from orchestrator.clients import build_train_batch
+from workers.core.types import Sample, TrajectoryRow
 
 
 class MemoryStore:

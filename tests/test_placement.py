@@ -1,4 +1,4 @@
-"""GPU placement (orchestrator/placement.py, workers/placement_groups.py) on a CPU box.
+"""GPU placement (workers/core/placement.py, workers/placement_groups.py) on a CPU box.
 
 Pure plan and capacity checks first; then a local Ray instance of this module's own with 8
 logical GPUs (Ray builds real placement groups and sets CUDA_VISIBLE_DEVICES for logical GPUs)
@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from orchestrator.placement import (
+from workers.core.placement import (
     COLOCATED_GPU_SHARE,
     InsufficientGpusError,
     PlacementSpec,
@@ -228,6 +228,6 @@ def test_cluster_replicas_follow_inference_replicas():
 
     with pytest.raises(ConfigError, match="cluster.inference.replicas must equal inference.replicas=1"):
         _compose(["cluster=disaggregated", "cluster.inference.replicas=3"])
-    # data-parallel trainer ranks (orchestrator/trainer_group.py): 8 ranks compose, one slot each
+    # data-parallel trainer ranks (workers/trainer/group.py): 8 ranks compose, one slot each
     eight = _compose(["cluster=disaggregated", "cluster.trainer.gpus_per_node=8"]).cluster
     assert eight.placement_spec().trainer_world_size == 8

@@ -16,7 +16,7 @@ from orchestrator.batching import RolloutLedger
 from orchestrator.checkpoint import load_latest
 from orchestrator.loop_async import AsyncLoopSettings, run_async
 from orchestrator.loop_sync import SyncLoopParts
-from orchestrator.parts import PromptCycle
+from orchestrator.prompts import PromptCycle
 from orchestrator.run_checkpoint import LoopPosition, ResumablePrompts, RunCheckpointer
 
 _spec = importlib.util.spec_from_file_location("loop_async_sim", Path(__file__).with_name("test_loop_async.py"))

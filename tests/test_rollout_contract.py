@@ -1,5 +1,5 @@
-"""The agent contracts as pure functions (workers/rollout_contract.py) and the fast-completion
-result endpoint (workers/rollout_results.py) over a real aiohttp server on 127.0.0.1."""
+"""The agent contracts as pure functions (workers/rollout/contract.py) and the fast-completion
+result endpoint (workers/rollout/results.py) over a real aiohttp server on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import aiohttp
 import pytest
 
-from workers.rollout_contract import (
+from workers.rollout.contract import (
     AgentFailed,
     BadResult,
     BadResultStreak,
@@ -21,7 +21,7 @@ from workers.rollout_contract import (
     parse_result_body,
     parse_reward,
 )
-from workers.rollout_results import ResultBoard, ResultServer
+from workers.rollout.results import ResultBoard, ResultServer
 
 TIMEOUT_S = 10
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from orchestrator.algorithms.rollout_correction_config import RejectionRule, RolloutCorrectionConfig, parse_is_threshold
+from workers.core.algorithms.rollout_correction_config import RejectionRule, RolloutCorrectionConfig, parse_is_threshold
 from orchestrator.config import ConfigError, RunConfig, register, to_run_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from orchestrator.algorithms.rollout_correction import (
+from workers.core.algorithms.rollout_correction import (
     REJECTION_NAMES,
     RejectionRule,
     RolloutCorrectionConfig,

@@ -11,14 +11,14 @@ import math
 import pytest
 import torch
 
-from orchestrator.algorithms.advantages import grpo_outcome_advantages
-from orchestrator.algorithms.batch import TrainBatch
-from orchestrator.algorithms.losses import PolicyLossConfig, ppo_clip_loss
-from orchestrator.algorithms.rejection import apply_rejection, last_token_index
-from orchestrator.algorithms.rollout_correction import RejectionRule, RolloutCorrectionConfig, compute_rollout_correction
+from workers.core.algorithms.advantages import grpo_outcome_advantages
+from workers.core.algorithms.batch import TrainBatch
+from workers.core.algorithms.losses import PolicyLossConfig, ppo_clip_loss
+from workers.core.algorithms.rejection import apply_rejection, last_token_index
+from workers.core.algorithms.rollout_correction import RejectionRule, RolloutCorrectionConfig, compute_rollout_correction
 from orchestrator.batching import Group
-from orchestrator.parts import build_train_batch
-from orchestrator.types import Sample, TrajectoryRow
+from orchestrator.clients import build_train_batch
+from workers.core.types import Sample, TrajectoryRow
 
 
 def make_row(prompt_len: int, gen_len: int, seed: int = 0) -> TrajectoryRow:

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.types import GenerateRequest, GenerateResult, RolloutRequest, Sample
+from workers.core.types import GenerateRequest, GenerateResult, RolloutRequest, Sample
 from workers.acr.client import AsyncAcrClient
-from workers.acr.local_stack import LocalStack
+from workers.embedded.local_stack import LocalStack
 from workers.gateway.chat_template import ChatRenderer
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import GatewayServer
-from workers.rollout import (
+from workers.rollout.worker import (
     RESERVED_KEYS,
     BadResult,
     ContractError,
@@ -40,7 +40,7 @@ from workers.rollout import (
     parse_reward,
     result_key,
 )
-from workers.tiny_model import ensure_tiny_model
+from workers.embedded.tiny_model import ensure_tiny_model
 
 AGENT = [sys.executable, str(Path(__file__).with_name("rollout_behaviour_agent.py"))]
 MODEL_ID = "tiny-qwen2"

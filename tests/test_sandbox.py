@@ -22,8 +22,8 @@ from botocore.eventstream import EventStream, EventStreamBuffer
 from botocore.exceptions import EventStreamError
 from botocore.parsers import EventStreamJSONParser
 
-from workers.acr.emulator_commands import chunk_event, exception_event
-from workers.acr.local_stack import LocalStack
+from workers.embedded.emulator_commands import chunk_event, exception_event
+from workers.embedded.local_stack import LocalStack
 from workers.acr.sandbox import SandboxClient, SandboxError, shell_command
 
 ECHO_AGENT = [sys.executable, str(Path(__file__).with_name("acr_echo_agent.py"))]

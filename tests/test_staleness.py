@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from orchestrator.algorithms.advantages import grpo_outcome_advantages
+from workers.core.algorithms.advantages import grpo_outcome_advantages
 from orchestrator.batching import Group
-from orchestrator.parts import build_train_batch
+from orchestrator.clients import build_train_batch
 from orchestrator.staleness import (
     Admission,
     AdmissionState,
@@ -27,7 +27,7 @@ from orchestrator.staleness import (
     staleness_metrics,
 )
 from orchestrator.staleness_gate import AdmissionGate
-from orchestrator.types import Sample, TrajectoryRow
+from workers.core.types import Sample, TrajectoryRow
 
 
 @dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.tasks import RESERVED_KEYS, letters
+from workers.core.tasks import RESERVED_KEYS, letters
 
 REWARD_PATH = Path(__file__).resolve().parent.parent / "examples/agents/letters_agent/reward.py"
 

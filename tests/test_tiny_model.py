@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from orchestrator.tasks import letters
-from workers import tiny_model as tm
+from workers.core.tasks import letters
+from workers.embedded import tiny_model as tm
 
 REPO = Path(__file__).resolve().parent.parent
 # A recipe that builds in seconds: a few warm-start steps still exercise the training path.
@@ -88,7 +88,7 @@ def test_cache_dir_from_env(tmp_path, monkeypatch):
 def test_cli_prints_the_cached_path(tiny_model_dir):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run(
-        [sys.executable, "-m", "workers.tiny_model", "--cache-dir", str(tiny_model_dir.parent)],
+        [sys.executable, "-m", "workers.embedded.tiny_model", "--cache-dir", str(tiny_model_dir.parent)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=True,
     )
     assert Path(out.stdout.strip().splitlines()[-1]) == tiny_model_dir

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from orchestrator.algorithms.batch import TrainBatch
-from orchestrator.algorithms.rollout_correction_config import RolloutCorrectionConfig
-from orchestrator.types import TrajectoryRow
-from workers.trainer import TrainerSettings, TrainerWorker
+from workers.core.algorithms.batch import TrainBatch
+from workers.core.algorithms.rollout_correction_config import RolloutCorrectionConfig
+from workers.core.types import TrajectoryRow
+from workers.trainer.worker import TrainerSettings, TrainerWorker
 
 VOCAB = 128
 
@@ -205,8 +205,8 @@ def test_settings_reject_bad_values(trainer_tiny_model):
 
 DP_RANK_SCRIPT = """
 import sys, torch
-from orchestrator.algorithms.batch import TrainBatch
-from workers.trainer import TrainerSettings, TrainerWorker
+from workers.core.algorithms.batch import TrainBatch
+from workers.trainer.worker import TrainerSettings, TrainerWorker
 rank, world, model_path, init, batch_path, out_path = sys.argv[1:]
 rank, world = int(rank), int(world)
 torch.set_num_threads(1)
@@ -230,7 +230,7 @@ def test_two_data_parallel_ranks_take_the_same_step_as_one(trainer_tiny_model, m
     import sys
     from pathlib import Path
 
-    from workers.trainer import free_loopback_init_method
+    from workers.trainer.worker import free_loopback_init_method
 
     batch = ragged_batch()
     trainer = make_trainer(trainer_tiny_model, micro_batch_size=3)

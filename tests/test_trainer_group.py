@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.algorithms.batch import SampleTable, TrainBatch
-from orchestrator.trainer_group import TrainerGroup, start_trainer_ranks
-from orchestrator.trainer_shard import assign_rows, merge_rank_metrics, shard_batch
-from orchestrator.types import TrajectoryRow
-from workers.trainer_scale import plan_micro_batches, split_to_count
+from workers.core.algorithms.batch import SampleTable, TrainBatch
+from workers.trainer.group import TrainerGroup, start_trainer_ranks
+from workers.trainer.shard import assign_rows, merge_rank_metrics, shard_batch
+from workers.core.types import TrajectoryRow
+from workers.trainer.scale import plan_micro_batches, split_to_count
 
 
 def grouped_batch(group_rows: list[list[list[int]]], *, vocab: int = 100, seed: int = 0,
@@ -141,8 +141,8 @@ def ray_local():
 
 
 def test_two_rank_group_update_equals_one_rank_on_the_whole_batch(ray_local, tmp_path):
-    from workers.tiny_model import ensure_tiny_model
-    from workers.trainer import TrainerSettings, TrainerWorker
+    from workers.embedded.tiny_model import ensure_tiny_model
+    from workers.trainer.worker import TrainerSettings, TrainerWorker
 
     model = str(ensure_tiny_model())
     settings = TrainerSettings(model_path=model, lr=1e-3, weight_decay=0.0, micro_batch_size=2, seed=0,
@@ -156,7 +156,7 @@ def test_two_rank_group_update_equals_one_rank_on_the_whole_batch(ray_local, tmp
     finally:
         one.close()
 
-    from orchestrator.placement import PlacementSpec, plan_placement
+    from workers.core.placement import PlacementSpec, plan_placement
     from workers.placement_groups import PlacedGroups
 
     threads = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}

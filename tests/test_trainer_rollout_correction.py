@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from orchestrator.algorithms.batch import TrainBatch
-from orchestrator.algorithms.rollout_correction_config import RejectionRule, RolloutCorrectionConfig
+from workers.core.algorithms.batch import TrainBatch
+from workers.core.algorithms.rollout_correction_config import RejectionRule, RolloutCorrectionConfig
 from orchestrator.batching import Group
-from orchestrator.parts import build_train_batch
-from orchestrator.types import Sample, TrajectoryRow
-from workers.trainer import TrainerSettings, TrainerWorker
+from orchestrator.clients import build_train_batch
+from workers.core.types import Sample, TrajectoryRow
+from workers.trainer.worker import TrainerSettings, TrainerWorker
 
 VOCAB = 128
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from orchestrator.algorithms.batch import TrainBatch
-from orchestrator.types import TrajectoryRow
-from workers.trainer import TrainerSettings, TrainerWorker
-from workers.trainer_scale import padded_tokens, plan_micro_batches, split_to_count
+from workers.core.algorithms.batch import TrainBatch
+from workers.core.types import TrajectoryRow
+from workers.trainer.worker import TrainerSettings, TrainerWorker
+from workers.trainer.scale import padded_tokens, plan_micro_batches, split_to_count
 
 VOCAB = 128
 NUM_LAYERS = 2

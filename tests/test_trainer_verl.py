@@ -17,12 +17,12 @@ from safetensors.torch import load_file
 
 pytest.importorskip("verl.workers.engine.base")
 
-from orchestrator.algorithms.batch import TrainBatch  # noqa: E402
-from orchestrator.algorithms.rollout_correction_config import RolloutCorrectionConfig  # noqa: E402
-from orchestrator.types import TrajectoryRow  # noqa: E402
-from workers.tiny_model import ensure_tiny_model  # noqa: E402
-from workers.trainer import TrainerSettings, TrainerWorker  # noqa: E402
-from workers.trainer_verl import (  # noqa: E402
+from workers.core.algorithms.batch import TrainBatch  # noqa: E402
+from workers.core.algorithms.rollout_correction_config import RolloutCorrectionConfig  # noqa: E402
+from workers.core.types import TrajectoryRow  # noqa: E402
+from workers.embedded.tiny_model import ensure_tiny_model  # noqa: E402
+from workers.trainer.worker import TrainerSettings, TrainerWorker  # noqa: E402
+from workers.trainer.verl_worker import (  # noqa: E402
     VerlSettings,
     VerlTrainerWorker,
     check_verl_available,
@@ -160,8 +160,8 @@ class _InThread:
 async def test_broadcast_weights_sends_the_engine_weights(decoupled_pair):
     """weight_specs / open_weight_group / broadcast_weights (the GPU weight-sync path, here over
     shared memory): a receiver ends up holding exactly full_state_dict, in small buckets."""
-    from workers.weight_sync_broadcast import BroadcastWeightSync, new_group_info
-    from workers.weight_sync_receiver import TensorReceiver
+    from workers.weight_sync.broadcast import BroadcastWeightSync, new_group_info
+    from workers.weight_sync.receiver import TensorReceiver
 
     ours, _ = decoupled_pair
     full = ours.full_state_dict()

@@ -9,10 +9,10 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from workers.weight_sync_broadcast import BroadcastWeightSync, new_group_info, send_weights
-from workers.weight_sync_plan import specs_of
-from workers.weight_sync_receiver import PushOutcome, TensorReceiver, run_receiver_process
-from workers.weight_sync_transport import open_transport
+from workers.weight_sync.broadcast import BroadcastWeightSync, new_group_info, send_weights
+from workers.weight_sync.plan import specs_of
+from workers.weight_sync.receiver import PushOutcome, TensorReceiver, run_receiver_process
+from workers.weight_sync.transport import open_transport
 
 T_TIMEOUT_S = 60.0
 NUM_RECEIVERS = 2
@@ -93,7 +93,7 @@ async def test_broadcast_sync_copies_trainer_weights_into_receivers(backend, tra
     """A real TrainerWorker (FSDP2, its own gloo world) sends through a separate weight group;
     after a push both receivers hold the trainer's full state dict; a failing receiver makes the
     push raise and leaves the version where it was."""
-    from workers.trainer import TrainerSettings, TrainerWorker
+    from workers.trainer.worker import TrainerSettings, TrainerWorker
 
     trainer = TrainerWorker(TrainerSettings(model_path=trainer_tiny_model_for_sync, weight_sync_bucket_mb=0.01))
     try:

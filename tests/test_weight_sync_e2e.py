@@ -1,4 +1,4 @@
-"""The bucketed broadcast weight sync wired into the run (workers/weight_sync_run.py).
+"""The bucketed broadcast weight sync wired into the run (workers/weight_sync/setup.py).
 
 1. Unit level, real parts in one process: a real TrainerWorker (FSDP2) and a real vLLM
    InferenceWorker (in_flight="continue") joined through `open_weight_sync("shm", ...)`; a push
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.types import GenerateRequest
-from workers.weight_sync_run import broadcast_label, close_weight_sync, open_weight_sync
+from workers.core.types import GenerateRequest
+from workers.weight_sync.setup import broadcast_label, close_weight_sync, open_weight_sync
 
 REPO = Path(__file__).resolve().parent.parent
 T_TIMEOUT_S = 120.0
@@ -64,9 +64,9 @@ def _reference_logprobs(model_path: str, state: dict[str, torch.Tensor], ids: li
 
 @pytest.mark.timeout(300)
 async def test_shm_push_reaches_a_generating_engine_and_matches_the_trainer():
-    from workers.inference import InferenceSettings, InferenceWorker
-    from workers.tiny_model import ensure_tiny_model
-    from workers.trainer import TrainerSettings, TrainerWorker
+    from workers.inference.worker import InferenceSettings, InferenceWorker
+    from workers.embedded.tiny_model import ensure_tiny_model
+    from workers.trainer.worker import TrainerSettings, TrainerWorker
 
     model_path = str(ensure_tiny_model())
     slots_before = _weight_sync_slots()

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from workers.weight_sync_plan import (
+from workers.weight_sync.plan import (
     TensorSpec,
     dtype_from_name,
     flatten_into,

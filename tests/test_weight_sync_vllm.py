@@ -1,4 +1,4 @@
-"""Receiver side of the broadcast weight sync inside a real vLLM CPU engine (workers/vllm_ext.py).
+"""Receiver side of the broadcast weight sync inside a real vLLM CPU engine (workers/inference/vllm_ext.py).
 
 One offline `vllm.LLM` engine with our worker extension joins a weight-sync group, receives a
 push of perturbed weights from a sender thread, and must then compute the prompt log-probs of a
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.tiny_model import ensure_tiny_model
-from workers.weight_sync_broadcast import new_group_info, send_weights
-from workers.weight_sync_plan import specs_of
-from workers.weight_sync_transport import open_transport
+from workers.embedded.tiny_model import ensure_tiny_model
+from workers.weight_sync.broadcast import new_group_info, send_weights
+from workers.weight_sync.plan import specs_of
+from workers.weight_sync.transport import open_transport
 
 PROBE = [1, 17, 42, 99, 5, 230, 211, 8, 64, 128, 7, 250, 2, 45, 90, 11]
 LOGPROB_ATOL = 1e-4  # fp32 engine vs fp32 HF: only summation order differs
@@ -34,7 +34,7 @@ def llm():
     os.environ[MP_ENV] = "0"  # model worker in this process: faster start on 2 cores
     engine = LLM(model=str(ensure_tiny_model()), dtype="float32", max_model_len=128, max_num_seqs=4,
                  kv_cache_memory_bytes=64 * 2**20, enforce_eager=True, skip_tokenizer_init=True, seed=0,
-                 worker_extension_cls="workers.vllm_ext.WeightReloadExtension", distributed_executor_backend="uni")
+                 worker_extension_cls="workers.inference.vllm_ext.WeightReloadExtension", distributed_executor_backend="uni")
     try:
         yield engine
     finally:

@@ -1,4 +1,4 @@
-"""Thin Ray wrapper over orchestrator/placement.py: check capacity, create the placement groups,
+"""Thin Ray wrapper over workers/core/placement.py: check capacity, create the placement groups,
 and give each trainer rank / inference replica its actor options.
 
 Invariant: no placement group is created unless `check_capacity` passed on the GPUs the live
@@ -16,7 +16,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator.placement import InsufficientGpusError, PlacementPlan, Slot, check_capacity, plan_placement
+from workers.core.placement import InsufficientGpusError, PlacementPlan, Slot, check_capacity, plan_placement
 
 DEFAULT_READY_TIMEOUT_S = 60.0  # a group that cannot be placed in this long means GPUs are held elsewhere
 

@@ -25,7 +25,7 @@ Invariants:
   creates a session until its StopRuntimeSession returned (or ACR said it did not exist).
 
 Callers: `workers.acr.client.AsyncAcrClient` (rate: a botocore `before-send` hook, so every HTTP
-attempt, botocore retries included, takes a token) and `workers.rollout.RolloutWorker`
+attempt, botocore retries included, takes a token) and `workers.rollout.worker.RolloutWorker`
 (`async with slots.slot():` around one session's life).
 """
 

@@ -45,7 +45,7 @@ import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from orchestrator.types import PROMPT_VERSION, GenerateResult, SessionCapture, TrajectoryRow
+from workers.core.types import PROMPT_VERSION, GenerateResult, SessionCapture, TrajectoryRow
 
 TOKEN_BYTES = 32  # session token entropy in bytes (256 bits); token_urlsafe gives 43 chars
 CLOSED_TOKENS_KEPT = 1_000_000  # closed-session digests remembered for 409 answers (32 B each)

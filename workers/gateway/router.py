@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from orchestrator.types import InferenceEngine
+from workers.core.types import InferenceEngine
 
 
 class NoReplicas(RuntimeError):

@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from orchestrator.types import GenerateRequest, GenerateResult, InferenceEngine, SessionCapture
+from workers.core.types import GenerateRequest, GenerateResult, InferenceEngine, SessionCapture
 from workers.gateway.app import GatewayMetrics, create_app, metrics_of
 from workers.gateway.capture import CaptureStore, SamplingDefaults
 from workers.gateway.chat_template import ChatRenderer

@@ -28,7 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from orchestrator.types import GenerateRequest, GenerateResult
+from workers.core.types import GenerateRequest, GenerateResult
 from workers.gateway.capture import CaptureStore, Session, SessionNotFound, TurnKind, TurnRecord
 from workers.gateway.chat_template import ChatRenderer
 from workers.gateway.metrics import Counters

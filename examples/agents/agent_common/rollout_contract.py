@@ -2,14 +2,14 @@
 
 An invocation payload is a dataset row plus a reserved `_rollout` dict (`exp_id`, `input_id`,
 `s3_bucket`, `base_url`, `model_id`, `api_key`, optional `temperature`, `top_p`, `max_tokens`,
-`result_url`; built by workers/rollout.py `build_payload`). The agent answers the invocation at
+`result_url`; built by workers/rollout/worker.py `build_payload`). The agent answers the invocation at
 once, runs the rollout in the background (`/ping` says HealthyBusy meanwhile) and writes
 `{"rewards": r}` to `s3://{s3_bucket}/{exp_id}/{input_id}/{session_id}.json`, session_id being
 ACR's `X-Amzn-Bedrock-AgentCore-Runtime-Session-Id` header. A rollout that fails writes the
 toolkit's error object `{"status_code": 500, "stop_reason": "<why>"}` (no `rewards`) to the same
 key, so the orchestrator marks it failed at once instead of waiting for its timeout. When
 `result_url` is given the agent also POSTs the same body there (bearer `api_key`;
-workers/rollout_results.py), which wakes the waiting rollout worker at once; S3 stays the durable
+workers/rollout/results.py), which wakes the waiting rollout worker at once; S3 stays the durable
 record, so a failed POST is only logged.
 
 Invariant: `run_in_background` completes the app's async task on every exit path, so `/ping`

@@ -5,7 +5,7 @@ It serves the AgentCore Runtime contract with `bedrock_agentcore.runtime.Bedrock
 (examples/agents/agent_common/rollout_contract.py):
 
 - the payload is a GSM8K row (`question`, numeric `answer`, optional `max_turns`; see
-  orchestrator/tasks/gsm8k.py) plus the reserved `_rollout` dict;
+  workers/core/tasks/gsm8k.py) plus the reserved `_rollout` dict;
 - the invocation answers at once with `{"status": "processing", "s3_bucket", "result_key"}`;
 - the rollout runs the tool loop (tool_loop.py) with the official `openai` SDK at `base_url`
   with `api_key` (the rollout gateway's session token), scores the last answer with

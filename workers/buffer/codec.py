@@ -1,0 +1,186 @@
+"""Layout of samples in the trajectory buffer: pure encode/decode between `Sample` and TQ rows.
+
+No torch, Ray or TransferQueue here: `workers.buffer.store` turns `StoredRow` columns into tensors and
+talks to TQ. The layout (one TQ row per trajectory row, key `{session_id}/{row_index}`, sample
+scalars repeated as tags on each row, a placeholder row `{session_id}/empty` for a sample without
+rows) is described in `workers.buffer.store`'s docstring.
+
+Invariant: `decode_samples(encode_sample(s) for s in samples)` equals `samples` sorted by
+(group_id, sample_index, session_id), for any order of the rows; `complete_sessions` admits a
+session only when its tagged rows are exactly 0..num_rows-1 (or the one placeholder), and raises
+`BufferCorruptError` on rows that contradict their sample.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from workers.core.types import RolloutStatus, Sample, TrajectoryRow
+
+FIELDS: tuple[str, ...] = ("token_ids", "loss_mask", "rollout_logprobs", "versions")
+EMPTY_ROW_INDEX = -1  # row_index tag of the placeholder row that stands for a sample without rows
+
+
+class BufferCorruptError(RuntimeError):
+    """Rows in the buffer contradict each other (e.g. one session put twice with different rows)."""
+
+
+@dataclass(frozen=True)
+class StoredRow:
+    """One TQ row as the codec sees it: its key, its tags, and its four per-token columns."""
+
+    key: str
+    tags: dict[str, Any]
+    token_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    rollout_logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+
+
+def sample_tags(sample: Sample) -> dict[str, Any]:
+    """The sample-level tags repeated on each of its TQ rows (layout: `workers.buffer.store` docstring)."""
+    vr = sample.version_range()
+    return {
+        "session_id": sample.session_id,
+        "group_id": sample.group_id,
+        "input_id": sample.input_id,
+        "sample_index": sample.sample_index,
+        "reward": sample.reward,
+        "status": sample.status,
+        "latency_s": sample.latency_s,
+        "error": sample.error,
+        "min_version": None if vr is None else vr[0],
+        "max_version": None if vr is None else vr[1],
+        "num_generated_tokens": sample.num_generated_tokens,
+        "num_rows": len(sample.rows),
+    }
+
+
+def encode_sample(sample: Sample) -> list[StoredRow]:
+    """Split a sample into its TQ rows: one per trajectory row, or one placeholder if it has none."""
+    base = sample_tags(sample)
+    if not sample.rows:
+        return [
+            StoredRow(
+                key=f"{sample.session_id}/empty",
+                tags={**base, "row_index": EMPTY_ROW_INDEX, "seq_len": 0},
+                token_ids=(),
+                loss_mask=(),
+                rollout_logprobs=(),
+                versions=(),
+            )
+        ]
+    return [
+        StoredRow(
+            key=f"{sample.session_id}/{i}",
+            tags={**base, "row_index": i, "seq_len": len(row.token_ids)},
+            token_ids=row.token_ids,
+            loss_mask=row.loss_mask,
+            rollout_logprobs=row.rollout_logprobs,
+            versions=row.versions,
+        )
+        for i, row in enumerate(sample.rows)
+    ]
+
+
+@dataclass(frozen=True)
+class SampleInfo:
+    """A stored sample's tags, readable without fetching its tokens (see `TrajectoryBuffer.sample_infos`).
+
+    min_version / max_version: policy versions over generated tokens; None when nothing was generated.
+    """
+
+    session_id: str
+    group_id: int
+    input_id: str
+    sample_index: int
+    status: RolloutStatus
+    reward: float | None
+    num_rows: int
+    num_generated_tokens: int
+    min_version: int | None
+    max_version: int | None
+
+    @classmethod
+    def from_tags(cls, tags: dict[str, Any]) -> SampleInfo:
+        return cls(**{f: tags[f] for f in cls.__dataclass_fields__})
+
+
+def complete_sessions(listing: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+    """Session id -> keys of its TQ rows, for the sessions whose rows are all tagged.
+
+    listing: key -> tags, as TQ's kv_list returns for one partition. Keys without tags (created
+    by a put still in flight) and sessions missing a row are left out.
+    Raises BufferCorruptError when a session carries a row index outside 0..num_rows-1.
+    """
+    by_session: dict[str, list[tuple[int, str, int]]] = defaultdict(list)
+    for key, tags in listing.items():
+        if not tags or "session_id" not in tags:
+            continue
+        by_session[tags["session_id"]].append((tags["row_index"], key, tags["num_rows"]))
+    out: dict[str, list[str]] = {}
+    for sid, rows in by_session.items():
+        rows.sort()
+        num_rows = {n for _, _, n in rows}
+        if len(num_rows) != 1:
+            raise BufferCorruptError(f"session {sid} rows disagree on num_rows: {sorted(num_rows)}")
+        n = num_rows.pop()
+        indexes = [i for i, _, _ in rows]
+        expected = [EMPTY_ROW_INDEX] if n == 0 else list(range(n))
+        if any(i not in expected for i in indexes):
+            raise BufferCorruptError(f"session {sid} has row indexes {indexes}, expected a subset of {expected}")
+        if indexes == expected:
+            out[sid] = [k for _, k, _ in rows]
+    return out
+
+
+def decode_samples(rows: Iterable[StoredRow]) -> list[Sample]:
+    """Rebuild Samples from their TQ rows (any order), sorted by (group_id, sample_index, session_id).
+
+    Raises BufferCorruptError when a session's rows are incomplete or their tags disagree.
+    """
+    by_session: dict[str, list[StoredRow]] = defaultdict(list)
+    for r in rows:
+        by_session[r.tags["session_id"]].append(r)
+    samples = []
+    for sid, srows in by_session.items():
+        srows.sort(key=lambda r: r.tags["row_index"])
+        t = srows[0].tags
+        base = {k: v for k, v in t.items() if k not in ("row_index", "seq_len")}
+        for r in srows[1:]:
+            other = {k: v for k, v in r.tags.items() if k not in ("row_index", "seq_len")}
+            if other != base:
+                raise BufferCorruptError(f"session {sid} rows disagree on their sample tags: {base} vs {other}")
+        if t["num_rows"] == 0:
+            traj: tuple[TrajectoryRow, ...] = ()
+        else:
+            if [r.tags["row_index"] for r in srows] != list(range(t["num_rows"])):
+                raise BufferCorruptError(f"session {sid} is missing rows of its {t['num_rows']}")
+            traj = tuple(
+                TrajectoryRow(
+                    token_ids=r.token_ids,
+                    loss_mask=r.loss_mask,
+                    rollout_logprobs=r.rollout_logprobs,
+                    versions=r.versions,
+                )
+                for r in srows
+            )
+        status: RolloutStatus = t["status"]
+        samples.append(
+            Sample(
+                session_id=sid,
+                group_id=t["group_id"],
+                input_id=t["input_id"],
+                sample_index=t["sample_index"],
+                rows=traj,
+                reward=t["reward"],
+                status=status,
+                latency_s=t["latency_s"],
+                error=t["error"],
+            )
+        )
+    samples.sort(key=lambda s: (s.group_id, s.sample_index, s.session_id))
+    return samples

@@ -1,0 +1,13 @@
+"""Stand-ins of the embedded default: what replaces AWS and a real model on one CPU machine.
+
+The production path imports this package only when `rollout=local` (the ACR emulator and moto S3)
+or the tiny model is chosen (`model.path` unset). Nothing outside it depends on it otherwise.
+
+Modules:
+  emulator*.py    the local ACR data-plane emulator (sessions, rate limits, commands, agent processes)
+  faults.py       fault injection for the emulator
+  local_stack.py  moto S3 + the emulator on loopback, reached through the standard AWS variables
+  stub_agent.py   a model-free agent for benchmarks and fault tests
+  tiny_model.py   the tiny Qwen2 model and tokenizer, built offline and cached
+  sim_engine.py   a zero-cost inference engine for gateway and benchmark runs without vLLM
+"""

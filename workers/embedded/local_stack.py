@@ -1,0 +1,250 @@
+"""The embedded default's AWS side: a moto S3 server and the ACR emulator on loopback.
+
+`LocalStack` starts two real servers as subprocesses on free 127.0.0.1 ports, concurrently:
+
+1. `python -m moto.server` (S3); once it answers, the results bucket is created;
+2. `python -m workers.embedded.emulator`, which launches the agent processes with this stack's AWS
+   env (so agents write their S3 results to moto) and prints a ready line when they answer /ping.
+
+Its `env` dict (`AWS_ENDPOINT_URL_BEDROCK_AGENTCORE`, `AWS_ENDPOINT_URL_S3`, dummy credentials,
+`AWS_DEFAULT_REGION`) is all a boto3 client needs to talk to it as it would to AWS.
+
+Invariant: every process this class started is gone after `stop()`, which runs on `__exit__`, at
+interpreter exit (atexit), and on any failure during `start()`; it is idempotent. Processes are
+stopped by PID: SIGTERM, then SIGKILL after `STOP_GRACE_S`. The emulator stops its own agents
+on SIGTERM, and its agents die with it if it is SIGKILLed (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Sequence
+
+import boto3
+
+from workers.embedded.emulator import DEFAULT_RUNTIME_ARN, STATS_PATH, EmulatorStats, free_port
+from workers.embedded.faults import FaultRates
+
+STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL wait per process; the emulator needs it to stop agents
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+DUMMY_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+
+
+class LocalStackError(RuntimeError):
+    """A local server did not start; the message carries the tail of its log."""
+
+
+class LocalStack:
+    """Moto S3 + ACR emulator (+ its agents) as subprocesses. Use as a context manager, or call
+    start() and stop().
+
+    agent_cmd: the agent's argv (or one shell-quoted string); `{port}` is substituted and env
+        PORT is set for each agent process.
+    startup_timeout_s: bound on each server (and all agents) becoming healthy; LocalStackError after.
+    log_dir: where `moto.log` and `emulator.log` (with agent output) go; a temp dir if None.
+    faults: fault injection rates (workers.embedded.faults), passed to the emulator as --faults JSON.
+    idle_timeout_s / max_lifetime_s: session idle timeout and maximum lifetime (ACR: 900 s / 8 h).
+    request_rate_per_s: optional cap on all ACR data-plane calls (ThrottlingException past it).
+    """
+
+    def __init__(
+        self,
+        agent_cmd: Sequence[str] | str,
+        *,
+        num_agents: int = 2,
+        session_rate_per_s: float = 25.0,
+        session_burst: int | None = None,
+        max_open_sessions: int | None = None,
+        bucket: str = "acr-rollouts",
+        region: str = "us-west-2",
+        agent_runtime_arn: str = DEFAULT_RUNTIME_ARN,
+        startup_timeout_s: float = 60.0,
+        log_dir: str | Path | None = None,
+        agent_env: dict[str, str] | None = None,
+        faults: FaultRates | None = None,
+        idle_timeout_s: float | None = None,
+        max_lifetime_s: float | None = None,
+        request_rate_per_s: float | None = None,
+    ) -> None:
+        self.agent_cmd = shlex.split(agent_cmd) if isinstance(agent_cmd, str) else list(agent_cmd)
+        if not self.agent_cmd:
+            raise ValueError("agent_cmd must not be empty")
+        self.num_agents = num_agents
+        self.session_rate_per_s = session_rate_per_s
+        self.session_burst = session_burst
+        self.max_open_sessions = max_open_sessions
+        self.bucket = bucket
+        self.region = region
+        self.agent_runtime_arn = agent_runtime_arn
+        self.startup_timeout_s = startup_timeout_s
+        self.log_dir = Path(log_dir) if log_dir else None
+        self.agent_env = dict(agent_env or {})
+        self.faults = faults
+        self.idle_timeout_s = idle_timeout_s
+        self.max_lifetime_s = max_lifetime_s
+        self.request_rate_per_s = request_rate_per_s
+        self.s3_endpoint: str | None = None
+        self.acr_endpoint: str | None = None
+        self._procs: list[tuple[str, subprocess.Popen, Path]] = []
+        self._history: dict[str, int] = {}
+        self._started = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "LocalStack":
+        """Start moto and the emulator, create the bucket; raises LocalStackError (after
+        stopping whatever did start) when a server is not healthy within startup_timeout_s."""
+        if self._started:
+            raise RuntimeError("LocalStack already started")
+        self._started = True
+        atexit.register(self.stop)
+        try:
+            if self.log_dir is None:
+                self.log_dir = Path(tempfile.mkdtemp(prefix="acr-local-stack-"))
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            s3_port = free_port()
+            self.s3_endpoint = f"http://127.0.0.1:{s3_port}"
+            self._spawn("moto", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)])
+            acr_port = free_port()
+            self.acr_endpoint = f"http://127.0.0.1:{acr_port}"
+            cmd = [
+                sys.executable, "-m", "workers.embedded.emulator",
+                "--port", str(acr_port),
+                "--agent-cmd", shlex.join(self.agent_cmd),
+                "--num-agents", str(self.num_agents),
+                "--session-rate", str(self.session_rate_per_s),
+                "--agent-runtime-arn", self.agent_runtime_arn,
+                "--agent-start-timeout-s", str(self.startup_timeout_s),
+            ]  # fmt: skip
+            if self.session_burst is not None:
+                cmd += ["--session-burst", str(self.session_burst)]
+            if self.max_open_sessions is not None:
+                cmd += ["--max-open-sessions", str(self.max_open_sessions)]
+            if self.faults is not None:
+                cmd += ["--faults", self.faults.to_json()]
+            for flag, value in (
+                ("--idle-timeout-s", self.idle_timeout_s),
+                ("--max-lifetime-s", self.max_lifetime_s),
+                ("--request-rate", self.request_rate_per_s),
+            ):
+                if value is not None:
+                    cmd += [flag, str(value)]
+            # Both start at once (agents write to S3 only when invoked, after start() returns).
+            self._spawn("emulator", cmd, extra_env={**self.env, **self.agent_env})
+            self._wait_http("moto", f"{self.s3_endpoint}/moto-api/data.json")
+            boto3.client("s3", endpoint_url=self.s3_endpoint, region_name=self.region, **_creds()).create_bucket(
+                Bucket=self.bucket, CreateBucketConfiguration={"LocationConstraint": self.region}
+            )
+            self._wait_http("emulator", f"{self.acr_endpoint}{STATS_PATH}")
+            return self
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop every started process by PID (SIGTERM, SIGKILL after STOP_GRACE_S). Idempotent."""
+        while self._procs:
+            name, proc, _log = self._procs.pop()  # reverse start order: emulator before moto
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> "LocalStack":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Standard AWS env vars that point boto3 at this stack."""
+        if self.s3_endpoint is None:
+            raise RuntimeError("LocalStack not started")
+        env = {
+            **DUMMY_CREDENTIALS,
+            "AWS_ENDPOINT_URL_S3": self.s3_endpoint,
+            "AWS_DEFAULT_REGION": self.region,
+            "AWS_REGION": self.region,
+        }
+        if self.acr_endpoint is not None:
+            env["AWS_ENDPOINT_URL_BEDROCK_AGENTCORE"] = self.acr_endpoint
+        return env
+
+    def pids(self) -> dict[str, int]:
+        """PID of each server process this stack started and still holds."""
+        return {name: proc.pid for name, proc, _ in self._procs}
+
+    def started_pids(self) -> dict[str, int]:
+        """PID of every server process this stack ever started, stopped ones included."""
+        return dict(self._history)
+
+    def stats(self) -> EmulatorStats:
+        """The emulator's counters (sessions, peak open, peak request rate, faults, agent PIDs)."""
+        if self.acr_endpoint is None:
+            raise RuntimeError("LocalStack not started")
+        with urllib.request.urlopen(f"{self.acr_endpoint}{STATS_PATH}", timeout=10) as r:
+            return EmulatorStats.from_json(json.loads(r.read()))
+
+    # ------------------------------------------------------------------ helpers
+
+    def _spawn(self, name: str, cmd: list[str], extra_env: dict[str, str] | None = None) -> None:
+        assert self.log_dir is not None
+        log_path = self.log_dir / f"{name}.log"
+        env = {**os.environ, **(extra_env or {})}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        self._procs.append((name, proc, log_path))
+        self._history[name] = proc.pid
+
+    def _wait_http(self, name: str, url: str) -> None:
+        _, proc, log_path = next(p for p in self._procs if p[0] == name)
+        deadline = time.monotonic() + self.startup_timeout_s
+        delay_s = 0.05
+        while True:
+            if proc.poll() is not None:
+                raise LocalStackError(f"{name} exited with {proc.returncode}; log tail:\n{_tail(log_path)}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise LocalStackError(
+                    f"{name} not healthy at {url} within {self.startup_timeout_s}s; log tail:\n{_tail(log_path)}"
+                )
+            time.sleep(delay_s)
+            delay_s = min(delay_s * 2, 0.5)
+
+
+def _creds() -> dict[str, str]:
+    return {
+        "aws_access_key_id": DUMMY_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": DUMMY_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+    }
+
+
+def _tail(path: Path, num_bytes: int = 4000) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return "<no log>"
+    return data[-num_bytes:].decode(errors="replace")

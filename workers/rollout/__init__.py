@@ -1,0 +1,8 @@
+"""The rollout pool: one ACR invocation per sample, joined with the gateway's token capture.
+
+Modules:
+  contract.py  the two agent contracts as pure functions: payloads out, rewards in
+  results.py   fast completion: agents POST their result to the worker that waits for it
+  worker.py    RolloutWorker: invoke, wait for the result, stop the session, collect the capture
+  pool.py      RolloutActor (an async Ray actor per worker) and RolloutPool
+"""

@@ -1,0 +1,366 @@
+"""RolloutWorker: one ACR invocation per sample, joined with the gateway's token capture.
+
+Invariant: every `RolloutWorker.run` call either returns exactly one `RolloutOutcome` with a
+terminal status ("completed" or "failed", with a `reason` from `FailReason`) after storing
+exactly one sample, or raises (ContractError: the run must stop; CancelledError) after storing
+nothing. On every exit path (success, agent error, bad result, timeout, cancellation, shutdown)
+the ACR session is stopped (shielded from cancellation), the gateway session closed and the
+session slot of the cluster-wide cap released. A sample with captured tokens but no usable reward
+is stored with status "failed" and reward None, so it can never be trained as if it had one.
+
+Which bad data stops the run and which fails one rollout: see `workers.rollout.contract`.
+
+Completion: with a `ResultBoard` the agent's POST to `result_url` wakes the worker at once (S3
+contract); the HTTP contract's foreground invocation answers with the result itself. S3 polling
+(bounded backoff) stays the fallback; it starts `push_grace_s` after the invoke when a result
+board is present. The sample is stored before the ACR session is stopped, so the stop's latency
+is not on the completion -> sample-in-buffer path.
+
+Callers: `workers.rollout.pool.RolloutActor` (Ray), tests and scripts/bench_rollout.py (direct).
+No Ray import here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import tenacity
+from botocore.exceptions import ClientError
+
+from workers.core.types import RolloutRequest, Sample, SessionCapture
+from workers.acr.client import AgentBodyError
+from workers.rollout.contract import (
+    RESERVED_KEYS,
+    AgentFailed,
+    BadResult,
+    BadResultStreak,
+    Contract,
+    ContractError,
+    check_row,
+    http_payload,
+    http_reward,
+    new_invocation_id,
+    new_session_id,
+    parse_record,
+    parse_result_body,
+    parse_reward,
+    result_key,
+    s3_payload,
+)
+from workers.rollout.results import ResultBoard
+
+__all__ = ["RESERVED_KEYS", "ContractError", "BadResult", "RolloutSettings", "RolloutOutcome", "RolloutWorker",
+           "build_payload", "new_session_id", "parse_reward", "result_key", "FailReason"]
+
+log = logging.getLogger(__name__)
+FailReason = Literal["timeout", "bad_result", "agent_error", "throttled", "acr_error", "transport"]
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What every rollout of a run shares. Times in seconds.
+
+    contract: "s3" (`_rollout`, result in S3) or "http" (`_config` + `_agentcore_runtime`).
+    http_background: HTTP contract: start in the background and poll `get` (backoff
+        `http_poll_initial_s` doubling to `http_poll_max_s`); False: the start answers the result.
+    push_grace_s: with a result board, once this worker has received one posted result (its
+        agents POST to `result_url`), S3 polling of later rollouts starts this long after the
+        invoke: a posted result wins without any S3 request, and S3 stays the durable fallback.
+        Until then (agents that only write S3) polling starts at once.
+    max_consecutive_bad_results: bad agent results in a row that stop the run (ContractError).
+    """
+
+    exp_id: str
+    agent_runtime_arn: str
+    qualifier: str | None
+    s3_bucket: str
+    gateway_base_url: str
+    model_id: str
+    max_tokens: int
+    temperature: float
+    top_p: float
+    timeout_s: float
+    max_context_tokens: int
+    contract: Contract = "s3"
+    http_background: bool = False
+    http_poll_initial_s: float = 0.05
+    http_poll_max_s: float = 1.0
+    push_grace_s: float = 0.0
+    max_consecutive_bad_results: int = 32
+
+    def __post_init__(self) -> None:
+        if self.contract not in ("s3", "http"):
+            raise ValueError(f"rollout.contract must be 's3' or 'http', got {self.contract!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"rollout.timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class RolloutOutcome:
+    """What the driver learns of a rollout; the full sample goes to the trajectory buffer.
+
+    result_to_stored_s: seconds from the result reaching this worker (push, HTTP answer or S3
+    hit) to the sample being in the buffer; None when no result arrived.
+    """
+
+    session_id: str
+    group_id: int
+    sample_index: int
+    status: str
+    reward: float | None
+    num_generated_tokens: int
+    latency_s: float
+    error: str | None
+    reason: FailReason | None = None
+    result_to_stored_s: float | None = None
+
+
+class GatewaySessions(Protocol):
+    async def open_session(self, session_id: str, max_context_tokens: int | None = None) -> str: ...
+    async def close_session(self, session_id: str) -> SessionCapture: ...
+
+
+class AcrCalls(Protocol):
+    async def invoke(self, arn: str, session_id: str, payload: dict, qualifier: str | None = None) -> dict: ...
+    async def stop_session(self, arn: str, session_id: str, qualifier: str | None = None) -> bool: ...
+    async def wait_for_result(self, bucket: str, key: str, timeout_s: float) -> dict | None: ...
+
+
+class SampleSink(Protocol):
+    async def put(self, samples: list[Sample], partition: str) -> None: ...
+
+
+class SessionGate(Protocol):
+    """The cluster-wide open-session cap (workers.acr.limits.SessionSlots)."""
+
+    async def acquire(self) -> None: ...
+    def release_held(self) -> None: ...
+
+
+def build_payload(req: RolloutRequest, s: RolloutSettings, session_id: str, api_key: str,
+                  result_url: str | None = None) -> dict:
+    """S3 contract: dataset row + `_rollout`. Raises ContractError if the row has reserved keys."""
+    rollout = {
+        "exp_id": s.exp_id, "input_id": req.input_id, "session_id": session_id,
+        "s3_bucket": s.s3_bucket, "base_url": s.gateway_base_url, "model_id": s.model_id,
+        "api_key": api_key, "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+    }  # fmt: skip
+    if result_url is not None:
+        rollout["result_url"] = result_url
+    return s3_payload(req.row, req.input_id, rollout)
+
+
+def fail_reason(exc: BaseException) -> FailReason:
+    """The reason a rollout failed with `exc` (see FailReason)."""
+    if isinstance(exc, (BadResult, AgentBodyError)):
+        return "bad_result"
+    if isinstance(exc, AgentFailed):
+        return "agent_error"
+    if isinstance(exc, ClientError):
+        code = exc.response.get("Error", {}).get("Code")
+        if code == "ThrottlingException":
+            return "throttled"
+        return "agent_error" if code == "RuntimeClientError" else "acr_error"
+    return "transport"
+
+
+def _consume(task: asyncio.Future) -> None:
+    """Done callback of a task nobody awaits: retrieve its outcome so asyncio does not log it."""
+    if not task.cancelled():
+        task.exception()
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    reward: float | None
+    reason: FailReason | None
+    error: str | None
+    result_s: float | None  # clock time the result reached this worker
+
+
+class RolloutWorker:
+    """Runs rollouts concurrently in one asyncio loop (an async Ray actor in production).
+
+    Collaborators are injected: `gateway` (session open/close), `acr` (ACR + S3 calls; it holds
+    the request-rate gate), `sink` (the trajectory buffer), `slots` (open-session cap, optional),
+    `results` + `result_url` (fast completion, optional). `clock` returns seconds (monotonic).
+    """
+
+    def __init__(self, settings: RolloutSettings, gateway: GatewaySessions, acr: AcrCalls, sink: SampleSink,
+                 clock=time.monotonic, *, slots: SessionGate | None = None, results: ResultBoard | None = None,
+                 result_url: str | None = None) -> None:
+        self._s = settings
+        self._gateway = gateway
+        self._acr = acr
+        self._sink = sink
+        self._clock = clock
+        self._slots = slots
+        self._results = results
+        self._push_seen = False  # an agent posted a result: S3 polling waits push_grace_s from now on
+        self._result_url = result_url if results is not None else None
+        self._sessions_open = 0
+        self._streak = BadResultStreak(settings.max_consecutive_bad_results)
+        self.counts: Counter[str] = Counter()
+
+    @property
+    def sessions_open(self) -> int:
+        """ACR sessions this worker invoked and has not stopped yet (0 between rollouts)."""
+        return self._sessions_open
+
+    def rollout_counts(self) -> dict[str, int]:
+        """`rollout/{completed,failed}` and `rollout/failed/{reason}` so far, plus stop failures."""
+        return dict(self.counts)
+
+    async def run(self, req: RolloutRequest, partition: str) -> RolloutOutcome:
+        """Run one rollout to a terminal state, store its sample in `partition`, return the outcome.
+
+        Raises ContractError (reserved key in the row, or a streak of bad results): stop the run.
+        """
+        check_row(req.row, req.input_id)
+        sid = new_session_id(self._s.exp_id, req.group_id, req.sample_index)
+        if self._slots is not None:
+            await self._slots.acquire()
+        t0 = self._clock()  # latency_s: the session's life, not the wait for a slot
+        invoked = False
+        try:
+            api_key = await self._gateway.open_session(sid, self._s.max_context_tokens)
+            try:
+                if self._results is not None:
+                    self._results.expect(sid, api_key)
+                invoked = True  # counted before the call: a timed-out invoke may still open it
+                self._sessions_open += 1
+                v = await self._attempt(req, sid, api_key)
+            finally:
+                if self._results is not None:
+                    self._results.forget(sid)
+                capture = await self._gateway.close_session(sid)  # no task: not on the completion path
+            if v.reason is None:
+                self._streak.on_good()
+            elif v.reason == "bad_result":
+                self._streak.on_bad(f"dataset row input_id={req.input_id!r}: {v.error}")  # may stop the run
+            status = "completed" if v.reward is not None else "failed"
+            sample = Sample(session_id=sid, group_id=req.group_id, input_id=req.input_id,
+                            sample_index=req.sample_index, rows=capture.rows, reward=v.reward, status=status,
+                            latency_s=self._clock() - t0, error=v.error)
+            await self._sink.put([sample], partition)
+            stored_s = self._clock()
+            self.counts[f"rollout/{status}"] += 1
+            if v.reason is not None:
+                self.counts[f"rollout/failed/{v.reason}"] += 1
+            return RolloutOutcome(sid, req.group_id, req.sample_index, status, v.reward, sample.num_generated_tokens,
+                                  sample.latency_s, v.error, v.reason,
+                                  None if v.result_s is None else stored_s - v.result_s)
+        finally:
+            stopped = True
+            if invoked:
+                stopped = await self._stop_acr_session(sid)
+            if self._slots is not None and stopped:
+                self._slots.release_held()  # a session whose stop failed keeps its slot: never over the cap
+
+    async def _attempt(self, req: RolloutRequest, sid: str, api_key: str) -> _Verdict:
+        """Invoke and wait for the result under the rollout timeout; failures become data."""
+        try:
+            async with asyncio.timeout(self._s.timeout_s):  # unlike wait_for, no extra task (latency)
+                reward, result_s = await self._invoke_and_wait(req, sid, api_key)
+            return _Verdict(reward, None, None, result_s)
+        except TimeoutError:  # asyncio.TimeoutError is TimeoutError since 3.11
+            return _Verdict(None, "timeout", f"timeout after {self._s.timeout_s}s waiting for {self._where(req, sid)}",
+                            None)
+        except ContractError:
+            raise
+        except Exception as exc:  # agent/transport failure: the rollout fails, the run goes on
+            log.debug("rollout %s failed", sid, exc_info=True)
+            reason = fail_reason(exc)
+            return _Verdict(None, reason, f"{reason}: {type(exc).__name__}: {exc}", None)
+
+    def _where(self, req: RolloutRequest, sid: str) -> str:
+        if self._s.contract == "http":
+            return f"the HTTP result of session {sid}"
+        return f"s3://{self._s.s3_bucket}/{result_key(self._s.exp_id, req.input_id, sid)}"
+
+    def _result_url_of(self, sid: str) -> str | None:
+        return f"{self._result_url}/{sid}" if self._result_url else None
+
+    async def _invoke_and_wait(self, req: RolloutRequest, sid: str, api_key: str) -> tuple[float, float]:
+        if self._s.contract == "http":
+            return await self._http_rollout(req, sid, api_key)
+        return await self._s3_rollout(req, sid, api_key)
+
+    # -- S3 contract ------------------------------------------------------------------------
+
+    async def _s3_rollout(self, req: RolloutRequest, sid: str, api_key: str) -> tuple[float, float]:
+        s = self._s
+        payload = build_payload(req, s, sid, api_key, self._result_url_of(sid))
+        await self._acr.invoke(s.agent_runtime_arn, sid, payload, s.qualifier)
+        key = result_key(s.exp_id, req.input_id, sid)
+        where = f"s3://{s.s3_bucket}/{key}"
+        poll = asyncio.ensure_future(self._poll_s3(key))
+        posted = self._results.future(sid) if self._results is not None else None
+        try:
+            if posted is None:
+                got = await poll
+            else:  # the board's own future: a post wakes this coroutine directly (no wrapper task)
+                await asyncio.wait((poll, posted), return_when=asyncio.FIRST_COMPLETED)
+                got = posted.result() if posted.done() else poll.result()  # poll.result re-raises S3 errors
+        finally:
+            if not poll.done():
+                poll.cancel()  # not awaited: finishing its cancellation is not on the completion path
+                poll.add_done_callback(_consume)
+        if posted is None or not posted.done():
+            if got is None:
+                raise TimeoutError(f"no result at {where} within {s.timeout_s}s")
+            return parse_reward(got, where), self._clock()
+        self._push_seen = True
+        return parse_reward(parse_result_body(got.body, f"{where} (posted)"), f"{where} (posted)"), got.arrived_s
+
+    async def _poll_s3(self, key: str) -> dict | None:
+        if self._results is not None and self._push_seen and self._s.push_grace_s > 0:
+            await asyncio.sleep(self._s.push_grace_s)
+        return await self._acr.wait_for_result(self._s.s3_bucket, key, math.inf)  # the rollout timeout decides
+
+    # -- HTTP contract ----------------------------------------------------------------------
+
+    async def _http_rollout(self, req: RolloutRequest, sid: str, api_key: str) -> tuple[float, float]:
+        s = self._s
+        inv = new_invocation_id()
+        where = f"session {sid}"
+        config = {"base_url": s.gateway_base_url, "model_id": s.model_id, "api_key": api_key, "session_id": sid,
+                  "exp_id": s.exp_id, "input_id": req.input_id, "max_tokens": s.max_tokens,
+                  "temperature": s.temperature, "top_p": s.top_p}
+        if (url := self._result_url_of(sid)) is not None:
+            config["result_url"] = url
+
+        async def call(operation: Literal["start", "get"]):
+            payload = http_payload(req.row, req.input_id, config, operation, inv, s.http_background)
+            return parse_record(await self._acr.invoke(s.agent_runtime_arn, sid, payload, s.qualifier), inv, where)
+
+        record = await call("start")
+        if record.status == "in_progress":  # background start: poll `get` with bounded backoff
+            poll = tenacity.AsyncRetrying(
+                retry=tenacity.retry_if_result(lambda r: r.status == "in_progress"),
+                wait=tenacity.wait_exponential_jitter(initial=s.http_poll_initial_s, max=s.http_poll_max_s,
+                                                      jitter=s.http_poll_initial_s),
+                stop=tenacity.stop_never,  # bounded by the rollout timeout around this call
+            )
+            record = await poll(call, "get")
+        return http_reward(record, where), self._clock()
+
+    # -- cleanup ----------------------------------------------------------------------------
+
+    async def _stop_acr_session(self, session_id: str) -> bool:
+        """Stop the ACR session; shielded so a cancelled rollout still releases its session.
+        False when the stop failed (the session stays counted open: acr/sessions_open)."""
+        try:
+            await asyncio.shield(self._acr.stop_session(self._s.agent_runtime_arn, session_id, self._s.qualifier))
+        except Exception as exc:  # noqa: BLE001 - counted and visible; the outcome is already decided
+            log.warning("StopRuntimeSession failed for %s: %s", session_id, exc)
+            self.counts["acr/stop_failed"] += 1
+            return False
+        self._sessions_open -= 1
+        return True

@@ -1,0 +1,206 @@
+"""`TrainerGroup`: N data-parallel trainer ranks (TrainerWorker actors) driven as one trainer.
+
+The group stands where one trainer actor handle stands: each method is awaitable directly
+(`await group.update(batch)`) and through `.remote(...)` (`await group.update.remote(batch)`), so
+`TrainerClient`, `RunCheckpointer`, the resume path and the weight-sync wiring, which call a
+handle's methods with `.remote`, drive N ranks without change.
+
+- `update(batch)` splits the mini-batch by whole groups (workers/trainer/shard.py), runs every
+  rank's `update` concurrently and merges their metrics (`merge_rank_metrics`).
+- Collective methods (`export_weights`, `save_hf`, `save_optimizer`, `load_optimizer`,
+  `full_state_dict`, `open_weight_group`, `broadcast_weights`, `close`) are called on every rank at
+  once (each gathers shards, so every rank must take part) and return rank 0's result, the one
+  that wrote the file or sent the weights.
+- `__ray_call__.remote(fn, ...)` runs `fn` inside rank 0 (the weight-sync rendezvous asks the
+  trainer's node for its address this way).
+
+Invariant: every call reaches all ranks or none (arguments are checked before any rank is called),
+so no rank waits in a collective for a peer that was never asked. `start_trainer_ranks` picks the
+rendezvous (`trainer_init_method`: rank 0's node IP and a port free there, learned by a Ray task
+placed in rank 0's bundle) before any rank starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from workers.core.algorithms.batch import TrainBatch
+from workers.trainer.shard import merge_rank_metrics, shard_batch
+
+
+class _Method:
+    """A bound async method that can also be called as `.remote(...)`, like an actor method."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+
+class _remote_method:
+    """Decorator: the method is awaitable as `obj.m(...)` and as `obj.m.remote(...)`."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+        self.__doc__ = fn.__doc__
+
+    def __get__(self, obj: Any, cls: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return _Method(self._fn.__get__(obj, cls))
+
+
+async def _call(obj: Any, method: str, *args: Any) -> Any:
+    fn = getattr(obj, method)
+    remote = getattr(fn, "remote", None)
+    if remote is not None:  # Ray actor handle: ObjectRefs are awaitable
+        return await remote(*args)
+    out = fn(*args)
+    return await out if asyncio.iscoroutine(out) else out
+
+
+class TrainerGroup:
+    """N TrainerWorker ranks (Ray actor handles or plain objects) of one FSDP process group.
+
+    Args:
+        ranks: one handle per rank, in rank order (rank 0 first); at least one.
+        micro_batch_size, max_tokens_per_micro_batch: the ranks' TrainerSettings values (the
+            sharding pads shards so that every rank can run as many micro-batches).
+    """
+
+    def __init__(self, ranks: Sequence[Any], *, micro_batch_size: int,
+                 max_tokens_per_micro_batch: int | None = None) -> None:
+        if not ranks:
+            raise ValueError("TrainerGroup needs at least one rank")
+        self.ranks = list(ranks)
+        self._mbs = micro_batch_size
+        self._max_tokens = max_tokens_per_micro_batch
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    async def _all(self, method: str, *args: Any) -> list[Any]:
+        return list(await asyncio.gather(*(_call(r, method, *args) for r in self.ranks)))
+
+    @_remote_method
+    async def update(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step of every rank on its shard of `batch` (`shard_batch`); the merged
+        metrics (`merge_rank_metrics`: actor/num_tokens, pg_loss, grad_norm global; per-rank means
+        weighted by the ranks' trained tokens). Raises ValueError before any rank is called when
+        the batch cannot be sharded (fewer trained rows than ranks)."""
+        shards = shard_batch(batch, self.world_size, micro_batch_size=self._mbs,
+                             max_tokens_per_micro_batch=self._max_tokens)
+        results = await asyncio.gather(*(_call(r, "update", s) for r, s in zip(self.ranks, shards)))
+        return merge_rank_metrics(results, [float(s.num_loss_tokens) for s in shards])
+
+    @_remote_method
+    async def export_weights(self, path: str) -> str:
+        """Full weights as one safetensors file at `path` (rank 0 writes); returns path."""
+        return (await self._all("export_weights", path))[0]
+
+    @_remote_method
+    async def save_hf(self, directory: str) -> str:
+        """HF model directory (rank 0 writes); returns directory."""
+        return (await self._all("save_hf", directory))[0]
+
+    @_remote_method
+    async def save_optimizer(self, path: str) -> str:
+        """Full AdamW state (rank 0 writes); returns path."""
+        return (await self._all("save_optimizer", path))[0]
+
+    @_remote_method
+    async def load_optimizer(self, path: str) -> None:
+        """Every rank loads its part of a `save_optimizer` file."""
+        await self._all("load_optimizer", path)
+
+    @_remote_method
+    async def full_state_dict(self) -> dict:
+        """Full fp32 weights under HF names (rank 0's complete copy)."""
+        return (await self._all("full_state_dict"))[0]
+
+    @_remote_method
+    async def compute_logprobs(self, batch: TrainBatch) -> Any:
+        """log π under the current weights of `batch` (every rank runs the same forwards: the
+        sharded parameters are gathered collectively); rank 0's result."""
+        return (await self._all("compute_logprobs", batch))[0]
+
+    @_remote_method
+    async def open_weight_group(self, info: Any) -> None:
+        """Rank 0 joins the weight-sync group as its sender; the others return at once."""
+        await self._all("open_weight_group", info)
+
+    @_remote_method
+    async def broadcast_weights(self, version: int) -> Any:
+        """Every rank gathers, rank 0 sends; rank 0's SendReport."""
+        return (await self._all("broadcast_weights", version))[0]
+
+    @_remote_method
+    async def close(self) -> None:
+        """Release every rank's weight-sync group and process group."""
+        await self._all("close")
+
+    @_remote_method
+    async def __ray_call__(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(rank0_instance, *args)` inside rank 0 (Ray's `__ray_call__`), or `fn(rank0,
+        *args)` for a plain object."""
+        lead = self.ranks[0]
+        call = getattr(getattr(lead, "__ray_call__", None), "remote", None)
+        if call is not None:
+            return await call(fn, *args)
+        return fn(lead, *args)
+
+
+def free_port_here(_actor: Any = None) -> tuple[str, int]:
+    """(this node's IP as Ray sees it, else 127.0.0.1; a TCP port free on it now)."""
+    host = "127.0.0.1"
+    try:
+        import ray
+
+        if ray.is_initialized():
+            host = ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return host, int(s.getsockname()[1])
+
+
+async def trainer_init_method(rank0_options: dict[str, Any]) -> str:
+    """torch.distributed rendezvous URL of the trainer ranks: `tcp://IP:PORT` on rank 0's node
+    (TCPStore is hosted by rank 0). A Ray task with rank 0's placement options (same bundle, hence
+    same node) reports the node's IP and a port free there."""
+    import ray
+
+    task = ray.remote(num_cpus=0)(free_port_here).options(**rank0_options)
+    host, port = await task.remote()
+    return f"tcp://{host}:{port}"
+
+
+async def start_trainer_ranks(actor_cls: Any, settings: Any, *, world_size: int,
+                              rank_options: Callable[[int], dict[str, Any]], **kwargs: Any) -> Any:
+    """Start the trainer: one actor for world_size 1 (returned as is, no rendezvous), else
+    `world_size` rank actors joined through `trainer_init_method`, returned as a TrainerGroup.
+
+    actor_cls: a `ray.remote(...)` class of TrainerWorker (or one with its constructor);
+    settings: its TrainerSettings; rank_options(rank): `.options(...)` kwargs of each rank (Ray
+    placement, runtime_env); kwargs: extra constructor kwargs (e.g. `verl=`).
+    """
+    if world_size < 1:
+        raise ValueError(f"trainer world_size must be >= 1, got {world_size}")
+    if world_size == 1:
+        return actor_cls.options(**rank_options(0)).remote(settings, **kwargs)
+    rank0 = {k: v for k, v in rank_options(0).items() if k in ("scheduling_strategy", "num_gpus")}
+    init = await trainer_init_method(rank0)
+    ranks = [actor_cls.options(**rank_options(r)).remote(settings, rank=r, world_size=world_size,
+                                                         init_method=init, **kwargs)
+             for r in range(world_size)]
+    return TrainerGroup(ranks, micro_batch_size=settings.micro_batch_size,
+                        max_tokens_per_micro_batch=settings.max_tokens_per_micro_batch)

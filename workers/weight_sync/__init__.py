@@ -1,0 +1,10 @@
+"""Trainer -> inference weight transfer, versioned: one safetensors file, or a bucketed broadcast.
+
+Modules:
+  file.py       the file backend: the trainer writes one safetensors file, every replica reloads it
+  plan.py       bucket planner of the broadcast (pure)
+  transport.py  byte movers of the broadcast: /dev/shm, CUDA IPC, gloo, NCCL
+  broadcast.py  the sender and receiver of a versioned, bucketed broadcast
+  receiver.py   a receiver that loads into plain torch tensors, and its process entry point
+  setup.py      the run's weight sync, chosen by `trainer.weight_sync.backend`, opened and closed once
+"""

@@ -1,0 +1,110 @@
+"""Trainer -> inference weight transfer, versioned. The CPU path goes through a safetensors file.
+
+Protocol (any `WeightSync` implementation follows it, so the loop does not care which one runs):
+  1. The trainer materializes the full weights for version v (CPU: `TrainerWorker.export_weights(
+     path)` writes one safetensors file of the fp32 HF state dict; GPU: the trainer's rank 0
+     gathers full tensors bucket by bucket).
+  2. `sync.push(source, v)` hands them to every inference replica; each replica handles its
+     in-flight requests per `inference.in_flight` (drain, continue, abort_resume), loads the weights, resets its prefix cache and sets its policy version
+     to v (`InferenceWorker.update_weights`). CPU: every replica reads the file. GPU (later, same
+     interface): replicas join an NCCL group with the trainer once, then receive a broadcast per
+     bucket into their model (`load_weights` per bucket), with the source naming the trainer.
+  3. `push` returns only when every replica confirmed; then the sync's version becomes v.
+
+Invariant: versions only increase. `push` raises ValueError for v <= the current version (and a
+replica raises too). If any replica fails, `push` raises RuntimeError naming the failed replicas
+and the sync's version stays where it was: the replicas may then disagree, and the caller must
+treat the run as broken (or push a newer version again), never continue silently.
+
+Replicas are either local objects with `async update_weights(path, version)` or Ray actor handles
+of such a class (detected by `.remote`); this module does not import Ray.
+
+The bucketed broadcast path (same protocol, `BroadcastWeightSync`): weight_sync_plan.py (which
+tensors go in which bucket), weight_sync_transport.py (shared-memory / CUDA-IPC slots, gloo / NCCL
+groups), weight_sync_broadcast.py (sender, receiver stream, the sync), weight_sync_receiver.py
+(a receiver into plain tensors) and vllm_ext.py (the receiver inside vLLM). On CPU the file path
+stays the run's default: scripts/bench_weight_sync.py measured it at 0.8-1.5 GB/s on a quiet
+2-core box (page cache), the shm broadcast at 2-3.3 GB/s; for the tiny default model both take
+milliseconds next to vLLM's reload. The run picks one by `trainer.weight_sync.backend` in
+workers/weight_sync/setup.py; the replica side of the broadcast is `InferenceWorker.receive_weights`
+(workers/inference/swap.py), under the same in-flight policy as `update_weights`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class WeightSyncReport:
+    """One completed push: the version now served by all replicas and how long it took."""
+
+    version: int
+    num_replicas: int
+    elapsed_s: float
+
+
+class WeightSync(Protocol):
+    """What the training loop needs to publish new weights (CPU file path or GPU NCCL)."""
+
+    def version(self) -> int: ...
+
+    async def push(self, source: str, version: int) -> WeightSyncReport: ...
+
+
+class WeightReceiver(Protocol):
+    """An inference replica as seen by the CPU sync (InferenceWorker satisfies it)."""
+
+    async def update_weights(self, path: str, version: int) -> None: ...
+
+
+class CpuWeightSync:
+    """Pushes a safetensors file written by the trainer to every replica; see the module docstring."""
+
+    def __init__(self, replicas: Sequence[Any], *, initial_version: int = 0) -> None:
+        """replicas: InferenceWorker-like objects or Ray actor handles of them (at least one)."""
+        if not replicas:
+            raise ValueError("CpuWeightSync needs at least one inference replica")
+        if initial_version < 0:
+            raise ValueError(f"initial_version must be >= 0, got {initial_version}")
+        self._replicas = list(replicas)
+        self._version = initial_version
+
+    def version(self) -> int:
+        """Version every replica confirmed last (initial_version before the first push)."""
+        return self._version
+
+    async def push(self, source: str, version: int) -> WeightSyncReport:
+        """Make every replica load the weights file `source` as policy version `version`.
+
+        Raises ValueError if `version` does not increase, RuntimeError (chained to the first error)
+        if any replica failed; in both cases the sync's version is unchanged.
+        """
+        if version <= self._version:
+            raise ValueError(f"policy version must increase: current {self._version}, got {version}")
+        t0 = time.perf_counter()
+        results = await asyncio.gather(
+            *(_update(replica, source, version) for replica in self._replicas), return_exceptions=True
+        )
+        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
+        if failed:
+            detail = "; ".join(f"replica {i}: {type(e).__name__}: {e}" for i, e in failed)
+            raise RuntimeError(
+                f"weight sync to version {version} failed on {len(failed)}/{len(self._replicas)} "
+                f"replicas ({detail}); replicas may now serve different versions"
+            ) from failed[0][1]
+        self._version = version
+        return WeightSyncReport(version=version, num_replicas=len(self._replicas), elapsed_s=time.perf_counter() - t0)
+
+
+async def _update(replica: Any, path: str, version: int) -> None:
+    method = replica.update_weights
+    remote = getattr(method, "remote", None)
+    if remote is not None:  # Ray actor handle: ObjectRefs are awaitable
+        await remote(path, version)
+    else:
+        await method(path, version)
