@@ -17,20 +17,27 @@ Called by `main.py` with the same parts as the sync loop plus the staleness cont
 from __future__ import annotations
 
 import asyncio
-import logging
-import math
 from dataclasses import dataclass, field
-from typing import Any
 
-from orchestrator.batching import Group, assemble, reward_stats
-from orchestrator.loop_sync import LoopReport, SyncLoopParts, ledger_key, mean_update_metrics
+from orchestrator.batching import Group, assemble
+from orchestrator.loop_common import (
+    LoopParts,
+    LoopReport,
+    close_trained,
+    close_untrained,
+    dispatch_group,
+    end_step,
+    finish,
+    ledger_key,
+    step_metrics,
+    sync_weights,
+)
 from orchestrator.run_checkpoint import LoopPosition
 from orchestrator.staleness import AdmissionState
 from orchestrator.staleness import SampleStaleness, StalenessController, StalenessPolicy, judge_samples, staleness_metrics
 from orchestrator.staleness_gate import AdmissionGate
 from workers.core.types import RolloutRequest, Sample
 
-log = logging.getLogger(__name__)
 PARTITION = "async"  # one buffer partition; groups are cleared one by one once consumed
 GROUP_WAIT_S = 0.5  # the consumer re-checks the producer's health at least this often (seconds)
 
@@ -81,7 +88,7 @@ class _StepStats:
     samples: list[Sample] = field(default_factory=list)
 
 
-async def run_async(parts: SyncLoopParts, cfg: AsyncLoopSettings, *, start: LoopPosition | None = None) -> LoopReport:
+async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosition | None = None) -> LoopReport:
     """Run async steps up to `cfg.total_steps` (from `start.step + 1` when resuming from a
     checkpoint: the staleness counters are re-seeded from the restored version, and the pending
     rows of `start` are dispatched first by the prompt source); returns ledger counts and the
@@ -112,36 +119,32 @@ async def run_async(parts: SyncLoopParts, cfg: AsyncLoopSettings, *, start: Loop
                 t0 = parts.clock()
                 update_metrics.append(await parts.trainer.update(tuple(groups)))
                 t_update += parts.clock() - t0
-                for g in groups:
-                    for s in g.samples:
-                        parts.ledger.on_terminal(ledger_key(s), "expired" if ledger_key(s) in st.masked
-                                                 else "completed")
+                close_trained(parts.ledger, groups, st.masked)
+                for _ in groups:
                     controller.on_finished(kept=True)
                 controller.on_trained(len(groups))
             t0 = parts.clock()
-            path = await parts.trainer.export_weights(version.value + 1)
-            await parts.weights.push(path, version.value + 1)
-            version.value += 1
+            version.value = await sync_weights(parts, version.value)
             gate.notify()
             t_sync = parts.clock() - t0
-            metrics = _metrics(parts, st, update_metrics, t_update, t_sync, parts.clock() - t_step, version.value)
-            if parts.probe is not None:
-                metrics.update(await parts.probe())
-            parts.logger.log(step, metrics)
-            if parts.checkpoint is not None:  # pending rows and prompt cursor read with no await between
-                await parts.checkpoint(LoopPosition(step, version.value, inflight.next_group,
-                                                    controller.counts().trained, tuple(inflight.rows.values())))
+            metrics = step_metrics(parts, samples=st.samples, updates=update_metrics, t_gen=st.wait_s,
+                                   t_update=t_update, t_sync=t_sync, step_s=parts.clock() - t_step,
+                                   version=version.value)
+            metrics.update({"timing_s/wait_for_batch": st.wait_s,  # async: the wait for generation
+                            **staleness_metrics(st.facts), "async/masked_stale": float(len(st.masked))})
+            # pending rows and prompt cursor are read with no await between
+            await end_step(parts, step, metrics, LoopPosition(step, version.value, inflight.next_group,
+                                                              controller.counts().trained,
+                                                              tuple(inflight.rows.values())))
         finished = True
     finally:
         stop.set()
         gate.notify()
         await _drain(parts, producer, running, ready, cfg.drain_timeout_s if finished else 0.0)
-    if parts.ledger.open_rollouts():
-        raise RuntimeError(f"rollouts left open after the loop: {parts.ledger.open_rollouts()[:5]}")
-    return LoopReport(steps=cfg.total_steps, policy_version=version.value, counts=parts.ledger.counts())
+    return finish(parts, cfg.total_steps, version.value)
 
 
-async def _produce(parts: SyncLoopParts, cfg: AsyncLoopSettings, gate: AdmissionGate, ready: asyncio.Queue,
+async def _produce(parts: LoopParts, cfg: AsyncLoopSettings, gate: AdmissionGate, ready: asyncio.Queue,
                    running: set[asyncio.Task], stop: asyncio.Event, inflight: "_InFlight") -> None:
     """Admit groups while capacity lasts; each group runs as its own task and queues its id when done."""
     while not stop.is_set():
@@ -152,10 +155,7 @@ async def _produce(parts: SyncLoopParts, cfg: AsyncLoopSettings, gate: Admission
             return
         row = parts.prompts.next_rows(1)[0]
         gid = inflight.admit(row)
-        reqs = [RolloutRequest(group_id=gid, input_id=str(row["input_id"]), sample_index=i, row=row)
-                for i in range(cfg.n)]
-        for r in reqs:
-            parts.ledger.on_dispatched(ledger_key(r))
+        reqs = dispatch_group(parts.ledger, row, gid, cfg.n)
 
         async def run_group(gid: int = gid, reqs: list[RolloutRequest] = reqs) -> None:
             await parts.rollouts.run_all(reqs, PARTITION)
@@ -167,7 +167,7 @@ async def _produce(parts: SyncLoopParts, cfg: AsyncLoopSettings, gate: Admission
         task.add_done_callback(inflight.on_group_done)
 
 
-async def _collect(parts: SyncLoopParts, cfg: AsyncLoopSettings, policy: StalenessPolicy,
+async def _collect(parts: LoopParts, cfg: AsyncLoopSettings, policy: StalenessPolicy,
                    controller: StalenessController, gate: AdmissionGate, ready: asyncio.Queue,
                    producer: asyncio.Task, version: int, st: _StepStats, inflight: "_InFlight") -> list[Group]:
     """Take finished groups until B trainable ones are in hand; close the others in the ledger.
@@ -192,11 +192,7 @@ async def _collect(parts: SyncLoopParts, cfg: AsyncLoopSettings, policy: Stalene
         st.masked.update(ledger_key(s) for s, f in zip(completed, verdict.facts) if f.stale and policy.on_stale != "drop")
         batch = assemble([*verdict.train, *(s for s in samples if s.status != "completed")],
                          filter_zero_variance=cfg.filter_zero_variance)
-        for s in batch.failed:
-            parts.ledger.on_terminal(ledger_key(s), "failed")
-            log.warning("rollout %s failed: %s", s.session_id, s.error)
-        for s in batch.filtered:
-            parts.ledger.on_terminal(ledger_key(s), "filtered")
+        close_untrained(parts.ledger, batch)
         if not batch.trainable:
             controller.on_finished(kept=False)  # capacity back: the producer may admit another group
             gate.notify()
@@ -220,7 +216,7 @@ async def _next_ready(ready: asyncio.Queue, producer: asyncio.Task, inflight: _I
             continue
 
 
-async def _drain(parts: SyncLoopParts, producer: asyncio.Task, running: set[asyncio.Task], ready: asyncio.Queue,
+async def _drain(parts: LoopParts, producer: asyncio.Task, running: set[asyncio.Task], ready: asyncio.Queue,
                  timeout_s: float) -> None:
     """Stop admitting, let in-flight groups finish (at most `timeout_s` seconds, then cancel them),
     close their rollouts as `expired`."""
@@ -236,25 +232,3 @@ async def _drain(parts: SyncLoopParts, producer: asyncio.Task, running: set[asyn
         await parts.store.clear_groups(PARTITION, [gid])
     for key in parts.ledger.open_rollouts():
         parts.ledger.on_terminal(key, "expired")  # generated after the last update: never trained
-
-
-def _metrics(parts: SyncLoopParts, st: _StepStats, updates: list[dict[str, float]], t_update: float,
-             t_sync: float, step_s: float, version: int) -> dict[str, Any]:
-    trained_tokens = sum(m.get("actor/num_tokens", 0.0) for m in updates)
-    m: dict[str, Any] = {
-        **reward_stats(st.samples),
-        "perf/throughput": trained_tokens / step_s if step_s > 0 else 0.0,
-        "perf/trained_tokens": trained_tokens,
-        "timing_s/gen": st.wait_s,  # async: generation overlaps training; this is the wait for it
-        "timing_s/wait_for_batch": st.wait_s,
-        "timing_s/update_actor": t_update,
-        "timing_s/update_weights": t_sync,
-        "timing_s/step": step_s,
-        "policy_version": float(version),
-        **staleness_metrics(st.facts),
-        "async/masked_stale": float(len(st.masked)),
-        **{k: float(v) for k, v in parts.ledger.counts().items()},
-    }
-    m.update(mean_update_metrics(updates))
-    m["rollout_corr/is_mean"] = m.get("rollout_corr/rollout_is_mean", math.nan)
-    return m

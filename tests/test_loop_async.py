@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator.batching import RolloutLedger
 from orchestrator.loop_async import AsyncLoopSettings, run_async
-from orchestrator.loop_sync import SyncLoopParts
+from orchestrator.loop_common import LoopParts
 from orchestrator.prompts import PromptCycle
 from orchestrator.clients import build_train_batch
 from workers.core.types import Sample, TrajectoryRow
@@ -103,7 +103,7 @@ def build(reward_fn, *, seed=0, max_latency_s=0.02):
     rollouts = SimRollouts(store, engine, random.Random(seed), reward_fn, max_latency_s)
     trainer, logger = RecordingTrainer(engine), ListLogger()
     rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(50)]
-    parts = SyncLoopParts(prompts=PromptCycle(rows, seed=seed), rollouts=rollouts, store=store, trainer=trainer,
+    parts = LoopParts(prompts=PromptCycle(rows, seed=seed), rollouts=rollouts, store=store, trainer=trainer,
                           weights=engine, logger=logger, ledger=RolloutLedger())
     return parts, trainer, logger, rollouts
 

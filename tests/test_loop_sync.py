@@ -5,7 +5,8 @@ import math
 import pytest
 
 from orchestrator.batching import RolloutLedger
-from orchestrator.loop_sync import SyncLoopParts, SyncLoopSettings, run_sync
+from orchestrator.loop_common import LoopParts
+from orchestrator.loop_sync import SyncLoopSettings, run_sync
 from orchestrator.prompts import PromptCycle
 from orchestrator.clients import build_train_batch
 from workers.core.types import Sample, TrajectoryRow
@@ -82,7 +83,7 @@ class ListLogger:
 async def test_sync_loop_closes_every_rollout_and_bumps_version_once_per_step(sync_every):
     store, push, trainer, logger = MemoryStore(), RecordingPush(), RecordingTrainer(), ListLogger()
     rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(10)]
-    parts = SyncLoopParts(prompts=PromptCycle(rows, seed=0), rollouts=SimRollouts(store, push.versions),
+    parts = LoopParts(prompts=PromptCycle(rows, seed=0), rollouts=SimRollouts(store, push.versions),
                           store=store, trainer=trainer, weights=push, logger=logger, ledger=RolloutLedger())
     report = await run_sync(parts, SyncLoopSettings(total_steps=3, batch_size=4, n=4, sync_every=sync_every,
                                                     filter_zero_variance=True))
@@ -106,7 +107,7 @@ async def test_sync_loop_raises_when_buffer_loses_a_sample():
             return (await super().get_groups(partition, group_ids))[1:]
 
     store, push = LossyStore(), RecordingPush()
-    parts = SyncLoopParts(prompts=PromptCycle([{"input_id": "p", "prompt": "x"}], seed=0),
+    parts = LoopParts(prompts=PromptCycle([{"input_id": "p", "prompt": "x"}], seed=0),
                           rollouts=SimRollouts(store, push.versions), store=store, trainer=RecordingTrainer(),
                           weights=push, logger=ListLogger())
     with pytest.raises(RuntimeError, match="buffer returned 3 samples for 4 rollouts"):
@@ -147,7 +148,7 @@ async def test_a_step_where_every_rollout_failed_stops_the_run():
             return out
 
     rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(10)]
-    parts = SyncLoopParts(prompts=PromptCycle(rows, seed=0), rollouts=AllFail(store, push.versions), store=store,
+    parts = LoopParts(prompts=PromptCycle(rows, seed=0), rollouts=AllFail(store, push.versions), store=store,
                           trainer=trainer, weights=push, logger=logger, ledger=RolloutLedger())
     with pytest.raises(RuntimeError, match="step 1: all 8 rollouts failed.*could not connect"):
         await run_sync(parts, SyncLoopSettings(total_steps=3, batch_size=2, n=4, sync_every=1,

@@ -15,7 +15,7 @@ import pytest
 from orchestrator.batching import RolloutLedger
 from orchestrator.checkpoint import load_latest
 from orchestrator.loop_async import AsyncLoopSettings, run_async
-from orchestrator.loop_sync import SyncLoopParts
+from orchestrator.loop_common import LoopParts
 from orchestrator.prompts import PromptCycle
 from orchestrator.run_checkpoint import LoopPosition, ResumablePrompts, RunCheckpointer
 
@@ -79,7 +79,7 @@ def build(prompts, engine_version=0, trained_before=0, seed=0):
     rollouts = BoundCheckingRollouts(store, engine, random.Random(seed), sim.varied, 0.03,
                                      trained_before=trained_before)
     trainer, logger = sim.RecordingTrainer(engine), sim.ListLogger()
-    parts = SyncLoopParts(prompts=prompts, rollouts=rollouts, store=store, trainer=trainer, weights=engine,
+    parts = LoopParts(prompts=prompts, rollouts=rollouts, store=store, trainer=trainer, weights=engine,
                           logger=logger, ledger=RolloutLedger())
     rollouts.ledger = parts.ledger
     return parts, trainer, rollouts

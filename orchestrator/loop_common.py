@@ -1,0 +1,161 @@
+"""What the sync and the async loop share: their parts, the dispatch of a group, the ledger
+closing of untrained samples, the weight sync, the per-step metrics and the end-of-run check.
+
+The loops are handed a `LoopParts` (built by `orchestrator/build.py`, or by a test with simulated
+parts) whose members are small protocols, so a simulated engine, pool, trainer or clock can stand in
+for the real ones. Invariant defended here: a loop returns its `LoopReport` only when every
+dispatched rollout has reached a terminal state in the ledger (`finish` raises otherwise).
+
+No torch, Ray or HTTP import: the loops import without them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterable, Protocol
+
+from orchestrator.batching import Group, GroupBatch, RolloutLedger, reward_stats
+from orchestrator.run_checkpoint import LoopPosition
+from workers.core.types import RolloutRequest, Sample
+
+log = logging.getLogger(__name__)
+
+
+class PromptSource(Protocol):
+    def next_rows(self, num: int) -> list[dict]: ...
+
+
+class Rollouts(Protocol):
+    async def run_all(self, reqs: list[RolloutRequest], partition: str) -> list[Any]: ...
+
+
+class SampleStore(Protocol):
+    async def get_groups(self, partition: str, group_ids: list[int]) -> list[Sample]: ...
+    async def clear(self, partition: str) -> None: ...
+    async def clear_groups(self, partition: str, group_ids: list[int]) -> None: ...
+
+
+class Trainer(Protocol):
+    async def update(self, groups: tuple[Group, ...]) -> dict[str, float]: ...
+    async def export_weights(self, version: int) -> str: ...
+
+
+class WeightPush(Protocol):
+    async def push(self, path: str, version: int) -> None: ...
+
+
+class StepLogger(Protocol):
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+
+@dataclass
+class LoopParts:
+    """Everything a loop talks to. `clock`: seconds (monotonic); `probe`: extra per-step metrics
+    (gateway, engines); `checkpoint`: called after every step with the loop's position."""
+
+    prompts: PromptSource
+    rollouts: Rollouts
+    store: SampleStore
+    trainer: Trainer
+    weights: WeightPush
+    logger: StepLogger
+    ledger: RolloutLedger = field(default_factory=RolloutLedger)
+    clock: Callable[[], float] = time.monotonic
+    probe: Callable[[], Awaitable[dict[str, float]]] | None = None
+    checkpoint: Callable[[LoopPosition], Awaitable[None]] | None = None
+
+
+@dataclass(frozen=True)
+class LoopReport:
+    steps: int
+    policy_version: int
+    counts: dict[str, int]
+
+
+def ledger_key(s: Sample | RolloutRequest) -> str:
+    """The ledger's key of one rollout: `g{group_id}/s{sample_index}`."""
+    return f"g{s.group_id}/s{s.sample_index}"
+
+
+def dispatch_group(ledger: RolloutLedger, row: dict, group_id: int, n: int) -> list[RolloutRequest]:
+    """The `n` rollout requests of one group for dataset `row`, each recorded as dispatched."""
+    reqs = [RolloutRequest(group_id=group_id, input_id=str(row["input_id"]), sample_index=i, row=row)
+            for i in range(n)]
+    for r in reqs:
+        ledger.on_dispatched(ledger_key(r))
+    return reqs
+
+
+def close_untrained(ledger: RolloutLedger, batch: GroupBatch) -> None:
+    """Close the failed and filtered samples of `batch` in the ledger (failures are logged)."""
+    for s in batch.failed:
+        ledger.on_terminal(ledger_key(s), "failed")
+        log.warning("rollout %s failed: %s", s.session_id, s.error)
+    for s in batch.filtered:
+        ledger.on_terminal(ledger_key(s), "filtered")
+
+
+def close_trained(ledger: RolloutLedger, groups: Iterable[Group], masked: set[str] = frozenset()) -> None:
+    """Close every sample of trained `groups`: `completed`, or `expired` when it was trained with a
+    zero loss mask (its key in `masked`)."""
+    for g in groups:
+        for s in g.samples:
+            key = ledger_key(s)
+            ledger.on_terminal(key, "expired" if key in masked else "completed")
+
+
+async def sync_weights(parts: LoopParts, version: int) -> int:
+    """Export the trainer's weights as `version + 1`, push them to the engines; return the new version."""
+    path = await parts.trainer.export_weights(version + 1)
+    await parts.weights.push(path, version + 1)
+    return version + 1
+
+
+def mean_update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
+    """Average each trainer metric over the step's mini-batches (`actor/num_tokens` is summed)."""
+    keys = {k for m in updates for k in m}
+    out = {}
+    for k in sorted(keys):
+        vals = [m[k] for m in updates if k in m]
+        out[k] = sum(vals) if k == "actor/num_tokens" else sum(vals) / len(vals)
+    return out
+
+
+def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[str, float]], t_gen: float,
+                 t_update: float, t_sync: float, step_s: float, version: int) -> dict[str, float]:
+    """The metrics both loops log per step (times in seconds, throughput in trained tokens/s)."""
+    trained_tokens = sum(m.get("actor/num_tokens", 0.0) for m in updates)
+    m: dict[str, float] = {
+        **reward_stats(samples),
+        "perf/throughput": trained_tokens / step_s if step_s > 0 else 0.0,
+        "perf/trained_tokens": trained_tokens,
+        "timing_s/gen": t_gen,
+        "timing_s/update_actor": t_update,
+        "timing_s/update_weights": t_sync,
+        "timing_s/step": step_s,
+        "policy_version": float(version),
+        **{k: float(v) for k, v in parts.ledger.counts().items()},
+    }
+    m.update(mean_update_metrics(updates))
+    # the short name of verl's `rollout_corr/rollout_is_mean` (mean TIS weight over trained tokens)
+    m["rollout_corr/is_mean"] = m.get("rollout_corr/rollout_is_mean", math.nan)
+    return m
+
+
+async def end_step(parts: LoopParts, step: int, metrics: dict[str, float], position: LoopPosition) -> None:
+    """Add the probe's metrics, log the step, then checkpoint at `position`."""
+    if parts.probe is not None:
+        metrics.update(await parts.probe())
+    parts.logger.log(step, metrics)
+    if parts.checkpoint is not None:
+        await parts.checkpoint(position)
+
+
+def finish(parts: LoopParts, steps: int, version: int) -> LoopReport:
+    """The run's report; raises RuntimeError when a dispatched rollout has no terminal state."""
+    if parts.ledger.open_rollouts():
+        raise RuntimeError(f"rollouts left open after the loop: {parts.ledger.open_rollouts()[:5]}")
+    return LoopReport(steps=steps, policy_version=version, counts=parts.ledger.counts())
