@@ -20,18 +20,8 @@ import asyncio
 from dataclasses import dataclass, field
 
 from orchestrator.batching import Group, assemble
-from orchestrator.loop_common import (
-    LoopParts,
-    LoopReport,
-    close_trained,
-    close_untrained,
-    dispatch_group,
-    end_step,
-    finish,
-    ledger_key,
-    step_metrics,
-    sync_weights,
-)
+from orchestrator.loop_common import (LoopParts, LoopReport, close_trained, close_untrained, dispatch_group,
+                                       end_step, finish, ledger_key, step_metrics, sync_weights)
 from orchestrator.run_checkpoint import LoopPosition
 from orchestrator.staleness import AdmissionState
 from orchestrator.staleness import SampleStaleness, StalenessController, StalenessPolicy, judge_samples, staleness_metrics

@@ -11,18 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.batching import assemble, split_groups
-from orchestrator.loop_common import (
-    LoopParts,
-    LoopReport,
-    close_trained,
-    close_untrained,
-    dispatch_group,
-    end_step,
-    finish,
-    ledger_key,
-    step_metrics,
-    sync_weights,
-)
+from orchestrator.loop_common import (LoopParts, LoopReport, close_trained, close_untrained, dispatch_group,
+                                       end_step, finish, ledger_key, step_metrics, sync_weights)
 from orchestrator.run_checkpoint import LoopPosition
 from workers.core.types import RolloutRequest
 

@@ -280,7 +280,7 @@ class SampleStaleness:
 
 def sample_staleness(sample: Sample, trainer_version: int) -> int | None:
     """staleness = trainer_version - (oldest policy version among the sample's generated tokens)
-    (DESIGN.md "staleness"); None when the sample generated nothing (failed samples, empty rows).
+    (docs/architecture.md, "staleness"); None when the sample generated nothing (failed samples, empty rows).
 
     Raises StalenessError when a token is newer than `trainer_version`.
     """

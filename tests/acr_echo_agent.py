@@ -1,4 +1,4 @@
-"""A tiny real ACR agent for the emulator tests (run as a script, not collected by pytest).
+"""A tiny real ACR agent for the emulator tests (run as a script, `stand_ins.ECHO_AGENT`; not collected).
 
 Built on `bedrock_agentcore.runtime.BedrockAgentCoreApp` like any ACR container app. It answers
 `{"pid", "session_id", "payload", "headers"}` so a test can see which process served a session,

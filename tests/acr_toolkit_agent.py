@@ -1,6 +1,7 @@
 """An agent written with the public agentcore-rl-toolkit decorator, unchanged, for the emulator
-tests (run as a script, not collected). S3-result contract: reward 1.0 when the row's `answer`
-is "yes"; a row with `raise` makes the rollout raise (the toolkit then writes its error object)."""
+tests (run as a script, `stand_ins.TOOLKIT_S3_AGENT`; not collected). S3-result contract: reward
+1.0 when the row's `answer` is "yes"; a row with `raise` makes the rollout raise (the toolkit then
+writes its error object)."""
 
 from __future__ import annotations
 

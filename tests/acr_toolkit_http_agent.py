@@ -1,8 +1,9 @@
 """An HTTP-contract agent written with agentcore-rl-toolkit's `AgentCoreRuntimeApp`, unchanged,
-for the emulator tests (run as a script, not collected). The toolkit app handles the
-`_agentcore_runtime` start/get envelope and persists records under env TOOLKIT_STATE_DIR; the
-entrypoint reads the reserved `_config` dict and returns `{"reward": r}` (1.0 when the row's
-`answer` equals `_config["expected"]`), after `sleep_s` seconds; `fail` makes it raise."""
+for the emulator tests (run as a script, `stand_ins.TOOLKIT_HTTP_AGENT`; not collected). The
+toolkit app handles the `_agentcore_runtime` start/get envelope and persists records under env
+TOOLKIT_STATE_DIR; the entrypoint reads the reserved `_config` dict and returns `{"reward": r}`
+(1.0 when the row's `answer` equals `_config["expected"]`), after `sleep_s` seconds; `fail` makes
+it raise."""
 
 from __future__ import annotations
 

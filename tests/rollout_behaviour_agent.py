@@ -1,5 +1,5 @@
 """A real ACR agent whose result is chosen by the dataset row's `behaviour` field, for the
-rollout worker tests (run as a script by the ACR emulator, not collected by pytest).
+rollout worker tests (run as a script by the ACR emulator, `stand_ins.BEHAVIOUR_AGENT`; not collected).
 
 Built on `bedrock_agentcore.runtime.BedrockAgentCoreApp`. Every invocation first makes ONE chat
 call to the rollout gateway with the official `openai` SDK (`_rollout["base_url"]`, `api_key`,

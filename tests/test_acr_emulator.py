@@ -20,7 +20,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, ParamValidationError
 
 from workers.acr.client import AcrClient, AcrClientConfig
-from workers.embedded.emulator import RateWindow, SessionRefused, SessionTable, TokenBucket
+from workers.embedded.emulator_sessions import RateWindow, SessionRefused, SessionTable, TokenBucket
 from workers.embedded.local_stack import LocalStack
 
 ECHO_AGENT = [sys.executable, str(Path(__file__).with_name("acr_echo_agent.py"))]

@@ -10,58 +10,39 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
-import uuid
-from pathlib import Path
 
 import boto3
 import pytest
 from agentcore_rl_toolkit import AgentCoreHttpClient
 
-from workers.embedded.local_stack import LocalStack
-
-HERE = Path(__file__).parent
-S3_AGENT = [sys.executable, str(HERE / "acr_toolkit_agent.py")]
-HTTP_AGENT = [sys.executable, str(HERE / "acr_toolkit_http_agent.py")]
+from stand_ins import TOOLKIT_HTTP_AGENT, TOOLKIT_S3_AGENT, new_session_id, wait_until
 
 
 def new_sid() -> str:
-    return f"toolkit-session-{uuid.uuid4()}"
+    return new_session_id("toolkit-session")
 
 
-def wait_for_object(s3, bucket: str, key: str, timeout_s: float) -> dict | None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            return json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
-        except s3.exceptions.NoSuchKey:
-            time.sleep(0.05)
-    return None
+def read_object(s3, bucket: str, key: str) -> dict | None:
+    try:
+        return json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    except s3.exceptions.NoSuchKey:
+        return None
 
 
 @pytest.fixture(scope="module")
-def s3_stack(tmp_path_factory):
-    with LocalStack(S3_AGENT, num_agents=1, log_dir=tmp_path_factory.mktemp("toolkit-s3")) as stack:
-        yield stack
+def s3_stack(local_stack):
+    return local_stack(TOOLKIT_S3_AGENT, num_agents=1)
 
 
 @pytest.fixture(scope="module")
-def http_stack(tmp_path_factory):
+def http_stack(local_stack, tmp_path_factory):
     state = tmp_path_factory.mktemp("toolkit-state")
-    log_dir = tmp_path_factory.mktemp("toolkit-http")
-    with LocalStack(HTTP_AGENT, num_agents=1, log_dir=log_dir, agent_env={"TOOLKIT_STATE_DIR": str(state)}) as stack:
-        yield stack
+    return local_stack(TOOLKIT_HTTP_AGENT, num_agents=1, agent_env={"TOOLKIT_STATE_DIR": str(state)})
 
 
-def use(stack: LocalStack, monkeypatch) -> LocalStack:
-    for k, v in stack.env.items():
-        monkeypatch.setenv(k, v)
-    return stack
-
-
-def test_s3_decorator_agent_writes_its_result_at_the_session_key(s3_stack, monkeypatch):
-    stack = use(s3_stack, monkeypatch)
+def test_s3_decorator_agent_writes_its_result_at_the_session_key(s3_stack, stack_env):
+    stack = stack_env(s3_stack)
     acr, s3 = boto3.client("bedrock-agentcore"), boto3.client("s3")
     ok, broken = new_sid(), new_sid()
     rollout = {"exp_id": "exp-tk", "input_id": "row-3", "s3_bucket": stack.bucket}
@@ -71,17 +52,17 @@ def test_s3_decorator_agent_writes_its_result_at_the_session_key(s3_stack, monke
         assert resp["runtimeSessionId"] == sid
         ack = json.loads(resp["response"].read())
         assert ack == {"status": "processing", "s3_bucket": stack.bucket, "result_key": f"exp-tk/row-3/{sid}.json"}
-    good = wait_for_object(s3, stack.bucket, f"exp-tk/row-3/{ok}.json", 30)
+    good = wait_until(lambda: read_object(s3, stack.bucket, f"exp-tk/row-3/{ok}.json"), 30)
     assert good is not None and good["rewards"] == 1.0 and good["status_code"] == 200
-    bad = wait_for_object(s3, stack.bucket, f"exp-tk/row-3/{broken}.json", 30)
+    bad = wait_until(lambda: read_object(s3, stack.bucket, f"exp-tk/row-3/{broken}.json"), 30)
     assert bad is not None and bad["status_code"] == 500 and "rewards" not in bad  # toolkit's error object
     for sid in (ok, broken):
         acr.stop_runtime_session(agentRuntimeArn=stack.agent_runtime_arn, runtimeSessionId=sid)
     assert stack.stats().sessions_open == 0
 
 
-def test_http_contract_start_and_get_through_boto3(http_stack, monkeypatch):
-    stack = use(http_stack, monkeypatch)
+def test_http_contract_start_and_get_through_boto3(http_stack, stack_env):
+    stack = stack_env(http_stack)
     acr, arn, sid = boto3.client("bedrock-agentcore"), http_stack.agent_runtime_arn, new_sid()
 
     def call(envelope: dict, **row) -> dict:
@@ -105,8 +86,8 @@ def test_http_contract_start_and_get_through_boto3(http_stack, monkeypatch):
     assert stack.stats().sessions_open == 0
 
 
-async def test_toolkit_http_client_runs_against_the_emulator(http_stack, monkeypatch):
-    stack = use(http_stack, monkeypatch)
+async def test_toolkit_http_client_runs_against_the_emulator(http_stack, stack_env):
+    stack = stack_env(http_stack)
     sid = new_sid()
     async with AgentCoreHttpClient(stack.agent_runtime_arn) as client:
         result = await asyncio.wait_for(

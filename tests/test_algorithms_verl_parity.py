@@ -11,6 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from stand_ins import make_row, random_mask
 from workers.core.algorithms.advantages import broadcast_to_tokens, grpo_outcome_advantages
 from workers.core.algorithms.batch import TrainBatch
 from workers.core.algorithms.losses import PolicyLossConfig, aggregate_loss, ppo_clip_loss
@@ -19,7 +20,6 @@ from workers.core.algorithms.rollout_correction import (
     compute_rollout_correction,
     truncated_is_weights,
 )
-from workers.core.types import TrajectoryRow
 
 core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
 rollout_corr_helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper")
@@ -27,17 +27,6 @@ rollout_corr_helper = pytest.importorskip("verl.trainer.ppo.rollout_corr_helper"
 SHAPES = [(1, 5), (4, 7), (8, 33), (16, 64)]
 SEEDS = [0, 1, 2]
 ATOL = 1e-6
-
-
-def random_mask(gen: torch.Generator, bsz: int, seq: int) -> torch.Tensor:
-    """Right-padded float mask: each row keeps 1..seq-1 tokens starting at column 1 (col 0 is prompt)."""
-    mask = torch.zeros(bsz, seq)
-    for b in range(bsz):
-        n = int(torch.randint(1, max(seq, 2), (1,), generator=gen).item())
-        mask[b, 1 : 1 + n] = 1.0
-    if seq == 1:
-        mask[:, 0] = 1.0
-    return mask
 
 
 def logprobs(gen: torch.Generator, bsz: int, seq: int, scale: float = 1.0) -> torch.Tensor:
@@ -290,18 +279,8 @@ def test_rollout_correction_rejects_empty_mask_and_bad_threshold():
 # --- TrainBatch ------------------------------------------------------------------------------
 
 
-def make_row(prompt: list[int], generated: list[int], version: int = 0) -> TrajectoryRow:
-    n_p, n_g = len(prompt), len(generated)
-    return TrajectoryRow(
-        token_ids=tuple(prompt + generated),
-        loss_mask=(0,) * n_p + (1,) * n_g,
-        rollout_logprobs=(0.0,) * n_p + tuple(-0.1 * (i + 1) for i in range(n_g)),
-        versions=(-1,) * n_p + (version,) * n_g,
-    )
-
-
 def test_train_batch_from_rows_right_pads_and_aligns_tokens():
-    rows = [make_row([5, 6], [7, 8, 9]), make_row([5], [4])]
+    rows = [make_row([5, 6], [7, 8, 9], logprobs=(-0.1, -0.2, -0.3)), make_row([5], [4])]
     b = TrainBatch.from_rows(rows, advantages=[1.5, -0.5], pad_id=0)
     assert b.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 4, 0, 0, 0]]
     assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]

@@ -6,19 +6,13 @@ import random
 import pytest
 
 from orchestrator.batching import RolloutLedger, assemble, reward_stats, split_groups
-from workers.core.types import Sample, TrajectoryRow
-
-
-def make_sample(group_id, idx, reward, status="completed"):
-    row = TrajectoryRow(token_ids=(5, 6, 7), loss_mask=(0, 1, 1), rollout_logprobs=(0.0, -0.5, -0.7), versions=(-1, 0, 0))
-    return Sample(session_id=f"s-{group_id}-{idx}", group_id=group_id, input_id=f"in-{group_id}", sample_index=idx,
-                  rows=(row,), reward=reward if status == "completed" else None, status=status, latency_s=0.1)
+from stand_ins import make_sample
 
 
 def test_failed_and_zero_variance_samples_are_not_trainable():
-    samples = [make_sample(0, 0, 1.0), make_sample(0, 1, 0.0), make_sample(0, 2, None, "failed"),
+    samples = [make_sample(0, 0, 1.0), make_sample(0, 1, 0.0), make_sample(0, 2, None, status="failed"),
                make_sample(1, 0, 0.5), make_sample(1, 1, 0.5),  # equal rewards: no GRPO signal
-               make_sample(2, 0, 1.0), make_sample(2, 1, None, "failed")]  # one completed: no baseline
+               make_sample(2, 0, 1.0), make_sample(2, 1, None, status="failed")]  # one completed: no baseline
     b = assemble(samples, filter_zero_variance=True)
     assert [g.group_id for g in b.trainable] == [0]
     assert [s.session_id for s in b.trainable[0].samples] == ["s-0-0", "s-0-1"]
@@ -39,7 +33,7 @@ def test_randomized_every_sample_has_exactly_one_fate():
             for i in range(rng.randint(1, 5)):
                 failed = rng.random() < 0.2
                 samples.append(make_sample(g, i, None if failed else rng.choice([0.0, 0.5, 1.0]),
-                                           "failed" if failed else "completed"))
+                                           status="failed" if failed else "completed"))
         b = assemble(samples, filter_zero_variance=rng.random() < 0.5)
         ids = [s.session_id for g in b.trainable for s in g.samples] + [s.session_id for s in b.filtered] + [
             s.session_id for s in b.failed]
@@ -72,6 +66,6 @@ def test_ledger_counts_and_refuses_double_close():
 
 
 def test_reward_stats_ignores_failed():
-    st = reward_stats([make_sample(0, 0, 1.0), make_sample(0, 1, 0.0), make_sample(0, 2, None, "failed")])
+    st = reward_stats([make_sample(0, 0, 1.0), make_sample(0, 1, 0.0), make_sample(0, 2, None, status="failed")])
     assert st["reward/mean"] == 0.5 and st["reward/max"] == 1.0
-    assert math.isnan(reward_stats([make_sample(0, 0, None, "failed")])["reward/mean"])
+    assert math.isnan(reward_stats([make_sample(0, 0, None, status="failed")])["reward/mean"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.colocate import SleepingTrainer
-from workers.inference.worker import SleepReport
+from workers.inference.settings import SleepReport
 
 
 class ScriptedReplica:

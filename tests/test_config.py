@@ -1,4 +1,5 @@
-"""Config: every shipped config composes into a valid RunConfig; bad values stop the run naming the key."""
+"""Config: every shipped config composes into a valid RunConfig; bad values stop the run naming the key;
+file-system checks run in pre-flight and name the key too."""
 
 import subprocess
 import sys
@@ -7,7 +8,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from orchestrator.checkpoint import CheckpointError
 from orchestrator.config import ConfigError, RunConfig, register, to_run_config
+from orchestrator.preflight import preflight
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 GROUPS = sorted(p.name for p in CONFIGS.iterdir() if p.is_dir())
@@ -51,7 +54,6 @@ def test_default_config_is_the_embedded_default():
         ("rollout.max_tokens=600", "rollout.max_context_tokens"),  # 512-token budget < answer
         ("rollout.n=1", "rollout.n"),  # GRPO: a group of one has no baseline, nothing would train
         ("+bogus.key=1", "bogus"),  # a typo added with + must not be ignored
-        ("model.path=/nonexistent/model", "model.path"),
         ("rollout.poll_initial_s=-1", "rollout.poll_initial_s"),
         ("async.max_staleness=-1", "async.max_staleness"),
         ("async.on_stale=keep", "async.on_stale"),
@@ -90,13 +92,89 @@ def test_run_dir_of_an_earlier_run_or_a_file_is_refused(tmp_path):
     first run's metrics.jsonl, mixing two histories."""
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(ConfigError, match="^run_dir already holds a run"):
-        _compose_at(tmp_path)
+        preflight(_compose_at(tmp_path))
     a_file = tmp_path / "metrics.jsonl"
     with pytest.raises(ConfigError, match="^run_dir exists and is not a directory"):
-        _compose_at(a_file)
+        preflight(_compose_at(a_file))
 
 
-def _compose_at(run_dir):
+def _compose_at(run_dir, overrides: tuple[str, ...] = ()):
     register()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return to_run_config(compose(config_name="config", overrides=[f"run_dir={run_dir}"]))
+        return to_run_config(compose(config_name="config", overrides=[f"run_dir={run_dir}", *overrides]))
+
+
+# --- pre-flight: file-system checks after the (pure) schema validation ------------------------------
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("model.path=/nonexistent/model", "model.path"),
+        ("model.chat_template=/nonexistent/template.jinja", "model.chat_template"),
+        ("task=gsm8k task.data_path=/nonexistent/gsm8k.jsonl", "task.data_path"),
+    ],
+)
+def test_preflight_names_the_key_of_a_missing_file(tmp_path, override, key):
+    cfg = _compose_at(tmp_path / "run", tuple(override.split()))  # the schema reads values only: this passes
+    with pytest.raises(ConfigError, match=rf"^{key.replace('.', chr(92) + '.')}"):
+        preflight(cfg)
+    assert not (tmp_path / "run").exists()  # refused before run_dir is created
+
+
+def test_preflight_accepts_a_model_dir_and_creates_run_dir(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    cfg = _compose_at(tmp_path / "a" / "run", (f"model.path={tmp_path / 'model'}",
+                                               f"model.chat_template={tmp_path / 't.jinja'}"))
+    pre = preflight(cfg)
+    assert pre.run_dir == (tmp_path / "a" / "run").resolve() and pre.run_dir.is_dir()
+    assert pre.checkpoint is None  # trainer.resume_mode=disable
+
+
+def test_preflight_refuses_a_missing_checkpoint_and_an_uncreatable_run_dir(tmp_path):
+    with pytest.raises(CheckpointError):
+        preflight(_compose_at(tmp_path / "run", ("trainer.resume_mode=resume_path",
+                                                 f"trainer.resume_from_path={tmp_path / 'no-ckpt'}")))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="^run_dir: cannot create"):
+        preflight(_compose_at(tmp_path / "file" / "run"))  # a parent is a file
+
+
+def test_schema_validation_reads_no_file(tmp_path):
+    """Values only: paths that do not exist validate; pre-flight is the one file-system step."""
+    cfg = _compose_at(tmp_path / "nope" / "run", ("model.path=/nonexistent/model", "task=gsm8k",
+                                                  "task.data_path=/nonexistent/x.jsonl"))
+    assert cfg.model.path == "/nonexistent/model" and not (tmp_path / "nope").exists()
+
+
+def test_config_imports_without_torch_ray_or_vllm():
+    code = "import sys, orchestrator.config; print(sorted(m for m in ('torch', 'ray', 'vllm') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=CONFIGS.parent)
+    assert out.stdout.strip() == "[]", out.stderr[-2000:]
+
+
+# --- choice lists live once: the config accepts exactly what the owning module defines -------------
+
+def test_choice_lists_are_the_owning_modules():
+    from typing import get_args
+
+    from orchestrator.config.async_ import ASYNC_IN_FLIGHT_MODES
+    from orchestrator.config.trainer import WEIGHT_SYNC_BACKENDS
+    from orchestrator.staleness import ON_STALE_CHOICES
+    from workers.core.placement import PLACEMENT_MODES
+    from workers.inference.settings import IN_FLIGHT_MODES
+    from workers.rollout.contract import Contract
+    from workers.trainer.settings import VerlStrategy
+    from workers.weight_sync.setup import BROADCAST_BACKENDS, FILE_BACKEND
+
+    assert set(WEIGHT_SYNC_BACKENDS) == {FILE_BACKEND, *BROADCAST_BACKENDS}
+    assert set(ASYNC_IN_FLIGHT_MODES) | {"drain"} == set(IN_FLIGHT_MODES)
+    assert {p.stem for p in (CONFIGS / "cluster").glob("*.yaml")} == set(PLACEMENT_MODES)  # one yaml per mode
+    for key, choices in [("cluster.name", ("local",)), ("trainer.verl.strategy", get_args(VerlStrategy)),
+                         ("rollout.contract", get_args(Contract)), ("async.on_stale", ON_STALE_CHOICES),
+                         ("async.in_flight", ASYNC_IN_FLIGHT_MODES)]:
+        for choice in choices:
+            _compose([f"{key}={choice}"])  # each owned choice validates
+        with pytest.raises(ConfigError, match=rf"^{key.replace('.', chr(92) + '.')}"):
+            _compose([f"{key}=not_a_choice"])

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-DATA = "../shared/data/gsm8k/test.jsonl"
+DATA = "examples/data/gsm8k/test.jsonl"  # the in-repository sample (128 rows)
 EPISODE = re.compile(r"input_id=(\S+): gsm8k episode turns=(\d+) tool_calls=(\d+) prompt_tokens=([\d,]+) end=(\w+)")
 
 

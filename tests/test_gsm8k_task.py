@@ -1,4 +1,4 @@
-"""task=gsm8k: the JSONL loader on the shared test copy, its errors, the config group, the task registry."""
+"""task=gsm8k: the JSONL loader on the in-repo sample, its errors, the config group, the task registry."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from workers.core.tasks import RESERVED_KEYS, gsm8k
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
-TEST_COPY = "../shared/data/gsm8k/test.jsonl"  # relative to the repository root, as users write it
+TEST_COPY = f"{gsm8k.SAMPLE_DIR}/test.jsonl"  # relative to the repository root, as users write it
+TRAIN_COPY = f"{gsm8k.SAMPLE_DIR}/train.jsonl"
 GOOD = {"question": "Tom has 3 apples and buys 1,200 more. How many?", "answer": "3 + 1200 = 1203\n#### 1,203"}
 
 
@@ -29,11 +30,11 @@ def _write(tmp_path: Path, lines: list[str]) -> Path:
     return p
 
 
-# --- the shared test copy ------------------------------------------------------------------------
+# --- the in-repository sample --------------------------------------------------------------------
 
-def test_reads_every_row_of_the_shared_test_copy_with_numeric_answers():
+def test_reads_every_row_of_the_sample_test_file_with_numeric_answers():
     rows = gsm8k.load_rows(TEST_COPY, None, seed=0, max_turns=3)
-    assert len(rows) == 1319  # GSM8K test split
+    assert len(rows) == 128  # the first 128 rows of the GSM8K test split
     first = rows[0]
     assert first["input_id"] == "gsm8k-test-1"
     assert first["question"].startswith("Janet\u2019s ducks lay 16 eggs per day.")
@@ -55,8 +56,40 @@ def test_subset_is_seeded_and_a_smaller_num_is_a_prefix():
 
 
 def test_num_prompts_over_the_file_size_is_refused_naming_the_key():
-    with pytest.raises(ValueError, match=r"task.num_prompts=5000 must be in \[1, 1319\]"):
+    with pytest.raises(ValueError, match=r"task.num_prompts=5000 must be in \[1, 128\]"):
         gsm8k.load_rows(TEST_COPY, 5000, seed=0, max_turns=4)
+
+
+def test_the_sample_ships_in_the_repository_with_its_licence():
+    rows = gsm8k.load_rows(TRAIN_COPY, None, seed=0, max_turns=4)
+    assert len(rows) == 256  # the first 256 rows of the GSM8K train split
+    assert rows[0]["input_id"] == "gsm8k-train-1"
+    assert rows[0]["question"].startswith("Natalia sold clips to 48 of her friends in April")
+    assert rows[0]["answer"] == 72
+    sample = REPO / gsm8k.SAMPLE_DIR
+    licence = (sample / "LICENSE").read_text()
+    assert licence.startswith("MIT License") and "Copyright (c) 2021 OpenAI" in licence
+    assert "openai/grade-school-math" in (sample / "README.md").read_text()  # where the rows come from
+    # the default task.data_path resolves inside the repository, whatever the working directory
+    default = gsm8k.resolve_data_path(_compose(["task=gsm8k"]).task.data_path)
+    assert default == (sample / "train.jsonl").resolve() and default.is_relative_to(REPO.resolve())
+
+
+def test_no_repository_file_refers_to_a_path_beside_the_repository():
+    """A clone placed alone must run: no file names the team's shared folder beside the repository."""
+    outside = "../" + "shared"  # spelled in two parts so this file does not match itself
+    suffixes = {".py", ".md", ".yaml", ".yml", ".toml", ".sh", ".txt", ".cfg", ".ini", ".json"}
+    hits = []
+    for top in ("orchestrator", "workers", "configs", "scripts", "tests", "examples", "docs", ".ci"):
+        for path in (REPO / top).rglob("*"):
+            if path.is_file() and path.suffix in suffixes | {""} and "__pycache__" not in path.parts:
+                text = path.read_text(errors="replace")
+                hits += [f"{path.relative_to(REPO)}:{i}" for i, line in enumerate(text.splitlines(), 1)
+                         if outside in line]
+    for name in ("README.md", "Makefile", "pyproject.toml"):
+        text = (REPO / name).read_text() if (REPO / name).is_file() else ""
+        hits += [f"{name}:{i}" for i, line in enumerate(text.splitlines(), 1) if outside in line]
+    assert hits == []
 
 
 # --- errors --------------------------------------------------------------------------------------
@@ -107,7 +140,7 @@ def test_an_empty_file_is_refused(tmp_path):
 def test_task_gsm8k_config_sets_the_tool_prompt_budgets_and_cli_overrides_win():
     cfg = _compose(["task=gsm8k"])
     assert (cfg.task.name, cfg.task.data_path, cfg.task.num_prompts, cfg.task.max_turns) == (
-        "gsm8k", "../shared/data/gsm8k/train.jsonl", None, 4)
+        "gsm8k", TRAIN_COPY, None, 4)
     assert (cfg.rollout.max_tokens, cfg.rollout.max_context_tokens, cfg.inference.max_model_len) == (128, 1024, 1024)
     cfg = _compose(["task=gsm8k", "rollout.max_tokens=64", f"task.data_path={TEST_COPY}", "task.num_prompts=10"])
     assert (cfg.rollout.max_tokens, cfg.task.data_path, cfg.task.num_prompts) == (64, TEST_COPY, 10)
@@ -115,9 +148,13 @@ def test_task_gsm8k_config_sets_the_tool_prompt_budgets_and_cli_overrides_win():
     assert (letters.task.name, letters.rollout.max_tokens, letters.inference.max_model_len) == ("letters", 16, 512)
 
 
-def test_a_missing_data_file_fails_config_validation_naming_the_key():
+def test_a_missing_data_file_fails_preflight_naming_the_key():
+    from orchestrator.preflight import check_task_data
+
+    cfg = _compose(["task=gsm8k", "task.data_path=/nonexistent/gsm8k.jsonl"])  # the schema reads values only
     with pytest.raises(ConfigError, match=r"^task.data_path='/nonexistent/gsm8k.jsonl': no file"):
-        _compose(["task=gsm8k", "task.data_path=/nonexistent/gsm8k.jsonl"])
+        check_task_data(cfg)
+    check_task_data(_compose(["task=gsm8k"]))  # the default, the in-repository sample, is there
     with pytest.raises(ConfigError, match=r"^task.max_turns must be >= 1"):
         _compose(["task=gsm8k", "task.max_turns=0"])
     with pytest.raises(ConfigError, match=r"^task.num_prompts must be >= 1"):
@@ -125,7 +162,7 @@ def test_a_missing_data_file_fails_config_validation_naming_the_key():
 
 
 def test_the_registry_covers_every_task_name_and_loads_rows_for_its_agent():
-    from orchestrator.main import TASKS
+    from orchestrator.tasks import TASKS
 
     assert set(TASKS) == set(TASK_NAMES)
     for name, entry in TASKS.items():

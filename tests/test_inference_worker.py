@@ -279,3 +279,18 @@ async def test_kv_cache_usage_is_reported_per_interval(worker):
     usage = worker.kv_cache_usage()
     assert 0.0 < usage < 1.0  # blocks were in use during decoding, fraction of the explicit cache
     assert math.isnan(worker.kv_cache_usage())  # no engine step since the last read
+
+
+async def test_settings_module_imports_without_vllm_or_torch():
+    """The config layer imports `workers.inference.settings` (IN_FLIGHT_MODES, InferenceSettings): it
+    must stay light, so a fresh interpreter that imports it has loaded neither vLLM nor torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys, workers.inference.settings as s; "
+            "assert s.IN_FLIGHT_MODES == ('drain', 'continue', 'abort_resume'); "
+            "print(sorted(m for m in ('vllm', 'torch', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=str(Path(__file__).resolve().parents[1]))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -21,7 +21,6 @@ import pytest
 from aiohttp import web
 
 from workers.acr.client import AcrClient, AsyncAcrClient
-from workers.embedded.emulator import free_port
 from workers.embedded.local_stack import LocalStack, LocalStackError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,8 +35,8 @@ class FakeOpenAIServer:
     """OpenAI Chat Completions on 127.0.0.1, in a thread with its own loop; records requests."""
 
     def __init__(self) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        self.port: int | None = None  # bound by the server itself (port 0), known once started
+        self.base_url: str | None = None
         self.requests: list[dict] = []
         self._release = threading.Event()
         self._ready = threading.Event()
@@ -74,7 +73,9 @@ class FakeOpenAIServer:
         app.router.add_post("/v1/chat/completions", self._chat)
         runner = web.AppRunner(app, access_log=None)
         self._loop.run_until_complete(runner.setup())
-        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+        self.port = runner.addresses[0][1]
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self._runner = runner
         self._ready.set()
         self._loop.run_forever()

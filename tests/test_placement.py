@@ -8,10 +8,9 @@ the CUDA_VISIBLE_DEVICES they see, for cluster=disaggregated and cluster=colocat
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from stand_ins import compose_config, own_ray
 from workers.core.placement import (
     COLOCATED_GPU_SHARE,
     InsufficientGpusError,
@@ -83,14 +82,10 @@ def test_capacity_error_when_a_strict_pack_group_fits_no_node():
 @pytest.fixture(scope="module")
 def ray_gpus():
     """A Ray instance of this module's own (address="local": never joins another) with 8 logical GPUs."""
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():
+    if pytest.importorskip("ray").is_initialized():
         pytest.skip("Ray is already initialized in this process by another test module")
-    ray.init(address="local", num_cpus=2, num_gpus=NUM_GPUS, include_dashboard=False, log_to_driver=False)
-    try:
+    with own_ray(num_gpus=NUM_GPUS) as ray:
         yield ray
-    finally:
-        ray.shutdown()
 
 
 def _env_probe_class() -> type:
@@ -201,14 +196,7 @@ def test_main_config_path_places_the_disaggregated_yaml(ray_gpus):
 # --- every blog experiment composes with both GPU layouts ----------------------------------------------
 
 def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from orchestrator.config import register, to_run_config
-
-    register()
-    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
-    with initialize_config_dir(config_dir=configs, version_base="1.3"):
-        return to_run_config(compose("config", overrides=overrides + ["run_dir=/nonexistent/run"]))
+    return compose_config(overrides, run_dir="/nonexistent/run")
 
 
 @pytest.mark.parametrize("cluster", ["disaggregated", "colocated"])

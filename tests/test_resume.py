@@ -6,7 +6,6 @@ And no prompt may be lost: groups in flight at the checkpoint are dispatched aga
 """
 
 import asyncio
-import importlib.util
 import random
 from pathlib import Path
 
@@ -18,16 +17,13 @@ from orchestrator.loop_async import AsyncLoopSettings, run_async
 from orchestrator.loop_common import LoopParts
 from orchestrator.prompts import PromptCycle
 from orchestrator.run_checkpoint import LoopPosition, ResumablePrompts, RunCheckpointer
-
-_spec = importlib.util.spec_from_file_location("loop_async_sim", Path(__file__).with_name("test_loop_async.py"))
-sim = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sim)
+from stand_ins import ListLogger, MemoryStore, RecordingTrainer, SimReplica, SimRollouts, alternating_reward
 
 ROWS = [{"input_id": f"p{i}", "prompt": "x"} for i in range(40)]
 ETA, B = 1, 2
 
 
-class BoundCheckingRollouts(sim.SimRollouts):
+class BoundCheckingRollouts(SimRollouts):
     """Records, at every dispatch, the groups admitted so far against the engine's version."""
 
     def __init__(self, *a, trained_before: int = 0, **kw):
@@ -74,13 +70,12 @@ class FileTrainer:
 
 
 def build(prompts, engine_version=0, trained_before=0, seed=0):
-    store, engine = sim.MemoryStore(), sim.Engine()
-    engine.version = engine_version
-    rollouts = BoundCheckingRollouts(store, engine, random.Random(seed), sim.varied, 0.03,
+    store, engine = MemoryStore(), SimReplica(engine_version)
+    rollouts = BoundCheckingRollouts(store, engine, random.Random(seed), alternating_reward, 0.03,
                                      trained_before=trained_before)
-    trainer, logger = sim.RecordingTrainer(engine), sim.ListLogger()
+    trainer, logger = RecordingTrainer(engine), ListLogger()
     parts = LoopParts(prompts=prompts, rollouts=rollouts, store=store, trainer=trainer, weights=engine,
-                          logger=logger, ledger=RolloutLedger())
+                      logger=logger, ledger=RolloutLedger())
     rollouts.ledger = parts.ledger
     return parts, trainer, rollouts
 

@@ -2,31 +2,22 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from hydra import compose, initialize_config_dir
 
+from orchestrator.config import ConfigError
+from stand_ins import compose_config
 from workers.core.algorithms.rollout_correction_config import RejectionRule, RolloutCorrectionConfig, parse_is_threshold
-from orchestrator.config import ConfigError, RunConfig, register, to_run_config
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 KEY = "algorithm.rollout_correction"
 
 
-def compose_run(overrides: list[str]) -> RunConfig:
-    register()
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return to_run_config(compose(config_name="config", overrides=["run_dir=/tmp/x", *overrides]))
-
-
 def test_default_is_decoupled_token_tis_two():
-    typed = compose_run([]).algorithm.rollout_correction.typed()
+    typed = compose_config([]).algorithm.rollout_correction.typed()
     assert typed == RolloutCorrectionConfig(mode="decoupled", is_level="token", is_threshold=2.0)
 
 
 def test_band_rules_and_mode_from_the_command_line_become_typed_floats():
-    cfg = compose_run([
+    cfg = compose_config([
         f"{KEY}.mode=bypass", f"{KEY}.is_level=sequence", f"{KEY}.is_threshold='0.5_2.0'",
         f"{KEY}.rs=[{{name:seq_mean_k3,threshold:0.01}},{{name:token_k1,lower:0.5,upper:2.0}},"
         f"{{name:seq_sum_k1,threshold:4.0}}]",
@@ -56,7 +47,7 @@ def test_band_rules_and_mode_from_the_command_line_become_typed_floats():
 )
 def test_bad_value_names_the_key(override, key):
     with pytest.raises(ConfigError, match="^" + key.replace(".", r"\.").replace("[", r"\[").replace("]", r"\]")):
-        compose_run([override])
+        compose_config([override])
 
 
 def test_parse_is_threshold():

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from stand_ins import random_mask
 from workers.core.algorithms.rollout_correction import (
     REJECTION_NAMES,
     RejectionRule,
@@ -40,10 +41,7 @@ RULE_THRESHOLDS: dict[str, float] = {
 def random_inputs(seed: int, bsz: int, seq: int, noise: float = 0.5) -> tuple[torch.Tensor, ...]:
     """(old, rollout, mask): right-padded float mask with 1..seq-1 tokens from column 1; log-probs 0 off it."""
     gen = torch.Generator().manual_seed(seed)
-    mask = torch.zeros(bsz, seq)
-    for b in range(bsz):
-        n = int(torch.randint(1, max(seq, 2), (1,), generator=gen).item())
-        mask[b, 1 : 1 + n] = 1.0
+    mask = random_mask(gen, bsz, seq)
     rollout = -torch.rand(bsz, seq, generator=gen) * 3.0 * mask
     old = (rollout + torch.randn(bsz, seq, generator=gen) * noise) * mask
     return old, rollout, mask

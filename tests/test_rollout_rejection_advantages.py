@@ -18,27 +18,8 @@ from workers.core.algorithms.rejection import apply_rejection, last_token_index
 from workers.core.algorithms.rollout_correction import RejectionRule, RolloutCorrectionConfig, compute_rollout_correction
 from orchestrator.batching import Group
 from orchestrator.clients import build_train_batch
-from workers.core.types import Sample, TrajectoryRow
-
-
-def make_row(prompt_len: int, gen_len: int, seed: int = 0) -> TrajectoryRow:
-    ids = [(seed * 7 + i) % 50 + 1 for i in range(prompt_len + gen_len)]
-    return TrajectoryRow(
-        token_ids=tuple(ids),
-        loss_mask=(0,) * prompt_len + (1,) * gen_len,
-        rollout_logprobs=(0.0,) * prompt_len + (-0.5,) * gen_len,
-        versions=(-1,) * prompt_len + (0,) * gen_len,
-    )
-
-
-def make_sample(group_id: int, index: int, reward: float, rows: tuple[TrajectoryRow, ...] | None = None) -> Sample:
-    return Sample(session_id=f"s-{group_id}-{index}", group_id=group_id, input_id=f"p{group_id}",
-                  sample_index=index, rows=rows if rows is not None else (make_row(2, 3 + index, index),),
-                  reward=reward, status="completed", latency_s=0.1)
-
-
-def make_group(group_id: int, rewards: list[float]) -> Group:
-    return Group(group_id, tuple(make_sample(group_id, i, r) for i, r in enumerate(rewards)))
+from stand_ins import make_group, make_sample, seeded_row
+from workers.core.types import TrajectoryRow
 
 
 def row_advantage(batch: TrainBatch, b: int) -> float:
@@ -117,7 +98,7 @@ def test_group_left_with_one_sample_has_no_baseline():
 def test_sample_masked_before_batching_stays_in_group_statistics():
     """Sample 0 (reward 1) has no trained token (masked before batching: no row in the batch) but
     stays in group statistics. Rejecting sample 2 (reward 0.5) leaves [1, 0]: A(sample 1) = -0.7071."""
-    masked = make_row(2, 3)
+    masked = seeded_row(2, 3)
     masked = TrajectoryRow(masked.token_ids, (0,) * 5, (0.0,) * 5, (-1,) * 5)
     group = Group(0, (make_sample(0, 0, 1.0, rows=(masked,)), make_sample(0, 1, 0.0), make_sample(0, 2, 0.5)))
     batch = build_train_batch((group,), pad_id=0, norm_adv_by_std=True)
@@ -128,7 +109,7 @@ def test_sample_masked_before_batching_stays_in_group_statistics():
 
 
 def test_only_the_last_row_of_a_multi_row_sample_carries_the_reward_token():
-    rows = (make_row(2, 3, 1), make_row(3, 4, 2))
+    rows = (seeded_row(2, 3, 1), seeded_row(3, 4, 2))
     group = Group(0, (make_sample(0, 0, 1.0, rows=rows), make_sample(0, 1, 0.0), make_sample(0, 2, 0.5)))
     batch = build_train_batch((group,), pad_id=0, norm_adv_by_std=True)
     assert batch.samples.row_sample.tolist() == [0, 0, 1, 2]

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+from stand_ins import REPO
+
 SKY_PY = REPO / ".venv-sky" / "bin" / "python"
 TASK_YAML = REPO / "scripts" / "sky" / "train.yaml"
 

@@ -27,34 +27,18 @@ from orchestrator.staleness import (
     staleness_metrics,
 )
 from orchestrator.staleness_gate import AdmissionGate
-from workers.core.types import Sample, TrajectoryRow
+from stand_ins import ManualVersions, make_row, make_sample
+from workers.core.types import Sample
 
 
-@dataclass
-class Versions:
-    """A VersionSource the test bumps by hand (stands in for the weight-sync counter)."""
-
-    v: int = 0
-
-    def current(self) -> int:
-        return self.v
-
-
-def make_admission(versions: Versions, eta: int, b: int, **kw) -> Admission:
+def make_admission(versions: ManualVersions, eta: int, b: int, **kw) -> Admission:
     return Admission(versions, max_staleness=eta, groups_per_update=b, **kw)
 
 
-def make_sample(versions: list[int], *, reward: float = 1.0, group_id: int = 0, idx: int = 0) -> Sample:
+def sample_at(versions: list[int], *, reward: float = 1.0, group_id: int = 0, idx: int = 0) -> Sample:
     """A completed sample with one row: a 2-token prompt, then one generated token per version."""
-    n = len(versions)
-    row = TrajectoryRow(
-        token_ids=(1, 2) + tuple(range(10, 10 + n)),
-        loss_mask=(0, 0) + (1,) * n,
-        rollout_logprobs=(0.0, 0.0) + (-0.5,) * n,
-        versions=(-1, -1) + tuple(versions),
-    )
-    return Sample(session_id=f"s-{group_id}-{idx}", group_id=group_id, input_id=f"in-{group_id}", sample_index=idx,
-                  rows=(row,) if n else (), reward=reward, status="completed", latency_s=0.1)
+    rows = (make_row((1, 2), range(10, 10 + len(versions)), versions=versions),) if versions else ()
+    return make_sample(group_id, idx, reward, rows=rows)
 
 
 # --- capacity -----------------------------------------------------------------------------------
@@ -72,7 +56,7 @@ CAPACITY_TABLE = [
 
 @pytest.mark.parametrize("eta,b,v,expected", CAPACITY_TABLE)
 def test_capacity_at_version(eta, b, v, expected):
-    adm = make_admission(Versions(v), eta, b)
+    adm = make_admission(ManualVersions(v), eta, b)
     assert adm.free_slots() == expected
     for _ in range(expected):
         adm.on_admitted()
@@ -82,7 +66,7 @@ def test_capacity_at_version(eta, b, v, expected):
 
 
 def test_capacity_counts_running_and_accepted_not_returned():
-    versions = Versions(0)
+    versions = ManualVersions(0)
     adm = make_admission(versions, eta=1, b=2)  # capacity (1+0+1)·2 = 4
     for _ in range(4):
         adm.on_admitted()
@@ -98,12 +82,12 @@ def test_capacity_counts_running_and_accepted_not_returned():
 
 def test_updates_per_version_scales_the_window():
     # B=2 groups per update, 3 updates per weight sync: G = 6 groups per version; η=1, v=0 -> (1+0+1)·6 = 12
-    adm = make_admission(Versions(0), eta=1, b=2, updates_per_version=3)
+    adm = make_admission(ManualVersions(0), eta=1, b=2, updates_per_version=3)
     assert adm.free_slots() == 12
 
 
 def test_max_running_caps_concurrency():
-    adm = make_admission(Versions(0), eta=2, b=4, max_running=3)  # staleness allows 12, concurrency 3
+    adm = make_admission(ManualVersions(0), eta=2, b=4, max_running=3)  # staleness allows 12, concurrency 3
     for _ in range(3):
         adm.on_admitted()
     assert adm.free_slots() == 0
@@ -117,7 +101,7 @@ def test_max_running_caps_concurrency():
                                     dict(max_staleness=0, groups_per_update=1, max_running=0)])
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
-        Admission(Versions(0), **kwargs)
+        Admission(ManualVersions(0), **kwargs)
 
 
 def test_policy_validates_its_keys():
@@ -130,7 +114,7 @@ def test_policy_validates_its_keys():
 # --- lifecycle and illegal transitions -----------------------------------------------------------
 
 def test_illegal_transitions_raise_and_change_nothing():
-    adm = make_admission(Versions(0), eta=0, b=2)
+    adm = make_admission(ManualVersions(0), eta=0, b=2)
     with pytest.raises(StalenessError, match="without a matching on_admitted"):
         adm.on_finished(kept=True)
     adm.on_admitted()
@@ -150,7 +134,7 @@ def test_illegal_transitions_raise_and_change_nothing():
 
 
 def test_expired_groups_give_capacity_back():
-    adm = make_admission(Versions(0), eta=0, b=2)  # capacity 2
+    adm = make_admission(ManualVersions(0), eta=0, b=2)  # capacity 2
     adm.on_admitted(); adm.on_admitted()
     adm.on_finished(kept=True); adm.on_finished(kept=True)
     assert adm.free_slots() == 0
@@ -162,7 +146,7 @@ def test_expired_groups_give_capacity_back():
 
 def test_negative_version_is_an_error():
     with pytest.raises(StalenessError, match="version"):
-        make_admission(Versions(-1), eta=0, b=1).free_slots()
+        make_admission(ManualVersions(-1), eta=0, b=1).free_slots()
 
 
 def test_randomized_invariant_holds_under_any_event_order():
@@ -170,7 +154,7 @@ def test_randomized_invariant_holds_under_any_event_order():
     >= 0, and a refused event leaves the counters untouched."""
     rng = random.Random(1234)
     for trial in range(30):
-        versions = Versions(0)
+        versions = ManualVersions(0)
         adm = make_admission(versions, eta=rng.randint(0, 3), b=rng.randint(1, 4),
                              updates_per_version=rng.randint(1, 2),
                              max_running=rng.choice([None, rng.randint(1, 8)]))
@@ -209,7 +193,7 @@ class SimRun:
     """Producers as fast as allowed; the trainer consumes B kept groups FIFO per update and bumps the
     version after each. Records each trained group's staleness (trainer version - admission version)."""
 
-    versions: Versions
+    versions: ManualVersions
     adm: Admission
     b: int
     buffer: list[int] = field(default_factory=list)       # admission versions of accepted groups
@@ -236,7 +220,7 @@ class SimRun:
 
 @pytest.mark.parametrize("eta,b", [(0, 2), (1, 2), (2, 4)])
 def test_fifo_run_trains_at_staleness_at_most_eta_and_reaches_it(eta, b):
-    versions = Versions(0)
+    versions = ManualVersions(0)
     sim = SimRun(versions, make_admission(versions, eta, b), b)
     sim.run(updates=8)
     assert max(sim.trained_staleness) == eta  # tight: producers run exactly η versions ahead
@@ -247,13 +231,13 @@ def test_after_a_resume_from_checkpoint_the_staleness_bound_still_holds(eta, b):
     """Regression: a resumed run that re-seeded the counters from zero at the restored version v
     admitted (η + v + 1)·B groups at once, and trained the last of them v versions too stale.
     Restoring `trained_groups` keeps the window at (η + 1)·B groups ahead of the trainer."""
-    versions = Versions(0)
+    versions = ManualVersions(0)
     sim = SimRun(versions, make_admission(versions, eta, b), b)
     sim.run(updates=3)
     state = sim.adm.state()  # checkpoint at v=3: running/buffered groups go back to the prompts
     assert state == AdmissionState(policy_version=3, trained_groups=3 * b)
 
-    resumed_versions = Versions(state.policy_version)   # the resumed run restores the version first
+    resumed_versions = ManualVersions(state.policy_version)   # the resumed run restores the version first
     restored = make_admission(resumed_versions, eta, b)
     restored.restore(state)
     # (η + 3 + 1)·B - 3·B trained = (η + 1)·B, as at the start of a run
@@ -263,7 +247,7 @@ def test_after_a_resume_from_checkpoint_the_staleness_bound_still_holds(eta, b):
     assert max(resumed.trained_staleness) <= eta
 
     # the bug this pins: counters from zero at v=3 offer (η + 4)·B slots and train past η
-    buggy_versions = Versions(3)
+    buggy_versions = ManualVersions(3)
     buggy = SimRun(buggy_versions, make_admission(buggy_versions, eta, b), b)
     assert buggy.adm.free_slots() == (eta + 4) * b
     buggy.run(updates=6)
@@ -273,8 +257,8 @@ def test_after_a_resume_from_checkpoint_the_staleness_bound_still_holds(eta, b):
 def test_restore_refuses_a_version_source_that_was_not_restored_or_a_used_controller():
     state = AdmissionState(policy_version=4, trained_groups=8)
     with pytest.raises(StalenessError, match="restore the version source first"):
-        make_admission(Versions(0), eta=1, b=2).restore(state)
-    used = make_admission(Versions(4), eta=1, b=2)
+        make_admission(ManualVersions(0), eta=1, b=2).restore(state)
+    used = make_admission(ManualVersions(4), eta=1, b=2)
     used.on_admitted()
     with pytest.raises(StalenessError, match="already admitted"):
         used.restore(state)
@@ -284,18 +268,18 @@ def test_restore_refuses_a_version_source_that_was_not_restored_or_a_used_contro
 
 def test_staleness_is_trainer_version_minus_oldest_token_version():
     # trainer at 5, tokens from versions 3 and 4: staleness 5 - 3 = 2
-    assert sample_staleness(make_sample([3, 3, 4]), trainer_version=5) == 2
-    f = staleness_facts(make_sample([3, 3, 4]), trainer_version=5, max_staleness=2)
+    assert sample_staleness(sample_at([3, 3, 4]), trainer_version=5) == 2
+    f = staleness_facts(sample_at([3, 3, 4]), trainer_version=5, max_staleness=2)
     assert (f.staleness, f.stale, f.min_version, f.max_version) == (2, False, 3, 4)
-    assert staleness_facts(make_sample([2, 4]), 5, 2).stale           # 5 - 2 = 3 > 2
-    assert sample_staleness(make_sample([]), 5) is None                # nothing generated
-    assert not staleness_facts(make_sample([]), 5, 0).stale            # ... is never stale
+    assert staleness_facts(sample_at([2, 4]), 5, 2).stale           # 5 - 2 = 3 > 2
+    assert sample_staleness(sample_at([]), 5) is None                # nothing generated
+    assert not staleness_facts(sample_at([]), 5, 0).stale            # ... is never stale
     with pytest.raises(StalenessError, match="newer than the trainer"):
-        sample_staleness(make_sample([6]), 5)
+        sample_staleness(sample_at([6]), 5)
 
 
 def test_drop_expires_stale_samples():
-    fresh, stale = make_sample([4], idx=0), make_sample([1, 4], idx=1)   # staleness 1 and 4 at v=5
+    fresh, stale = sample_at([4], idx=0), sample_at([1, 4], idx=1)   # staleness 1 and 4 at v=5
     split = judge_samples([fresh, stale], trainer_version=5, policy=StalenessPolicy(2, "drop"))
     assert [s.session_id for s in split.train] == ["s-0-0"]
     assert [s.status for s in split.expired] == ["expired"]
@@ -305,9 +289,9 @@ def test_drop_expires_stale_samples():
 
 def test_train_masked_keeps_the_sample_in_group_statistics_without_gradient():
     """train_masked: the stale sample's reward still enters the group baseline, its tokens get no loss."""
-    samples = [make_sample([1], reward=1.0, idx=0),   # stale at v=5, η=1
-               make_sample([5], reward=0.0, idx=1),
-               make_sample([4], reward=0.0, idx=2)]
+    samples = [sample_at([1], reward=1.0, idx=0),   # stale at v=5, η=1
+               sample_at([5], reward=0.0, idx=1),
+               sample_at([4], reward=0.0, idx=2)]
     split = judge_samples(samples, trainer_version=5, policy=StalenessPolicy(1, "train_masked"))
     assert not split.expired and len(split.train) == 3
     assert split.train[0].num_generated_tokens == 0 and split.train[1].num_generated_tokens == 1
@@ -320,7 +304,7 @@ def test_train_masked_keeps_the_sample_in_group_statistics_without_gradient():
 
 
 def test_staleness_metrics():
-    facts = [staleness_facts(make_sample(v), 5, 2) for v in ([5], [4, 5], [4], [2, 3], [])]
+    facts = [staleness_facts(sample_at(v), 5, 2) for v in ([5], [4, 5], [4], [2, 3], [])]
     m = staleness_metrics(facts)
     # staleness 0, 1, 1, 3 (the empty sample is left out): mean 5/4, max 3; versions 2..5
     assert m["staleness/mean"] == 1.25 and m["staleness/max"] == 3.0
@@ -333,7 +317,7 @@ def test_staleness_metrics():
 # --- the async gate ------------------------------------------------------------------------------
 
 async def test_acquire_waits_for_a_returned_slot():
-    gate = AdmissionGate(make_admission(Versions(0), eta=0, b=1))  # capacity 1
+    gate = AdmissionGate(make_admission(ManualVersions(0), eta=0, b=1))  # capacity 1
     assert await gate.acquire(timeout_s=1)
     waiter = asyncio.create_task(gate.acquire(timeout_s=5))
     await asyncio.sleep(0)
@@ -344,7 +328,7 @@ async def test_acquire_waits_for_a_returned_slot():
 
 
 async def test_acquire_wakes_on_version_change():
-    versions = Versions(0)
+    versions = ManualVersions(0)
     gate = AdmissionGate(make_admission(versions, eta=0, b=1))
     assert await gate.acquire(timeout_s=1)
     gate.release(kept=True)                  # kept: no slot back
@@ -359,7 +343,7 @@ async def test_acquire_wakes_on_version_change():
 
 
 async def test_acquire_times_out():
-    gate = AdmissionGate(make_admission(Versions(0), eta=0, b=1))
+    gate = AdmissionGate(make_admission(ManualVersions(0), eta=0, b=1))
     assert await gate.acquire()
     assert await gate.acquire(timeout_s=0.05) is False
     with pytest.raises(TimeoutError, match="no admission slot within 0.05s"):
@@ -369,7 +353,7 @@ async def test_acquire_times_out():
 
 
 async def test_slot_context_releases_exactly_once():
-    gate = AdmissionGate(make_admission(Versions(0), eta=0, b=4))
+    gate = AdmissionGate(make_admission(ManualVersions(0), eta=0, b=4))
     async with gate.slot() as s:
         s.finish(kept=True)
     async with gate.slot():
@@ -385,7 +369,7 @@ async def _simulate(*, eta: int, b: int, updates: int, give_back: bool, timeout_
     """Producers (3 tasks) admit through the gate; a trainer consumes B kept groups per update and
     bumps the version. The first 3·B groups generated at versions 0 and 2 all have zero reward
     variance (filtered) — more than the (η + 1)·B window. Returns each trained group's staleness."""
-    versions = Versions(0)
+    versions = ManualVersions(0)
     gate = AdmissionGate(make_admission(versions, eta, b))
     queue: asyncio.Queue[int] = asyncio.Queue()
     zero_variance_left = {0: 3 * b, 2: 3 * b}
@@ -444,7 +428,7 @@ def test_the_controller_module_is_pure():
 
 
 async def test_a_cancelled_slot_body_gives_its_capacity_back():
-    gate = AdmissionGate(make_admission(Versions(0), eta=0, b=1))
+    gate = AdmissionGate(make_admission(ManualVersions(0), eta=0, b=1))
     entered = asyncio.Event()
 
     async def body() -> None:
@@ -462,7 +446,7 @@ async def test_a_cancelled_slot_body_gives_its_capacity_back():
 
 
 async def test_gate_expired_wakes_waiters():
-    gate = AdmissionGate(make_admission(Versions(0), eta=0, b=1))
+    gate = AdmissionGate(make_admission(ManualVersions(0), eta=0, b=1))
     assert await gate.acquire()
     gate.release(kept=True)
     waiter = asyncio.create_task(gate.acquire(timeout_s=5))

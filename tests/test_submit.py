@@ -17,7 +17,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,16 +26,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from stand_ins import REPO
+from workers.embedded.emulator_agents import free_port  # ray start takes its ports as numbers
+
 VENV_BIN = Path(sys.executable).parent
 RAY_CLI = str(VENV_BIN / "ray")
 JOB_TIMEOUT_S = 420
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _head_processes(temp_dir: str) -> list[psutil.Process]:
@@ -80,16 +75,16 @@ def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="ray-submit-", dir="/tmp")  # short: Ray's socket paths must stay < 108 chars
     token_path = Path(temp_dir) / "auth_token"
     token_path.write_text(secrets.token_hex(32))
-    dash_port = _free_port()
+    dash_port = free_port()
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path),
            "ORCH_CACHE_DIR": str(REPO / ".cache" / "models")}  # the job reuses the built tiny model
     env.pop("RAY_ADDRESS", None)
-    cmd = [RAY_CLI, "start", "--head", f"--temp-dir={temp_dir}", f"--port={_free_port()}",
+    cmd = [RAY_CLI, "start", "--head", f"--temp-dir={temp_dir}", f"--port={free_port()}",
            "--node-ip-address=127.0.0.1", "--num-cpus=2", "--num-gpus=1", "--include-dashboard=true",
            "--dashboard-host=127.0.0.1", f"--dashboard-port={dash_port}",
-           f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
-           f"--metrics-export-port={_free_port()}", "--disable-usage-stats"]
+           f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+           f"--metrics-export-port={free_port()}", "--disable-usage-stats"]
     try:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

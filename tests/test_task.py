@@ -95,3 +95,37 @@ def test_score_is_in_unit_interval_on_random_strings():
 def test_score_rejects_malformed_rows(row):
     with pytest.raises(ValueError):
         score(row, "a a a")
+
+
+# --- the one task registry (orchestrator/tasks.py) -----------------------------------------------
+
+def test_registry_is_the_one_list_config_validation_accepts():
+    from orchestrator.config import ConfigError, TaskConfig
+    from orchestrator.tasks import TASK_NAMES, TASKS
+
+    assert TASK_NAMES == tuple(TASKS)
+    for name, entry in TASKS.items():
+        assert entry.agent.is_file(), name
+        kwargs = {"data_path": "any.jsonl"} if entry.check_data is not None else {}
+        assert TaskConfig(name=name, **kwargs).name == name  # every registered task validates
+    with pytest.raises(ConfigError, match=r"^task\.name must be one of \['letters', 'gsm8k'\]"):
+        TaskConfig(name="unregistered")
+
+
+def test_a_task_with_a_data_file_needs_task_data_path_before_preflight():
+    from orchestrator.config import ConfigError, TaskConfig
+    from orchestrator.tasks import TASKS
+
+    with_data = [n for n, e in TASKS.items() if e.check_data is not None]
+    assert with_data == ["gsm8k"]
+    with pytest.raises(ConfigError, match=r"^task\.data_path must be set for task=gsm8k"):
+        TaskConfig(name="gsm8k", data_path=None)
+
+
+def test_registry_loads_letters_rows_for_its_agent():
+    from orchestrator.config import TaskConfig
+    from orchestrator.tasks import TASKS
+
+    rows = TASKS["letters"].rows(TaskConfig(num_prompts=5, seed=3))
+    assert rows == letters.make_rows(5, seed=3)
+    assert TASKS["letters"].agent.parent == REWARD_PATH.parent  # reward.py sits beside the agent app

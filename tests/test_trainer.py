@@ -230,7 +230,7 @@ def test_two_data_parallel_ranks_take_the_same_step_as_one(trainer_tiny_model, m
     import sys
     from pathlib import Path
 
-    from workers.trainer.worker import free_loopback_init_method
+    from workers.weight_sync.rendezvous import host_store, release_store
 
     batch = ragged_batch()
     trainer = make_trainer(trainer_tiny_model, micro_batch_size=3)
@@ -243,7 +243,8 @@ def test_two_data_parallel_ranks_take_the_same_step_as_one(trainer_tiny_model, m
     script = tmp_path / "rank.py"
     script.write_text(DP_RANK_SCRIPT)
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    init = free_loopback_init_method()
+    rendezvous = host_store("127.0.0.1")  # served here, kept bound: both ranks join it as clients
+    init = rendezvous.url
     procs = [
         subprocess.Popen([sys.executable, str(script), str(r), "2", trainer_tiny_model, init,
                           str(tmp_path / "batch.pt"), str(tmp_path / "out.pt")],
@@ -257,6 +258,7 @@ def test_two_data_parallel_ranks_take_the_same_step_as_one(trainer_tiny_model, m
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        release_store(rendezvous)
     assert all(p.returncode == 0 for p in procs), outputs
     two = torch.load(tmp_path / "out.pt")
     assert two["metrics"]["actor/num_tokens"] == one["actor/num_tokens"]

@@ -128,6 +128,49 @@ def test_merge_rank_metrics_rules():
     assert m["rollout_corr/rs_recomputed_groups"] == 3.0
 
 
+def test_both_trainers_and_the_group_implement_the_one_trainer_protocol():
+    """TrainerWorker, VerlTrainerWorker and TrainerGroup answer every `Trainer` method with the same
+    parameters (the group's answers are awaitable), so the driver treats them alike."""
+    import inspect
+
+    from workers.trainer.protocol import TRAINER_METHODS, Trainer
+    from workers.trainer.verl_worker import VerlTrainerWorker
+    from workers.trainer.worker import TrainerWorker
+
+    def params(cls: type, name: str) -> list[str]:
+        fn = getattr(cls, name)
+        return list(inspect.signature(getattr(fn, "_fn", fn)).parameters)
+
+    assert set(TRAINER_METHODS) == {n for n in vars(Trainer) if not n.startswith("_")}
+    for name in TRAINER_METHODS:
+        expected = params(Trainer, name)
+        for cls in (TrainerWorker, VerlTrainerWorker, TrainerGroup):
+            assert params(cls, name) == expected, (cls.__name__, name)
+
+
+def test_rendezvous_store_stays_bound_from_host_to_release():
+    """Regression: the port of a rendezvous used to be found by bind, close and reuse, so another
+    process could take it in between. A hosted store keeps its port bound until released: binding
+    it again fails, and a client joins it at once."""
+    import socket
+
+    from workers.weight_sync.rendezvous import StoreAddress, host_store, join_store, release_store
+
+    address = host_store("127.0.0.1")
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s, pytest.raises(OSError):
+            s.bind(("127.0.0.1", address.port))
+        assert StoreAddress.parse(address.url) == address
+        a, b = join_store(address, timeout_s=5.0), join_store(address, timeout_s=5.0)
+        assert a is not b  # one client per join, also in the hosting process
+        a.set("k", "v")
+        assert b.get("k") == b"v"
+    finally:
+        release_store(address)
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        StoreAddress.parse("127.0.0.1:80")
+
+
 # --- two real ranks (gloo, Ray actors) == one rank ---------------------------------------------
 
 
@@ -161,7 +204,7 @@ def test_two_rank_group_update_equals_one_rank_on_the_whole_batch(ray_local, tmp
 
     threads = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}
     cls = ray_local.remote(num_cpus=0)(TrainerWorker)
-    # as main.py: ranks in their placement-group bundles; the rendezvous task runs in rank 0's bundle
+    # as main.py: ranks in their placement-group bundles; this process serves their rendezvous store
     placed = PlacedGroups.create(plan_placement(PlacementSpec("disaggregated", trainer_gpus_per_node=2,
                                                               inference_replicas=1)))
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from typing import Protocol
 
@@ -52,6 +52,9 @@ class RequestGate(Protocol):
     async def acquire(self) -> None: ...
 
 
+RetryMode = Literal["standard", "adaptive", "legacy"]  # botocore retry modes
+RETRY_MODES: tuple[str, ...] = get_args(RetryMode)
+
 @dataclass(frozen=True)
 class AcrClientConfig:
     """botocore and retry settings shared by both clients (times in seconds).
@@ -66,7 +69,7 @@ class AcrClientConfig:
     """
 
     region_name: str | None = None
-    retry_mode: Literal["standard", "adaptive", "legacy"] = "standard"
+    retry_mode: RetryMode = "standard"
     max_attempts: int = 8
     max_pool_connections: int = 64
     connect_timeout_s: float = 10.0

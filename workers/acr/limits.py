@@ -33,11 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+
+from workers.core.calls import call
 
 log = logging.getLogger(__name__)
 
@@ -409,23 +412,12 @@ def limit_clients(handles: LimitHandles) -> LimitClients:
     """Per-process clients over `handles` (actor handles or local services). Call inside the
     event loop that will use them."""
     rate, cap = handles.rate, handles.sessions
-    if hasattr(rate.acquire, "remote"):
-        async def rate_many(n: int) -> int:
-            return await rate.acquire.remote(n)
-
-        async def cap_many(n: int) -> int:
-            return await cap.acquire.remote(n)
-
-        async def cap_release(n: int) -> None:
-            await cap.release.remote(n)
-
-        return LimitClients(Coalescer(rate_many), SessionSlots(cap_many, cap_release))
-    return LimitClients(Coalescer(rate.acquire), SessionSlots(cap.acquire, cap.release))
+    return LimitClients(
+        Coalescer(functools.partial(call, rate, "acquire")),
+        SessionSlots(functools.partial(call, cap, "acquire"), functools.partial(call, cap, "release")),
+    )
 
 
 async def limit_stats(handles: LimitHandles) -> tuple[LimitStats, LimitStats]:
-    """(rate, sessions) stats of the two services."""
-    rate, cap = handles.rate, handles.sessions
-    if hasattr(rate.stats, "remote"):
-        return await rate.stats.remote(), await cap.stats.remote()
-    return rate.stats(), cap.stats()
+    """(rate, sessions) stats of the two services (actor handles or local services)."""
+    return await call(handles.rate, "stats"), await call(handles.sessions, "stats")

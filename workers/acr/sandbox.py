@@ -9,8 +9,9 @@ coding agents use it; it is blocking and thread-safe, so async callers use `asyn
 Contract of `exec`:
 - a non-zero exit and a timeout are results (`exit_code`, `timed_out`), never exceptions;
 - each output stream keeps its first `max_output_bytes` bytes (UTF-8; cut on a character
-  boundary) and says so in `stdout_truncated` / `stderr_truncated`; the emulator caps its own
-  streams higher (1 MiB), so a truncation there is always flagged here too;
+  boundary) and says so in `stdout_truncated` / `stderr_truncated`; the local emulator
+  (workers.embedded.emulator_commands) caps its own streams higher (1 MiB), so a truncation there
+  is always flagged here too;
 - a transport or service failure raises: botocore's ClientError subclasses for HTTP errors and
   for exception events in the stream (EventStreamError), `SandboxError` for a stream that breaks
   the protocol (no contentStop). botocore's retry mode retries errors before the stream starts.

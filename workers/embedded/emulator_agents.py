@@ -1,8 +1,9 @@
 """The ACR emulator's agent processes: launch K copies of one agent command, probe, stop by PID.
 
-Each agent runs on its own loopback port (env `PORT`, and `{port}` substituted into the command)
-and serves the ACR container contract: `POST /invocations`, `GET /ping` ->
-`{"status": "Healthy" | "HealthyBusy"}`. Invariant: every process `start_agents` launched is
+Each agent runs on its own loopback port (env `PORT`, and `{port}` substituted into the command;
+picked by `free_port`, the one helper with a pick-then-bind race, documented there) and serves
+the ACR container contract: `POST /invocations`, `GET /ping` -> `{"status": "Healthy" |
+"HealthyBusy"}`. Invariant: every process `start_agents` launched is
 reaped by `stop_agents` (SIGTERM, SIGKILL after AGENT_STOP_GRACE_S), and, should the emulator
 itself die without cleaning up, gets SIGTERM from the kernel (PR_SET_PDEATHSIG, Linux).
 """
@@ -26,7 +27,14 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (bind to port 0, read it, release it)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a process that cannot report its own.
+
+    Race (known, kept on purpose): the port is bound to 0, read and released here, then bound
+    again by the child; another process can take it in between, and the child then fails to
+    start (start_agents raises naming it). Used only for agent processes, because the ACR container
+    contract gives an agent its port (env PORT) and has no way for it to report one it bound
+    itself. Servers of our own bind port 0 and report the port instead (workers.embedded.ready_file).
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -25,7 +25,7 @@ agent code: read it as `context.request_headers` (keys lower-cased by Starlette)
 
 Invariant: `FaultPlan.fault_for(sid)` is a pure function of (rates, sid); the probability that
 it returns kind k is rates.k (exactly, up to 2**-64), and at most one kind per session.
-Callers: workers.embedded.emulator (decides), workers.embedded.stub_agent (obeys), rollout tests and
+Callers: workers.embedded.emulator_routes (decides), workers.embedded.stub_agent (obeys), rollout tests and
 scripts/bench_rollout.py (predict counts).
 """
 

@@ -1,10 +1,16 @@
 """The embedded default's AWS side: a moto S3 server and the ACR emulator on loopback.
 
-`LocalStack` starts two real servers as subprocesses on free 127.0.0.1 ports, concurrently:
+`LocalStack` starts two real servers as subprocesses on 127.0.0.1, one after the other:
 
-1. `python -m moto.server` (S3); once it answers, the results bucket is created;
+1. `python -m workers.embedded.moto_s3` (moto's S3 server); once it is ready, the results bucket
+   is created;
 2. `python -m workers.embedded.emulator`, which launches the agent processes with this stack's AWS
-   env (so agents write their S3 results to moto) and prints a ready line when they answer /ping.
+   env (so agents write their S3 results to moto) and is ready when they answer /ping.
+
+Each server binds port 0 itself and reports the endpoint it bound in a ready file
+(workers.embedded.ready_file), so no port is picked here and none can be taken before it is bound.
+The emulator needs moto's endpoint for its agents' env, hence the order; it sets its own endpoint
+(AWS_ENDPOINT_URL_BEDROCK_AGENTCORE) in their env itself.
 
 Its `env` dict (`AWS_ENDPOINT_URL_BEDROCK_AGENTCORE`, `AWS_ENDPOINT_URL_S3`, dummy credentials,
 `AWS_DEFAULT_REGION`) is all a boto3 client needs to talk to it as it would to AWS.
@@ -24,16 +30,16 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Sequence
 
 import boto3
 
-from workers.embedded.emulator import DEFAULT_RUNTIME_ARN, STATS_PATH, EmulatorStats, free_port
+from workers.embedded.emulator_config import DEFAULT_RUNTIME_ARN, STATS_PATH
+from workers.embedded.emulator_sessions import EmulatorStats
 from workers.embedded.faults import FaultRates
+from workers.embedded.ready_file import ServerNotReady, wait_ready_file
 
 STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL wait per process; the emulator needs it to stop agents
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -112,14 +118,13 @@ class LocalStack:
             if self.log_dir is None:
                 self.log_dir = Path(tempfile.mkdtemp(prefix="acr-local-stack-"))
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            s3_port = free_port()
-            self.s3_endpoint = f"http://127.0.0.1:{s3_port}"
-            self._spawn("moto", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)])
-            acr_port = free_port()
-            self.acr_endpoint = f"http://127.0.0.1:{acr_port}"
+            moto_ready = self._ready_path("moto")
+            self._spawn("moto", [sys.executable, "-m", "workers.embedded.moto_s3", "--ready-file", str(moto_ready)])
+            self.s3_endpoint = self._wait_ready("moto", moto_ready)["endpoint"]
+            emulator_ready = self._ready_path("emulator")
             cmd = [
                 sys.executable, "-m", "workers.embedded.emulator",
-                "--port", str(acr_port),
+                "--ready-file", str(emulator_ready),
                 "--agent-cmd", shlex.join(self.agent_cmd),
                 "--num-agents", str(self.num_agents),
                 "--session-rate", str(self.session_rate_per_s),
@@ -139,13 +144,12 @@ class LocalStack:
             ):
                 if value is not None:
                     cmd += [flag, str(value)]
-            # Both start at once (agents write to S3 only when invoked, after start() returns).
             self._spawn("emulator", cmd, extra_env={**self.env, **self.agent_env})
-            self._wait_http("moto", f"{self.s3_endpoint}/moto-api/data.json")
+            # While the emulator starts its agents (they write to S3 only once invoked, after start()).
             boto3.client("s3", endpoint_url=self.s3_endpoint, region_name=self.region, **_creds()).create_bucket(
                 Bucket=self.bucket, CreateBucketConfiguration={"LocationConstraint": self.region}
             )
-            self._wait_http("emulator", f"{self.acr_endpoint}{STATS_PATH}")
+            self.acr_endpoint = self._wait_ready("emulator", emulator_ready)["endpoint"]
             return self
         except BaseException:
             self.stop()
@@ -214,25 +218,19 @@ class LocalStack:
         self._procs.append((name, proc, log_path))
         self._history[name] = proc.pid
 
-    def _wait_http(self, name: str, url: str) -> None:
+    def _ready_path(self, name: str) -> Path:
+        """Where `name` reports its endpoint; removed first, so only this start's file counts."""
+        assert self.log_dir is not None
+        path = self.log_dir / f"{name}.ready.json"
+        path.unlink(missing_ok=True)
+        return path
+
+    def _wait_ready(self, name: str, path: Path) -> dict:
         _, proc, log_path = next(p for p in self._procs if p[0] == name)
-        deadline = time.monotonic() + self.startup_timeout_s
-        delay_s = 0.05
-        while True:
-            if proc.poll() is not None:
-                raise LocalStackError(f"{name} exited with {proc.returncode}; log tail:\n{_tail(log_path)}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if time.monotonic() > deadline:
-                raise LocalStackError(
-                    f"{name} not healthy at {url} within {self.startup_timeout_s}s; log tail:\n{_tail(log_path)}"
-                )
-            time.sleep(delay_s)
-            delay_s = min(delay_s * 2, 0.5)
+        try:
+            return wait_ready_file(name, path, proc, self.startup_timeout_s, log_path)
+        except ServerNotReady as e:
+            raise LocalStackError(str(e)) from None
 
 
 def _creds() -> dict[str, str]:
@@ -240,11 +238,3 @@ def _creds() -> dict[str, str]:
         "aws_access_key_id": DUMMY_CREDENTIALS["AWS_ACCESS_KEY_ID"],
         "aws_secret_access_key": DUMMY_CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
     }
-
-
-def _tail(path: Path, num_bytes: int = 4000) -> str:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return "<no log>"
-    return data[-num_bytes:].decode(errors="replace")

@@ -7,8 +7,8 @@ on that same loop, so the capture store and router are only ever touched by one 
 
 Engines: `set_engines` accepts objects with `async generate(GenerateRequest) -> GenerateResult`
 (the InferenceEngine protocol: a simulated engine, an in-process InferenceWorker) or Ray actor
-handles whose `generate` method has `.remote` (wrapped by `RayActorEngine`, which awaits the
-ObjectRef; no Ray import needed).
+handles whose `generate` is an actor method (`workers.core.calls.is_actor_method`), wrapped by
+`RayActorEngine`, which awaits the ObjectRef and cancels it on cancellation (no Ray import needed).
 
 Invariant: a session id is open in the gateway from `open_session` until `close_session`, which
 returns everything recorded for it exactly once; after that its token answers 409 (closed).
@@ -24,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from workers.core.calls import is_actor_method
 from workers.core.types import GenerateRequest, GenerateResult, InferenceEngine, SessionCapture
 from workers.gateway.app import GatewayMetrics, create_app, metrics_of
 from workers.gateway.capture import CaptureStore, SamplingDefaults
@@ -63,7 +64,7 @@ def as_engine(obj: Any) -> InferenceEngine:
     gen = getattr(obj, "generate", None)
     if gen is None:
         raise TypeError(f"{type(obj).__name__} has no generate method; cannot serve as an inference engine")
-    if hasattr(gen, "remote"):
+    if is_actor_method(gen):
         return RayActorEngine(obj)
     if not inspect.iscoroutinefunction(gen):
         raise TypeError(f"{type(obj).__name__}.generate must be `async def` (got a synchronous callable)")

@@ -22,9 +22,11 @@ import json
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 ToolFormat = Literal["hermes", "qwen3_coder"]
+# `model.tool_call_parser`: detect from the template ("auto"), a ToolFormat, or "none" (tools refused)
+TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", *get_args(ToolFormat), "none")
 TOOL_FORMATS: tuple[ToolFormat, ...] = ("hermes", "qwen3_coder")
 
 TOOL_CALL_OPEN = "<tool_call>"

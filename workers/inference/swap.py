@@ -1,4 +1,5 @@
-"""How an InferenceWorker swaps its weights: the pause around a load, and the broadcast receiver.
+"""How an InferenceWorker swaps its weights: the pause around a load, the broadcast receiver, and
+the gate that keeps requests and updates apart in "drain" mode (`WeightsGate`).
 
 `WeightSwap` is a mixin of `InferenceWorker` (workers/inference/worker.py), split out to keep that file
 small; it uses the worker's state (`_settings`, `_gate`, `_swap_lock`, the swap counters,
@@ -17,9 +18,11 @@ received (and dropped) so that the sender, which waits for every receiver, never
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 logger = logging.getLogger("workers.inference.worker")
@@ -27,6 +30,56 @@ logger = logging.getLogger("workers.inference.worker")
 JOIN_RPC = "join_weight_sync_group"  # workers.inference.vllm_ext.WeightReloadExtension method names
 BROADCAST_RPC = "receive_weights_broadcast"
 _PAUSE_MODE = {"continue": "keep", "abort_resume": "abort"}  # in_flight -> vLLM PauseMode
+
+
+class WeightsGate:
+    """Admission control that keeps requests and weight updates apart (asyncio, one event loop).
+
+    Invariant: while an update holds the gate, no request is in flight; a waiting update blocks new
+    requests (writer preference), so an update waits at most for the requests already running.
+    """
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._in_flight = 0
+        self._updating = False
+        self._updates_waiting = 0
+
+    def num_in_flight(self) -> int:
+        return self._in_flight
+
+    def update_pending(self) -> bool:
+        """True while an update waits for the gate or holds it."""
+        return self._updating or self._updates_waiting > 0
+
+    @asynccontextmanager
+    async def request(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self.update_pending())
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
+
+    @asynccontextmanager
+    async def update(self) -> AsyncIterator[None]:
+        async with self._cond:
+            self._updates_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._updating and self._in_flight == 0)
+            finally:
+                self._updates_waiting -= 1
+                self._cond.notify_all()
+            self._updating = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._updating = False
+                self._cond.notify_all()
 
 
 class WeightSwap:

@@ -37,170 +37,47 @@ request resumed after an abort ("abort_resume") continues with a fresh generator
 so it is reproducible but differs from the same request run without an update.
 
 Callers: the gateway's replica router (generate), the weight sync (update_weights), tests and
-probes (prompt_logprobs). Segment bookkeeping of resumed requests: workers/inference/segments.py.
+probes (prompt_logprobs). The package's other modules: settings.py (InferenceSettings and the
+reports, no vLLM), engine.py (building the engine), vllm_requests.py (requests and outputs in
+vLLM's types), segments.py (bookkeeping of resumed requests), swap.py (the pause around a weight
+load, the broadcast receiver, `WeightsGate`), vllm_ext.py (the reload inside vLLM's workers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Literal
+from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
-from workers.core.types import FinishReason, GenerateRequest, GenerateResult
-from workers.inference.segments import SegmentedGeneration, versions_from_spans
-from workers.inference.swap import WeightSwap
+from workers.core.types import GenerateRequest, GenerateResult
+from workers.inference.engine import EXTENSION_CLS, KvCacheUsage, build_engine
+from workers.inference.segments import SegmentedGeneration
+from workers.inference.settings import (
+    DEFAULT_KV_CACHE_BYTES,
+    IN_FLIGHT_MODES,
+    EngineInfo,
+    InferenceSettings,
+    InFlightMode,
+    SleepReport,
+)
+from workers.inference.swap import WeightsGate, WeightSwap
+from workers.inference.vllm_requests import add_output, last_output, probe_params, sampling_params, tokens_prompt
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
+__all__ = [  # the settings and reports live in settings.py; importable from here as before
+    "DEFAULT_KV_CACHE_BYTES", "EXTENSION_CLS", "IN_FLIGHT_MODES", "EngineInfo", "InFlightMode", "InferenceSettings",
+    "InferenceWorker", "SleepReport", "WeightsGate",
+]
+
 logger = logging.getLogger(__name__)
 
-EXTENSION_CLS = "workers.inference.vllm_ext.WeightReloadExtension"  # imported by vLLM's worker by dotted path
 RELOAD_RPC = "reload_weights_from_file"  # WeightReloadExtension method name
-KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's legacy CPU env; it would override kv_cache_bytes
-MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0" lets the model worker live in the engine-core process
-DEFAULT_KV_CACHE_BYTES = 64 * 2**20  # tiny model: 2 layers x 2 KV heads x 64 dims x fp32 -> 32k tokens
-_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
-InFlightMode = Literal["drain", "continue", "abort_resume"]
-IN_FLIGHT_MODES: tuple[InFlightMode, ...] = ("drain", "continue", "abort_resume")
-
-
-@dataclass(frozen=True)
-class InferenceSettings:
-    """Engine settings of one replica.
-
-    kv_cache_bytes: KV-cache size in bytes, always explicit (on CPU vLLM otherwise sizes it from a
-        fraction of host memory). `VLLM_CPU_KVCACHE_SPACE` must be unset: it would override this.
-    logprobs_mode: "processed_logprobs" returns log π of the distribution sampled from (after
-        temperature/top-p); "raw_logprobs" returns log-softmax of the raw logits.
-    worker_in_engine_process: run the model in vLLM's engine-core process (executor "uni",
-        sets `VLLM_ENABLE_V1_MULTIPROCESSING=0` in this process) instead of a third process.
-        On a small CPU host this starts faster and decodes several times faster; vLLM warns that
-        OpenMP threads are then not pinned. Use False on many-core CPU hosts; ignored on GPU.
-    initial_policy_version: version reported before the first `update_weights`.
-    in_flight: what a weight update does to requests in flight: "drain" (wait for them, sync
-        mode), "continue" (keep them running across the swap) or "abort_resume" (abort, then
-        resume them under the new weights); see the module docstring.
-    resume_aborted: with in_flight="abort_resume", False ends an aborted request with
-        finish_reason "abort" and its partial tokens instead of resuming it.
-    tensor_parallel_size: GPUs of this engine (the Ray actor holds them; vLLM's "mp" executor
-        runs one worker per GPU inside the actor). On CPU the in-process engine takes only 1.
-    enable_sleep_mode: build the engine so that `sleep()` releases device memory (vLLM sleep
-        mode, level 1). Where the platform has no sleep mode (vLLM's CPU build), the engine is
-        built without it and `sleep()` only pauses scheduling (level 0); see `SleepReport`.
-    """
-
-    model_path: str
-    dtype: str = "float32"
-    max_model_len: int = 512
-    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    seed: int = 0
-    enforce_eager: bool = True
-    enable_prefix_caching: bool = True
-    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
-    worker_in_engine_process: bool = True
-    initial_policy_version: int = 0
-    in_flight: InFlightMode = "drain"
-    resume_aborted: bool = True
-    tensor_parallel_size: int = 1
-    enable_sleep_mode: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.model_path:
-            raise ValueError("inference.model_path must be set")
-        for key in ("max_model_len", "kv_cache_bytes", "max_num_seqs"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"inference.{key} must be > 0, got {getattr(self, key)}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
-            raise ValueError(f"inference.max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
-        if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
-            raise ValueError(f"inference.logprobs_mode must be processed_logprobs or raw_logprobs, got {self.logprobs_mode!r}")
-        if self.initial_policy_version < 0:
-            raise ValueError(f"inference.initial_policy_version must be >= 0, got {self.initial_policy_version}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"inference.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.in_flight not in IN_FLIGHT_MODES:
-            raise ValueError(f"inference.in_flight must be one of {IN_FLIGHT_MODES}, got {self.in_flight!r}")
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What `start()` measured: wall time to import vLLM and build the engine (engine-core process
-    spawn, model load, KV-cache allocation), and the limits it runs with."""
-
-    startup_s: float
-    max_model_len: int
-    kv_cache_bytes: int
-    max_num_seqs: int
-    sleep_level: int = 0  # what sleep() does: 0 pauses scheduling only, 1 also frees device memory
-
-
-@dataclass(frozen=True)
-class SleepReport:
-    """One `sleep()` / `wake_up()`. level 0: scheduling paused only (vLLM's CPU build has no sleep
-    mode); level 1: weights offloaded to host memory, KV cache dropped (GPU). elapsed_s: wall time."""
-
-    level: int
-    released_memory: bool
-    elapsed_s: float
-
-
-class WeightsGate:
-    """Admission control that keeps requests and weight updates apart (asyncio, one event loop).
-
-    Invariant: while an update holds the gate, no request is in flight; a waiting update blocks new
-    requests (writer preference), so an update waits at most for the requests already running.
-    """
-
-    def __init__(self) -> None:
-        self._cond = asyncio.Condition()
-        self._in_flight = 0
-        self._updating = False
-        self._updates_waiting = 0
-
-    def num_in_flight(self) -> int:
-        return self._in_flight
-
-    def update_pending(self) -> bool:
-        """True while an update waits for the gate or holds it."""
-        return self._updating or self._updates_waiting > 0
-
-    @asynccontextmanager
-    async def request(self) -> AsyncIterator[None]:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self.update_pending())
-            self._in_flight += 1
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._in_flight -= 1
-                self._cond.notify_all()
-
-    @asynccontextmanager
-    async def update(self) -> AsyncIterator[None]:
-        async with self._cond:
-            self._updates_waiting += 1
-            try:
-                await self._cond.wait_for(lambda: not self._updating and self._in_flight == 0)
-            finally:
-                self._updates_waiting -= 1
-                self._cond.notify_all()
-            self._updating = True
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._updating = False
-                self._cond.notify_all()
 
 
 class InferenceWorker(WeightSwap):
@@ -226,55 +103,10 @@ class InferenceWorker(WeightSwap):
         that will serve requests. Raises ValueError on conflicting environment settings."""
         if self._engine is not None:
             raise RuntimeError("InferenceWorker.start() called twice")
-        s = self._settings
-        if os.environ.get(KV_CACHE_ENV):
-            raise ValueError(
-                f"{KV_CACHE_ENV}={os.environ[KV_CACHE_ENV]!r} is set and would override "
-                f"inference.kv_cache_bytes={s.kv_cache_bytes}; unset it and use kv_cache_bytes"
-            )
-        _make_package_importable_by_engine_processes()
-        t0 = time.perf_counter()  # startup_s covers the vLLM import too
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.platforms import current_platform
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        in_core = s.worker_in_engine_process and current_platform.is_cpu()
-        if in_core:
-            os.environ[MP_ENV] = "0"
-        self._sleep_level = 1 if s.enable_sleep_mode and current_platform.is_sleep_mode_available() else 0
-        if s.enable_sleep_mode and not self._sleep_level:
-            logger.warning("vLLM on %s has no sleep mode: sleep() pauses scheduling only and releases no memory",
-                           current_platform.device_type)
-        # an actor holding its GPUs runs TP workers as local processes ("mp"), not as Ray actors
-        backend = "uni" if in_core else ("mp" if s.tensor_parallel_size > 1 else None)
-        args = AsyncEngineArgs(
-            model=s.model_path,
-            dtype=s.dtype,
-            max_model_len=s.max_model_len,
-            max_num_seqs=s.max_num_seqs,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-            kv_cache_memory_bytes=s.kv_cache_bytes,
-            seed=s.seed,
-            enforce_eager=s.enforce_eager,
-            enable_prefix_caching=s.enable_prefix_caching,
-            logprobs_mode=s.logprobs_mode,
-            skip_tokenizer_init=True,  # token-in/token-out: the gateway owns the tokenizer
-            worker_extension_cls=EXTENSION_CLS,
-            distributed_executor_backend=backend,
-            tensor_parallel_size=s.tensor_parallel_size,
-            enable_sleep_mode=bool(self._sleep_level),
-            disable_log_stats=True,
-        )
-        self._engine = AsyncLLM.from_engine_args(args, stat_loggers=[self._kv_usage.logger_factory()])
+        self._engine, info = build_engine(self._settings, kv_usage=self._kv_usage)
         await self._engine.update_weight_version(str(self._version))  # the label of every output
-        info = EngineInfo(
-            startup_s=time.perf_counter() - t0,
-            max_model_len=s.max_model_len,
-            kv_cache_bytes=s.kv_cache_bytes,
-            max_num_seqs=s.max_num_seqs,
-            sleep_level=self._sleep_level,
-        )
-        logger.info("vLLM engine for %s started in %.1f s", s.model_path, info.startup_s)
+        self._sleep_level = info.sleep_level
+        logger.info("vLLM engine for %s started in %.1f s", self._settings.model_path, info.startup_s)
         return info
 
     def policy_version(self) -> int:
@@ -311,14 +143,14 @@ class InferenceWorker(WeightSwap):
         async with self._admitted():
             while True:
                 swaps_done_at_submit = self._swaps_done
-                final = await _last_output(
+                final = await last_output(
                     engine.generate(
-                        prompt=_tokens_prompt(req.prompt_ids + out.ids()),
-                        sampling_params=_sampling_params(req, out.remaining_tokens()),
+                        prompt=tokens_prompt(req.prompt_ids + out.ids()),
+                        sampling_params=sampling_params(req, out.remaining_tokens()),
                         request_id=out.next_segment_id(),
                     )
                 )
-                _add_output(out, req.request_id, final.outputs[0])
+                add_output(out, req.request_id, final.outputs[0])
                 if not (out.finish_reason() == "abort" and self._resumes(swaps_done_at_submit)):
                     break
                 if out.remaining_tokens() == 0:  # the budget was spent just as the abort landed
@@ -333,24 +165,15 @@ class InferenceWorker(WeightSwap):
         request, so every position is computed). A probe aborted by a weight update is re-run on
         the new weights. Raises ValueError for fewer than 2 tokens.
         """
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         engine = self._require_engine()
         if len(token_ids) < 2:
             raise ValueError(f"prompt_logprobs needs at least 2 tokens, got {len(token_ids)}")
-        params = SamplingParams(
-            max_tokens=1,
-            temperature=0.0,
-            prompt_logprobs=0,  # only the actual next token at each position
-            detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        params = probe_params()
         async with self._admitted():
             while True:
                 swaps_done_at_submit = self._swaps_done
-                final = await _last_output(
-                    engine.generate(prompt=_tokens_prompt(token_ids), sampling_params=params, request_id=f"probe-{uuid.uuid4().hex}")
+                final = await last_output(
+                    engine.generate(prompt=tokens_prompt(token_ids), sampling_params=params, request_id=f"probe-{uuid.uuid4().hex}")
                 )
                 aborted = str(final.outputs[0].finish_reason) == "abort"
                 if not (aborted and self._swaps_begun > swaps_done_at_submit):
@@ -479,100 +302,3 @@ class InferenceWorker(WeightSwap):
         if self._engine is None:
             raise RuntimeError("InferenceWorker is not started (call start() first) or was shut down")
         return self._engine
-
-
-def _add_output(segments: SegmentedGeneration, request_id: str, out: Any) -> None:
-    """Append one finished vLLM `CompletionOutput` (FINAL_ONLY: all of the segment's tokens).
-    Raises RuntimeError on a missing log-prob or version label, or an unknown finish reason."""
-    ids = [int(t) for t in out.token_ids]
-    positions = out.logprobs or []
-    if len(positions) != len(ids):
-        raise RuntimeError(f"request {request_id}: engine returned no log-prob for some tokens")
-    reason = _FINISH_REASONS.get(str(out.finish_reason))
-    if reason is None:
-        raise RuntimeError(f"request {request_id}: engine finished with {out.finish_reason!r}")
-    segments.add(
-        ids,
-        [float(pos[tok].logprob) for tok, pos in zip(ids, positions)],
-        versions_from_spans(request_id, out.weight_versions, len(ids)),
-        reason,
-    )
-
-
-def _tokens_prompt(ids: Any) -> Any:
-    from vllm import TokensPrompt
-
-    return TokensPrompt(prompt_token_ids=[int(t) for t in ids])
-
-
-def _sampling_params(req: GenerateRequest, max_tokens: int) -> Any:
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return SamplingParams(
-        n=1,
-        max_tokens=max_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        seed=req.seed,
-        stop_token_ids=list(req.stop_token_ids),
-        ignore_eos=True,
-        logprobs=0,  # only the sampled token's log-prob
-        detokenize=False,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-    )
-
-
-async def _last_output(stream: AsyncIterator[Any]) -> Any:
-    final = None
-    async for out in stream:
-        final = out
-    if final is None or not final.finished:
-        raise RuntimeError("engine stream ended without a finished output")
-    return final
-
-
-def _make_package_importable_by_engine_processes() -> None:
-    """vLLM's engine processes import `workers.inference.vllm_ext` by name; put this repo on PYTHONPATH so
-    they can, whatever the launcher (pytest, Ray worker, script) put on sys.path."""
-    root = str(Path(__file__).resolve().parent.parent)
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if root not in paths:
-        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
-
-
-class KvCacheUsage:
-    """Collects `SchedulerStats.kv_cache_usage` from vLLM's stat-logger hook (one record per engine
-    step) and reports the mean since the last read. The hook is vLLM's `StatLoggerBase`; passing it
-    enables stats without vLLM's default console/Prometheus loggers."""
-
-    def __init__(self) -> None:
-        self._sum = 0.0
-        self._n = 0
-
-    def add(self, usage: float) -> None:
-        self._sum += usage
-        self._n += 1
-
-    def take_mean(self) -> float:
-        mean = self._sum / self._n if self._n else float("nan")
-        self._sum, self._n = 0.0, 0
-        return mean
-
-    def logger_factory(self):
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
-        sink = self
-
-        class _KvUsageLogger(StatLoggerBase):
-            def __init__(self, vllm_config, engine_index: int = 0) -> None:
-                pass
-
-            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
-                if scheduler_stats is not None:
-                    sink.add(float(scheduler_stats.kv_cache_usage))
-
-            def log_engine_initialized(self) -> None:
-                pass
-
-        return _KvUsageLogger

@@ -9,7 +9,7 @@ Invariant: `RolloutPool.run_all` returns one outcome per request, or raises (a C
 any actor stops the run; Ray re-raises it as an instance of ContractError). `shutdown` cancels
 rollouts still running; each stops its ACR session on the way out.
 
-Callers: orchestrator/main.py builds the pool; the loops call `run_all`.
+Callers: orchestrator/build.py builds the pool (`start_rollout_pool`); the loops call `run_all`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from workers.core.calls import call, is_actor_method
 from workers.core.types import RolloutRequest, Sample, SessionCapture
 from workers.rollout.worker import RolloutOutcome, RolloutSettings, RolloutWorker
 from workers.rollout.results import ResultBoard, ResultServer
@@ -126,16 +127,16 @@ class RolloutActor:
 
 
 class GatewayActorClient:
-    """GatewaySessions over the gateway's Ray actor handle."""
+    """GatewaySessions over the gateway: its Ray actor handle or a local GatewayServer."""
 
     def __init__(self, handle: Any) -> None:
         self._h = handle
 
     async def open_session(self, session_id: str, max_context_tokens: int | None = None) -> str:
-        return await self._h.open_session.remote(session_id, max_context_tokens)
+        return await call(self._h, "open_session", session_id, max_context_tokens)
 
     async def close_session(self, session_id: str) -> SessionCapture:
-        return await self._h.close_session.remote(session_id)
+        return await call(self._h, "close_session", session_id)
 
 
 class _ActorSink:
@@ -145,13 +146,12 @@ class _ActorSink:
         self._h = handle
 
     async def put(self, samples: list[Sample], partition: str) -> None:
-        await self._h.put.remote(samples, partition)
+        await call(self._h, "put", samples, partition)
 
 
 def _sink_for(handle: Any):
-    """The trajectory buffer for a BufferHandle; an actor with `put.remote` is used as is."""
-    put = getattr(handle, "put", None)
-    if put is not None and hasattr(put, "remote"):
+    """The trajectory buffer for a BufferHandle; an actor with a `put` actor method is used as is."""
+    if is_actor_method(getattr(handle, "put", None)):
         return _ActorSink(handle)
     from workers.buffer.store import TrajectoryBuffer
 
@@ -159,7 +159,8 @@ def _sink_for(handle: Any):
 
 
 class RolloutPool:
-    """Driver-side handle on the rollout actors: spreads requests over them round-robin."""
+    """Driver-side handle on the rollout actors (Ray handles, or RolloutActor objects in one
+    process): spreads requests over them round-robin."""
 
     def __init__(self, actors: list[Any]) -> None:
         if not actors:
@@ -174,7 +175,7 @@ class RolloutPool:
             shards[(self._next + i) % len(shards)].append(i)
         self._next = (self._next + len(reqs)) % len(self._actors)
         used = [(a, idx) for a, idx in zip(self._actors, shards) if idx]
-        results = await asyncio.gather(*(a.run_many.remote([reqs[i] for i in idx], partition) for a, idx in used))
+        results = await asyncio.gather(*(call(a, "run_many", [reqs[i] for i in idx], partition) for a, idx in used))
         out: list[RolloutOutcome | None] = [None] * len(reqs)
         for (_, idx), outcomes in zip(used, results):
             for i, o in zip(idx, outcomes):
@@ -182,14 +183,14 @@ class RolloutPool:
         return out  # type: ignore[return-value]
 
     async def acr_stats(self) -> dict[str, int]:
-        return _sum(await asyncio.gather(*(a.acr_stats.remote() for a in self._actors)))
+        return _sum(await asyncio.gather(*(call(a, "acr_stats") for a in self._actors)))
 
     async def rollout_counts(self) -> dict[str, int]:
         """Summed `rollout/...` counts of every actor (terminal states and failure reasons)."""
-        return _sum(await asyncio.gather(*(a.rollout_counts.remote() for a in self._actors)))
+        return _sum(await asyncio.gather(*(call(a, "rollout_counts") for a in self._actors)))
 
     async def shutdown(self) -> None:
-        await asyncio.gather(*(a.shutdown.remote() for a in self._actors), return_exceptions=True)
+        await asyncio.gather(*(call(a, "shutdown") for a in self._actors), return_exceptions=True)
 
 
 def _sum(dicts: list[dict[str, int]]) -> dict[str, int]:
@@ -212,24 +213,12 @@ def start_rollout_actors(num: int, settings: RolloutSettings, gateway_handle: An
             for i in range(num)]
 
 
-def pool_from_config(rollout_cfg: Any, *, exp_id: str, agent_runtime_arn: str, gateway_base_url: str,
-                     model_id: str, gateway: Any, buffer_handle: Any) -> RolloutPool:
-    """Start the limit actors and `rollout_cfg.num_workers` rollout actors from the `rollout`
-    config group (orchestrator.config.RolloutConfig); return the pool."""
-    from workers.acr.client import AcrClientConfig
-    from workers.acr.limits import AcrLimitsConfig, start_limit_actors
+def start_rollout_pool(settings: RolloutSettings, *, num_workers: int, limits: Any, acr: Any, result_host: str,
+                       gateway: Any, buffer_handle: Any) -> RolloutPool:
+    """Start the named cluster-wide limit actors (`limits`: workers.acr.limits.AcrLimitsConfig)
+    and `num_workers` rollout actors whose ACR clients use `acr` (workers.acr.client.AcrClientConfig);
+    return the pool. The driver maps its `rollout` config group to these typed settings."""
+    from workers.acr.limits import start_limit_actors
 
-    c, acr = rollout_cfg, rollout_cfg.acr
-    settings = RolloutSettings(
-        exp_id=exp_id, agent_runtime_arn=agent_runtime_arn, qualifier=acr.qualifier, s3_bucket=acr.s3_bucket,
-        gateway_base_url=gateway_base_url, model_id=model_id, max_tokens=c.max_tokens, temperature=c.temperature,
-        top_p=c.top_p, timeout_s=c.timeout_s, max_context_tokens=c.max_context_tokens, contract=c.contract,
-        http_background=c.http_background, push_grace_s=c.push_grace_s,
-        max_consecutive_bad_results=c.max_consecutive_bad_results)
-    limits = start_limit_actors(AcrLimitsConfig(requests_per_s=acr.limits.requests_per_s,
-                                                headroom=acr.limits.headroom,
-                                                max_open_sessions=acr.limits.max_open_sessions))
-    options = PoolOptions(limits=limits, result_host=c.result_host, acr=AcrClientConfig(
-        region_name=acr.region, retry_mode=acr.retry_mode, max_attempts=acr.max_attempts,
-        runtime_error_attempts=acr.runtime_error_attempts, poll_initial_s=c.poll_initial_s, poll_max_s=c.poll_max_s))
-    return RolloutPool(start_rollout_actors(c.num_workers, settings, gateway, buffer_handle, options=options))
+    options = PoolOptions(limits=start_limit_actors(limits), result_host=result_host, acr=acr)
+    return RolloutPool(start_rollout_actors(num_workers, settings, gateway, buffer_handle, options=options))

@@ -28,7 +28,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import tenacity
 from botocore.exceptions import ClientError

@@ -15,20 +15,25 @@ handle's methods with `.remote`, drive N ranks without change.
   trainer's node for its address this way).
 
 Invariant: every call reaches all ranks or none (arguments are checked before any rank is called),
-so no rank waits in a collective for a peer that was never asked. `start_trainer_ranks` picks the
-rendezvous (`trainer_init_method`: rank 0's node IP and a port free there, learned by a Ray task
-placed in rank 0's bundle) before any rank starts.
+so no rank waits in a collective for a peer that was never asked. `start_trainer_ranks` starts the
+ranks' rendezvous store in the driver before any rank starts (`host_store` on the driver's node IP,
+a port the OS bound and keeps bound: no close-and-reuse race); every rank joins it as a client, and
+the group stops serving it at `close`. The store carries only the rendezvous (the collectives
+connect rank to rank), so it sitting on the driver's node costs nothing per step.
+
+`TrainerGroup` implements the `Trainer` protocol (workers/trainer/protocol.py) with awaitable results.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from workers.core.algorithms.batch import TrainBatch
+from workers.core.calls import call, is_actor_method
 from workers.trainer.shard import merge_rank_metrics, shard_batch
+from workers.weight_sync.rendezvous import StoreAddress, host_store, release_store
 
 
 class _Method:
@@ -57,15 +62,6 @@ class _remote_method:
         return _Method(self._fn.__get__(obj, cls))
 
 
-async def _call(obj: Any, method: str, *args: Any) -> Any:
-    fn = getattr(obj, method)
-    remote = getattr(fn, "remote", None)
-    if remote is not None:  # Ray actor handle: ObjectRefs are awaitable
-        return await remote(*args)
-    out = fn(*args)
-    return await out if asyncio.iscoroutine(out) else out
-
-
 class TrainerGroup:
     """N TrainerWorker ranks (Ray actor handles or plain objects) of one FSDP process group.
 
@@ -76,10 +72,11 @@ class TrainerGroup:
     """
 
     def __init__(self, ranks: Sequence[Any], *, micro_batch_size: int,
-                 max_tokens_per_micro_batch: int | None = None) -> None:
+                 max_tokens_per_micro_batch: int | None = None, rendezvous: StoreAddress | None = None) -> None:
         if not ranks:
             raise ValueError("TrainerGroup needs at least one rank")
         self.ranks = list(ranks)
+        self._rendezvous = rendezvous  # hosted by this process until close()
         self._mbs = micro_batch_size
         self._max_tokens = max_tokens_per_micro_batch
 
@@ -88,7 +85,7 @@ class TrainerGroup:
         return len(self.ranks)
 
     async def _all(self, method: str, *args: Any) -> list[Any]:
-        return list(await asyncio.gather(*(_call(r, method, *args) for r in self.ranks)))
+        return list(await asyncio.gather(*(call(r, method, *args) for r in self.ranks)))
 
     @_remote_method
     async def update(self, batch: TrainBatch) -> dict[str, float]:
@@ -98,7 +95,7 @@ class TrainerGroup:
         the batch cannot be sharded (fewer trained rows than ranks)."""
         shards = shard_batch(batch, self.world_size, micro_batch_size=self._mbs,
                              max_tokens_per_micro_batch=self._max_tokens)
-        results = await asyncio.gather(*(_call(r, "update", s) for r, s in zip(self.ranks, shards)))
+        results = await asyncio.gather(*(call(r, "update", s) for r, s in zip(self.ranks, shards)))
         return merge_rank_metrics(results, [float(s.num_loss_tokens) for s in shards])
 
     @_remote_method
@@ -144,50 +141,26 @@ class TrainerGroup:
 
     @_remote_method
     async def close(self) -> None:
-        """Release every rank's weight-sync group and process group."""
+        """Release every rank's weight-sync group and process group, then the ranks' rendezvous store."""
         await self._all("close")
+        if self._rendezvous is not None:
+            release_store(self._rendezvous)
+            self._rendezvous = None
 
     @_remote_method
     async def __ray_call__(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(rank0_instance, *args)` inside rank 0 (Ray's `__ray_call__`), or `fn(rank0,
         *args)` for a plain object."""
         lead = self.ranks[0]
-        call = getattr(getattr(lead, "__ray_call__", None), "remote", None)
-        if call is not None:
-            return await call(fn, *args)
+        if is_actor_method(getattr(lead, "__ray_call__", None)):
+            return await lead.__ray_call__.remote(fn, *args)
         return fn(lead, *args)
-
-
-def free_port_here(_actor: Any = None) -> tuple[str, int]:
-    """(this node's IP as Ray sees it, else 127.0.0.1; a TCP port free on it now)."""
-    host = "127.0.0.1"
-    try:
-        import ray
-
-        if ray.is_initialized():
-            host = ray.util.get_node_ip_address()
-    except ImportError:
-        pass
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return host, int(s.getsockname()[1])
-
-
-async def trainer_init_method(rank0_options: dict[str, Any]) -> str:
-    """torch.distributed rendezvous URL of the trainer ranks: `tcp://IP:PORT` on rank 0's node
-    (TCPStore is hosted by rank 0). A Ray task with rank 0's placement options (same bundle, hence
-    same node) reports the node's IP and a port free there."""
-    import ray
-
-    task = ray.remote(num_cpus=0)(free_port_here).options(**rank0_options)
-    host, port = await task.remote()
-    return f"tcp://{host}:{port}"
 
 
 async def start_trainer_ranks(actor_cls: Any, settings: Any, *, world_size: int,
                               rank_options: Callable[[int], dict[str, Any]], **kwargs: Any) -> Any:
-    """Start the trainer: one actor for world_size 1 (returned as is, no rendezvous), else
-    `world_size` rank actors joined through `trainer_init_method`, returned as a TrainerGroup.
+    """Start the trainer: one actor for world_size 1 (returned as is; it hosts its own store), else
+    `world_size` rank actors joined through a store this process hosts, returned as a TrainerGroup.
 
     actor_cls: a `ray.remote(...)` class of TrainerWorker (or one with its constructor);
     settings: its TrainerSettings; rank_options(rank): `.options(...)` kwargs of each rank (Ray
@@ -197,10 +170,9 @@ async def start_trainer_ranks(actor_cls: Any, settings: Any, *, world_size: int,
         raise ValueError(f"trainer world_size must be >= 1, got {world_size}")
     if world_size == 1:
         return actor_cls.options(**rank_options(0)).remote(settings, **kwargs)
-    rank0 = {k: v for k, v in rank_options(0).items() if k in ("scheduling_strategy", "num_gpus")}
-    init = await trainer_init_method(rank0)
+    rendezvous = host_store()  # this node's IP as Ray sees it
     ranks = [actor_cls.options(**rank_options(r)).remote(settings, rank=r, world_size=world_size,
-                                                         init_method=init, **kwargs)
+                                                         init_method=rendezvous.url, **kwargs)
              for r in range(world_size)]
     return TrainerGroup(ranks, micro_batch_size=settings.micro_batch_size,
-                        max_tokens_per_micro_batch=settings.max_tokens_per_micro_batch)
+                        max_tokens_per_micro_batch=settings.max_tokens_per_micro_batch, rendezvous=rendezvous)

@@ -1,10 +1,10 @@
-"""Small helpers of TrainerWorker (workers/trainer/worker.py): rendezvous URL, per-token log-probs in
-TrainBatch alignment, names of tied weights, atomic file writes. Pure functions of their inputs."""
+"""Small helpers of the trainer ranks (workers/trainer/shell.py and its engines): per-token log-probs
+in TrainBatch alignment, names of tied weights, atomic file writes, the rollout-correction plan of
+an update. Pure functions of their inputs."""
 
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,13 +15,6 @@ import torch
 if TYPE_CHECKING:
     from workers.core.algorithms.batch import TrainBatch
     from workers.core.algorithms.rollout_correction import RolloutCorrection, RolloutCorrectionConfig
-
-
-def free_loopback_init_method() -> str:
-    """A `tcp://127.0.0.1:PORT` rendezvous on a port the OS just reported free (world size 1 only)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def token_logprobs(

@@ -12,13 +12,11 @@ or reordered (a row is never split across micro-batches).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
 
 from workers.core.algorithms.batch import TrainBatch
-
-MixedPrecision = Literal["bf16"]
+from workers.trainer.settings import MIXED_PRECISION_MODES, MixedPrecision
 
 
 def plan_micro_batches(lengths: Sequence[int], *, micro_batch_size: int, max_tokens: int | None) -> list[list[int]]:
@@ -89,8 +87,8 @@ def mixed_precision_policy(mode: MixedPrecision | None, *, root: bool):
 
     if mode is None:
         return MixedPrecisionPolicy()
-    if mode != "bf16":
-        raise ValueError(f"trainer.mixed_precision must be null or 'bf16', got {mode!r}")
+    if mode not in MIXED_PRECISION_MODES:
+        raise ValueError(f"trainer.mixed_precision must be null or one of {MIXED_PRECISION_MODES}, got {mode!r}")
 
     return MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32 if root else None

@@ -7,12 +7,15 @@ value raises ValueError naming the `trainer.*` key when the settings are built.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 from workers.core.algorithms.rollout_correction_config import RolloutCorrectionConfig
 
-LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-MixedPrecision = Literal["bf16"]
+if TYPE_CHECKING:  # defined once, beside the loss (a torch module); checked by policy_loss_config()
+    from workers.core.algorithms.losses import LossAggMode
+
+MixedPrecision = Literal["bf16"]  # trainer.mixed_precision modes besides null (applied in workers/trainer/scale.py)
+MIXED_PRECISION_MODES: tuple[MixedPrecision, ...] = get_args(MixedPrecision)
 
 
 @dataclass(frozen=True)
@@ -70,11 +73,12 @@ class TrainerSettings:
             raise ValueError(
                 f"trainer.max_tokens_per_micro_batch must be >= 1 or None, got {self.max_tokens_per_micro_batch}"
             )
-        from workers.trainer.scale import mixed_precision_policy
+        if self.mixed_precision is not None and self.mixed_precision not in MIXED_PRECISION_MODES:
+            raise ValueError(
+                f"trainer.mixed_precision must be null or one of {MIXED_PRECISION_MODES}, got {self.mixed_precision!r}")
         from workers.weight_sync.broadcast import bucket_bytes_of
         from workers.weight_sync.plan import dtype_from_name
 
-        mixed_precision_policy(self.mixed_precision, root=True)  # validates the mode
         dtype_from_name(self.weight_sync_dtype)
         bucket_bytes_of(self.weight_sync_bucket_mb)
         self.policy_loss_config()  # validates clip ratios and loss_agg_mode

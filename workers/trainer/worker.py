@@ -1,9 +1,10 @@
 """TrainerWorker: an HF causal LM under FSDP2, trained with the PPO clip loss and rollout correction.
 
 A plain class; Ray is applied by the caller (`ray.remote(num_cpus=1)(TrainerWorker)`). One instance
-per data-parallel rank: each joins a torch.distributed process group (gloo on CPU, NCCL on GPU) and
-holds its shard of the float32 weights (`torch.distributed.fsdp.fully_shard` on every decoder layer
-and on the root) and of the AdamW state.
+per data-parallel rank: a `TrainerShell` (workers/trainer/shell.py: process group, rollout
+correction, metrics, files, weight-sync group) around `FsdpEngine`, which holds this rank's shard
+of the float32 weights (`torch.distributed.fsdp.fully_shard` on every decoder layer and on the
+root) and of the AdamW state, in the rank's process group (gloo on CPU, NCCL on GPU).
 
 Invariants:
 - Log-probs use TrainBatch's alignment: logprob[b, t] = log p(token t | tokens < t); column 0 and
@@ -37,85 +38,47 @@ Callers: the training loops (through a Ray actor handle) and weight sync (`expor
 from __future__ import annotations
 
 import math
-import os
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from workers.core.algorithms.batch import TrainBatch
-from workers.core.algorithms.losses import LossAggMode, PolicyLossConfig, ppo_clip_loss
-from workers.core.algorithms.rollout_correction import (
-    RolloutCorrectionConfig,
-    compute_rollout_correction,
-)
-from workers.trainer.settings import TrainerSettings
-from workers.trainer.helpers import (  # noqa: F401  (free_loopback_init_method, token_logprobs: public here)
-    plan_update,
-    _atomic_write,
-    _tied_parameter_names,
-    free_loopback_init_method,
-    token_logprobs,
-)
+from workers.core.algorithms.losses import ppo_clip_loss
+from workers.trainer.helpers import _tied_parameter_names, token_logprobs
+from workers.trainer.protocol import StepInputs, StepOutcome
 from workers.trainer.scale import (
-    MixedPrecision,
     checkpoint_layers,
     mixed_precision_policy,
     plan_micro_batches,
     split_to_count,
     take_rows,
 )
-from workers.weight_sync.broadcast import SendReport, bucket_bytes_of, send_weights
-from workers.weight_sync.plan import TensorSpec, dtype_from_name
-from workers.weight_sync.transport import BucketTransport, WeightGroupInfo, open_transport
+from workers.trainer.settings import TrainerSettings
+from workers.trainer.shell import WEIGHTS_FILENAME, RankContext, TrainerShell
+from workers.weight_sync.plan import TensorSpec
 
-WEIGHTS_FILENAME = "model.safetensors"  # single-file HF checkpoint name
+__all__ = ["FsdpEngine", "TrainerSettings", "TrainerWorker", "WEIGHTS_FILENAME", "token_logprobs"]
 
 
-class TrainerWorker:
-    """One data-parallel rank of the trainer. See the module docstring for the invariants.
+class FsdpEngine:
+    """The HF FSDP2 engine of one rank (`TrainerEngine`): the model sharded with `fully_shard`,
+    AdamW over its shards, token-budget micro-batches (workers/trainer/scale.py)."""
 
-    Args:
-        cfg: TrainerSettings.
-        rank, world_size: this rank in the data-parallel group.
-        init_method: torch.distributed rendezvous URL; None picks a free loopback port, which only
-            works for world_size 1 (ranks of a larger group must share one URL).
-
-    Raises:
-        ValueError: world_size > 1 without init_method, or rank out of range.
-    """
-
-    def __init__(
-        self, cfg: TrainerSettings, *, rank: int = 0, world_size: int = 1, init_method: str | None = None
-    ) -> None:
-        if not (0 <= rank < world_size):
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        if world_size > 1 and init_method is None:
-            raise ValueError("world_size > 1 needs an init_method shared by all ranks")
+    def __init__(self, cfg: TrainerSettings, ctx: RankContext) -> None:
         from transformers import AutoModelForCausalLM  # heavy import, kept off module import
 
-        self.cfg = cfg
-        self.rank, self.world_size = rank, world_size
-        use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-        self._owns_process_group = not dist.is_initialized()
-        if self._owns_process_group:
-            dist.init_process_group(
-                backend="nccl" if use_cuda else "gloo",
-                init_method=init_method or free_loopback_init_method(),
-                rank=rank,
-                world_size=world_size,
-            )
-        elif dist.get_world_size() != world_size:
-            raise ValueError(f"a process group of size {dist.get_world_size()} exists; asked for {world_size}")
-        mesh = init_device_mesh(self.device.type, (world_size,))
-
-        torch.manual_seed(cfg.seed)
+        self.cfg, self.ctx, self.device = cfg, ctx, ctx.device
+        mesh = init_device_mesh(self.device.type, (ctx.world_size,))
         model = AutoModelForCausalLM.from_pretrained(
             cfg.model_path, dtype=torch.float32, attn_implementation=cfg.attn_implementation,
             **cfg.extra_model_kwargs,
@@ -135,9 +98,6 @@ class TrainerWorker:
             model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
         )
         self._loss_cfg = cfg.policy_loss_config()
-        self._rc_cfg = cfg.rollout_correction_config()
-        self.num_updates = 0
-        self._weight_transport: BucketTransport | None = None
 
     # --- forward passes -------------------------------------------------------------------
 
@@ -154,10 +114,6 @@ class TrainerWorker:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """log π(token t | tokens < t) under the current weights, no grad.
-
-        Returns [B, T] float32 on CPU; column 0 and padding are 0.
-        """
         out = torch.zeros(batch.batch_size, batch.seq_len, dtype=torch.float32)
         for idx in self.micro_batches(batch):
             out[idx] = self._forward(take_rows(batch, idx), with_entropy=False)[0].float().cpu()
@@ -166,13 +122,13 @@ class TrainerWorker:
     # --- training -------------------------------------------------------------------------
 
     def micro_batches(self, batch: TrainBatch) -> list[torch.Tensor]:
-        """Row indices ([k] long) of each micro-batch of `batch` (trainer_scale.plan_micro_batches);
+        """Row indices ([k] long) of each micro-batch of `batch` (scale.plan_micro_batches);
         every rank gets as many micro-batches as the rank with the most (FSDP needs equal forwards).
         Raises ValueError when a rank has too few rows to match."""
         lengths = batch.attention_mask.sum(dim=-1).tolist()
         plan = plan_micro_batches(lengths, micro_batch_size=self.cfg.micro_batch_size,
                                   max_tokens=self.cfg.max_tokens_per_micro_batch)
-        if self.world_size > 1:
+        if self.ctx.world_size > 1:
             t = torch.tensor([len(plan)], dtype=torch.int64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             plan = split_to_count(plan, int(t.item()))
@@ -181,7 +137,7 @@ class TrainerWorker:
 
     def _check_same_micro_batch_count(self, count: int) -> None:
         """FSDP collectives run per forward: every rank must run as many micro-batches, or all hang."""
-        if self.world_size == 1:
+        if self.ctx.world_size == 1:
             return
         t = torch.tensor([count, -count], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -191,111 +147,49 @@ class TrainerWorker:
                 "give every rank the same number of rows"
             )
 
-    def _global_sum(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        if self.world_size > 1:
-            dist.all_reduce(t)
-        return float(t.item())
-
-    def update(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on this rank's share of a mini-batch.
-
-        Steps: log π_old (decoupled: recomputed, no grad; bypass: the rollout log-probs); IS
-        weights, rejection masks and `rollout_corr/*` metrics from π_old (bypass: π_θ before the
-        step) vs π_rollout; rejection narrows the loss mask and recomputes the advantages of groups
-        that lost a sample (`apply_rejection`); per micro-batch, PPO clip loss on π_θ / π_old
-        (times the IS weights in decoupled mode), normalised by the mini-batch's global token (or
-        sequence) count after rejection, backward; clip the global grad norm; AdamW step (skipped
-        when the grad norm is not finite, or when no token is left to train on any rank).
-
-        Returns metrics: actor/pg_loss, actor/grad_norm, actor/pg_clipfrac, actor/ppo_kl,
-        actor/pg_clipfrac_lower, actor/entropy (token-weighted means over this rank's micro-batches),
-        actor/num_tokens (global, after rejection), actor/lr, actor/step_skipped (1.0 if the step was
-        skipped), and rollout_corr/* (this rank's mini-batch; with rejection rules also
-        rs_excluded_sample_fraction and rs_recomputed_groups).
-
-        Raises:
-            ValueError: the batch has no trained token, (world_size > 1) ranks hold different
-                numbers of micro-batches, or a rejected reward token in a batch without SampleTable.
-        """
-        rc_cfg = self._rc_cfg
-        plan = plan_update(batch, rc_cfg, self.compute_logprobs)
-        train, old_logprobs, rc, is_weights, extra = plan.train, plan.old_logprobs, plan.rc, plan.is_weights, plan.extra
-        loss_mask = train.loss_mask
-        num_tokens = self._global_sum(float(loss_mask.sum().item()))
-        num_seqs = self._global_sum(float((loss_mask.sum(dim=-1) > 0).sum().item()))
-
+    def train_step(self, train: TrainBatch, inputs: StepInputs) -> StepOutcome:
+        """Per micro-batch: PPO clip loss on π_θ / π_old (times the IS weights), normalised by the
+        mini-batch's global counts, backward; then clip the global grad norm and step (unless it is
+        not finite). Every rank runs as many micro-batches (`micro_batches`)."""
         self.optimizer.zero_grad(set_to_none=True)
-        sums = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/pg_clipfrac_lower": 0.0}
-        if self.cfg.compute_entropy:
-            sums["actor/entropy"] = 0.0
-        current = torch.zeros(batch.batch_size, batch.seq_len)  # bypass without rules: log π_θ for the metrics
-        if num_tokens > 0:
-            for idx in self.micro_batches(train):
-                mb = take_rows(train, idx)
-                mask = loss_mask[idx].to(self.device)
-                lp, ent = self._forward(mb, with_entropy=self.cfg.compute_entropy)
-                if rc is None:
-                    current[idx] = lp.detach().float().cpu()
-                out = ppo_clip_loss(
-                    lp,
-                    old_logprobs[idx].to(self.device),
-                    mb.advantages.to(self.device),
-                    mask,
-                    self._loss_cfg,
-                    is_weights=None if is_weights is None else is_weights[idx].to(self.device),
-                    dp_size=self.world_size,
-                    batch_num_tokens=num_tokens,
-                    global_batch_size=num_seqs,
-                )
-                out.loss.backward()
-                n_mb = float(mask.sum().item())
-                sums["actor/pg_loss"] += float(out.loss.detach().item()) / self.world_size
-                sums["actor/pg_clipfrac"] += float(out.pg_clipfrac.item()) * n_mb
-                sums["actor/ppo_kl"] += float(out.ppo_kl.item()) * n_mb
-                sums["actor/pg_clipfrac_lower"] += float(out.pg_clipfrac_lower.item()) * n_mb
-                if ent is not None:
-                    sums["actor/entropy"] += float((ent * mask).sum().item())
-        if rc is None:  # bypass without rules: π_θ before the step came from the training forward
-            rc = compute_rollout_correction(current, batch.rollout_logprobs, batch.loss_mask, rc_cfg)
-
-        skipped = num_tokens == 0
-        grad_norm_value = 0.0
+        sums = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/pg_clipfrac_lower": 0.0,
+                "actor/entropy": 0.0}
+        current = torch.zeros(train.batch_size, train.seq_len) if inputs.capture_logprobs else None
+        for idx in self.micro_batches(train):
+            mb = take_rows(train, idx)
+            mask = train.loss_mask[idx].to(self.device)
+            lp, ent = self._forward(mb, with_entropy=self.cfg.compute_entropy)
+            if current is not None:
+                current[idx] = lp.detach().float().cpu()
+            out = ppo_clip_loss(
+                lp, inputs.old_logprobs[idx].to(self.device), mb.advantages.to(self.device), mask, self._loss_cfg,
+                is_weights=None if inputs.is_weights is None else inputs.is_weights[idx].to(self.device),
+                dp_size=self.ctx.world_size, batch_num_tokens=inputs.num_tokens, global_batch_size=inputs.num_seqs,
+            )
+            out.loss.backward()
+            n_mb = float(mask.sum().item())
+            sums["actor/pg_loss"] += float(out.loss.detach().item())
+            sums["actor/pg_clipfrac"] += float(out.pg_clipfrac.item()) * n_mb
+            sums["actor/ppo_kl"] += float(out.ppo_kl.item()) * n_mb
+            sums["actor/pg_clipfrac_lower"] += float(out.pg_clipfrac_lower.item()) * n_mb
+            if ent is not None:
+                sums["actor/entropy"] += float((ent * mask).sum().item())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm_value = float(grad_norm.item())
+        skipped = not math.isfinite(grad_norm_value)
         if not skipped:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-            grad_norm_value = float(grad_norm.item())
-            skipped = not math.isfinite(grad_norm_value)
-            if not skipped:
-                self.optimizer.step()
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.num_updates += 1
+        return StepOutcome(sums, grad_norm_value, skipped, current)
 
-        local_tokens = float(loss_mask.sum().item())
-        metrics = {"actor/pg_loss": self._global_sum(sums.pop("actor/pg_loss"))}
-        for name, total in sums.items():
-            metrics[name] = total / local_tokens if local_tokens > 0 else 0.0
-        metrics.update(
-            {
-                "actor/grad_norm": grad_norm_value,
-                "actor/num_tokens": num_tokens,
-                "actor/lr": float(self.optimizer.param_groups[0]["lr"]),
-                "actor/step_skipped": 1.0 if skipped else 0.0,
-            }
-        )
-        metrics.update(rc.metrics)
-        metrics.update(extra)
-        return metrics
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
 
-    # --- weights out ----------------------------------------------------------------------
+    # --- weights and optimizer state ------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full fp32 weights under HF names, on CPU (complete on rank 0; every rank must call this).
-
-        Tied parameters (e.g. lm_head.weight with tie_word_embeddings) appear once, under the name HF
-        saves them as, so the dict loads with `from_pretrained` and vLLM's loaders.
-        """
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         tied = _tied_parameter_names(self.model)
         seen: set[int] = set()
@@ -310,28 +204,12 @@ class TrainerWorker:
             out[name] = t.contiguous()
         return out
 
-    def export_weights(self, path: str) -> str:
-        """Write the full weights as one safetensors file at `path` (temp file + rename); return path.
-
-        Every rank must call it (the gather is collective); only rank 0 writes.
-        """
-        sd = self.full_state_dict()
-        if self.rank == 0:
-            _atomic_write(path, lambda tmp: save_file(sd, tmp, metadata={"format": "pt"}))
-        if self.world_size > 1:
-            dist.barrier()
-        return path
-
-    # --- weights out: bucketed broadcast (workers/weight_sync/broadcast.py) ------------------
-
     def weight_specs(self) -> list[TensorSpec]:
-        """Name, full shape and sync dtype of every tensor `broadcast_weights` sends (HF names, tied
-        aliases left out as in `full_state_dict`), in state-dict order."""
         tied = _tied_parameter_names(self.model)
         return [TensorSpec(name, tuple(t.shape), self.cfg.weight_sync_dtype)
                 for name, t in self.model.state_dict().items() if name not in tied]
 
-    def _full_tensors(self):
+    def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor on this device) one parameter at a time: a collective all-gather per
         tensor, so every rank must iterate to the end together."""
         tied = _tied_parameter_names(self.model)
@@ -341,87 +219,56 @@ class TrainerWorker:
             t = t.detach()
             yield name, (t.full_tensor() if hasattr(t, "full_tensor") else t)
 
-    def open_weight_group(self, info: WeightGroupInfo) -> None:
-        """Rank 0 joins the weight-sync group `info` as its sender (blocks until every receiver
-        joined with a collective backend); other ranks only take part in the gathers later."""
-        if self.rank == 0:
-            if self._weight_transport is not None:
-                raise RuntimeError("this trainer already joined a weight-sync group")
-            self._weight_transport = open_transport(info, 0, self.device)
-
-    def broadcast_weights(self, version: int) -> SendReport | None:
-        """Send the current full weights as `version` to every receiver of the weight-sync group, in
-        buckets of `weight_sync_bucket_mb` (every rank must call it; rank 0 returns the SendReport,
-        others None). Raises RuntimeError before `open_weight_group`."""
-        tensors = self._full_tensors()
-        if self.rank != 0:
-            for _ in tensors:
-                pass
-            return None
-        if self._weight_transport is None:
-            raise RuntimeError("broadcast_weights before open_weight_group")
-        return send_weights(self._weight_transport, self.weight_specs(), tensors, version=version,
-                            bucket_bytes=bucket_bytes_of(self.cfg.weight_sync_bucket_mb))
-
-    def save_hf(self, directory: str) -> str:
-        """Write an HF model directory (config.json, generation config, model.safetensors, tokenizer
-        files when the source directory has them) that `from_pretrained` loads; return directory."""
-        if self.rank == 0:
-            os.makedirs(directory, exist_ok=True)
-            self.model.config.save_pretrained(directory)
-            if getattr(self.model, "generation_config", None) is not None:
-                self.model.generation_config.save_pretrained(directory)
-            self._write_tokenizer(directory)
-        self.export_weights(os.path.join(directory, WEIGHTS_FILENAME))
-        return directory
-
-    def _write_tokenizer(self, directory: str) -> None:
+    def write_hf_metadata(self, directory: str) -> None:
         from transformers import AutoTokenizer
 
+        self.model.config.save_pretrained(directory)
+        if getattr(self.model, "generation_config", None) is not None:
+            self.model.generation_config.save_pretrained(directory)
         try:
             tok = AutoTokenizer.from_pretrained(self.cfg.model_path)
         except (OSError, ValueError):  # the source directory has no tokenizer: weights only
             return
         tok.save_pretrained(directory)
 
-    def close(self) -> None:
-        """Release the weight-sync group, and the process group if this worker created it."""
-        if self._weight_transport is not None:
-            self._weight_transport.close()
-            self._weight_transport = None
-        if self._owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
-            self._owns_process_group = False
+    def optimizer_state(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-    # --- checkpoint: optimizer state ------------------------------------------------------
-
-    def save_optimizer(self, path: str) -> str:
-        """Write the full (unsharded) AdamW state and `num_updates` to `path` with torch.save
-        (temp file + rename); return path. Every rank must call it (the gather is collective);
-        only rank 0 writes. Parameter keys are HF names, so the file is world-size independent."""
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        osd = get_optimizer_state_dict(
-            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if self.rank == 0:
-            _atomic_write(path, lambda tmp: torch.save({"optimizer": osd, "num_updates": self.num_updates}, tmp))
-        if self.world_size > 1:
-            dist.barrier()
-        return path
-
-    def load_optimizer(self, path: str) -> None:
-        """Load a `save_optimizer` file into this rank's optimizer (every rank reads `path`) and
-        restore `num_updates`. Raises ValueError when the file is not an optimizer checkpoint."""
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(blob, dict) or "optimizer" not in blob or "num_updates" not in blob:
-            raise ValueError(f"{path} is not an optimizer checkpoint written by save_optimizer")
-        set_optimizer_state_dict(
-            self.model, self.optimizer, optim_state_dict=blob["optimizer"],
-            options=StateDictOptions(full_state_dict=True),
-        )
-        self.num_updates = int(blob["num_updates"])
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=state,
+                                 options=StateDictOptions(full_state_dict=True))
 
 
+class TrainerWorker(TrainerShell):
+    """One data-parallel rank of the HF FSDP2 trainer. See the module docstring for the invariants.
+
+    Args:
+        cfg: TrainerSettings.
+        rank, world_size: this rank in the data-parallel group.
+        init_method: `tcp://HOST:PORT` of a rendezvous store already served
+            (workers/weight_sync/rendezvous.py `host_store`), shared by all ranks; None hosts one
+            in this process, which only works for world_size 1.
+
+    Raises:
+        ValueError: world_size > 1 without init_method, or rank out of range.
+    """
+
+    def __init__(
+        self, cfg: TrainerSettings, *, rank: int = 0, world_size: int = 1, init_method: str | None = None
+    ) -> None:
+        super().__init__(cfg, lambda ctx: FsdpEngine(cfg, ctx), rank=rank, world_size=world_size,
+                         init_method=init_method)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The FSDP2-sharded HF model."""
+        return self.engine.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    def micro_batches(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """Row indices of each micro-batch of `batch` (see `FsdpEngine.micro_batches`)."""
+        return self.engine.micro_batches(batch)

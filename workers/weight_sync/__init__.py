@@ -7,4 +7,5 @@ Modules:
   broadcast.py  the sender and receiver of a versioned, bucketed broadcast
   receiver.py   a receiver that loads into plain torch tensors, and its process entry point
   setup.py      the run's weight sync, chosen by `trainer.weight_sync.backend`, opened and closed once
+  rendezvous.py TCPStores on a port the OS picked and kept bound (weight-sync groups, trainer ranks)
 """

@@ -28,8 +28,10 @@ from typing import Any
 
 import torch
 
+from workers.core.calls import call
 from workers.weight_sync.file import WeightSyncReport
 from workers.weight_sync.plan import MIB, BucketPlan, TensorSpec, dtype_from_name, flatten_into, plan_buckets, unflatten
+from workers.weight_sync.rendezvous import host_store
 from workers.weight_sync.transport import BucketTransport, TransportBackend, WeightGroupInfo
 
 
@@ -159,25 +161,15 @@ def new_group_info(
     backend: TransportBackend, num_receivers: int, *, host: str = "127.0.0.1", port: int | None = None,
     timeout_s: float = 300.0,
 ) -> WeightGroupInfo:
-    """A WeightGroupInfo for rank 0 + `num_receivers` receiving ranks, with a fresh group name and
-    (port None) a port the OS reported free on `host` (the trainer rank 0's address)."""
-    if port is None:
-        import socket
+    """A WeightGroupInfo for rank 0 + `num_receivers` receiving ranks, with a fresh group name.
 
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
+    port None: this process hosts the group's store now (`host_store` on `host`, a port the OS
+    picked and keeps bound), so call it in the sender's process. A given port must already be
+    served (`host_store` in the process that sends)."""
+    if port is None:
+        port = host_store(host).port
     return WeightGroupInfo(backend=backend, host=host, port=port, world_size=1 + num_receivers,
                            group_name=uuid.uuid4().hex[:12], timeout_s=timeout_s)
-
-
-async def _call(obj: Any, method: str, *args: Any) -> Any:
-    fn = getattr(obj, method)
-    remote = getattr(fn, "remote", None)
-    if remote is not None:  # Ray actor handle: ObjectRefs are awaitable
-        return await remote(*args)
-    out = fn(*args)
-    return await out if asyncio.iscoroutine(out) else out
 
 
 class BroadcastWeightSync:
@@ -210,8 +202,8 @@ class BroadcastWeightSync:
 
     async def connect(self) -> None:
         """Form the group: trainer ranks and receivers join concurrently (rendezvous)."""
-        calls = [_call(s, "open_weight_group", self._info) for s in self._senders]
-        calls += [_call(r, "join_weight_group", self._info, rank) for r, rank in zip(self._receivers, self._first_ranks)]
+        calls = [call(s, "open_weight_group", self._info) for s in self._senders]
+        calls += [call(r, "join_weight_group", self._info, rank) for r, rank in zip(self._receivers, self._first_ranks)]
         await self._gather(calls, what="joining the weight-sync group")
         self._connected = True
 
@@ -225,8 +217,8 @@ class BroadcastWeightSync:
         if not self._connected:
             await self.connect()
         t0 = time.perf_counter()
-        calls = [_call(s, "broadcast_weights", version) for s in self._senders]
-        calls += [_call(r, "receive_weights", version) for r in self._receivers]
+        calls = [call(s, "broadcast_weights", version) for s in self._senders]
+        calls += [call(r, "receive_weights", version) for r in self._receivers]
         results = await self._gather(calls, what=f"weight sync to version {version}")
         self.last_send = next((r for r in results[: len(self._senders)] if isinstance(r, SendReport)), None)
         self._version = version

@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from workers.core.calls import call
+
 
 @dataclass(frozen=True)
 class WeightSyncReport:
@@ -88,7 +90,7 @@ class CpuWeightSync:
             raise ValueError(f"policy version must increase: current {self._version}, got {version}")
         t0 = time.perf_counter()
         results = await asyncio.gather(
-            *(_update(replica, source, version) for replica in self._replicas), return_exceptions=True
+            *(call(replica, "update_weights", source, version) for replica in self._replicas), return_exceptions=True
         )
         failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
         if failed:
@@ -99,12 +101,3 @@ class CpuWeightSync:
             ) from failed[0][1]
         self._version = version
         return WeightSyncReport(version=version, num_replicas=len(self._replicas), elapsed_s=time.perf_counter() - t0)
-
-
-async def _update(replica: Any, path: str, version: int) -> None:
-    method = replica.update_weights
-    remote = getattr(method, "remote", None)
-    if remote is not None:  # Ray actor handle: ObjectRefs are awaitable
-        await remote(path, version)
-    else:
-        await method(path, version)

@@ -10,7 +10,8 @@
 
 Both satisfy the loop's `WeightPush` protocol (`push(source, version)`), so the loops do not
 change with the backend. Invariant: the broadcast group is formed here (`open_weight_sync`), before
-the first push, with the rendezvous (TCPStore) on the trainer's node at a port that was free there;
+the first push, at a TCPStore served by the trainer's rank-0 process on a port the OS bound for it
+and kept bound (workers/weight_sync/rendezvous.py: no close-and-reuse race);
 `close_weight_sync` releases the sender's side (its shared-memory slots: files under /dev/shm).
 
 Trainer and replicas are plain objects or Ray actor handles (detected by `.remote`); Ray itself is
@@ -20,11 +21,12 @@ imported only inside the trainer's process, to learn its node's IP.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Sequence
 from typing import Any
 
+from workers.core.calls import call, is_actor_method
 from workers.weight_sync.file import CpuWeightSync, WeightSync
+from workers.weight_sync.rendezvous import StoreAddress, host_store_in
 
 FILE_BACKEND = "file"
 BROADCAST_BACKENDS = ("shm", "cuda_ipc", "gloo", "nccl")
@@ -35,24 +37,6 @@ def broadcast_label(version: int) -> str:
     """What `TrainerClient.export_weights` returns instead of a file path on a broadcast backend
     (`BroadcastWeightSync.push` takes it as a label only)."""
     return f"broadcast:v{version}"
-
-
-def sender_address(_actor: Any = None, host: str | None = None) -> tuple[str, int]:
-    """(host, port) for the group's rendezvous, computed in the process that will host it: `host`,
-    else this node's IP as Ray sees it (inside a Ray worker) or 127.0.0.1; a port free on it now.
-    `_actor` lets Ray's `__ray_call__` run it inside the trainer actor."""
-    if host is None:
-        host = "127.0.0.1"
-        try:
-            import ray
-
-            if ray.is_initialized():
-                host = ray.util.get_node_ip_address()
-        except ImportError:
-            pass
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return host, s.getsockname()[1]
 
 
 async def open_weight_sync(backend: str, trainer: Any, replicas: Sequence[Any], *, ranks_per_replica: int = 1,
@@ -71,10 +55,9 @@ async def open_weight_sync(backend: str, trainer: Any, replicas: Sequence[Any], 
         raise ValueError(f"weight sync backend must be {FILE_BACKEND} or one of {BROADCAST_BACKENDS}, got {backend!r}")
     from workers.weight_sync.broadcast import BroadcastWeightSync, new_group_info
 
-    call = getattr(getattr(trainer, "__ray_call__", None), "remote", None)
-    host, port = await call(sender_address) if call is not None else sender_address()
-    info = new_group_info(backend, ranks_per_replica * len(replicas), host=host, port=port,  # type: ignore[arg-type]
-                          timeout_s=timeout_s)
+    address = await _host_in_sender(trainer)
+    info = new_group_info(backend, ranks_per_replica * len(replicas), host=address.host,  # type: ignore[arg-type]
+                          port=address.port, timeout_s=timeout_s)
     sync = BroadcastWeightSync([trainer], replicas, info, initial_version=initial_version,
                                ranks_per_receiver=[ranks_per_replica] * len(replicas))
     await sync.connect()
@@ -86,8 +69,13 @@ async def close_weight_sync(sync: WeightSync, trainer: Any) -> None:
     call at the end of the run). No-op for the file backend."""
     if isinstance(sync, CpuWeightSync):
         return
-    method = trainer.close
-    remote = getattr(method, "remote", None)
-    out = remote() if remote is not None else method()
-    if remote is not None or asyncio.iscoroutine(out):
-        await asyncio.wait_for(out, CLOSE_TIMEOUT_S)
+    await asyncio.wait_for(call(trainer, "close"), CLOSE_TIMEOUT_S)
+
+
+async def _host_in_sender(trainer: Any) -> StoreAddress:
+    """Start the group's store in the trainer's (rank 0's) process, on its node's IP and a port
+    the OS picked there (`host_store_in`, run through Ray's `__ray_call__` for an actor or a
+    TrainerGroup); in this process for a plain object."""
+    if is_actor_method(getattr(trainer, "__ray_call__", None)):
+        return await trainer.__ray_call__.remote(host_store_in)
+    return host_store_in(trainer)

@@ -32,13 +32,16 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from workers.weight_sync.rendezvous import StoreAddress, join_store, release_store
+
 TransportBackend = Literal["shm", "cuda_ipc", "gloo", "nccl"]
 SHM_DIR = "/dev/shm"  # tmpfs: a "file" here is memory, shared by every process of the node
 
 
 @dataclass(frozen=True)
 class WeightGroupInfo:
-    """How to join a weight-sync group. Rank 0 (the sender) hosts the TCPStore on host:port.
+    """How to join a weight-sync group: its TCPStore listens on host:port, served by the sender's
+    process since before the group was described (workers/weight_sync/rendezvous.py `host_store`).
 
     world_size: 1 + number of receiving processes. group_name: unique per group; prefixes store
     keys and shared-memory file names. timeout_s: bound on every wait.
@@ -59,6 +62,10 @@ class WeightGroupInfo:
             raise ValueError(f"a weight-sync group needs the sender and >= 1 receiver, world_size={self.world_size}")
         if self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
+
+    @property
+    def address(self) -> StoreAddress:
+        return StoreAddress(self.host, self.port)
 
 
 class BucketTransport(Protocol):
@@ -81,13 +88,11 @@ class BucketTransport(Protocol):
     def close(self) -> None: ...
 
 
-def _store(info: WeightGroupInfo, rank: int) -> Any:
-    from torch.distributed import PrefixStore, TCPStore
+def _store(info: WeightGroupInfo) -> Any:
+    """This rank's view of the group's store (hosted by the sender's process, `host_store`)."""
+    from torch.distributed import PrefixStore
 
-    store = TCPStore(
-        info.host, info.port, info.world_size, is_master=rank == 0,
-        timeout=timedelta(seconds=info.timeout_s), wait_for_workers=False,
-    )
+    store = join_store(info.address, timeout_s=info.timeout_s)
     return PrefixStore(f"weight_sync/{info.group_name}/", store)
 
 
@@ -112,7 +117,7 @@ class CollectiveTransport:
         from torch.distributed import ProcessGroupGloo
 
         self.rank, self._info, self._device = rank, info, device
-        self._store = _store(info, rank)
+        self._store = _store(info)
         timeout = timedelta(seconds=info.timeout_s)
         if info.backend == "nccl":
             from torch.distributed import ProcessGroupNCCL
@@ -177,6 +182,8 @@ class CollectiveTransport:
         shutdown = getattr(self._pg, "shutdown", None)
         if shutdown is not None:
             shutdown()
+        if self.rank == 0:
+            release_store(self._info.address)  # the sender's process stops serving the group's store
 
 
 class SlotTransport:
@@ -194,7 +201,7 @@ class SlotTransport:
         if self._cuda and (device is None or device.type != "cuda"):
             raise ValueError(f"the cuda_ipc weight-sync backend needs a CUDA device, got {device}")
         self._device = device
-        self._store = _store(info, rank)
+        self._store = _store(info)
         self._num_receivers = info.world_size - 1
         self._push = 0  # pushes begun by this rank; keys of push p start with f"{p}/"
         self._slot_bytes = 0
@@ -322,8 +329,10 @@ class SlotTransport:
                 self._store.delete_key(self._key(name, i))
 
     def close(self) -> None:
-        """Drop the slots; rank 0 removes the shm files."""
+        """Drop the slots; rank 0 removes the shm files and stops serving the store."""
         self._slots = []
+        if self.rank == 0:
+            release_store(self._info.address)
         if self.rank == 0 and not self._cuda:
             for j in range(self._info.num_slots):
                 try:

@@ -1,6 +1,6 @@
 """Typed rollout-correction settings: mode, IS weights, rejection rules. No torch, no Ray.
 
-Imported by the Hydra schema (`orchestrator/config.py`, which must load without torch), by the
+Imported by the Hydra schema (`orchestrator/config/algorithm.py`, which must load without torch), by the
 trainer's `TrainerSettings`, and by `rollout_correction.py`, which applies them.
 
 Invariant: once a `RolloutCorrectionConfig` exists, every threshold is a validated float; nothing

@@ -10,8 +10,10 @@ agent (examples/agents/gsm8k_agent) is
 where `answer` is the numeric ground truth after `####` (thousands commas removed; an int when
 integral) and `max_turns` is the agent's turn cap (`task.max_turns`). The reward lives in
 examples/agents/gsm8k_agent/reward.py. Nothing here downloads data: `task.data_path` names a
-local file; a relative path resolves against the repository root (tests and the default config
-use the copy in `../shared/data/gsm8k/` beside the repository).
+local file; a relative path resolves against the repository root, not the working directory. The
+repository ships a sample (`SAMPLE_DIR`: the first 256 rows of the train split as train.jsonl,
+the first 128 of the test split as test.jsonl, MIT licence beside them); configs/task/gsm8k.yaml
+makes its train file the default `task.data_path`.
 
 Invariants: `load_rows` is a pure function of (file contents, num, seed, max_turns); input_ids
 are unique (one per line); a malformed line raises `DatasetError` naming the file and line.
@@ -24,7 +26,8 @@ import random
 import re
 from pathlib import Path
 
-REPO_ROOT: Path = Path(__file__).resolve().parent.parent.parent
+REPO_ROOT: Path = Path(__file__).resolve().parents[3]  # workers/core/tasks/gsm8k.py -> the repository
+SAMPLE_DIR = "examples/data/gsm8k"  # the in-repository sample, relative to REPO_ROOT
 DATA_PATH_KEY = "task.data_path"
 # "#### 1,234.5" at the end of a GSM8K solution; thousands commas allowed, as in the dataset.
 _FINAL = re.compile(r"####\s*(-?\d[\d,]*(?:\.\d+)?)\s*$")

@@ -1,0 +1,209 @@
+"""Build a run's parts from its validated, pre-flighted config: the runtime (model weights, the
+local stack, Ray), then the actors and the loop's parts.
+
+`start_runtime` builds the tiny model only when `model.path` is unset and starts the local ACR
+emulator + moto S3 only when `rollout=local` (workers/embedded is imported on those branches
+only), then connects to or starts Ray. `build_parts` places actors, starts the inference
+replicas, trainer ranks, gateway, trajectory buffer, weight sync, rollout pool, metric logger and
+checkpointer, and returns the loop's parts.
+
+Invariant: everything started here is registered for stopping as soon as it starts: processes
+and Ray itself on the caller's ExitStack (by PID / handle), actors' own shutdowns on the returned
+AsyncExitStack `closing`; if building fails midway, what was already started is closed before the
+error propagates. Callers: orchestrator/main.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shlex
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from orchestrator.checkpoint import Checkpoint
+from orchestrator.config import (RunConfig, acr_client_config, buffer_config, gateway_config, inference_settings,
+                                 rollout_settings, trainer_class, trainer_settings)
+from orchestrator.loop_common import LoopParts
+from orchestrator.metrics import MetricLogger
+from orchestrator.preflight import Preflight
+from orchestrator.run_checkpoint import LoopPosition
+from orchestrator.tasks import TASKS
+
+# AWS settings a joined cluster's actors need from the driver (the local stack's endpoints, credentials)
+AWS_ENV = ("AWS_ENDPOINT_URL_BEDROCK_AGENTCORE", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
+           "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_REGION")
+QUIET_VLLM = {"env_vars": {"VLLM_LOGGING_LEVEL": "ERROR"}}  # a reload warns per step about rotary buffers
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What runs before any actor: the weights every part starts from, the local stack
+    (`rollout=local`, else None) and where the run writes."""
+
+    run_dir: Path
+    model_path: str
+    checkpoint: Checkpoint | None
+    local: Any  # workers.embedded.local_stack.LocalStack | None
+
+
+@dataclass
+class BuiltRun:
+    """The loop's parts, where the loop starts, and what must be closed (`closing`, last in first out)."""
+
+    parts: LoopParts
+    start: LoopPosition | None
+    pool: Any  # workers.rollout.pool.RolloutPool
+    logger: MetricLogger
+    replicas: list
+    closing: contextlib.AsyncExitStack
+
+
+def agent_command(cfg: RunConfig) -> list[str]:
+    """The agent process the local emulator runs: `rollout.acr.agent_cmd`, else the task's app."""
+    if cfg.rollout.acr.agent_cmd:
+        return shlex.split(cfg.rollout.acr.agent_cmd)
+    return [sys.executable, str(TASKS[cfg.task.name].agent)]
+
+
+def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -> Runtime:
+    """Model weights, the local stack (stopped by `stack`) and Ray (shut down by `stack`)."""
+    if cfg.model.path:
+        model_path = str(Path(cfg.model.path).resolve())
+    else:
+        from workers.embedded.tiny_model import ensure_tiny_model
+
+        model_path = str(ensure_tiny_model())
+    if pre.checkpoint is not None:  # trainer and inference replicas start from the checkpoint's weights
+        model_path = str(pre.checkpoint.model_dir)
+    local = _start_local_stack(cfg, pre.run_dir, stack) if cfg.rollout.name == "local" else None
+    import ray
+
+    os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")  # TQ warns about thread counts on every op
+    joining = bool(cfg.cluster.address or os.environ.get("RAY_ADDRESS"))  # RAY_ADDRESS: under `ray job submit`
+    ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
+             num_gpus=None if joining else cfg.cluster.num_gpus,  # logical GPUs of a cluster we start
+             log_to_driver=True, runtime_env={"env_vars": {k: os.environ[k] for k in AWS_ENV if k in os.environ}}
+             if joining else None)
+    stack.callback(ray.shutdown)
+    return Runtime(run_dir=pre.run_dir, model_path=model_path, checkpoint=pre.checkpoint, local=local)
+
+
+def _start_local_stack(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack) -> Any:
+    from workers.embedded.local_stack import LocalStack
+
+    acr = cfg.rollout.acr
+    local = LocalStack(agent_command(cfg), num_agents=acr.num_agents, session_rate_per_s=acr.session_rate_per_s,
+                       bucket=acr.s3_bucket, region=acr.region, agent_runtime_arn=acr.agent_runtime_arn,
+                       log_dir=run_dir / "logs", agent_env={k: str(v) for k, v in acr.agent_env.items()})
+    stack.enter_context(local)
+    started = {**local.pids(), **{f"agent-{i}": pid for i, pid in enumerate(local.stats().agent_pids)}}
+    (run_dir / "pids.json").write_text(json.dumps(started, indent=2) + "\n")  # for audits/tests
+    os.environ.update(local.env)  # boto3 everywhere (driver, Ray workers) reads these
+    return local
+
+
+async def build_parts(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -> BuiltRun:
+    """Start every actor of the run and return the loop's parts (see the module docstring)."""
+    closing = contextlib.AsyncExitStack()
+    try:
+        return await _build(cfg, rt, stack, closing)
+    except BaseException:
+        await closing.aclose()
+        raise
+
+
+def _close_quietly(closing: contextlib.AsyncExitStack, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+    async def close() -> None:
+        with contextlib.suppress(Exception):
+            await fn(*args)
+
+    closing.push_async_callback(close)
+
+
+async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
+                 closing: contextlib.AsyncExitStack) -> BuiltRun:
+    import ray
+    from transformers import AutoTokenizer
+
+    from orchestrator.clients import BufferStore, GatewayProbe, TrainerClient
+    from orchestrator.metrics import build_sinks
+    from orchestrator.run_checkpoint import ResumablePrompts, RunCheckpointer
+    from workers.buffer.store import TrajectoryBuffer
+    from workers.gateway.server import GatewayServer
+    from workers.inference.worker import InferenceWorker
+    from workers.placement_groups import place
+    from workers.rollout.pool import start_rollout_pool
+    from workers.trainer.group import start_trainer_ranks
+    from workers.weight_sync.setup import FILE_BACKEND, close_weight_sync, open_weight_sync
+
+    ckpt, model_path, run_dir = rt.checkpoint, rt.model_path, rt.run_dir
+    version = ckpt.state.policy_version if ckpt else 0
+    tok = AutoTokenizer.from_pretrained(model_path)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    trainer_cls, trainer_kw = trainer_class(cfg.trainer, cluster=cfg.cluster)  # trainer=verl: fails here, before any actor, when it cannot run
+    placed = place(cfg.cluster)  # GPUs checked and reserved before any actor starts (errors name the numbers)
+    stack.callback(placed.remove)
+    inference_cls = ray.remote(num_cpus=0, max_concurrency=1000)(InferenceWorker)
+    replicas = [inference_cls.options(runtime_env=QUIET_VLLM, **placed.inference_options(i)).remote(
+        inference_settings(cfg.inference, mode=cfg.mode, async_=cfg.async_, cluster=cfg.cluster, seed=cfg.seed,
+                           model_path=model_path, replica=i, initial_policy_version=version))
+        for i in range(cfg.inference.replicas)]
+    threads = {"env_vars": {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads)}}
+    trainer = await start_trainer_ranks(  # one actor, or N data-parallel ranks behind the same .remote surface
+        ray.remote(num_cpus=0)(trainer_cls),
+        trainer_settings(cfg.trainer, algorithm=cfg.algorithm, inference=cfg.inference, model_path=model_path),
+        world_size=len(placed.plan.trainer) if placed.plan.groups else 1,
+        rank_options=lambda r: {"runtime_env": threads, **placed.trainer_options(r)}, **trainer_kw)
+    gateway = ray.remote(num_cpus=0, max_concurrency=1000)(GatewayServer).remote(
+        gateway_config(cfg.model, rollout=cfg.rollout, model_path=model_path))
+    buffer = TrajectoryBuffer.start(buffer_config())
+    stack.callback(buffer.stop)
+
+    await asyncio.gather(*(r.start.remote() for r in replicas))
+    if ckpt is not None:
+        await trainer.load_optimizer.remote(str(ckpt.optimizer_path))
+    backend = cfg.trainer.weight_sync.backend  # file, or a bucketed broadcast group formed here
+    weights = await open_weight_sync(backend, trainer, replicas,
+                                     ranks_per_replica=cfg.cluster.inference.tensor_parallel_size,
+                                     initial_version=version)
+    _close_quietly(closing, close_weight_sync, weights, trainer)  # the sender's /dev/shm slots, process groups
+    _close_quietly(closing, lambda: gateway.stop.remote())
+    await gateway.set_engines.remote(replicas)
+    base_url = await gateway.start.remote()
+    arn = rt.local.agent_runtime_arn if rt.local else cfg.rollout.acr.agent_runtime_arn
+    pool = start_rollout_pool(  # also starts the named cluster-wide ACR limit actors
+        rollout_settings(cfg.rollout, exp_id=f"exp-{run_dir.name}", agent_runtime_arn=arn, gateway_base_url=base_url,
+                         model_id=cfg.model.served_name),
+        num_workers=cfg.rollout.num_workers, limits=cfg.rollout.acr.limits.typed(), acr=acr_client_config(cfg.rollout),
+        result_host=cfg.rollout.result_host, gateway=gateway, buffer_handle=buffer.handle)
+    _close_quietly(closing, pool.shutdown)
+
+    logger = MetricLogger(build_sinks(cfg.logger.sinks, run_dir, cfg.trainer.total_steps, cfg.logger.wandb_project,
+                                      cfg.logger.wandb_mode, asdict(cfg)))
+    closing.callback(logger.close)
+    prompts = ResumablePrompts.restore(TASKS[cfg.task.name].rows(cfg.task), cfg.seed, ckpt.state if ckpt else None)
+    trainer_client = TrainerClient(trainer, pad_id=pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
+                                   weights_dir=run_dir / "weights", export_file=backend == FILE_BACKEND)
+    parts = LoopParts(
+        prompts=prompts, rollouts=pool, store=BufferStore(buffer, cfg.rollout.n, cfg.rollout.timeout_s),
+        trainer=_colocated(cfg, trainer_client, replicas), weights=weights, logger=logger,
+        probe=GatewayProbe(gateway, replicas),
+        checkpoint=RunCheckpointer(run_dir, trainer, prompts, save_freq=cfg.trainer.save_freq,
+                                   keep_last=cfg.trainer.max_ckpt_to_keep))
+    return BuiltRun(parts=parts, start=LoopPosition.of(ckpt.state) if ckpt else None, pool=pool, logger=logger,
+                    replicas=replicas, closing=closing)
+
+
+def _colocated(cfg: RunConfig, trainer_client: Any, replicas: list) -> Any:
+    """cluster=colocated: the engines sleep while the trainer updates on their GPUs (orchestrator/colocate.py)."""
+    if cfg.cluster.name != "colocated":
+        return trainer_client
+    from orchestrator.colocate import SleepingTrainer
+
+    return SleepingTrainer(trainer_client, replicas)

@@ -1,0 +1,40 @@
+"""Typed config schema of a run, registered in Hydra's ConfigStore, validated where declared.
+
+One module per config group under `configs/` (mode, cluster, model, trainer, inference, rollout,
+task, algorithm, logger, async); each holds its group's dataclass and the mapping from the group
+to the settings of the worker it configures (`inference_settings`, `trainer_settings`,
+`gateway_config`, `rollout_settings`, ...). `OmegaConf.to_object` turns the composed config into
+these dataclasses, which runs each `__post_init__`; a bad value raises `ConfigError` whose message
+starts with the dotted key (`rollout.n must be >= 1, got 0`). Validation reads values only; the
+file-system checks are orchestrator/preflight.py's. Nothing here imports Ray, torch or vLLM (the
+mapping functions import worker classes when called), so a bad config fails in about a second,
+before any process starts. Choice lists are defined once, in the worker module that gives them
+their meaning where that module is light, else in the group's module here.
+"""
+
+from orchestrator.config.algorithm import AlgorithmConfig, RejectionRuleConfig, RolloutCorrectionConfig
+from orchestrator.config.async_ import AsyncConfig
+from orchestrator.config.cluster import ClusterConfig, InferencePlacementConfig, TrainerPlacementConfig
+from orchestrator.config.errors import ConfigError
+from orchestrator.config.inference import InferenceConfig, inference_settings
+from orchestrator.config.logger import LoggerConfig
+from orchestrator.config.mode import ModeConfig
+from orchestrator.config.model import ModelConfig, gateway_config
+from orchestrator.config.rollout import (AcrConfig, AcrLimitsSchema, RolloutConfig, acr_client_config, buffer_config,
+                                         rollout_settings)
+from orchestrator.config.run import (GROUP_SCHEMAS, RunConfig, async_loop_settings, register, sync_loop_settings,
+                                     to_run_config)
+from orchestrator.config.task import TaskConfig
+from orchestrator.config.trainer import (TrainerConfig, VerlEngineConfig, WeightSyncConfig, trainer_class,
+                                         trainer_settings, verl_settings)
+from orchestrator.tasks import TASK_NAMES
+
+__all__ = [
+    "AcrConfig", "AcrLimitsSchema", "AlgorithmConfig", "AsyncConfig", "ClusterConfig", "ConfigError",
+    "GROUP_SCHEMAS", "InferenceConfig", "InferencePlacementConfig", "LoggerConfig", "ModeConfig", "ModelConfig",
+    "RejectionRuleConfig", "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "TASK_NAMES", "TaskConfig",
+    "TrainerConfig", "TrainerPlacementConfig", "VerlEngineConfig", "WeightSyncConfig", "acr_client_config",
+    "async_loop_settings", "buffer_config", "gateway_config", "inference_settings", "register",
+    "rollout_settings", "sync_loop_settings", "to_run_config", "trainer_class", "trainer_settings",
+    "verl_settings",
+]

@@ -1,0 +1,52 @@
+"""`inference` group: the vLLM replicas; maps to each replica's InferenceSettings
+(workers/inference/settings.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from orchestrator.config.async_ import SYNC_IN_FLIGHT, AsyncConfig
+from orchestrator.config.cluster import ClusterConfig
+from orchestrator.config.errors import check, one_of
+from orchestrator.config.mode import ModeConfig
+
+if TYPE_CHECKING:
+    from workers.inference.settings import InferenceSettings
+
+INFERENCE_ENGINES = ("vllm_cpu",)
+INFERENCE_DTYPES = ("float32", "bfloat16")  # also the dtype weight sync sends (workers/weight_sync/plan.py)
+
+
+@dataclass
+class InferenceConfig:
+    """vLLM replicas. `kv_cache_gib`: KV-cache size per replica in GiB (explicit on CPU)."""
+
+    name: str = "vllm_cpu"
+    replicas: int = 1
+    max_model_len: int = 512
+    kv_cache_gib: float = 1.0
+    max_num_seqs: int = 64
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        one_of(self.name, "inference.name", INFERENCE_ENGINES)
+        check(self.replicas >= 1, "inference.replicas", "must be >= 1", self.replicas)
+        check(self.max_model_len >= 16, "inference.max_model_len", "must be >= 16", self.max_model_len)
+        check(self.kv_cache_gib > 0, "inference.kv_cache_gib", "must be > 0", self.kv_cache_gib)
+        one_of(self.dtype, "inference.dtype", INFERENCE_DTYPES)
+
+
+def inference_settings(inf: InferenceConfig, *, mode: ModeConfig, async_: AsyncConfig, cluster: ClusterConfig,
+                       seed: int, model_path: str, replica: int, initial_policy_version: int) -> InferenceSettings:
+    """Settings of replica `replica` (its sampling seed is `seed + replica`). Sync mode drains
+    requests in flight at a weight update; async mode applies `async.in_flight`. Colocated
+    engines are built with sleep mode (they sleep while the trainer updates on their GPUs)."""
+    from workers.inference.settings import InferenceSettings
+
+    return InferenceSettings(
+        model_path=model_path, dtype=inf.dtype, max_model_len=inf.max_model_len,
+        kv_cache_bytes=int(inf.kv_cache_gib * 2**30), max_num_seqs=inf.max_num_seqs, seed=seed + replica,
+        in_flight=async_.in_flight if mode.name == "async" else SYNC_IN_FLIGHT,  # type: ignore[arg-type]
+        resume_aborted=async_.resume_aborted, tensor_parallel_size=cluster.inference.tensor_parallel_size,
+        enable_sleep_mode=cluster.name == "colocated", initial_policy_version=initial_policy_version)

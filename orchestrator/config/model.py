@@ -1,0 +1,47 @@
+"""`model` group: the policy and how the gateway renders it; maps to the gateway's GatewayConfig.
+
+Values only: whether `path` and `chat_template` exist is checked by orchestrator/preflight.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from orchestrator.config.errors import check
+from orchestrator.config.rollout import RolloutConfig
+from workers.gateway.tool_parsers import TOOL_CALL_PARSERS
+
+if TYPE_CHECKING:
+    from workers.gateway.config import GatewayConfig
+
+
+
+@dataclass
+class ModelConfig:
+    """The policy. `path`: a Hugging Face model dir; None builds (once) and uses the tiny default.
+
+    chat_template: a Jinja file replacing the tokenizer's chat template in the gateway (vLLM's
+    `--chat-template`), e.g. for a model whose own template renders no tools.
+    tool_call_parser: the gateway's tool-call format: "auto" (from the template), "hermes",
+    "qwen3_coder" or "none" (requests offering tools are then refused with a 400).
+    """
+
+    name: str = "tiny"
+    path: str | None = None
+    served_name: str = "policy"
+    chat_template: str | None = None
+    tool_call_parser: str = "auto"
+
+    def __post_init__(self) -> None:
+        check(self.tool_call_parser in TOOL_CALL_PARSERS, "model.tool_call_parser",
+              f"must be one of {', '.join(TOOL_CALL_PARSERS)}", self.tool_call_parser)
+
+
+def gateway_config(model: ModelConfig, *, rollout: RolloutConfig, model_path: str) -> GatewayConfig:
+    """The gateway's settings: the model it renders for, and the rollouts' sampling and budgets."""
+    from workers.gateway.config import GatewayConfig
+
+    return GatewayConfig(model_path=model_path, served_model_name=model.served_name,
+                         chat_template=model.chat_template, tool_call_parser=model.tool_call_parser,
+                         max_context_tokens=rollout.max_context_tokens, max_tokens=rollout.max_tokens,
+                         temperature=rollout.temperature, top_p=rollout.top_p)

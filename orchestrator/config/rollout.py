@@ -1,0 +1,150 @@
+"""`rollout` group: the rollout pool and its ACR endpoint; maps to the rollout workers'
+RolloutSettings (workers/rollout/worker.py), the ACR client's AcrClientConfig
+(workers/acr/client.py), the cluster-wide AcrLimitsConfig (workers/acr/limits.py, which also
+validates `rollout.acr.limits.*`) and the trajectory buffer's BufferConfig.
+
+The contract names are workers/rollout/contract.py's `Contract`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, get_args
+
+from orchestrator.config.errors import ConfigError, check, one_of
+from workers.acr.limits import AcrLimitsConfig
+from workers.acr.client import RETRY_MODES
+from workers.rollout.contract import Contract
+
+if TYPE_CHECKING:
+    from workers.acr.client import AcrClientConfig
+    from workers.buffer.store import BufferConfig
+    from workers.rollout.worker import RolloutSettings
+
+ROLLOUT_BACKENDS = ("local", "aws")  # local: the ACR emulator + moto S3 on loopback; aws: real AWS
+
+
+@dataclass
+class AcrLimitsSchema:
+    """Cluster-wide ACR limits (workers/acr/limits.py), each held by one named Ray actor.
+
+    requests_per_s: cap on EVERY ACR request (invoke, get, stop, command, botocore retries
+    included) in any 1 s window; headroom: fraction of it the token bucket holds back for the
+    delay between a grant and its request (see AcrLimitsConfig).
+    max_open_sessions: ACR sessions open at once (invoked, not yet stopped), whole cluster.
+    """
+
+    requests_per_s: float = 25.0
+    headroom: float = 0.2
+    max_open_sessions: int = 1000
+
+    def __post_init__(self) -> None:
+        self.typed()  # AcrLimitsConfig checks the values, naming rollout.acr.limits.<key>
+
+    def typed(self) -> AcrLimitsConfig:
+        """The limit actors' settings; raises ConfigError naming the key."""
+        try:
+            return AcrLimitsConfig(requests_per_s=self.requests_per_s, headroom=self.headroom,
+                                   max_open_sessions=self.max_open_sessions)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+@dataclass
+class AcrConfig:
+    """ACR endpoint. With `rollout=local` the emulator and moto S3 are started on loopback and
+    `agent_runtime_arn` / `s3_bucket` point at them; otherwise they name real AWS resources."""
+
+    agent_runtime_arn: str = "arn:aws:bedrock-agentcore:us-west-2:000000000000:runtime/letters-agent"
+    qualifier: str = "DEFAULT"
+    s3_bucket: str = "rollouts"
+    region: str = "us-west-2"
+    num_agents: int = 2
+    session_rate_per_s: float = 25.0
+    agent_cmd: str | None = None
+    agent_env: dict[str, str] = field(default_factory=dict)  # extra env vars of the agent processes
+    limits: AcrLimitsSchema = field(default_factory=lambda: AcrLimitsSchema())
+    retry_mode: str = "standard"  # botocore retry mode for throttling / 5xx
+    max_attempts: int = 8  # botocore total attempts per call
+    runtime_error_attempts: int = 3  # invocations of one session on RuntimeClientError (424)
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout pool. `n`: samples per prompt (group size); `batch_size`: prompts per step;
+    `timeout_s`: per-rollout deadline (seconds) after which the rollout is `expired`."""
+
+    name: str = "local"
+    n: int = 4
+    batch_size: int = 8
+    num_workers: int = 2
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    timeout_s: float = 120.0
+    acr: AcrConfig = field(default_factory=AcrConfig)  # the endpoint, its agents, limits and retries
+    poll_initial_s: float = 0.02
+    poll_max_s: float = 0.5
+    max_context_tokens: int = 512
+    contract: str = "s3"  # s3: `_rollout` + result in S3 | http: `_config` + `_agentcore_runtime` records
+    http_background: bool = False  # http: start in the background and poll `get` (else the start answers)
+    push_grace_s: float = 5.0  # s3: once agents POST results, S3 polling starts this long after the invoke
+    result_host: str = "127.0.0.1"  # where rollout actors take posted results ("" = S3 polling only)
+    max_consecutive_bad_results: int = 32  # agent results in a row without a usable reward: stop the run
+
+    def __post_init__(self) -> None:
+        one_of(self.name, "rollout.name", ROLLOUT_BACKENDS)
+        check(self.n >= 1, "rollout.n", "must be >= 1", self.n)
+        check(self.batch_size >= 1, "rollout.batch_size", "must be >= 1", self.batch_size)
+        check(self.num_workers >= 1, "rollout.num_workers", "must be >= 1", self.num_workers)
+        check(self.max_tokens >= 1, "rollout.max_tokens", "must be >= 1", self.max_tokens)
+        check(self.temperature > 0, "rollout.temperature", "must be > 0", self.temperature)
+        check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
+        check(self.timeout_s > 0, "rollout.timeout_s", "must be > 0", self.timeout_s)
+        one_of(self.contract, "rollout.contract", get_args(Contract))
+        check(self.push_grace_s >= 0, "rollout.push_grace_s", "must be >= 0", self.push_grace_s)
+        check(self.max_consecutive_bad_results >= 1, "rollout.max_consecutive_bad_results", "must be >= 1",
+              self.max_consecutive_bad_results)
+        one_of(self.acr.retry_mode, "rollout.acr.retry_mode", RETRY_MODES)
+        check(self.acr.max_attempts >= 1, "rollout.acr.max_attempts", "must be >= 1", self.acr.max_attempts)
+        check(self.acr.runtime_error_attempts >= 1, "rollout.acr.runtime_error_attempts", "must be >= 1",
+              self.acr.runtime_error_attempts)
+        check(self.poll_initial_s > 0, "rollout.poll_initial_s", "must be > 0", self.poll_initial_s)
+        check(self.poll_max_s >= self.poll_initial_s, "rollout.poll_max_s", "must be >= rollout.poll_initial_s",
+              self.poll_max_s)
+        check(self.max_context_tokens > self.max_tokens, "rollout.max_context_tokens",
+              f"must be > rollout.max_tokens={self.max_tokens} (prompt + answer must fit)", self.max_context_tokens)
+        check(bool(self.acr.region), "rollout.acr.region", "must not be empty", self.acr.region)
+        check(self.acr.num_agents >= 1, "rollout.acr.num_agents", "must be >= 1", self.acr.num_agents)
+        check(self.acr.session_rate_per_s > 0, "rollout.acr.session_rate_per_s", "must be > 0",
+              self.acr.session_rate_per_s)
+
+
+def rollout_settings(r: RolloutConfig, *, exp_id: str, agent_runtime_arn: str, gateway_base_url: str,
+                     model_id: str) -> RolloutSettings:
+    """What every rollout of the run shares (workers/rollout/worker.py); the agents reach the
+    policy through the gateway at `gateway_base_url` as `model_id` (`model.served_name`)."""
+    from workers.rollout.worker import RolloutSettings
+
+    return RolloutSettings(
+        exp_id=exp_id, agent_runtime_arn=agent_runtime_arn, qualifier=r.acr.qualifier, s3_bucket=r.acr.s3_bucket,
+        gateway_base_url=gateway_base_url, model_id=model_id, max_tokens=r.max_tokens,
+        temperature=r.temperature, top_p=r.top_p, timeout_s=r.timeout_s, max_context_tokens=r.max_context_tokens,
+        contract=r.contract, http_background=r.http_background, push_grace_s=r.push_grace_s,  # type: ignore[arg-type]
+        max_consecutive_bad_results=r.max_consecutive_bad_results)
+
+
+def acr_client_config(r: RolloutConfig) -> AcrClientConfig:
+    """botocore, retry and S3-polling settings of each rollout actor's ACR client."""
+    from workers.acr.client import AcrClientConfig
+
+    acr = r.acr
+    return AcrClientConfig(region_name=acr.region, retry_mode=acr.retry_mode,  # type: ignore[arg-type]
+                           max_attempts=acr.max_attempts, runtime_error_attempts=acr.runtime_error_attempts,
+                           poll_initial_s=r.poll_initial_s, poll_max_s=r.poll_max_s)
+
+
+def buffer_config() -> BufferConfig:
+    """The trajectory buffer's TQ actors: one storage unit (samples of one run fit one node)."""
+    from workers.buffer.store import BufferConfig
+
+    return BufferConfig(num_storage_units=1)

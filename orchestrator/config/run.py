@@ -1,0 +1,150 @@
+"""The whole run: RunConfig (cross-group checks), the group -> schema table, Hydra registration,
+and `to_run_config`, which turns a composed DictConfig into validated dataclasses.
+
+Validation is pure: it reads values only. File-system checks (model dir, chat template, run_dir,
+data files, checkpoints) run afterwards in orchestrator/preflight.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from orchestrator.config.algorithm import AlgorithmConfig
+from orchestrator.config.async_ import AsyncConfig
+from orchestrator.config.cluster import ClusterConfig
+from orchestrator.config.errors import ConfigError, check
+from orchestrator.config.inference import InferenceConfig
+from orchestrator.config.logger import LoggerConfig
+from orchestrator.config.mode import ModeConfig
+from orchestrator.config.model import ModelConfig
+from orchestrator.config.rollout import RolloutConfig
+from orchestrator.config.task import TaskConfig
+from orchestrator.config.trainer import CUDA_WEIGHT_SYNC_BACKENDS, TrainerConfig
+
+if TYPE_CHECKING:
+    from orchestrator.loop_async import AsyncLoopSettings
+    from orchestrator.loop_sync import SyncLoopSettings
+
+
+@dataclass
+class RunConfig:
+    """The whole run. `run_dir`: where metrics.jsonl, summary.json and checkpoints go."""
+
+    mode: ModeConfig = field(default_factory=ModeConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
+    run_dir: str = MISSING
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        groups = self.rollout.batch_size
+        check(groups % self.mode.sync_every == 0, "mode.sync_every",
+              f"must divide rollout.batch_size={groups} so each mini-batch holds whole groups",
+              self.mode.sync_every)
+        if self.algorithm.name == "grpo":
+            check(self.rollout.n >= 2, "rollout.n", "must be >= 2 for GRPO (a group of one has no baseline)",
+                  self.rollout.n)
+        check(self.cluster.inference.replicas == self.inference.replicas, "cluster.inference.replicas",
+              f"must equal inference.replicas={self.inference.replicas} (set inference.replicas)",
+              self.cluster.inference.replicas)
+        check(self.rollout.max_tokens < self.inference.max_model_len, "rollout.max_tokens",
+              f"must be < inference.max_model_len={self.inference.max_model_len}", self.rollout.max_tokens)
+        check(self.trainer.weight_sync.backend not in CUDA_WEIGHT_SYNC_BACKENDS or self.cluster.name != "local",
+              "trainer.weight_sync.backend", "needs CUDA GPUs: use cluster=disaggregated or cluster=colocated "
+              "(cluster=local runs on CPU; use file, shm or gloo)", self.trainer.weight_sync.backend)
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.rollout.batch_size * self.rollout.n
+
+
+def sync_loop_settings(run: RunConfig) -> SyncLoopSettings:
+    """The sync loop's settings (orchestrator/loop_sync.py): mode, steps, group sizes, filtering."""
+    from orchestrator.loop_sync import SyncLoopSettings
+
+    return SyncLoopSettings(total_steps=run.trainer.total_steps, batch_size=run.rollout.batch_size, n=run.rollout.n,
+                            sync_every=run.mode.sync_every, filter_zero_variance=run.algorithm.filter_zero_variance)
+
+
+def async_loop_settings(run: RunConfig) -> AsyncLoopSettings:
+    """The async loop's settings (orchestrator/loop_async.py): B groups per update, staleness bound."""
+    from orchestrator.loop_async import AsyncLoopSettings
+
+    return AsyncLoopSettings(
+        total_steps=run.trainer.total_steps, groups_per_update=run.rollout.batch_size // run.mode.sync_every,
+        n=run.rollout.n, sync_every=run.mode.sync_every, max_staleness=run.async_.max_staleness,
+        on_stale=run.async_.on_stale, filter_zero_variance=run.algorithm.filter_zero_variance)
+
+
+# config group -> its schema; each group's yaml files extend `<group>_schema` (see configs/)
+GROUP_SCHEMAS: dict[str, type] = {
+    "mode": ModeConfig, "cluster": ClusterConfig, "model": ModelConfig, "trainer": TrainerConfig,
+    "inference": InferenceConfig, "rollout": RolloutConfig, "task": TaskConfig,
+    "algorithm": AlgorithmConfig, "logger": LoggerConfig, "async": AsyncConfig,
+}
+TOP_LEVEL_KEYS = ("run_dir", "seed")
+
+
+def _attr(group: str) -> str:
+    return "async_" if group == "async" else group
+
+
+def register() -> None:
+    """Register each group's schema as `<group>/<group>_schema` in Hydra's ConfigStore."""
+    cs = ConfigStore.instance()
+    for group, node in GROUP_SCHEMAS.items():
+        cs.store(group=group, name=f"{group}_schema", node=node)
+
+
+def _unwrap(exc: Exception) -> ConfigError:
+    cause = exc.__cause__ or exc.__context__
+    return cause if isinstance(cause, ConfigError) else ConfigError(str(exc))
+
+
+def _refuse_unknown_keys(node: Any, obj: Any, where: str) -> None:
+    """A key the schema does not declare (e.g. a typo added with `+`) is an error, not ignored."""
+    names = {f.name for f in dataclasses.fields(obj)}
+    unknown = sorted(k for k in node.keys() if k not in names)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown config key (known: {sorted(names)})")
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value) and f.name in node and OmegaConf.is_dict(node[f.name]):
+            _refuse_unknown_keys(node[f.name], value, f"{where}.{f.name}")
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """Build and validate the typed config. Raises ConfigError naming the key on a bad value.
+    Reads values only (no file system); orchestrator/preflight.py runs the file checks."""
+    parts: dict[str, Any] = {}
+    for group, schema in GROUP_SCHEMAS.items():
+        if group not in cfg:
+            raise ConfigError(f"{group}: config group missing from the composed config")
+        try:
+            obj = OmegaConf.to_object(cfg[group])
+        except ConfigError:
+            raise
+        except Exception as exc:  # omegaconf wraps __post_init__ errors and type errors
+            raise _unwrap(exc) from None
+        if not isinstance(obj, schema):
+            raise ConfigError(f"{group}: does not extend {group}_schema (got {type(obj).__name__})")
+        _refuse_unknown_keys(cfg[group], obj, group)
+        parts[_attr(group)] = obj
+    unknown = sorted(set(cfg.keys()) - set(GROUP_SCHEMAS) - set(TOP_LEVEL_KEYS) - {"hydra", "experiment"})
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown config key (known: {sorted(GROUP_SCHEMAS)} run_dir seed)")
+    if "run_dir" not in cfg or OmegaConf.is_missing(cfg, "run_dir") or not str(cfg.run_dir or "").strip():
+        raise ConfigError("run_dir must be set (a directory path; empty would write into the current directory)")
+    return RunConfig(**parts, run_dir=str(cfg.run_dir), seed=int(cfg.seed))

@@ -1,0 +1,53 @@
+"""The task registry: `task.name` -> its row loader, its agent app and its data-file check.
+
+The one list of tasks: config validation (orchestrator/config/task.py) accepts exactly these
+names, pre-flight (orchestrator/preflight.py) runs each task's data-file check, and the driver
+loads rows and starts agents from here. The tasks' data code is in workers/core/tasks/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Protocol
+
+from workers.core.tasks import gsm8k, letters
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+AGENTS_DIR = REPO_ROOT / "examples" / "agents"
+
+
+class TaskParams(Protocol):
+    """What a row loader reads: the `task` group's values (orchestrator/config/task.py TaskConfig)."""
+
+    num_prompts: Optional[int]
+    seed: int
+    data_path: Optional[str]
+    max_turns: int
+
+
+@dataclass(frozen=True)
+class TaskEntry:
+    """A task: its row loader (task config -> dataset rows), its agent app (run with this Python
+    by the local ACR emulator unless `rollout.acr.agent_cmd` names another command) and, for a
+    task that reads `task.data_path`, the check that the file is there (raises FileNotFoundError
+    or ValueError naming `task.data_path`; run by pre-flight, not by schema validation)."""
+
+    rows: Callable[[TaskParams], list[dict]]
+    agent: Path
+    check_data: Optional[Callable[[Optional[str]], object]] = None
+
+
+def _letters_rows(t: TaskParams) -> list[dict]:
+    return letters.make_rows(t.num_prompts, t.seed)
+
+
+def _gsm8k_rows(t: TaskParams) -> list[dict]:
+    return gsm8k.load_rows(t.data_path, t.num_prompts, t.seed, t.max_turns)
+
+
+TASKS: dict[str, TaskEntry] = {
+    "letters": TaskEntry(_letters_rows, AGENTS_DIR / "letters_agent" / "app.py"),
+    "gsm8k": TaskEntry(_gsm8k_rows, AGENTS_DIR / "gsm8k_agent" / "app.py", check_data=gsm8k.resolve_data_path),
+}
+TASK_NAMES: tuple[str, ...] = tuple(TASKS)

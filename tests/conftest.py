@@ -1,0 +1,93 @@
+"""Fixtures the test modules share: the zero-cost engine, the fake clock, the local stack (moto +
+ACR emulator + scripted agents), the tiny models.
+
+The stand-ins behind them, and plain builders (samples, rows, config), are in tests/stand_ins.py,
+which test modules import by name. tests/ goes on sys.path here because pytest imports test
+files in importlib mode and tests/ is not a package (the name `tests` is taken by a package in
+TransferQueue's wheel), so nothing else puts it there.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+_HERE = str(Path(__file__).resolve().parent)
+if _HERE not in sys.path:
+    sys.path.append(_HERE)  # appended: a module of tests/ never shadows an installed one
+
+from stand_ins import FakeClock, random_qwen2  # noqa: E402
+
+
+@pytest.fixture
+def fake_clock() -> FakeClock:
+    """Virtual time starting at 1000 s; `await clock.sleep(dt)` advances it (see FakeClock)."""
+    return FakeClock()
+
+
+@pytest.fixture
+def zero_cost_engine() -> Callable[..., object]:
+    """Makes the product's zero-cost engine (workers/embedded/sim_engine.ScriptedEngine):
+    `zero_cost_engine(*replies, version=0)`; with no reply it answers (7, 8, 2)."""
+    from workers.embedded.sim_engine import ScriptedEngine
+
+    def make(*replies: Sequence[int], version: int = 0) -> ScriptedEngine:
+        return ScriptedEngine(replies or [(7, 8, 2)], version=version)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def local_stack(tmp_path_factory) -> Iterator[Callable[..., object]]:
+    """Starts local stacks for this module: `local_stack(agent_cmd, **LocalStack kwargs)` returns a
+    started LocalStack (moto S3 + ACR emulator running `agent_cmd`; logs in a fresh temp dir named
+    after the agent unless `log_dir` is given). All are stopped when the module's tests are done."""
+    from workers.embedded.local_stack import LocalStack
+
+    with ExitStack() as stacks:
+
+        def start(agent_cmd: Sequence[str], **kw) -> LocalStack:
+            kw.setdefault("log_dir", tmp_path_factory.mktemp(f"stack-{Path(agent_cmd[-1]).name}"))
+            return stacks.enter_context(LocalStack(agent_cmd, **kw))
+
+        yield start
+
+
+@pytest.fixture
+def stack_env(monkeypatch) -> Callable[[object], object]:
+    """`stack_env(stack)` points boto3 in this process at `stack` for this test (the standard AWS
+    env vars of `stack.env`) and returns the stack."""
+
+    def use(stack):
+        for k, v in stack.env.items():
+            monkeypatch.setenv(k, v)
+        return stack
+
+    return use
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    """The embedded default's tiny Qwen2 (built once, cached; workers/embedded/tiny_model.py)."""
+    from workers.embedded.tiny_model import ensure_tiny_model
+
+    return Path(ensure_tiny_model())
+
+
+@pytest.fixture(scope="session")
+def tiny_renderer(tiny_model_dir):
+    """The gateway's ChatRenderer for the tiny model (its tokenizer and chat template)."""
+    from workers.gateway.chat_template import ChatRenderer
+
+    return ChatRenderer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def random_qwen2_dir(tmp_path_factory) -> str:
+    """A seeded random small Qwen2 (vocab 128, hidden 64, 2 layers, untied) saved once per session;
+    read only (copy it to change it)."""
+    return random_qwen2(tmp_path_factory.mktemp("random_qwen2"))

@@ -1,0 +1,47 @@
+"""moto's S3 server on 127.0.0.1, on a port it binds itself and reports through a ready file.
+
+`python -m workers.embedded.moto_s3 --ready-file PATH [--host 127.0.0.1]` runs moto's
+`ThreadedMotoServer` on port 0 (the kernel picks a free port at bind time, so no other process can
+take it between picking and binding), writes `{"endpoint": "http://HOST:PORT", "pid": PID}` to PATH
+(workers.embedded.ready_file) once it listens, and serves until SIGTERM or SIGINT, then shuts the
+server down and exits 0.
+
+Caller: workers.embedded.local_stack.LocalStack starts it as a subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from workers.embedded.ready_file import write_ready_file
+
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="moto S3 server on a port it binds itself")
+    p.add_argument("--ready-file", required=True, help="where to write the bound endpoint as JSON")
+    p.add_argument("--host", default="127.0.0.1")
+    args = p.parse_args(argv)
+
+    # Block the stop signals before the server thread starts (threads inherit the mask), so that
+    # only the sigwait below receives them.
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address=args.host, port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ["MOTO_PORT"] = str(port)  # what moto's own services read as "my port"
+    write_ready_file(args.ready_file, {"endpoint": f"http://{host}:{port}", "pid": os.getpid()})
+    print(f"moto S3 ready on http://{host}:{port}", flush=True)
+    signal.sigwait(STOP_SIGNALS)
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

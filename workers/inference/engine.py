@@ -1,0 +1,128 @@
+"""Building one replica's vLLM engine: `build_engine` (settings -> a running `AsyncLLM`), the
+KV-cache usage hook, and what vLLM's engine processes need to import our worker extension.
+
+Invariants: the engine is built with `kv_cache_bytes` exactly (a `VLLM_CPU_KVCACHE_SPACE` in the
+environment would override it, so it is refused), with `WeightReloadExtension` mixed into its
+workers (`EXTENSION_CLS`, imported by vLLM by dotted path). vLLM is imported inside
+`build_engine` only.
+
+Callers: `InferenceWorker.start` (workers/inference/worker.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from workers.inference.settings import EngineInfo, InferenceSettings
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger("workers.inference.worker")
+
+EXTENSION_CLS = "workers.inference.vllm_ext.WeightReloadExtension"  # imported by vLLM's worker by dotted path
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vLLM's legacy CPU env; it would override kv_cache_bytes
+MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # "0" lets the model worker live in the engine-core process
+
+
+def build_engine(s: InferenceSettings, *, kv_usage: "KvCacheUsage") -> tuple["AsyncLLM", EngineInfo]:
+    """Build the engine (loads the model, allocates the KV cache); returns it and what was
+    measured. `EngineInfo.sleep_level` is 1 where vLLM sleep mode is available and asked for, else
+    0. The caller labels it with its policy version before any request. Raises ValueError on conflicting environment settings."""
+    if os.environ.get(KV_CACHE_ENV):
+        raise ValueError(
+            f"{KV_CACHE_ENV}={os.environ[KV_CACHE_ENV]!r} is set and would override "
+            f"inference.kv_cache_bytes={s.kv_cache_bytes}; unset it and use kv_cache_bytes"
+        )
+    _make_package_importable_by_engine_processes()
+    t0 = time.perf_counter()  # startup_s covers the vLLM import too
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    in_core = s.worker_in_engine_process and current_platform.is_cpu()
+    if in_core:
+        os.environ[MP_ENV] = "0"
+    sleep_level = 1 if s.enable_sleep_mode and current_platform.is_sleep_mode_available() else 0
+    if s.enable_sleep_mode and not sleep_level:
+        logger.warning("vLLM on %s has no sleep mode: sleep() pauses scheduling only and releases no memory",
+                       current_platform.device_type)
+    # an actor holding its GPUs runs TP workers as local processes ("mp"), not as Ray actors
+    backend = "uni" if in_core else ("mp" if s.tensor_parallel_size > 1 else None)
+    args = AsyncEngineArgs(
+        model=s.model_path,
+        dtype=s.dtype,
+        max_model_len=s.max_model_len,
+        max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        kv_cache_memory_bytes=s.kv_cache_bytes,
+        seed=s.seed,
+        enforce_eager=s.enforce_eager,
+        enable_prefix_caching=s.enable_prefix_caching,
+        logprobs_mode=s.logprobs_mode,
+        skip_tokenizer_init=True,  # token-in/token-out: the gateway owns the tokenizer
+        worker_extension_cls=EXTENSION_CLS,
+        distributed_executor_backend=backend,
+        tensor_parallel_size=s.tensor_parallel_size,
+        enable_sleep_mode=bool(sleep_level),
+        disable_log_stats=True,
+    )
+    # built inside the return expression, never bound to a local: vLLM's lazy imports keep this
+    # frame (and so its locals) alive past shutdown, which would keep the engine alive too
+    return AsyncLLM.from_engine_args(args, stat_loggers=[kv_usage.logger_factory()]), EngineInfo(
+        startup_s=time.perf_counter() - t0,
+        max_model_len=s.max_model_len,
+        kv_cache_bytes=s.kv_cache_bytes,
+        max_num_seqs=s.max_num_seqs,
+        sleep_level=sleep_level,
+    )
+
+
+def _make_package_importable_by_engine_processes() -> None:
+    """vLLM's engine processes import `workers.inference.vllm_ext` by name; put this repo on PYTHONPATH so
+    they can, whatever the launcher (pytest, Ray worker, script) put on sys.path."""
+    root = str(Path(__file__).resolve().parents[2])
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
+
+
+class KvCacheUsage:
+    """Collects `SchedulerStats.kv_cache_usage` from vLLM's stat-logger hook (one record per engine
+    step) and reports the mean since the last read. The hook is vLLM's `StatLoggerBase`; passing it
+    enables stats without vLLM's default console/Prometheus loggers."""
+
+    def __init__(self) -> None:
+        self._sum = 0.0
+        self._n = 0
+
+    def add(self, usage: float) -> None:
+        self._sum += usage
+        self._n += 1
+
+    def take_mean(self) -> float:
+        mean = self._sum / self._n if self._n else float("nan")
+        self._sum, self._n = 0.0, 0
+        return mean
+
+    def logger_factory(self):
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        sink = self
+
+        class _KvUsageLogger(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+                if scheduler_stats is not None:
+                    sink.add(float(scheduler_stats.kv_cache_usage))
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _KvUsageLogger
