@@ -25,14 +25,9 @@ from typing import NoReturn
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator.config import (ConfigError, RunConfig, async_loop_settings, register, sync_loop_settings,
-                                 to_run_config, trainer_class)
+from orchestrator.config import ConfigError, RunConfig, async_loop_settings, register, sync_loop_settings, to_run_config
 
 register()
-
-
-def _trainer_class(cfg: RunConfig) -> tuple[type, dict]:  # tests/test_trainer_verl.py calls it by this name
-    return trainer_class(cfg.trainer, cluster=cfg.cluster)
 
 
 def _raise_interrupt(signum, frame):  # SIGTERM behaves like Ctrl-C: unwind and clean up

@@ -2,23 +2,17 @@
 ACR emulator + scripted agents), the tiny models.
 
 The stand-ins behind them, and plain builders (samples, rows, config), are in tests/stand_ins.py,
-which test modules import by name. tests/ goes on sys.path here because pytest imports test
-files in importlib mode and tests/ is not a package (the name `tests` is taken by a package in
-TransferQueue's wheel), so nothing else puts it there.
+which test modules import by name: pyproject.toml puts tests/ on pytest's `pythonpath` (tests/ is
+not a package: the name `tests` is taken by a package in TransferQueue's wheel).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:
-    sys.path.append(_HERE)  # appended: a module of tests/ never shadows an installed one
 
 from stand_ins import FakeClock, random_qwen2  # noqa: E402
 

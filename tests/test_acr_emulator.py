@@ -9,25 +9,16 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
-import uuid
-from pathlib import Path
 
 import boto3
 import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError, ParamValidationError
 
+from stand_ins import ECHO_AGENT, new_session_id
 from workers.acr.client import AcrClient, AcrClientConfig
 from workers.embedded.emulator_sessions import RateWindow, SessionRefused, SessionTable, TokenBucket
-from workers.embedded.local_stack import LocalStack
-
-ECHO_AGENT = [sys.executable, str(Path(__file__).with_name("acr_echo_agent.py"))]
-
-
-def new_sid() -> str:
-    return f"test-session-{uuid.uuid4()}"  # 49 chars: inside ACR's [33, 256]
 
 
 # ----------------------------------------------------------------------------- pure logic
@@ -109,16 +100,13 @@ def test_session_table_max_lifetime_ends_even_busy_sessions():
 
 
 @pytest.fixture(scope="module")
-def echo_stack(tmp_path_factory):
-    with LocalStack(ECHO_AGENT, num_agents=2, log_dir=tmp_path_factory.mktemp("echo-stack")) as stack:
-        yield stack
+def echo_stack(local_stack):
+    return local_stack(ECHO_AGENT, num_agents=2)
 
 
 @pytest.fixture()
-def echo_env(echo_stack, monkeypatch):
-    for k, v in echo_stack.env.items():
-        monkeypatch.setenv(k, v)
-    return echo_stack
+def echo_env(echo_stack, stack_env):
+    return stack_env(echo_stack)
 
 
 def acr(**config) -> object:
@@ -127,7 +115,7 @@ def acr(**config) -> object:
 
 def test_invoke_reaches_an_agent_and_echoes_the_session_id(echo_env):
     client = acr()
-    sid = new_sid()
+    sid = new_session_id()
     resp = client.invoke_agent_runtime(
         agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=sid, payload=json.dumps({"x": 1})
     )
@@ -144,7 +132,7 @@ def test_same_session_sticks_to_one_agent_and_new_sessions_spread(echo_env):
     c = AcrClient()
     arn = echo_env.agent_runtime_arn
     assert echo_env.stats().sessions_open == 0  # every test stops its sessions
-    a, b = new_sid(), new_sid()
+    a, b = new_session_id(), new_session_id()
     pids_a = [c.invoke(arn, a, {})["pid"] for _ in range(3)]
     pid_b = c.invoke(arn, b, {})["pid"]
     assert len(set(pids_a)) == 1  # sticky
@@ -169,7 +157,7 @@ def test_stop_runtime_session_closes_the_session(echo_env):
     c = AcrClient()
     arn = echo_env.agent_runtime_arn
     before = echo_env.stats()
-    sid = new_sid()
+    sid = new_session_id()
     c.invoke(arn, sid, {})
     assert echo_env.stats().sessions_open == before.sessions_open + 1
     resp = acr().stop_runtime_session(agentRuntimeArn=arn, runtimeSessionId=sid)
@@ -184,17 +172,17 @@ def test_unknown_runtime_or_qualifier_is_resource_not_found_and_a_bad_arn_is_inv
     client = acr()
     arn = echo_env.agent_runtime_arn.replace("emulator0", "nobody")
     with pytest.raises(client.exceptions.ResourceNotFoundException) as e:
-        client.invoke_agent_runtime(agentRuntimeArn=arn, runtimeSessionId=new_sid(), payload=b"{}")
+        client.invoke_agent_runtime(agentRuntimeArn=arn, runtimeSessionId=new_session_id(), payload=b"{}")
     assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 404
     with pytest.raises(client.exceptions.ResourceNotFoundException):
         client.invoke_agent_runtime(
-            agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=new_sid(), payload=b"{}", qualifier="prod"
+            agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=new_session_id(), payload=b"{}", qualifier="prod"
         )
     with pytest.raises(client.exceptions.ValidationException) as e:
-        client.invoke_agent_runtime(agentRuntimeArn="not-an-arn", runtimeSessionId=new_sid(), payload=b"{}")
+        client.invoke_agent_runtime(agentRuntimeArn="not-an-arn", runtimeSessionId=new_session_id(), payload=b"{}")
     assert e.value.response["fieldList"][0]["name"] == "agentRuntimeArn"
     with pytest.raises(client.exceptions.ResourceNotFoundException):  # stopping a session never opened
-        client.stop_runtime_session(agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=new_sid())
+        client.stop_runtime_session(agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=new_session_id())
     assert echo_env.stats().sessions_open == 0  # none of the refused calls opened a session
 
 
@@ -214,7 +202,7 @@ def test_custom_headers_reach_the_agent_and_calls_are_counted(echo_env):
         request.headers["X-Amzn-Bedrock-AgentCore-Runtime-Custom-Trace"] = "t-42"
 
     client.meta.events.register("before-sign.bedrock-agentcore.InvokeAgentRuntime", add_header)
-    sid = new_sid()
+    sid = new_session_id()
     resp = client.invoke_agent_runtime(
         agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=sid, payload=b"{}", contentType="application/json"
     )
@@ -229,7 +217,7 @@ def test_custom_headers_reach_the_agent_and_calls_are_counted(echo_env):
 
 def test_agent_error_is_runtime_client_error(echo_env):
     client = acr(retries={"total_max_attempts": 1})
-    sid = new_sid()
+    sid = new_session_id()
     with pytest.raises(client.exceptions.RuntimeClientError) as e:
         client.invoke_agent_runtime(
             agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=sid, payload=b'{"fail": true}'
@@ -239,7 +227,7 @@ def test_agent_error_is_runtime_client_error(echo_env):
 
 
 def test_streamed_agent_answer_passes_through(echo_env):
-    sid = new_sid()
+    sid = new_session_id()
     resp = acr().invoke_agent_runtime(
         agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=sid, payload=b'{"stream": 3}'
     )
@@ -253,44 +241,38 @@ def test_streamed_agent_answer_passes_through(echo_env):
 
 
 @pytest.fixture(scope="module")
-def slow_stack(tmp_path_factory):
+def slow_stack(local_stack):
     # 0.5 session creations per second, burst 1: a second creation within 2 s is throttled;
     # at most 15 data-plane calls per second of any kind.
-    with LocalStack(
-        ECHO_AGENT, num_agents=1, session_rate_per_s=0.5, session_burst=1, request_rate_per_s=15,
-        log_dir=tmp_path_factory.mktemp("slow"),
-    ) as stack:  # fmt: skip
-        yield stack
+    return local_stack(ECHO_AGENT, num_agents=1, session_rate_per_s=0.5, session_burst=1, request_rate_per_s=15)
 
 
-def test_burst_past_the_rate_is_throttled_and_botocore_retries_it(slow_stack, monkeypatch):
-    for k, v in slow_stack.env.items():
-        monkeypatch.setenv(k, v)
+def test_burst_past_the_rate_is_throttled_and_botocore_retries_it(slow_stack, stack_env):
+    stack_env(slow_stack)
     arn = slow_stack.agent_runtime_arn
     no_retry = acr(retries={"mode": "standard", "total_max_attempts": 1})
-    no_retry.invoke_agent_runtime(agentRuntimeArn=arn, runtimeSessionId=new_sid(), payload=b"{}")
+    no_retry.invoke_agent_runtime(agentRuntimeArn=arn, runtimeSessionId=new_session_id(), payload=b"{}")
     with pytest.raises(no_retry.exceptions.ThrottlingException) as e:
-        no_retry.invoke_agent_runtime(agentRuntimeArn=arn, runtimeSessionId=new_sid(), payload=b"{}")
+        no_retry.invoke_agent_runtime(agentRuntimeArn=arn, runtimeSessionId=new_session_id(), payload=b"{}")
     assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 429
     assert slow_stack.stats().throttled >= 1
     # The same burst through AcrClient: botocore's standard retry mode waits and succeeds.
     c = AcrClient(AcrClientConfig(retry_mode="standard", max_attempts=10))
-    out = c.invoke(arn, new_sid(), {"ok": True})
+    out = c.invoke(arn, new_session_id(), {"ok": True})
     assert out["payload"] == {"ok": True}
     assert c.stats().retries >= 1  # the bucket was empty: at least one 429 was retried
     assert slow_stack.stats().sessions_created == 2
 
 
-def test_all_calls_share_the_request_rate_cap_and_the_peak_is_measured(slow_stack, monkeypatch):
-    for k, v in slow_stack.env.items():
-        monkeypatch.setenv(k, v)
+def test_all_calls_share_the_request_rate_cap_and_the_peak_is_measured(slow_stack, stack_env):
+    stack_env(slow_stack)
     client = acr(retries={"mode": "standard", "total_max_attempts": 1})
     arn = slow_stack.agent_runtime_arn
     errors = []
     t0 = time.monotonic()
     for _ in range(40):  # stops of unknown sessions: cheap calls, 404 when let through
         try:
-            client.stop_runtime_session(agentRuntimeArn=arn, runtimeSessionId=new_sid())
+            client.stop_runtime_session(agentRuntimeArn=arn, runtimeSessionId=new_session_id())
         except ClientError as e:
             errors.append(e.response["Error"]["Code"])
     elapsed_s = time.monotonic() - t0

@@ -9,30 +9,27 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import threading
 import time
-import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import boto3
 import pytest
 from botocore.config import Config
 
+from stand_ins import STUB_AGENT, new_session_id, wait_until
 from workers.embedded.faults import (
     AGENT_FAULTS, EMULATOR_FAULT_ERRORS, EMULATOR_FAULTS, FAULT_HEADER, FAULT_KINDS, FaultPlan, FaultRates,
     fault_from_headers,
 )  # fmt: skip
 from workers.embedded.local_stack import LocalStack
-
-STUB_AGENT = [sys.executable, "-m", "workers.embedded.stub_agent"]
 RATES = FaultRates.uniform(0.8, seed=11)  # 0.1 per kind, 0.2 none: every kind easy to find
 PLAN = FaultPlan(RATES)
 MAX_OPEN = 8
 
 
 def new_sid() -> str:
-    return f"fault-session-{uuid.uuid4()}"
+    return new_session_id("fault-session")
 
 
 def sid_with(kind: str | None) -> str:
@@ -42,15 +39,6 @@ def sid_with(kind: str | None) -> str:
         if PLAN.fault_for(sid) == kind:
             return sid
     raise AssertionError(f"no session id with fault {kind}")
-
-
-def wait_until(pred, timeout_s: float, every_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if v := pred():
-            return v
-        time.sleep(every_s)
-    return pred()
 
 
 # ----------------------------------------------------------------------------- pure
@@ -93,19 +81,13 @@ def test_fault_header_is_read_case_insensitively():
 
 
 @pytest.fixture(scope="module")
-def fault_stack(tmp_path_factory):
-    with LocalStack(
-        STUB_AGENT, num_agents=2, session_rate_per_s=1000, max_open_sessions=MAX_OPEN, faults=RATES,
-        log_dir=tmp_path_factory.mktemp("faults"),
-    ) as stack:  # fmt: skip
-        yield stack
+def fault_stack(local_stack):
+    return local_stack(STUB_AGENT, num_agents=2, session_rate_per_s=1000, max_open_sessions=MAX_OPEN, faults=RATES)
 
 
 @pytest.fixture()
-def env(fault_stack, monkeypatch):
-    for k, v in fault_stack.env.items():
-        monkeypatch.setenv(k, v)
-    return fault_stack
+def env(fault_stack, stack_env):
+    return stack_env(fault_stack)
 
 
 def client(attempts: int = 1):
@@ -226,18 +208,12 @@ def test_open_session_quota_is_service_quota_exceeded(env):
 
 
 @pytest.fixture(scope="module")
-def short_lived_stack(tmp_path_factory):
-    with LocalStack(
-        STUB_AGENT, num_agents=1, session_rate_per_s=1000, idle_timeout_s=0.5, max_lifetime_s=3.0,
-        log_dir=tmp_path_factory.mktemp("short-lived"),
-    ) as stack:  # fmt: skip
-        yield stack
+def short_lived_stack(local_stack):
+    return local_stack(STUB_AGENT, num_agents=1, session_rate_per_s=1000, idle_timeout_s=0.5, max_lifetime_s=3.0)
 
 
-def test_idle_session_expires_and_healthy_busy_keeps_one_alive_until_max_lifetime(short_lived_stack, monkeypatch):
-    stack = short_lived_stack
-    for k, v in stack.env.items():
-        monkeypatch.setenv(k, v)
+def test_idle_session_expires_and_healthy_busy_keeps_one_alive_until_max_lifetime(short_lived_stack, stack_env):
+    stack = stack_env(short_lived_stack)
     c, arn = client(), stack.agent_runtime_arn
     idle = new_sid()
     c.invoke_agent_runtime(agentRuntimeArn=arn, runtimeSessionId=idle, payload=http_start("i", background=False))

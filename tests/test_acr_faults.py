@@ -23,18 +23,18 @@ import sys
 import time
 import uuid
 from collections import Counter
-from pathlib import Path
 
 import aiohttp
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from workers.core.types import GenerateRequest, GenerateResult, RolloutRequest, Sample  # noqa: E402
+from stand_ins import REPO, STUB_AGENT, own_ray  # noqa: E402
+from workers.core.types import RolloutRequest, Sample  # noqa: E402
 from workers.acr.client import AcrClientConfig  # noqa: E402
 from workers.embedded.faults import FaultPlan, FaultRates  # noqa: E402
 from workers.acr.limits import AcrLimitsConfig, limit_stats, start_limit_actors  # noqa: E402
-from workers.embedded.local_stack import LocalStack  # noqa: E402
+from workers.embedded.sim_engine import ScriptedEngine  # noqa: E402
 from workers.gateway.config import GatewayConfig  # noqa: E402
 from workers.gateway.server import GatewayServer  # noqa: E402
 from workers.rollout.worker import ContractError, RolloutSettings  # noqa: E402
@@ -48,7 +48,6 @@ PUSH_GRACE_S = 2.0  # S3 polling starts this late: completing sooner proves the 
 ROLLOUT_TIMEOUT_S = 6.0  # slow agents (STUB_SLOW_S) and S3 no_result hit it; nothing else should
 TIMEOUT_S = 80  # bound on each phase of the test itself
 MODEL_ID = "tiny-qwen2"
-REPO = Path(__file__).resolve().parents[1]
 
 # fault -> (status, reason) per contract; emulator-side faults are retried until they succeed
 EXPECTED = {
@@ -62,11 +61,6 @@ EXPECTED = {
     "slow": ("failed", "timeout"),
 }
 NO_RESULT = {"s3": ("failed", "timeout"), "http": ("failed", "bad_result")}  # HTTP: completed with result {}
-
-
-class ZeroCostEngine:
-    async def generate(self, req: GenerateRequest) -> GenerateResult:
-        return GenerateResult((7, 8, 2), (-0.1, -0.2, -0.3), "stop", 0)
 
 
 class TurnRecordingGateway(GatewayServer):
@@ -95,32 +89,23 @@ class SampleCollector:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    agent = [sys.executable, "-m", "workers.embedded.stub_agent"]
-    with LocalStack(agent, num_agents=2, session_rate_per_s=1e6, session_burst=10**6, faults=RATES,
-                    log_dir=tmp_path_factory.mktemp("faults-stack"), agent_env={"STUB_SLOW_S": "60"}) as s:
-        yield s
+def stack(local_stack):
+    return local_stack(STUB_AGENT, num_agents=2, session_rate_per_s=1e6, session_burst=10**6, faults=RATES,
+                       agent_env={"STUB_SLOW_S": "60"})
 
 
 @pytest.fixture(scope="module")
 def cluster(stack):
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
-    try:
+    with own_ray(ship=[sys.modules[__name__]], configure_logging=False,  # workers cannot import tests/
+                 runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}}):
         yield
-    finally:
-        if started:
-            ray.shutdown()
 
 
 @pytest.fixture(scope="module")
 def parts(stack, cluster):
     model_dir = str(ensure_tiny_model())
     gateway = ray.remote(num_cpus=0, max_concurrency=1000)(TurnRecordingGateway).remote(
-        GatewayConfig(model_path=model_dir, served_model_name=MODEL_ID, max_context_tokens=256), [ZeroCostEngine()])
+        GatewayConfig(model_path=model_dir, served_model_name=MODEL_ID, max_context_tokens=256), [ScriptedEngine([(7, 8, 2)])])
     base_url = ray.get(gateway.start.remote(), timeout=60)
     sink = ray.remote(num_cpus=0)(SampleCollector).remote()
     limits = start_limit_actors(LIMITS, suffix=f"-{uuid.uuid4().hex[:6]}")

@@ -26,22 +26,6 @@ from workers.acr.limits import (
 TIMEOUT_S = 10
 
 
-class FakeClock:
-    """Virtual time: `sleep` advances it (the rate service sleeps under its lock, one at a time)."""
-
-    def __init__(self) -> None:
-        self.t = 1000.0
-        self.slept: list[float] = []
-
-    def now(self) -> float:
-        return self.t
-
-    async def sleep(self, dt_s: float) -> None:
-        self.slept.append(dt_s)
-        self.t += dt_s
-        await asyncio.sleep(0)
-
-
 # ----------------------------------------------------------------------------- TokenBucket
 
 
@@ -100,8 +84,8 @@ def test_slot_pool_hands_out_at_most_capacity_and_tracks_peak():
 # ----------------------------------------------------------------------------- services + clients
 
 
-async def test_rate_service_waits_for_tokens_on_the_injected_clock():
-    clock = FakeClock()
+async def test_rate_service_waits_for_tokens_on_the_injected_clock(fake_clock):
+    clock = fake_clock
     svc = RateLimiterService(rate_per_s=4, burst=2, clock=clock)
     assert await svc.acquire(5) == 2  # burst at once
     assert await svc.acquire(5) == 1  # waited 0.25 s of virtual time for one token
@@ -109,10 +93,10 @@ async def test_rate_service_waits_for_tokens_on_the_injected_clock():
     assert svc.stats().granted == 3
 
 
-async def test_coalescer_serves_many_waiters_in_few_round_trips_within_the_rate():
+async def test_coalescer_serves_many_waiters_in_few_round_trips_within_the_rate(fake_clock):
     """200 concurrent callers, rate 100/s burst 10: all served, FIFO, in far fewer than 200
     round trips, and virtual time shows the rate held: (200 - 10) tokens need >= 1.9 s."""
-    clock = FakeClock()
+    clock = fake_clock
     svc = RateLimiterService(rate_per_s=100, burst=10, clock=clock)
     calls: list[int] = []
 

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from stand_ins import own_ray
 from workers.core.types import PROMPT_VERSION, Sample, TrajectoryRow
 from workers.buffer.store import BufferConfig, TrajectoryBuffer
 from workers.buffer.codec import BufferCorruptError, SampleInfo, complete_sessions, decode_samples, encode_sample
@@ -129,19 +130,15 @@ def test_config_rejects_bad_values_naming_the_key():
 
 @pytest.fixture(scope="module")
 def buffer():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    pytest.importorskip("ray")
     # The producer class below lives in this test module, which Ray workers cannot import by name
     # (pytest's importlib mode; `tests` is also transferqueue's package): ship it by value.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    buf = None
-    try:
+    with own_ray(ship=[sys.modules[__name__]], configure_logging=False):
         buf = TrajectoryBuffer.start(BufferConfig(num_storage_units=1, op_timeout_s=AWAIT_TIMEOUT_S))
-        yield buf
-    finally:
-        if buf is not None:
+        try:
+            yield buf
+        finally:
             buf.stop()
-        ray.shutdown()
 
 
 class Producer:

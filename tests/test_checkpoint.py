@@ -4,12 +4,10 @@ cursor and staleness counters restored exactly, trainer weights + optimizer resu
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from workers.core.algorithms.batch import TrainBatch
 from orchestrator.checkpoint import (
@@ -23,18 +21,11 @@ from orchestrator.checkpoint import (
 )
 from orchestrator.prompts import PromptCycle
 from orchestrator.staleness import Admission, AdmissionState
+from stand_ins import ManualVersions, random_qwen2
 from workers.core.types import TrajectoryRow
 from workers.trainer.worker import TrainerSettings, TrainerWorker
 
 ROWS = [{"input_id": f"p{i}", "prompt": f"question {i}"} for i in range(7)]
-
-
-@dataclass
-class Versions:
-    v: int = 0
-
-    def current(self) -> int:
-        return self.v
 
 
 def fake_trainer_files(stage) -> None:
@@ -87,7 +78,7 @@ def test_run_state_round_trips_with_pending_rows(tmp_path):
 
 
 def test_admission_resumes_from_the_checkpointed_state(tmp_path):
-    versions = Versions(0)
+    versions = ManualVersions(0)
     adm = Admission(versions, max_staleness=1, groups_per_update=2)
     for _ in range(4):
         adm.on_admitted()
@@ -99,7 +90,7 @@ def test_admission_resumes_from_the_checkpointed_state(tmp_path):
     save(tmp_path, state)
 
     loaded = load_latest(tmp_path).state
-    resumed = Admission(Versions(loaded.policy_version), max_staleness=1, groups_per_update=2)
+    resumed = Admission(ManualVersions(loaded.policy_version), max_staleness=1, groups_per_update=2)
     resumed.restore(loaded.admission)
     # (η + v + 1)·B - trained = (1 + 1 + 1)·2 - 2 = 4
     assert resumed.free_slots() == 4 and resumed.counts().trained == 2
@@ -197,12 +188,7 @@ VOCAB = 64
 
 @pytest.fixture(scope="module")
 def checkpoint_tiny_model(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    path = str(tmp_path_factory.mktemp("ckpt_tiny_qwen2"))
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    return path
+    return random_qwen2(tmp_path_factory.mktemp("ckpt_tiny_qwen2"), vocab=VOCAB, hidden_size=32, max_positions=64)
 
 
 @pytest.fixture

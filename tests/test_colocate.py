@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.colocate import SleepingTrainer
+from stand_ins import FakeClock
 from workers.inference.settings import SleepReport
 
 
@@ -51,19 +52,10 @@ class ScriptedTrainer:
         return f"v{version}"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        self.t += 1.5  # each reading 1.5 s later: sleep_s = end - start = 1.5
-        return self.t
-
-
 async def test_update_runs_between_sleep_and_wake_and_reports_it():
     log: list[str] = []
     replicas = [ScriptedReplica(log, "r0"), ScriptedReplica(log, "r1")]
-    trainer = SleepingTrainer(ScriptedTrainer(log, replicas), replicas, clock=Clock())
+    trainer = SleepingTrainer(ScriptedTrainer(log, replicas), replicas, clock=FakeClock(0.0, tick_s=1.5))
     metrics = await trainer.update(())
     assert log[:2] == ["r0.sleep", "r1.sleep"] and log[2] == "update" and sorted(log[3:]) == ["r0.wake", "r1.wake"]
     assert metrics == {"actor/pg_loss": 0.5, "perf/inference_sleep_s": 1.5, "perf/inference_sleep_level": 0.0,

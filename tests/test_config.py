@@ -3,23 +3,15 @@ file-system checks run in pre-flight and name the key too."""
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from orchestrator.checkpoint import CheckpointError
-from orchestrator.config import ConfigError, RunConfig, register, to_run_config
+from orchestrator.config import ConfigError, RunConfig
 from orchestrator.preflight import preflight
+from stand_ins import CONFIGS, compose_config
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 GROUPS = sorted(p.name for p in CONFIGS.iterdir() if p.is_dir())
-
-
-def _compose(overrides: list[str]) -> RunConfig:
-    register()
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return to_run_config(compose(config_name="config", overrides=["run_dir=/tmp/x", *overrides]))
 
 
 @pytest.mark.parametrize(
@@ -28,7 +20,7 @@ def _compose(overrides: list[str]) -> RunConfig:
 )
 def test_every_shipped_config_loads(group, choice):
     prefix = "+" if group == "experiment" else ""  # experiments are optional presets
-    cfg = _compose([f"{prefix}{group}={choice}"])
+    cfg = compose_config([f"{prefix}{group}={choice}"])
     assert isinstance(cfg, RunConfig)
     if group == "experiment":  # blog_<mode>_<sync_every>
         _, mode, k = choice.split("_")
@@ -36,7 +28,7 @@ def test_every_shipped_config_loads(group, choice):
 
 
 def test_default_config_is_the_embedded_default():
-    cfg = _compose([])
+    cfg = compose_config([])
     assert (cfg.mode.name, cfg.rollout.name, cfg.model.path) == ("sync", "local", None)
     assert cfg.samples_per_step == cfg.rollout.batch_size * cfg.rollout.n
 
@@ -65,7 +57,7 @@ def test_default_config_is_the_embedded_default():
 )
 def test_bad_value_names_the_key(override, key):
     with pytest.raises(ConfigError, match=rf"^{key.replace('.', chr(92) + '.')}"):
-        _compose([override])
+        compose_config([override])
 
 
 def test_cli_bad_value_exits_nonzero_before_ray_with_the_key(tmp_path):
@@ -92,16 +84,10 @@ def test_run_dir_of_an_earlier_run_or_a_file_is_refused(tmp_path):
     first run's metrics.jsonl, mixing two histories."""
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(ConfigError, match="^run_dir already holds a run"):
-        preflight(_compose_at(tmp_path))
+        preflight(compose_config(run_dir=tmp_path))
     a_file = tmp_path / "metrics.jsonl"
     with pytest.raises(ConfigError, match="^run_dir exists and is not a directory"):
-        preflight(_compose_at(a_file))
-
-
-def _compose_at(run_dir, overrides: tuple[str, ...] = ()):
-    register()
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return to_run_config(compose(config_name="config", overrides=[f"run_dir={run_dir}", *overrides]))
+        preflight(compose_config(run_dir=a_file))
 
 
 # --- pre-flight: file-system checks after the (pure) schema validation ------------------------------
@@ -115,7 +101,7 @@ def _compose_at(run_dir, overrides: tuple[str, ...] = ()):
     ],
 )
 def test_preflight_names_the_key_of_a_missing_file(tmp_path, override, key):
-    cfg = _compose_at(tmp_path / "run", tuple(override.split()))  # the schema reads values only: this passes
+    cfg = compose_config(tuple(override.split()), run_dir=tmp_path / "run")  # the schema reads values only: this passes
     with pytest.raises(ConfigError, match=rf"^{key.replace('.', chr(92) + '.')}"):
         preflight(cfg)
     assert not (tmp_path / "run").exists()  # refused before run_dir is created
@@ -125,8 +111,8 @@ def test_preflight_accepts_a_model_dir_and_creates_run_dir(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     (tmp_path / "t.jinja").write_text("{{ messages }}")
-    cfg = _compose_at(tmp_path / "a" / "run", (f"model.path={tmp_path / 'model'}",
-                                               f"model.chat_template={tmp_path / 't.jinja'}"))
+    cfg = compose_config((f"model.path={tmp_path / 'model'}", f"model.chat_template={tmp_path / 't.jinja'}"),
+                         run_dir=tmp_path / "a" / "run")
     pre = preflight(cfg)
     assert pre.run_dir == (tmp_path / "a" / "run").resolve() and pre.run_dir.is_dir()
     assert pre.checkpoint is None  # trainer.resume_mode=disable
@@ -134,17 +120,17 @@ def test_preflight_accepts_a_model_dir_and_creates_run_dir(tmp_path):
 
 def test_preflight_refuses_a_missing_checkpoint_and_an_uncreatable_run_dir(tmp_path):
     with pytest.raises(CheckpointError):
-        preflight(_compose_at(tmp_path / "run", ("trainer.resume_mode=resume_path",
-                                                 f"trainer.resume_from_path={tmp_path / 'no-ckpt'}")))
+        preflight(compose_config(("trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path / 'no-ckpt'}"),
+                                 run_dir=tmp_path / "run"))
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="^run_dir: cannot create"):
-        preflight(_compose_at(tmp_path / "file" / "run"))  # a parent is a file
+        preflight(compose_config(run_dir=tmp_path / "file" / "run"))  # a parent is a file
 
 
 def test_schema_validation_reads_no_file(tmp_path):
     """Values only: paths that do not exist validate; pre-flight is the one file-system step."""
-    cfg = _compose_at(tmp_path / "nope" / "run", ("model.path=/nonexistent/model", "task=gsm8k",
-                                                  "task.data_path=/nonexistent/x.jsonl"))
+    cfg = compose_config(("model.path=/nonexistent/model", "task=gsm8k", "task.data_path=/nonexistent/x.jsonl"),
+                         run_dir=tmp_path / "nope" / "run")
     assert cfg.model.path == "/nonexistent/model" and not (tmp_path / "nope").exists()
 
 
@@ -175,6 +161,6 @@ def test_choice_lists_are_the_owning_modules():
                          ("rollout.contract", get_args(Contract)), ("async.on_stale", ON_STALE_CHOICES),
                          ("async.in_flight", ASYNC_IN_FLIGHT_MODES)]:
         for choice in choices:
-            _compose([f"{key}={choice}"])  # each owned choice validates
+            compose_config([f"{key}={choice}"])  # each owned choice validates
         with pytest.raises(ConfigError, match=rf"^{key.replace('.', chr(92) + '.')}"):
-            _compose([f"{key}=not_a_choice"])
+            compose_config([f"{key}=not_a_choice"])

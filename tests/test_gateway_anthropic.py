@@ -12,7 +12,7 @@ import aiohttp
 import anthropic
 import pytest
 
-from workers.gateway.chat_template import ChatRenderer
+from stand_ins import reply_ids
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import GatewayServer
 from workers.embedded.sim_engine import ScriptedEngine
@@ -29,24 +29,15 @@ CALC = {
 CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def renderer() -> ChatRenderer:
-    return ChatRenderer.from_pretrained(ensure_tiny_model())
-
-
-def reply(renderer: ChatRenderer, text: str) -> tuple[int, ...]:
-    return (*renderer.tokenizer.encode(text, add_special_tokens=False), renderer.tokenizer.eos_token_id)
+@pytest.fixture
+def engine(tiny_renderer) -> ScriptedEngine:
+    return ScriptedEngine([reply_ids(tiny_renderer.tokenizer, "Hello there")], version=2)
 
 
 @pytest.fixture
-def engine(renderer) -> ScriptedEngine:
-    return ScriptedEngine([reply(renderer, "Hello there")], version=2)
-
-
-@pytest.fixture
-async def gateway(renderer, engine):
+async def gateway(tiny_renderer, engine):
     cfg = GatewayConfig(model_path=str(ensure_tiny_model()), served_model_name=MODEL_ID, max_context_tokens=1024)
-    server = GatewayServer(cfg, [engine], renderer=renderer)
+    server = GatewayServer(cfg, [engine], renderer=tiny_renderer)
     await asyncio.wait_for(server.start(), TIMEOUT_S)
     try:
         yield server
@@ -91,8 +82,8 @@ async def test_streaming_events_and_final_message(gateway, engine):
     await gateway.close_session(SESSION)
 
 
-async def test_tool_use_then_tool_result_is_one_clean_row(gateway, renderer, engine):
-    out1, out2 = reply(renderer, CALL_TEXT), reply(renderer, "It is 42")
+async def test_tool_use_then_tool_result_is_one_clean_row(gateway, tiny_renderer, engine):
+    out1, out2 = reply_ids(tiny_renderer.tokenizer, CALL_TEXT), reply_ids(tiny_renderer.tokenizer, "It is 42")
     engine.script(out1, out2)
     token = await gateway.open_session(SESSION)
     msgs = [{"role": "user", "content": "What is 6*7?"}]
@@ -113,8 +104,8 @@ async def test_tool_use_then_tool_result_is_one_clean_row(gateway, renderer, eng
     assert cap.rows[0].token_ids == engine.requests[1].prompt_ids + out2
 
 
-async def test_streamed_tool_use_block(gateway, renderer, engine):
-    engine.script(reply(renderer, CALL_TEXT))
+async def test_streamed_tool_use_block(gateway, tiny_renderer, engine):
+    engine.script(reply_ids(tiny_renderer.tokenizer, CALL_TEXT))
     token = await gateway.open_session(SESSION)
     async with client(gateway.base_url, token) as c:
         async with c.messages.stream(
@@ -167,10 +158,10 @@ async def test_stop_sequence_is_reported(gateway, engine):
     assert row.num_generated == msg.usage.output_tokens < len(engine.replies[0])  # eos after it not kept
 
 
-async def test_single_token_stop_sequence_is_reported(gateway, renderer, engine):
-    tok = renderer.tokenizer
+async def test_single_token_stop_sequence_is_reported(gateway, tiny_renderer, engine):
+    tok = tiny_renderer.tokenizer
     single = next(t for t in ("Hello", " there", "!") if len(tok.encode(t, add_special_tokens=False)) == 1)
-    engine.script(reply(renderer, "Hi! Hello again"))
+    engine.script(reply_ids(tiny_renderer.tokenizer, "Hi! Hello again"))
     token = await gateway.open_session(SESSION)
     async with client(gateway.base_url, token) as c:
         msg = await c.messages.create(

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from stand_ins import reply_ids
 from workers.gateway.chat_template import ChatRenderer, SegmentEncoder
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import GatewayServer
@@ -71,10 +72,6 @@ def tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
-
-
-def reply(tok, text: str) -> tuple[int, ...]:
-    return (*tok.encode(text, add_special_tokens=False), tok.eos_token_id)
 
 
 # -- segment-cached tokenization ---------------------------------------------------------------
@@ -151,7 +148,7 @@ async def test_xml_tool_calls_round_trip_through_the_template(tokenizer, tmp_pat
         "<tool_call>\n<function=calculator>\n<parameter=expression>\n2+3\n</parameter>\n"
         "<parameter=precision>\n2\n</parameter>\n</function>\n</tool_call>"
     )
-    out1, out2 = reply(tokenizer, call), reply(tokenizer, "5.00")
+    out1, out2 = reply_ids(tokenizer, call), reply_ids(tokenizer, "5.00")
     engine = ScriptedEngine([out1, out2])
     server = await serve(renderer, engine)
     try:
@@ -174,7 +171,7 @@ async def test_reasoning_template_dropping_think_forks_without_duplicating_token
     prompt diverge from the recorded tokens. Appending it anyway duplicates or corrupts tokens; the
     turn must start a new row instead, and each generated token appears once with mask 1."""
     renderer = ChatRenderer(tokenizer, chat_template=THINK_DROPPING_TEMPLATE)
-    out1, out2 = reply(tokenizer, "<think>\nadd them\n</think>\n\n4"), reply(tokenizer, "<think>\nagain\n</think>\n\n8")
+    out1, out2 = reply_ids(tokenizer, "<think>\nadd them\n</think>\n\n4"), reply_ids(tokenizer, "<think>\nagain\n</think>\n\n8")
     engine = ScriptedEngine([out1, out2], version=4)
     server = await serve(renderer, engine)
     try:

@@ -1,9 +1,10 @@
 """Contract tests of the rollout gateway against the official `openai` SDK.
 
 The real GatewayServer listens on 127.0.0.1; prompts are rendered with the tiny model's real
-tokenizer and chat template. The only stand-in is `FixedReplyEngine`, a zero-cost engine at the
-InferenceEngine seam (same protocol the vLLM InferenceWorker implements) that answers every
-request with the same token ids, log-probs and policy version, and keeps the requests it saw.
+tokenizer and chat template. The only stand-in is the zero-cost `ScriptedEngine` (conftest's
+`zero_cost_engine`) at the InferenceEngine seam (same protocol the vLLM InferenceWorker
+implements): it answers every request with the same token ids, per-position log-probs
+(-0.01·(i+1)) and policy version, and keeps the requests it saw.
 """
 
 from __future__ import annotations
@@ -14,66 +15,34 @@ from pathlib import Path
 import openai
 import pytest
 
-from workers.core.types import GenerateRequest, GenerateResult
 from workers.gateway.capture import SamplingDefaults
 from workers.gateway.chat_template import ChatRenderer
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import GatewayServer
-from workers.embedded.tiny_model import ensure_tiny_model
+from workers.embedded.sim_engine import ScriptedEngine
 
 MODEL_ID = "tiny-qwen2"
 REPLY = "The answer is 4"
-LOGPROB = -0.25
 VERSION = 7
 SESSION = "gw-test-session-" + "0" * 24  # ACR-length session id
 TIMEOUT_S = 20
 
 
-class FixedReplyEngine:
-    """Answers `reply_ids` (+ eos) truncated to max_tokens; records each request it served."""
-
-    def __init__(self, reply_ids: list[int], eos_id: int, version: int) -> None:
-        self.full = [*reply_ids, eos_id]
-        self.version = version
-        self.requests: list[GenerateRequest] = []
-        self.abort = False  # answer finish_reason "abort" (as vLLM does when a request is aborted)
-        self.started = asyncio.Event()  # set when a request arrives
-        self.gate: asyncio.Event | None = None  # when set, each request waits for it
-
-    async def generate(self, req: GenerateRequest) -> GenerateResult:
-        self.requests.append(req)
-        self.started.set()
-        if self.gate is not None:
-            await asyncio.wait_for(self.gate.wait(), TIMEOUT_S)
-        out = self.full[: req.max_tokens]
-        finish = "stop" if len(out) == len(self.full) else "length"
-        if self.abort:
-            out, finish = out[:1], "abort"
-        return GenerateResult(
-            output_ids=tuple(out), logprobs=(LOGPROB,) * len(out), finish_reason=finish, policy_version=self.version
-        )
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return ensure_tiny_model()
-
-
-@pytest.fixture(scope="module")
-def renderer(model_dir: Path) -> ChatRenderer:
-    return ChatRenderer.from_pretrained(model_dir)
+def engine_logprobs(n: int) -> tuple[float, ...]:
+    """The zero-cost engine's log-probs of its first n output tokens."""
+    return tuple(-0.01 * (i + 1) for i in range(n))
 
 
 @pytest.fixture
-def engine(renderer: ChatRenderer) -> FixedReplyEngine:
-    tok = renderer.tokenizer
-    return FixedReplyEngine(tok.encode(REPLY, add_special_tokens=False), tok.eos_token_id, VERSION)
+def engine(tiny_renderer, zero_cost_engine) -> ScriptedEngine:
+    tok = tiny_renderer.tokenizer
+    return zero_cost_engine([*tok.encode(REPLY, add_special_tokens=False), tok.eos_token_id], version=VERSION)
 
 
 @pytest.fixture
-async def gateway(model_dir: Path, renderer: ChatRenderer, engine: FixedReplyEngine):
-    cfg = GatewayConfig(model_path=str(model_dir), served_model_name=MODEL_ID, max_context_tokens=512)
-    server = GatewayServer(cfg, [engine], renderer=renderer)
+async def gateway(tiny_model_dir: Path, tiny_renderer: ChatRenderer, engine: ScriptedEngine):
+    cfg = GatewayConfig(model_path=str(tiny_model_dir), served_model_name=MODEL_ID, max_context_tokens=512)
+    server = GatewayServer(cfg, [engine], renderer=tiny_renderer)
     await asyncio.wait_for(server.start(), TIMEOUT_S)
     try:
         yield server
@@ -89,33 +58,33 @@ def _prompt_ids(renderer: ChatRenderer, messages: list[dict]) -> tuple[int, ...]
     return renderer.render(messages)
 
 
-async def test_chat_completion_text_usage_and_recorded_row(gateway, renderer, engine):
+async def test_chat_completion_text_usage_and_recorded_row(gateway, tiny_renderer, engine):
     token = await gateway.open_session(SESSION)
     messages = [{"role": "user", "content": "Write the letter q 4 times."}]
     async with await _client(gateway, token) as client:
         resp = await client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=32)
-    prompt = _prompt_ids(renderer, messages)
+    prompt = _prompt_ids(tiny_renderer, messages)
     assert resp.choices[0].message.content == REPLY  # eos left out of the text
     assert resp.choices[0].finish_reason == "stop"
     assert resp.model == MODEL_ID
     assert resp.usage.prompt_tokens == len(prompt)
-    assert resp.usage.completion_tokens == len(engine.full)  # eos counted: it was generated
-    assert resp.usage.total_tokens == len(prompt) + len(engine.full)
+    assert resp.usage.completion_tokens == len(engine.replies[0])  # eos counted: it was generated
+    assert resp.usage.total_tokens == len(prompt) + len(engine.replies[0])
     assert engine.requests[0].prompt_ids == prompt
     assert engine.requests[0].max_tokens == 32
-    assert renderer.tokenizer.eos_token_id in engine.requests[0].stop_token_ids
+    assert tiny_renderer.tokenizer.eos_token_id in engine.requests[0].stop_token_ids
     cap = await gateway.close_session(SESSION)
     assert cap.num_turns == 1 and len(cap.rows) == 1
     row = cap.rows[0]
-    assert row.token_ids == prompt + tuple(engine.full)  # eos kept in the recorded ids
-    assert row.loss_mask == (0,) * len(prompt) + (1,) * len(engine.full)
-    assert row.rollout_logprobs[len(prompt) :] == (LOGPROB,) * len(engine.full)
-    assert row.generated_versions() == [VERSION] * len(engine.full)
+    assert row.token_ids == prompt + tuple(engine.replies[0])  # eos kept in the recorded ids
+    assert row.loss_mask == (0,) * len(prompt) + (1,) * len(engine.replies[0])
+    assert row.rollout_logprobs[len(prompt) :] == engine_logprobs(len(engine.replies[0]))
+    assert row.generated_versions() == [VERSION] * len(engine.replies[0])
     m = gateway.metrics()
-    assert (m.turns_served, m.turns_first, m.tokens_generated) == (1, 1, len(engine.full))
+    assert (m.turns_served, m.turns_first, m.tokens_generated) == (1, 1, len(engine.replies[0]))
 
 
-async def test_extended_conversation_is_clean_and_edited_history_forks(gateway, renderer, engine):
+async def test_extended_conversation_is_clean_and_edited_history_forks(gateway, tiny_renderer, engine):
     token = await gateway.open_session(SESSION)
     turn1 = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "count"}]
     async with await _client(gateway, token) as client:
@@ -129,8 +98,8 @@ async def test_extended_conversation_is_clean_and_edited_history_forks(gateway, 
     cap = await gateway.close_session(SESSION)
     assert cap.num_turns == 3 and len(cap.rows) == 2
     clean, fork = cap.rows
-    p1, p2, p3 = (_prompt_ids(renderer, m) for m in (turn1, turn2, edited))
-    out = tuple(engine.full)
+    p1, p2, p3 = (_prompt_ids(tiny_renderer, m) for m in (turn1, turn2, edited))
+    out = tuple(engine.replies[0])
     # row 0: turn1 prompt + output, then turn2's prompt extension (mask 0) + output
     assert clean.token_ids[: len(p1) + len(out)] == p1 + out
     assert clean.token_ids == p2 + out
@@ -180,9 +149,9 @@ async def test_n2_is_a_bad_request(gateway, engine):
     assert (await gateway.close_session(SESSION)).num_turns == 0
 
 
-async def test_max_tokens_clamped_to_the_session_context_budget(gateway, renderer, engine):
+async def test_max_tokens_clamped_to_the_session_context_budget(gateway, tiny_renderer, engine):
     msgs = [{"role": "user", "content": "hi"}]
-    prompt = _prompt_ids(renderer, msgs)
+    prompt = _prompt_ids(tiny_renderer, msgs)
     budget = len(prompt) + 2  # room for 2 generated tokens only
     token = await gateway.open_session(SESSION, max_context_tokens=budget)
     async with await _client(gateway, token) as client:
@@ -239,7 +208,7 @@ async def test_session_closed_while_turn_runs_is_409_and_counted(gateway, engine
     assert gateway.metrics().turns_unrecorded_closed == 1
 
 
-async def test_tools_are_rendered_into_the_prompt(gateway, renderer, engine):
+async def test_tools_are_rendered_into_the_prompt(gateway, tiny_renderer, engine):
     token = await gateway.open_session(SESSION)
     tool = {
         "type": "function",
@@ -249,7 +218,7 @@ async def test_tools_are_rendered_into_the_prompt(gateway, renderer, engine):
         await client.chat.completions.create(
             model=MODEL_ID, messages=[{"role": "user", "content": "1+2?"}], tools=[tool]
         )
-    prompt_text = renderer.tokenizer.decode(engine.requests[0].prompt_ids)
+    prompt_text = tiny_renderer.tokenizer.decode(engine.requests[0].prompt_ids)
     assert "<tools>" in prompt_text and '"calculator"' in prompt_text
     await gateway.close_session(SESSION)
 
@@ -288,12 +257,12 @@ async def test_enforced_session_sampling_overrides_the_agent(gateway, engine):
     await gateway.close_session(SESSION)
 
 
-async def test_chat_template_kwargs_reach_the_template(gateway, model_dir, engine):
+async def test_chat_template_kwargs_reach_the_template(gateway, tiny_model_dir, engine):
     """vLLM's `chat_template_kwargs` extension (e.g. Qwen3's enable_thinking) is rendered; the
     arguments the gateway owns cannot be overridden."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     tok.chat_template += "{%- if enable_thinking is defined and not enable_thinking %}{{- 'NOTHINK' }}{%- endif %}"
     thinking_renderer = ChatRenderer(tok)
     msgs = [{"role": "user", "content": "hi"}]
@@ -313,20 +282,20 @@ async def test_chat_template_kwargs_reach_the_template(gateway, model_dir, engin
     await gateway.close_session(SESSION)
 
 
-async def test_single_token_stop_strings_become_stop_ids(gateway, renderer, engine):
+async def test_single_token_stop_strings_become_stop_ids(gateway, tiny_renderer, engine):
     token = await gateway.open_session(SESSION)
     msgs = [{"role": "user", "content": "hi"}]
-    im_start = renderer.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    im_start = tiny_renderer.tokenizer.convert_tokens_to_ids("<|im_start|>")
     async with await _client(gateway, token) as client:
         await client.chat.completions.create(model=MODEL_ID, messages=msgs, stop=["<|im_start|>"])
         with pytest.raises(openai.BadRequestError, match="non-empty"):
             await client.chat.completions.create(model=MODEL_ID, messages=msgs, stop=[""])
-    assert engine.requests[0].stop_token_ids == (renderer.tokenizer.eos_token_id, im_start)
+    assert engine.requests[0].stop_token_ids == (tiny_renderer.tokenizer.eos_token_id, im_start)
     assert len(engine.requests) == 1
     await gateway.close_session(SESSION)
 
 
-async def test_multi_token_stop_string_cuts_answer_and_record_alike(gateway, renderer, engine):
+async def test_multi_token_stop_string_cuts_answer_and_record_alike(gateway, tiny_renderer, engine):
     """The engine stops on ids only. A stop string of several tokens is applied after generation:
     the text ends before it, and the row keeps exactly the tokens up to the one completing it
     (what the agent's next prompt will hold), not the tokens generated after it."""
@@ -335,9 +304,9 @@ async def test_multi_token_stop_string_cuts_answer_and_record_alike(gateway, ren
     async with await _client(gateway, token) as client:
         r = await client.chat.completions.create(model=MODEL_ID, messages=msgs, stop=["answer is", "zzz zzz"])
     assert r.choices[0].message.content == "The " and r.choices[0].finish_reason == "stop"
-    tok = renderer.tokenizer
+    tok = tiny_renderer.tokenizer
     kept = r.usage.completion_tokens
-    assert "answer is" in tok.decode(engine.full[:kept]) and "answer is" not in tok.decode(engine.full[: kept - 1])
+    assert "answer is" in tok.decode(engine.replies[0][:kept]) and "answer is" not in tok.decode(engine.replies[0][: kept - 1])
     row = (await gateway.close_session(SESSION)).rows[0]
-    assert row.token_ids == engine.requests[0].prompt_ids + tuple(engine.full[:kept])
-    assert row.rollout_logprobs[-kept:] == (LOGPROB,) * kept
+    assert row.token_ids == engine.requests[0].prompt_ids + tuple(engine.replies[0][:kept])
+    assert row.rollout_logprobs[-kept:] == engine_logprobs(kept)

@@ -8,21 +8,18 @@ Starts its own local Ray instance (`address="local"`) and shuts down only that o
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import openai
 import pytest
 
 ray = pytest.importorskip("ray")
 
-from ray import cloudpickle  # noqa: E402  (Ray pickles with its own vendored copy)
-
+from stand_ins import REPO, own_ray  # noqa: E402
 from workers.core.types import GenerateRequest, GenerateResult  # noqa: E402
 from workers.gateway.config import GatewayConfig  # noqa: E402
 from workers.gateway.server import GatewayServer  # noqa: E402
 from workers.embedded.tiny_model import ensure_tiny_model  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
 SESSION = "gw-ray-session-" + "1" * 24
 TIMEOUT_S = 60
 
@@ -46,18 +43,8 @@ class CountingEngine:
 
 @pytest.fixture(scope="module")
 def local_ray():
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # test module is not importable by workers
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
-    )
-    try:
+    with own_ray(ship=[sys.modules[__name__]], runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}}):
         yield
-    finally:
-        ray.shutdown()
 
 
 def test_gateway_actor_serves_a_sync_openai_client_through_a_ray_engine(local_ray):

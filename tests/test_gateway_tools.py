@@ -17,6 +17,7 @@ import aiohttp
 import openai
 import pytest
 
+from stand_ins import reply_ids
 from workers.gateway.chat_template import ChatRenderer
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import GatewayServer
@@ -37,16 +38,6 @@ CALC = {
 CALL_TEXT = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def renderer() -> ChatRenderer:
-    return ChatRenderer.from_pretrained(ensure_tiny_model())
-
-
-def reply(renderer: ChatRenderer, text: str) -> tuple[int, ...]:
-    """Token ids the scripted model generates for `text`, ending with eos (<|im_end|>)."""
-    return (*renderer.tokenizer.encode(text, add_special_tokens=False), renderer.tokenizer.eos_token_id)
-
-
 async def start(renderer: ChatRenderer, engines: list[ScriptedEngine], **cfg_kw) -> GatewayServer:
     cfg = GatewayConfig(model_path=str(ensure_tiny_model()), served_model_name=MODEL_ID, max_context_tokens=1024, **cfg_kw)
     server = GatewayServer(cfg, engines, renderer=renderer)
@@ -55,13 +46,13 @@ async def start(renderer: ChatRenderer, engines: list[ScriptedEngine], **cfg_kw)
 
 
 @pytest.fixture
-async def engine(renderer) -> ScriptedEngine:
-    return ScriptedEngine([reply(renderer, "The answer is 5")], version=3)
+async def engine(tiny_renderer) -> ScriptedEngine:
+    return ScriptedEngine([reply_ids(tiny_renderer.tokenizer, "The answer is 5")], version=3)
 
 
 @pytest.fixture
-async def gateway(renderer, engine):
-    server = await start(renderer, [engine])
+async def gateway(tiny_renderer, engine):
+    server = await start(tiny_renderer, [engine])
     try:
         yield server
     finally:
@@ -75,11 +66,11 @@ def client(server: GatewayServer, token: str, retries: int = 0) -> openai.AsyncO
 # -- tools -------------------------------------------------------------------------------------
 
 
-async def test_tool_call_round_trip_keeps_one_row_and_the_separator_token(gateway, renderer, engine):
+async def test_tool_call_round_trip_keeps_one_row_and_the_separator_token(gateway, tiny_renderer, engine):
     """Regression (public bug reports): a separator token lost at the assistant -> tool boundary
     makes every tool turn a new row. The generated <|im_end|> must stay in the row, followed by
     the tool turn's prompt extension, and the second turn must be CLEAN."""
-    out1, out2 = reply(renderer, CALL_TEXT), reply(renderer, "The answer is 5")
+    out1, out2 = reply_ids(tiny_renderer.tokenizer, CALL_TEXT), reply_ids(tiny_renderer.tokenizer, "The answer is 5")
     engine.script(out1, out2)
     token = await gateway.open_session(SESSION)
     messages = [{"role": "user", "content": "What is 2+3?"}]
@@ -101,15 +92,15 @@ async def test_tool_call_round_trip_keeps_one_row_and_the_separator_token(gatewa
     row = cap.rows[0]
     assert row.token_ids == p2 + out2
     boundary = len(p1) + len(out1) - 1
-    assert row.token_ids[boundary] == renderer.tokenizer.eos_token_id and row.loss_mask[boundary] == 1
+    assert row.token_ids[boundary] == tiny_renderer.tokenizer.eos_token_id and row.loss_mask[boundary] == 1
     assert row.loss_mask[boundary + 1] == 0  # "\n<|im_start|>user\n<tool_response>..." is prompt
     m = gateway.metrics()
     assert (m.turns_first, m.turns_clean, m.tool_calls, m.turns_ill_formed) == (1, 1, 1, 0)
 
 
-async def test_ill_formed_tool_call_returns_raw_text_and_is_counted(gateway, renderer, engine):
+async def test_ill_formed_tool_call_returns_raw_text_and_is_counted(gateway, tiny_renderer, engine):
     bad = '<tool_call>\n{"name": "calculator", "arguments": {"expression": 2+3}\n</tool_call>'
-    engine.script(reply(renderer, bad))
+    engine.script(reply_ids(tiny_renderer.tokenizer, bad))
     token = await gateway.open_session(SESSION)
     async with client(gateway, token) as c:
         r = await c.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "2+3?"}], tools=[CALC])
@@ -120,8 +111,8 @@ async def test_ill_formed_tool_call_returns_raw_text_and_is_counted(gateway, ren
     assert cap.num_ill_formed_turns == 1
 
 
-async def test_tool_choice_none_skips_parsing_and_required_flags_a_missing_call(gateway, renderer, engine):
-    engine.script(reply(renderer, CALL_TEXT), reply(renderer, "no call"))
+async def test_tool_choice_none_skips_parsing_and_required_flags_a_missing_call(gateway, tiny_renderer, engine):
+    engine.script(reply_ids(tiny_renderer.tokenizer, CALL_TEXT), reply_ids(tiny_renderer.tokenizer, "no call"))
     token = await gateway.open_session(SESSION)
     msgs = [{"role": "user", "content": "2+3?"}]
     async with client(gateway, token) as c:
@@ -133,10 +124,10 @@ async def test_tool_choice_none_skips_parsing_and_required_flags_a_missing_call(
     await gateway.close_session(SESSION)
 
 
-async def test_tools_for_a_model_without_a_tool_format_are_refused(renderer):
+async def test_tools_for_a_model_without_a_tool_format_are_refused(tiny_renderer):
     """Offering tools to a model whose format is unknown must fail loudly, not never parse a call."""
-    engine = ScriptedEngine([reply(renderer, "hi")])
-    plain = ChatRenderer(renderer.tokenizer, tool_call_parser="none")
+    engine = ScriptedEngine([reply_ids(tiny_renderer.tokenizer, "hi")])
+    plain = ChatRenderer(tiny_renderer.tokenizer, tool_call_parser="none")
     cfg = GatewayConfig(model_path=str(ensure_tiny_model()), served_model_name=MODEL_ID)
     server = GatewayServer(cfg, [engine], renderer=plain)
     await server.start()
@@ -155,7 +146,7 @@ async def test_tools_for_a_model_without_a_tool_format_are_refused(renderer):
 # -- streaming and logprobs --------------------------------------------------------------------
 
 
-async def test_streaming_text_with_usage_chunk(gateway, renderer, engine):
+async def test_streaming_text_with_usage_chunk(gateway, tiny_renderer, engine):
     token = await gateway.open_session(SESSION)
     msgs = [{"role": "user", "content": "hi"}]
     async with client(gateway, token) as c:
@@ -167,14 +158,14 @@ async def test_streaming_text_with_usage_chunk(gateway, renderer, engine):
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == "The answer is 5"
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(reply(renderer, text))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(reply_ids(tiny_renderer.tokenizer, text))
     assert chunks[-1].usage.prompt_tokens == len(engine.requests[0].prompt_ids)
     assert plain[-1].choices[0].finish_reason == "stop" and plain[-1].usage.total_tokens > 0  # usage on the final chunk
     assert (await gateway.close_session(SESSION)).num_turns == 2
 
 
-async def test_streaming_tool_call_deltas(gateway, renderer, engine):
-    engine.script(reply(renderer, CALL_TEXT))
+async def test_streaming_tool_call_deltas(gateway, tiny_renderer, engine):
+    engine.script(reply_ids(tiny_renderer.tokenizer, CALL_TEXT))
     token = await gateway.open_session(SESSION)
     async with client(gateway, token) as c:
         stream = await c.chat.completions.create(
@@ -188,14 +179,14 @@ async def test_streaming_tool_call_deltas(gateway, renderer, engine):
     await gateway.close_session(SESSION)
 
 
-async def test_logprobs_are_aligned_with_their_tokens(gateway, renderer, engine):
+async def test_logprobs_are_aligned_with_their_tokens(gateway, tiny_renderer, engine):
     token = await gateway.open_session(SESSION)
     async with client(gateway, token) as c:
         r = await c.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], logprobs=True)
     out = engine.requests[0]
     entries = r.choices[0].logprobs.content
-    served = reply(renderer, "The answer is 5")
-    assert [e.token for e in entries] == [renderer.tokenizer.decode([i]) for i in served]
+    served = reply_ids(tiny_renderer.tokenizer, "The answer is 5")
+    assert [e.token for e in entries] == [tiny_renderer.tokenizer.decode([i]) for i in served]
     assert [e.logprob for e in entries] == pytest.approx([-0.01 * (i + 1) for i in range(len(served))])
     row = (await gateway.close_session(SESSION)).rows[0]
     gen_lp = [lp for m, lp in zip(row.loss_mask, row.rollout_logprobs) if m == 1]
@@ -235,10 +226,10 @@ async def test_client_disconnect_cancels_the_engine_request(gateway, engine):
     assert (await gateway.close_session(SESSION)).num_turns == 0
 
 
-async def test_failed_replica_is_taken_out_and_turns_go_elsewhere(renderer):
-    down, up = ScriptedEngine([reply(renderer, "from a")]), ScriptedEngine([reply(renderer, "from b")])
+async def test_failed_replica_is_taken_out_and_turns_go_elsewhere(tiny_renderer):
+    down, up = ScriptedEngine([reply_ids(tiny_renderer.tokenizer, "from a")]), ScriptedEngine([reply_ids(tiny_renderer.tokenizer, "from b")])
     down.fail = True
-    server = await start(renderer, [down, up])
+    server = await start(tiny_renderer, [down, up])
     try:
         for k in range(2):
             sid = f"{SESSION}-{k}"
@@ -260,8 +251,8 @@ async def test_failed_replica_is_taken_out_and_turns_go_elsewhere(renderer):
 # -- auth and safety ---------------------------------------------------------------------------
 
 
-async def test_body_limit_and_auth_before_body(renderer, engine):
-    server = await start(renderer, [engine], max_body_bytes=4096)
+async def test_body_limit_and_auth_before_body(tiny_renderer, engine):
+    server = await start(tiny_renderer, [engine], max_body_bytes=4096)
     try:
         token = await server.open_session(SESSION)
         big = {"model": MODEL_ID, "messages": [{"role": "user", "content": "x" * 8192}]}
@@ -290,7 +281,7 @@ async def test_tokens_never_appear_in_logs_and_default_host_is_loopback(gateway,
     await gateway.close_session(SESSION)
 
 
-async def test_developer_role_is_rendered_as_system(gateway, renderer, engine):
+async def test_developer_role_is_rendered_as_system(gateway, tiny_renderer, engine):
     """OpenAI's newer clients send `developer` instead of `system`; templates only know `system`,
     and the tiny one would silently drop an unknown role."""
     token = await gateway.open_session(SESSION)
@@ -298,5 +289,5 @@ async def test_developer_role_is_rendered_as_system(gateway, renderer, engine):
         await c.chat.completions.create(
             model=MODEL_ID, messages=[{"role": "developer", "content": "Be terse."}, {"role": "user", "content": "hi"}]
         )
-    assert "<|im_start|>system\nBe terse.<|im_end|>" in renderer.tokenizer.decode(engine.requests[0].prompt_ids)
+    assert "<|im_start|>system\nBe terse.<|im_end|>" in tiny_renderer.tokenizer.decode(engine.requests[0].prompt_ids)
     await gateway.close_session(SESSION)

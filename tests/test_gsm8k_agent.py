@@ -9,23 +9,19 @@ test runs the real agent process under the ACR emulator with moto S3 (workers.em
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import sys
-import threading
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 from aiohttp import web
 from openai import AsyncOpenAI, BadRequestError
 
+from stand_ins import REPO, ScriptedChatServer, chat_completion, load_module
 from workers.acr.client import AcrClient
-from workers.embedded.emulator_agents import free_port
 from workers.embedded.local_stack import LocalStack
 
-REPO = Path(__file__).resolve().parent.parent
 AGENT_DIR = REPO / "examples/agents/gsm8k_agent"
 
 
@@ -34,11 +30,7 @@ def _load(name: str):
     its sibling imports, as in its container)."""
     if str(AGENT_DIR) not in sys.path:
         sys.path.insert(0, str(AGENT_DIR))
-    spec = importlib.util.spec_from_file_location(f"gsm8k_agent_{name}_under_test", AGENT_DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_module(AGENT_DIR / f"{name}.py", f"gsm8k_agent_{name}_under_test")
 
 
 calc = _load("calculator")
@@ -62,18 +54,13 @@ def _tool_call(expr: str, name: str = "calculator") -> dict:
             "function": {"name": name, "arguments": json.dumps({"expression": expr})}}
 
 
-class ScriptedModel:
-    """OpenAI Chat Completions on 127.0.0.1 in its own thread and loop; answers per question and
-    turn (number of tool messages so far) and records every request body."""
+class ScriptedModel(ScriptedChatServer):
+    """The scripted chat server (stand_ins) answering per question and turn (number of tool
+    messages so far); also takes the rollout worker's result POSTs at /results/{sid}."""
 
     def __init__(self) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        self.requests: list[dict] = []
+        super().__init__(self._reply, routes={"/results/{sid}": self._result})
         self.posted_results: dict[str, tuple[str | None, dict]] = {}  # session id -> (auth, body)
-        self._ready = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def requests_for(self, question: str) -> list[dict]:
         return [r for r in self.requests if r["messages"][1]["content"] == question]
@@ -93,51 +80,20 @@ class ScriptedModel:
             return 200, {"content": None, "tool_calls": [_tool_call("1", name="search")]}
         return 200, {"content": "She sold 72 clips.\n#### 72", "tool_calls": None}
 
-    async def _chat(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.requests.append({"auth": request.headers.get("Authorization"), **body})
+    def _reply(self, body: dict) -> tuple[int, dict]:
         tool_msgs = sum(1 for m in body["messages"] if m["role"] == "tool")
         status, msg = self._answer(body["messages"][1]["content"], tool_msgs)
         if status != 200:
-            return web.json_response(msg, status=status)
+            return status, msg
         message = {"role": "assistant", "content": msg["content"]}
         if msg["tool_calls"]:
             message["tool_calls"] = msg["tool_calls"]
-        return web.json_response({
-            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": body["model"],
-            "choices": [{"index": 0, "message": message,
-                         "finish_reason": "tool_calls" if msg["tool_calls"] else "stop"}],
-            "usage": {"prompt_tokens": 100 + 10 * tool_msgs, "completion_tokens": 5,
-                      "total_tokens": 105 + 10 * tool_msgs},
-        })
+        return 200, chat_completion(body, message, finish_reason="tool_calls" if msg["tool_calls"] else "stop",
+                                    usage=(100 + 10 * tool_msgs, 5))
 
     async def _result(self, request: web.Request) -> web.Response:  # the rollout worker's result_url
         self.posted_results[request.match_info["sid"]] = (request.headers.get("Authorization"), await request.json())
         return web.json_response({"ok": True})
-
-    def _run(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_post("/results/{sid}", self._result)
-        runner = web.AppRunner(app, access_log=None)
-        self._loop.run_until_complete(runner.setup())
-        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
-        self._ready.set()
-        self._loop.run_forever()
-        self._loop.run_until_complete(runner.cleanup())
-        self._loop.close()
-
-    def start(self) -> "ScriptedModel":
-        self._thread.start()
-        assert self._ready.wait(10), "scripted model server did not start"
-        return self
-
-    def stop(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -302,10 +258,8 @@ async def test_context_exceeded_on_the_first_turn_raises(model):
 # ---------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def gsm8k_stack(tmp_path_factory):
-    agent = [sys.executable, str(AGENT_DIR / "app.py")]
-    with LocalStack(agent, num_agents=1, log_dir=tmp_path_factory.mktemp("gsm8k_agent")) as stack:
-        yield stack
+def gsm8k_stack(local_stack):
+    return local_stack([sys.executable, str(AGENT_DIR / "app.py")], num_agents=1)
 
 
 def _payload(stack: LocalStack, model: ScriptedModel, question: str, answer, input_id: str, sid: str) -> dict:
@@ -317,9 +271,8 @@ def _payload(stack: LocalStack, model: ScriptedModel, question: str, answer, inp
 
 
 @pytest.mark.timeout(120)
-def test_the_agent_app_runs_the_tool_loop_and_writes_its_reward_to_s3(gsm8k_stack, model, monkeypatch):
-    for k, v in gsm8k_stack.env.items():
-        monkeypatch.setenv(k, v)
+def test_the_agent_app_runs_the_tool_loop_and_writes_its_reward_to_s3(gsm8k_stack, model, stack_env):
+    stack_env(gsm8k_stack)
     c = AcrClient()
     arn = gsm8k_stack.agent_runtime_arn
     results = {}

@@ -6,22 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from orchestrator.config import TASK_NAMES, ConfigError, TaskConfig, register, to_run_config
+from orchestrator.config import TASK_NAMES, ConfigError, TaskConfig
+from stand_ins import REPO, compose_config
 from workers.core.tasks import RESERVED_KEYS, gsm8k
 
-REPO = Path(__file__).resolve().parent.parent
-CONFIGS = REPO / "configs"
 TEST_COPY = f"{gsm8k.SAMPLE_DIR}/test.jsonl"  # relative to the repository root, as users write it
 TRAIN_COPY = f"{gsm8k.SAMPLE_DIR}/train.jsonl"
 GOOD = {"question": "Tom has 3 apples and buys 1,200 more. How many?", "answer": "3 + 1200 = 1203\n#### 1,203"}
-
-
-def _compose(overrides: list[str]):
-    register()
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return to_run_config(compose(config_name="config", overrides=["run_dir=/tmp/x", *overrides]))
 
 
 def _write(tmp_path: Path, lines: list[str]) -> Path:
@@ -71,7 +63,7 @@ def test_the_sample_ships_in_the_repository_with_its_licence():
     assert licence.startswith("MIT License") and "Copyright (c) 2021 OpenAI" in licence
     assert "openai/grade-school-math" in (sample / "README.md").read_text()  # where the rows come from
     # the default task.data_path resolves inside the repository, whatever the working directory
-    default = gsm8k.resolve_data_path(_compose(["task=gsm8k"]).task.data_path)
+    default = gsm8k.resolve_data_path(compose_config(["task=gsm8k"]).task.data_path)
     assert default == (sample / "train.jsonl").resolve() and default.is_relative_to(REPO.resolve())
 
 
@@ -138,27 +130,27 @@ def test_an_empty_file_is_refused(tmp_path):
 # --- config and registry -------------------------------------------------------------------------
 
 def test_task_gsm8k_config_sets_the_tool_prompt_budgets_and_cli_overrides_win():
-    cfg = _compose(["task=gsm8k"])
+    cfg = compose_config(["task=gsm8k"])
     assert (cfg.task.name, cfg.task.data_path, cfg.task.num_prompts, cfg.task.max_turns) == (
         "gsm8k", TRAIN_COPY, None, 4)
     assert (cfg.rollout.max_tokens, cfg.rollout.max_context_tokens, cfg.inference.max_model_len) == (128, 1024, 1024)
-    cfg = _compose(["task=gsm8k", "rollout.max_tokens=64", f"task.data_path={TEST_COPY}", "task.num_prompts=10"])
+    cfg = compose_config(["task=gsm8k", "rollout.max_tokens=64", f"task.data_path={TEST_COPY}", "task.num_prompts=10"])
     assert (cfg.rollout.max_tokens, cfg.task.data_path, cfg.task.num_prompts) == (64, TEST_COPY, 10)
-    letters = _compose([])  # the default task keeps its own budgets
+    letters = compose_config([])  # the default task keeps its own budgets
     assert (letters.task.name, letters.rollout.max_tokens, letters.inference.max_model_len) == ("letters", 16, 512)
 
 
 def test_a_missing_data_file_fails_preflight_naming_the_key():
     from orchestrator.preflight import check_task_data
 
-    cfg = _compose(["task=gsm8k", "task.data_path=/nonexistent/gsm8k.jsonl"])  # the schema reads values only
+    cfg = compose_config(["task=gsm8k", "task.data_path=/nonexistent/gsm8k.jsonl"])  # the schema reads values only
     with pytest.raises(ConfigError, match=r"^task.data_path='/nonexistent/gsm8k.jsonl': no file"):
         check_task_data(cfg)
-    check_task_data(_compose(["task=gsm8k"]))  # the default, the in-repository sample, is there
+    check_task_data(compose_config(["task=gsm8k"]))  # the default, the in-repository sample, is there
     with pytest.raises(ConfigError, match=r"^task.max_turns must be >= 1"):
-        _compose(["task=gsm8k", "task.max_turns=0"])
+        compose_config(["task=gsm8k", "task.max_turns=0"])
     with pytest.raises(ConfigError, match=r"^task.num_prompts must be >= 1"):
-        _compose(["task.num_prompts=null"])  # letters generates rows: it needs a count
+        compose_config(["task.num_prompts=null"])  # letters generates rows: it needs a count
 
 
 def test_the_registry_covers_every_task_name_and_loads_rows_for_its_agent():

@@ -26,12 +26,12 @@ import pytest_asyncio
 import torch
 from safetensors.torch import save_file
 
+from stand_ins import hf_token_logprobs, until
 from workers.core.types import GenerateRequest, GenerateResult
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import GatewayServer
 from workers.inference.worker import InferenceSettings, InferenceWorker
 from workers.inference.segments import SegmentedGeneration, versions_from_spans
-from workers.embedded.tiny_model import ensure_tiny_model
 
 on_module_loop = pytest.mark.asyncio(loop_scope="module")  # the engines live on the module's loop
 
@@ -54,26 +54,13 @@ def _req(prompt, max_tokens: int, **kw) -> GenerateRequest:
     return GenerateRequest(request_id=uuid.uuid4().hex, prompt_ids=tuple(prompt), max_tokens=max_tokens, **kw)
 
 
-@torch.no_grad()
-def _hf_token_logprobs(model, token_ids: list[int]) -> list[float]:
-    """log_softmax(logits_{t-1})[token_t] for t >= 1 (temperature 1)."""
-    ids = torch.tensor([token_ids])
-    logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)  # [seq, vocab]
-    return logp[:-1].gather(1, ids[0, 1:, None])[:, 0].tolist()
-
-
 def _output_logprobs_under(model, prompt, result: GenerateResult) -> list[float]:
     """[n_out] reference log-probs of the result's tokens under `model`."""
-    return _hf_token_logprobs(model, list(prompt) + list(result.output_ids))[len(prompt) - 1 :]
+    return hf_token_logprobs(model, list(prompt) + list(result.output_ids))[len(prompt) - 1 :]
 
 
 def _change_points(versions: tuple[int, ...]) -> list[int]:
     return [i for i in range(1, len(versions)) if versions[i] != versions[i - 1]]
-
-
-async def _until(predicate) -> None:
-    while not predicate():
-        await asyncio.sleep(0.005)
 
 
 async def _mid_way(worker: InferenceWorker) -> None:
@@ -82,16 +69,11 @@ async def _mid_way(worker: InferenceWorker) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_model_path() -> Path:
-    return Path(ensure_tiny_model())
-
-
-@pytest.fixture(scope="module")
-def weights(tiny_model_path, tmp_path_factory) -> dict[str, Weights]:
+def weights(tiny_model_dir, tmp_path_factory) -> dict[str, Weights]:
     """A, B, C: each adds seeded Gaussian noise (std 0.05) to every parameter of the previous."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     out: dict[str, Weights] = {}
     folder = tmp_path_factory.mktemp("inflight-weights")
@@ -114,8 +96,8 @@ async def _started(path: Path, **kw) -> InferenceWorker:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def continue_worker(tiny_model_path):
-    w = await _started(tiny_model_path, in_flight="continue")
+async def continue_worker(tiny_model_dir):
+    w = await _started(tiny_model_dir, in_flight="continue")
     try:
         yield w
     finally:
@@ -123,8 +105,8 @@ async def continue_worker(tiny_model_path):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def resume_worker(tiny_model_path):
-    w = await _started(tiny_model_path, in_flight="abort_resume")
+async def resume_worker(tiny_model_dir):
+    w = await _started(tiny_model_dir, in_flight="abort_resume")
     try:
         yield w
     finally:
@@ -132,8 +114,8 @@ async def resume_worker(tiny_model_path):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def no_resume_worker(tiny_model_path):
-    w = await _started(tiny_model_path, in_flight="abort_resume", resume_aborted=False, max_num_seqs=1)
+async def no_resume_worker(tiny_model_dir):
+    w = await _started(tiny_model_dir, in_flight="abort_resume", resume_aborted=False, max_num_seqs=1)
     try:
         yield w
     finally:
@@ -147,9 +129,9 @@ async def _load(worker: InferenceWorker, w: Weights) -> int:
     return version
 
 
-def test_settings_reject_unknown_in_flight_mode(tiny_model_path):
+def test_settings_reject_unknown_in_flight_mode(tiny_model_dir):
     with pytest.raises(ValueError, match="inference.in_flight"):
-        InferenceSettings(model_path=str(tiny_model_path), in_flight="pause")  # type: ignore[arg-type]
+        InferenceSettings(model_path=str(tiny_model_dir), in_flight="pause")  # type: ignore[arg-type]
 
 
 def test_generate_result_checks_token_versions():
@@ -308,14 +290,14 @@ async def test_sync_is_bounded_while_a_long_generation_runs(mode, continue_worke
 
 @on_module_loop
 async def test_without_resumption_the_request_ends_aborted_and_the_gateway_records_nothing(
-    no_resume_worker, weights, tiny_model_path
+    no_resume_worker, weights, tiny_model_dir
 ):
     """resume_aborted=False: the running request returns "abort" with its partial tokens (all of
     the old version); a chat turn queued in the same engine is aborted too, the gateway answers
     503 and records no turn; the next turn after the update is served and recorded."""
     w = no_resume_worker  # max_num_seqs=1: the chat turn waits in the engine behind `blocker`
     v = w.policy_version()
-    cfg = GatewayConfig(model_path=str(tiny_model_path), max_context_tokens=512, max_tokens=16)
+    cfg = GatewayConfig(model_path=str(tiny_model_dir), max_context_tokens=512, max_tokens=16)
     server = GatewayServer(cfg, [w])
     await asyncio.wait_for(server.start(), T_TIMEOUT_S)
     try:
@@ -324,7 +306,7 @@ async def test_without_resumption_the_request_ends_aborted_and_the_gateway_recor
             blocker = asyncio.create_task(w.generate(_req(PROMPT, LONG_TOKENS, seed=4)))
             messages = [{"role": "user", "content": "Repeat the letter q 4 times."}]
             chat = asyncio.create_task(client.chat.completions.create(model=cfg.model_id, messages=messages))
-            await asyncio.wait_for(_until(lambda: w.num_in_flight() == 2), T_TIMEOUT_S)
+            await asyncio.wait_for(until(lambda: w.num_in_flight() == 2), T_TIMEOUT_S)
             # the chat request was handed to the engine microseconds ago; give the message a wide
             # margin to arrive (the blocker holds the only slot for ~3 s, so the turn stays queued)
             await asyncio.sleep(0.3)

@@ -10,6 +10,7 @@ import ray
 import torch
 from safetensors.torch import save_file
 
+from stand_ins import own_ray
 from workers.core.types import GenerateRequest
 from workers.inference.worker import InferenceSettings, InferenceWorker
 from workers.embedded.tiny_model import ensure_tiny_model
@@ -18,11 +19,8 @@ from workers.weight_sync.file import CpuWeightSync
 
 @pytest.fixture
 def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
+    with own_ray():
         yield
-    finally:
-        ray.shutdown()
 
 
 async def test_generate_and_weight_push_through_ray_actor(ray_cluster, tmp_path):

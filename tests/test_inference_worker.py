@@ -18,9 +18,9 @@ import pytest_asyncio
 import torch
 from safetensors.torch import save_file
 
+from stand_ins import hf_token_logprobs, until
 from workers.core.types import GenerateRequest
 from workers.inference.worker import InferenceSettings, InferenceWorker, WeightsGate
-from workers.embedded.tiny_model import ensure_tiny_model
 from workers.weight_sync.file import CpuWeightSync
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -42,15 +42,6 @@ def _hf_model(path: Path):
 
 
 @torch.no_grad()
-def _hf_token_logprobs(model, token_ids: list[int], temperature: float = 1.0) -> list[float]:
-    """log softmax(logits_{t-1} / T)[token_t] for t >= 1: the reference for the engine's values."""
-    ids = torch.tensor([token_ids])
-    logits = model(input_ids=ids).logits[0].float() / temperature  # [seq, vocab]
-    logp = torch.log_softmax(logits, dim=-1)
-    return logp[:-1].gather(1, ids[0, 1:, None])[:, 0].tolist()
-
-
-@torch.no_grad()
 def _perturb_and_save(model, path: Path, seed: int, only: str | None = None) -> None:
     """Add seeded Gaussian noise (std 0.05) to every parameter (or those whose name contains
     `only`), in place, and write the full state dict as one safetensors file (trainer format)."""
@@ -61,20 +52,9 @@ def _perturb_and_save(model, path: Path, seed: int, only: str | None = None) -> 
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
 
 
-async def _until(predicate) -> None:
-    """Yield to the loop until `predicate()` holds; callers bound it with wait_for."""
-    while not predicate():
-        await asyncio.sleep(0.005)
-
-
-@pytest.fixture(scope="module")
-def tiny_model_path() -> Path:
-    return Path(ensure_tiny_model())
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def worker(tiny_model_path):
-    w = InferenceWorker(InferenceSettings(model_path=str(tiny_model_path), max_model_len=512, max_num_seqs=64))
+async def worker(tiny_model_dir):
+    w = InferenceWorker(InferenceSettings(model_path=str(tiny_model_dir), max_model_len=512, max_num_seqs=64))
     info = await asyncio.wait_for(w.start(), timeout=180)
     print(f"\nengine startup: {info.startup_s:.1f} s")
     try:
@@ -99,16 +79,16 @@ async def test_generate_returns_aligned_ids_logprobs_and_version(worker):
         assert r.policy_version == 0
 
 
-async def test_sampled_logprobs_match_hf_under_temperature(worker, tiny_model_path):
+async def test_sampled_logprobs_match_hf_under_temperature(worker, tiny_model_dir):
     """logprobs are log π_rollout of the distribution sampled from: log_softmax(logits / T)."""
     prompt = [1, 50, 60, 70, 80]
     temperature = 0.7
     r = await asyncio.wait_for(worker.generate(_req(prompt, 24, temperature=temperature, seed=3)), T_TIMEOUT_S)
-    ref = _hf_token_logprobs(_hf_model(tiny_model_path), prompt + list(r.output_ids), temperature)
+    ref = hf_token_logprobs(_hf_model(tiny_model_dir), prompt + list(r.output_ids), temperature)
     assert r.logprobs == pytest.approx(ref[len(prompt) - 1 :], abs=LOGPROB_ATOL)
     # and the engine's own prefill at T=1 agrees with HF at T=1 on the same sequence
     engine_t1 = await worker.prompt_logprobs(prompt + list(r.output_ids))
-    ref_t1 = _hf_token_logprobs(_hf_model(tiny_model_path), prompt + list(r.output_ids))
+    ref_t1 = hf_token_logprobs(_hf_model(tiny_model_dir), prompt + list(r.output_ids))
     assert engine_t1 == pytest.approx(ref_t1, abs=LOGPROB_ATOL)
 
 
@@ -124,16 +104,16 @@ async def test_stop_token_ends_generation_with_stop(worker):
     assert stopped.output_ids == free.output_ids[: first + 1]  # same seed, cut after the stop id
 
 
-async def test_update_waits_for_in_flight_request(worker, tiny_model_path, tmp_path):
+async def test_update_waits_for_in_flight_request(worker, tiny_model_dir, tmp_path):
     """A request running when an update arrives finishes on the old weights and says so; a
     request issued after the update was requested waits and reports the new version."""
     v0 = worker.policy_version()
     path = tmp_path / "same.safetensors"
-    save_file({k: v.contiguous() for k, v in _hf_model(tiny_model_path).state_dict().items()}, str(path))
+    save_file({k: v.contiguous() for k, v in _hf_model(tiny_model_dir).state_dict().items()}, str(path))
     long_req = asyncio.create_task(worker.generate(_req([1, 2, 3], 128, seed=1)))
-    await asyncio.wait_for(_until(lambda: worker.num_in_flight() == 1), 10)
+    await asyncio.wait_for(until(lambda: worker.num_in_flight() == 1), 10)
     update = asyncio.create_task(worker.update_weights(str(path), v0 + 1))
-    await asyncio.wait_for(_until(worker.update_pending), 10)
+    await asyncio.wait_for(until(worker.update_pending), 10)
     assert not long_req.done()  # the update now waits for it
     late_req = asyncio.create_task(worker.generate(_req([1, 2, 3], 4, seed=1)))
     old, new = await asyncio.wait_for(asyncio.gather(long_req, late_req), T_TIMEOUT_S)
@@ -143,19 +123,19 @@ async def test_update_waits_for_in_flight_request(worker, tiny_model_path, tmp_p
     assert worker.policy_version() == v0 + 1
 
 
-async def test_weight_sync_probe_matches_hf_after_update(worker, tiny_model_path, tmp_path):
+async def test_weight_sync_probe_matches_hf_after_update(worker, tiny_model_dir, tmp_path):
     """THE weight-sync probe: the engine serves exactly the pushed weights, lm_head included."""
     sync = CpuWeightSync([worker], initial_version=worker.policy_version())
     base = sync.version()
     pre = await worker.prompt_logprobs(PROBE)
 
-    model = _hf_model(tiny_model_path)
+    model = _hf_model(tiny_model_dir)
     path1 = tmp_path / "v1.safetensors"
     _perturb_and_save(model, path1, seed=123)
     report = await asyncio.wait_for(sync.push(str(path1), base + 1), T_TIMEOUT_S)
     assert report.version == base + 1 and report.num_replicas == 1
     post = await worker.prompt_logprobs(PROBE)
-    assert post == pytest.approx(_hf_token_logprobs(model, PROBE), abs=LOGPROB_ATOL)
+    assert post == pytest.approx(hf_token_logprobs(model, PROBE), abs=LOGPROB_ATOL)
     assert max(abs(a - b) for a, b in zip(pre, post)) > 1e-2  # the reload took effect
 
     # change only the output layer: a stale packed lm_head would keep serving `post`
@@ -163,7 +143,7 @@ async def test_weight_sync_probe_matches_hf_after_update(worker, tiny_model_path
     _perturb_and_save(model, path2, seed=456, only="lm_head")
     await asyncio.wait_for(sync.push(str(path2), base + 2), T_TIMEOUT_S)
     post2 = await worker.prompt_logprobs(PROBE)
-    assert post2 == pytest.approx(_hf_token_logprobs(model, PROBE), abs=LOGPROB_ATOL)
+    assert post2 == pytest.approx(hf_token_logprobs(model, PROBE), abs=LOGPROB_ATOL)
     assert max(abs(a - b) for a, b in zip(post, post2)) > 1e-2
 
     r = await asyncio.wait_for(worker.generate(_req(PROBE[:4], 4, seed=0)), T_TIMEOUT_S)
@@ -242,7 +222,7 @@ async def test_gate_cancelled_update_reopens_admission():
     await asyncio.wait_for(running, 5)
 
 
-async def test_probe_after_a_real_trainer_update_matches_the_trainers_logprobs(worker, tiny_model_path, tmp_path):
+async def test_probe_after_a_real_trainer_update_matches_the_trainers_logprobs(worker, tiny_model_dir, tmp_path):
     """The sync path end to end: TrainerWorker (FSDP2, gloo) takes a real PPO step, exports its
     weights, the engine reloads them; then the engine's log-probs on a probe sequence equal the
     trainer's own recompute (π_old path) to 1e-4 in fp32, and differ from the engine's before."""
@@ -250,7 +230,7 @@ async def test_probe_after_a_real_trainer_update_matches_the_trainers_logprobs(w
     from workers.core.types import TrajectoryRow
     from workers.trainer.worker import TrainerSettings, TrainerWorker
 
-    trainer = TrainerWorker(TrainerSettings(model_path=str(tiny_model_path), lr=5e-2, seed=0, micro_batch_size=4))
+    trainer = TrainerWorker(TrainerSettings(model_path=str(tiny_model_dir), lr=5e-2, seed=0, micro_batch_size=4))
     try:
         probe_row = TrajectoryRow(tuple(PROBE), (0,) + (1,) * (len(PROBE) - 1), (0.0,) * len(PROBE),
                                   (-1,) + (0,) * (len(PROBE) - 1))

@@ -12,86 +12,42 @@ import os
 import signal
 import sys
 import threading
-import time
 import uuid
-from pathlib import Path
 
 import psutil
 import pytest
-from aiohttp import web
 
+from stand_ins import ECHO_AGENT, LETTERS_AGENT, TOOLKIT_S3_AGENT, ScriptedChatServer, chat_completion, wait_until
 from workers.acr.client import AcrClient, AsyncAcrClient
 from workers.embedded.local_stack import LocalStack, LocalStackError
 
-REPO = Path(__file__).resolve().parents[1]
-LETTERS_AGENT = [sys.executable, str(REPO / "examples/agents/letters_agent/app.py")]
-ECHO_AGENT = [sys.executable, str(Path(__file__).with_name("acr_echo_agent.py"))]
 COMPLETION = "q q q q"
 HOLD_PROMPT = "hold"  # the fake model waits for release() before answering this prompt
 ERROR_PROMPT = "error"  # the fake model answers HTTP 500 to this prompt
 
 
-class FakeOpenAIServer:
-    """OpenAI Chat Completions on 127.0.0.1, in a thread with its own loop; records requests."""
+class FakeOpenAIServer(ScriptedChatServer):
+    """The scripted chat server (stand_ins) answering COMPLETION; it waits for release() before
+    answering HOLD_PROMPT and answers HTTP 500 to ERROR_PROMPT."""
 
     def __init__(self) -> None:
-        self.port: int | None = None  # bound by the server itself (port 0), known once started
-        self.base_url: str | None = None
-        self.requests: list[dict] = []
+        super().__init__(self._reply)
         self._release = threading.Event()
-        self._ready = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def release(self) -> None:
         self._release.set()
 
-    async def _chat(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.requests.append({"auth": request.headers.get("Authorization"), **body})
+    async def _reply(self, body: dict) -> tuple[int, dict]:
         prompt = body["messages"][-1]["content"]
         if prompt == ERROR_PROMPT:
-            return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
+            return 500, {"error": {"message": "boom", "type": "server_error"}}
         if prompt == HOLD_PROMPT:
             await asyncio.get_running_loop().run_in_executor(None, self._release.wait, 60)
-        return web.json_response(
-            {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": body["model"],
-                "choices": [
-                    {"index": 0, "message": {"role": "assistant", "content": COMPLETION}, "finish_reason": "stop"}
-                ],
-                "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9},
-            }
-        )
-
-    def _run(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self._chat)
-        runner = web.AppRunner(app, access_log=None)
-        self._loop.run_until_complete(runner.setup())
-        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
-        self.port = runner.addresses[0][1]
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        self._runner = runner
-        self._ready.set()
-        self._loop.run_forever()
-        self._loop.run_until_complete(runner.cleanup())
-        self._loop.close()
-
-    def start(self) -> "FakeOpenAIServer":
-        self._thread.start()
-        assert self._ready.wait(10), "fake OpenAI server did not start"
-        return self
+        return 200, chat_completion(body, {"role": "assistant", "content": COMPLETION})
 
     def stop(self) -> None:
         self._release.set()
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        super().stop()
 
 
 @pytest.fixture(scope="module")
@@ -102,16 +58,13 @@ def fake_model():
 
 
 @pytest.fixture(scope="module")
-def letters_stack(tmp_path_factory):
-    with LocalStack(LETTERS_AGENT, num_agents=2, log_dir=tmp_path_factory.mktemp("letters")) as stack:
-        yield stack
+def letters_stack(local_stack):
+    return local_stack(LETTERS_AGENT, num_agents=2)
 
 
 @pytest.fixture()
-def letters_env(letters_stack, monkeypatch):
-    for k, v in letters_stack.env.items():
-        monkeypatch.setenv(k, v)
-    return letters_stack
+def letters_env(letters_stack, stack_env):
+    return stack_env(letters_stack)
 
 
 def payload(stack: LocalStack, model: FakeOpenAIServer, *, prompt: str, count: int, input_id: str) -> dict:
@@ -136,13 +89,6 @@ def agent_ping(port: int) -> str:
         return json.loads(r.read())["status"]
 
 
-def wait_until(pred, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 def test_agent_writes_its_reward_to_s3_and_wait_for_result_finds_it(letters_env, fake_model):
@@ -238,11 +184,9 @@ def test_agents_die_with_a_killed_emulator(tmp_path):
         assert wait_until(lambda: all(_gone(p) for p in agent_pids), 15)  # PR_SET_PDEATHSIG
 
 
-def test_agentcore_rl_toolkit_agent_runs_unchanged(tmp_path, monkeypatch):
-    toolkit_agent = [sys.executable, str(Path(__file__).with_name("acr_toolkit_agent.py"))]
-    with LocalStack(toolkit_agent, num_agents=1, log_dir=tmp_path) as stack:
-        for k, v in stack.env.items():
-            monkeypatch.setenv(k, v)
+def test_agentcore_rl_toolkit_agent_runs_unchanged(tmp_path, stack_env):
+    with LocalStack(TOOLKIT_S3_AGENT, num_agents=1, log_dir=tmp_path) as stack:
+        stack_env(stack)
         c = AcrClient()
         sid = f"rollout-{uuid.uuid4()}"
         rollout = {"exp_id": "exp-tk", "input_id": "row-7", "s3_bucket": stack.bucket}

@@ -9,23 +9,8 @@ from orchestrator.loop_common import LoopParts
 from orchestrator.loop_sync import SyncLoopSettings, run_sync
 from orchestrator.prompts import PromptCycle
 from orchestrator.clients import build_train_batch
+from stand_ins import ListLogger, MemoryStore
 from workers.core.types import Sample, TrajectoryRow
-
-
-class MemoryStore:
-    def __init__(self):
-        self.partitions: dict[str, list[Sample]] = {}
-        self.cleared: list[str] = []
-
-    async def put(self, samples, partition):
-        self.partitions.setdefault(partition, []).extend(samples)
-
-    async def get_groups(self, partition, group_ids):
-        return [s for s in self.partitions.get(partition, []) if s.group_id in group_ids]
-
-    async def clear(self, partition):
-        self.partitions.pop(partition, None)
-        self.cleared.append(partition)
 
 
 class SimRollouts:
@@ -69,14 +54,6 @@ class RecordingPush:
     async def push(self, path, version):
         assert path == f"/weights/v{version}"
         self.versions.append(version)
-
-
-class ListLogger:
-    def __init__(self):
-        self.steps = []
-
-    def log(self, step, metrics):
-        self.steps.append((step, metrics))
 
 
 @pytest.mark.parametrize("sync_every", [1, 2, 4])

@@ -4,8 +4,8 @@ Real parts: `LocalStack` (moto S3 + the ACR emulator + two `tests/rollout_behavi
 processes, a BedrockAgentCoreApp whose result is chosen by the row's `behaviour`), the
 `AsyncAcrClient`, and the `GatewayServer` in-process on 127.0.0.1 rendering with the tiny model's
 tokenizer. The agent reaches the gateway with the official `openai` SDK, so the gateway records
-real token rows for each session. Stand-ins at the seams only: `FixedReplyEngine` (a zero-cost
-InferenceEngine answering fixed token ids) and `RecordingSink` (records `put` calls; the
+real token rows for each session. Stand-ins at the seams only: the zero-cost `ScriptedEngine`
+(an InferenceEngine answering fixed token ids) and `RecordingSink` (records `put` calls; the
 trajectory buffer is tested in test_buffer.py).
 
 Each behaviour test defends the module invariant: one terminal outcome; the stored sample has the
@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import math
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
-from workers.core.types import GenerateRequest, GenerateResult, RolloutRequest, Sample
+from stand_ins import BEHAVIOUR_AGENT, until
+from workers.core.types import RolloutRequest, Sample
 from workers.acr.client import AsyncAcrClient
 from workers.embedded.local_stack import LocalStack
+from workers.embedded.sim_engine import ScriptedEngine
 from workers.gateway.chat_template import ChatRenderer
 from workers.gateway.config import GatewayConfig
 from workers.gateway.server import GatewayServer
@@ -40,12 +41,9 @@ from workers.rollout.worker import (
     parse_reward,
     result_key,
 )
-from workers.embedded.tiny_model import ensure_tiny_model
 
-AGENT = [sys.executable, str(Path(__file__).with_name("rollout_behaviour_agent.py"))]
 MODEL_ID = "tiny-qwen2"
 REPLY = "q q q q"
-LOGPROB = -0.5
 VERSION = 3
 EXP_ID = "exp-rollout-test"
 PARTITION = "train-step-0"
@@ -53,33 +51,6 @@ TIMEOUT_S = 30  # bound on every await of the test itself
 SHORT_TIMEOUT_S = 3.0  # rollout timeout of the cases that must time out
 AGENT_SLEEP_S = 6.0  # how long slow agents hold back their result: well past SHORT_TIMEOUT_S
 ROLLOUT_KEYS = {"exp_id", "input_id", "s3_bucket", "base_url", "model_id", "api_key"}
-
-
-class FixedReplyEngine:
-    """InferenceEngine answering `reply_ids` + eos at policy `version`; records each request.
-
-    barrier: when > 0, each request waits until `barrier` requests have arrived, so a test can
-    prove that many rollouts were in flight at once.
-    """
-
-    def __init__(self, reply_ids: list[int], eos_id: int, version: int, barrier: int = 0) -> None:
-        self.full = [*reply_ids, eos_id]
-        self.version = version
-        self.barrier = barrier
-        self.requests: list[GenerateRequest] = []
-        self._all_arrived = asyncio.Event()
-        self.first_request = asyncio.Event()  # set when the first request arrives
-
-    async def generate(self, req: GenerateRequest) -> GenerateResult:
-        self.requests.append(req)
-        self.first_request.set()
-        if self.barrier:
-            if len(self.requests) >= self.barrier:
-                self._all_arrived.set()
-            await asyncio.wait_for(self._all_arrived.wait(), TIMEOUT_S)
-        out = self.full[: req.max_tokens]
-        finish = "stop" if len(out) == len(self.full) else "length"
-        return GenerateResult(tuple(out), (LOGPROB,) * len(out), finish, self.version)
 
 
 @dataclass
@@ -100,35 +71,24 @@ class RecordingSink:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(local_stack):
+    s = local_stack(BEHAVIOUR_AGENT, num_agents=2, session_rate_per_s=200)
     with pytest.MonkeyPatch.context() as mp:
-        with LocalStack(AGENT, num_agents=2, session_rate_per_s=200,
-                        log_dir=tmp_path_factory.mktemp("rollout-stack")) as s:
-            for k, v in s.env.items():  # the AsyncAcrClient in this process reaches moto + emulator
-                mp.setenv(k, v)
-            yield s
+        for k, v in s.env.items():  # the AsyncAcrClient in this process reaches moto + emulator
+            mp.setenv(k, v)
+        yield s
 
 
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return ensure_tiny_model()
-
-
-@pytest.fixture(scope="module")
-def renderer(model_dir: Path) -> ChatRenderer:
-    return ChatRenderer.from_pretrained(model_dir)
-
-
-def make_engine(renderer: ChatRenderer, barrier: int = 0) -> FixedReplyEngine:
+def make_engine(renderer: ChatRenderer) -> ScriptedEngine:
     tok = renderer.tokenizer
-    return FixedReplyEngine(tok.encode(REPLY, add_special_tokens=False), tok.eos_token_id, VERSION, barrier)
+    return ScriptedEngine([[*tok.encode(REPLY, add_special_tokens=False), tok.eos_token_id]], version=VERSION)
 
 
 @dataclass
 class Rig:
     stack: LocalStack
     gateway: GatewayServer
-    engine: FixedReplyEngine
+    engine: ScriptedEngine
     acr: AsyncAcrClient
     sink: RecordingSink
     settings: RolloutSettings
@@ -146,8 +106,8 @@ class Rig:
         return echo
 
 
-async def _rig(stack: LocalStack, model_dir: Path, renderer: ChatRenderer, barrier: int = 0):
-    engine = make_engine(renderer, barrier)
+async def _rig(stack: LocalStack, model_dir: Path, renderer: ChatRenderer):
+    engine = make_engine(renderer)
     cfg = GatewayConfig(model_path=str(model_dir), served_model_name=MODEL_ID, max_context_tokens=512)
     gateway = GatewayServer(cfg, [engine], renderer=renderer)
     base_url = await asyncio.wait_for(gateway.start(), TIMEOUT_S)
@@ -161,8 +121,8 @@ async def _rig(stack: LocalStack, model_dir: Path, renderer: ChatRenderer, barri
 
 
 @pytest.fixture
-async def rig(stack, model_dir, renderer):
-    r = await _rig(stack, model_dir, renderer)
+async def rig(stack, tiny_model_dir, tiny_renderer):
+    r = await _rig(stack, tiny_model_dir, tiny_renderer)
     try:
         yield r
     finally:
@@ -225,7 +185,7 @@ async def test_each_agent_behaviour_ends_in_one_terminal_sample(rig: Rig, behavi
     # one chat call per invocation: only a 424 (crash) is re-invoked, runtime_error_attempts times
     attempts = rig.acr.cfg.runtime_error_attempts if behaviour == "crash" else 1
     assert len(rig.engine.requests) == attempts
-    assert sample.num_generated_tokens == attempts * len(rig.engine.full) > 0
+    assert sample.num_generated_tokens == attempts * len(rig.engine.replies[0]) > 0
     assert out.num_generated_tokens == sample.num_generated_tokens
     assert [v for r in sample.rows for v in r.generated_versions()] == [VERSION] * sample.num_generated_tokens
     if status == "failed":
@@ -267,7 +227,7 @@ async def test_cancelled_rollout_still_stops_acr_session_and_closes_gateway_sess
     worker = rig.worker(TIMEOUT_S)
     before = await rig.emulator_stats()
     task = asyncio.ensure_future(worker.run(req("slow", "row-cancel", sleep_s=AGENT_SLEEP_S), PARTITION))
-    await asyncio.wait_for(rig.engine.first_request.wait(), TIMEOUT_S)  # the agent is running
+    await asyncio.wait_for(rig.engine.started.wait(), TIMEOUT_S)  # the agent is running
     assert worker.sessions_open == 1 and rig.gateway.num_open_sessions() == 1
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -278,19 +238,26 @@ async def test_cancelled_rollout_still_stops_acr_session_and_closes_gateway_sess
     assert rig.sink.puts == []  # a cancelled rollout stores nothing and returns no outcome
 
 
-async def test_sixteen_concurrent_rollouts_all_end_in_distinct_sessions(stack, model_dir, renderer):
+async def test_sixteen_concurrent_rollouts_all_end_in_distinct_sessions(stack, tiny_model_dir, tiny_renderer):
     n = 16
-    r = await _rig(stack, model_dir, renderer, barrier=n)  # no chat answers until all 16 have asked
+    r = await _rig(stack, tiny_model_dir, tiny_renderer)
+    r.engine.gate = asyncio.Event()  # no chat answers until all 16 have asked
+
+    async def open_gate_once_all_asked() -> None:
+        await until(lambda: len(r.engine.requests) >= n)
+        r.engine.gate.set()
+
     try:
         worker = r.worker(TIMEOUT_S)
         reqs = [req("ok", f"row-c{g}", group_id=g, sample_index=i) for g in range(4) for i in range(4)]
-        outs = await asyncio.wait_for(asyncio.gather(*(worker.run(q, PARTITION) for q in reqs)), TIMEOUT_S)
+        outs, _ = await asyncio.wait_for(asyncio.gather(
+            asyncio.gather(*(worker.run(q, PARTITION) for q in reqs)), open_gate_once_all_asked()), TIMEOUT_S)
         assert [o.status for o in outs] == ["completed"] * n, [o.error for o in outs]
         assert [(o.group_id, o.sample_index) for o in outs] == [(q.group_id, q.sample_index) for q in reqs]
         assert len({o.session_id for o in outs}) == n
-        assert len(r.engine.requests) == n  # the barrier let them through: 16 were in flight at once
+        assert len(r.engine.requests) == n  # the gate let them through: 16 were in flight at once
         assert sorted(s.session_id for s in r.sink.samples) == sorted(o.session_id for o in outs)
-        assert all(s.reward == 0.75 and s.num_generated_tokens == len(r.engine.full) for s in r.sink.samples)
+        assert all(s.reward == 0.75 and s.num_generated_tokens == len(r.engine.replies[0]) for s in r.sink.samples)
         st = await r.emulator_stats()
         assert st.sessions_open == 0 and st.peak_open >= n and worker.sessions_open == 0
         assert r.gateway.num_open_sessions() == 0

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 
 import boto3
 import botocore.session
@@ -22,11 +20,9 @@ from botocore.eventstream import EventStream, EventStreamBuffer
 from botocore.exceptions import EventStreamError
 from botocore.parsers import EventStreamJSONParser
 
+from stand_ins import ECHO_AGENT
 from workers.embedded.emulator_commands import chunk_event, exception_event
-from workers.embedded.local_stack import LocalStack
 from workers.acr.sandbox import SandboxClient, SandboxError, shell_command
-
-ECHO_AGENT = [sys.executable, str(Path(__file__).with_name("acr_echo_agent.py"))]
 
 
 # ----------------------------------------------------------------------------- wire format
@@ -87,21 +83,18 @@ def test_shell_command_quotes_every_word():
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with LocalStack(ECHO_AGENT, num_agents=1, log_dir=tmp_path_factory.mktemp("sandbox")) as s:
-        yield s
+def stack(local_stack):
+    return local_stack(ECHO_AGENT, num_agents=1)
 
 
 @pytest.fixture()
-def sandbox_client(stack, monkeypatch):
-    for k, v in stack.env.items():
-        monkeypatch.setenv(k, v)
+def sandbox_client(stack, stack_env):
+    stack_env(stack)
     return SandboxClient(stack.agent_runtime_arn, max_output_bytes=4096)
 
 
-def test_raw_command_stream_is_start_deltas_stop(stack, monkeypatch):
-    for k, v in stack.env.items():
-        monkeypatch.setenv(k, v)
+def test_raw_command_stream_is_start_deltas_stop(stack, stack_env):
+    stack_env(stack)
     c = boto3.client("bedrock-agentcore")
     sid = f"cmd-session-{uuid.uuid4()}"
     resp = c.invoke_agent_runtime_command(
@@ -175,9 +168,8 @@ def test_stopping_the_session_kills_its_running_command(sandbox_client):
     assert not t.is_alive() and results[0].exit_code == 137 and not results[0].timed_out  # SIGKILL
 
 
-def test_transport_failures_raise(stack, monkeypatch):
-    for k, v in stack.env.items():
-        monkeypatch.setenv(k, v)
+def test_transport_failures_raise(stack, stack_env):
+    stack_env(stack)
     wrong = SandboxClient(stack.agent_runtime_arn.replace("emulator0", "nobody"), max_attempts=1)
     with pytest.raises(wrong._client.exceptions.ResourceNotFoundException):
         wrong.start()

@@ -2,26 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-from pathlib import Path
 
 import pytest
 
+from stand_ins import REPO, load_module
 from workers.core.tasks import RESERVED_KEYS, letters
 
-REWARD_PATH = Path(__file__).resolve().parent.parent / "examples/agents/letters_agent/reward.py"
-
-
-def _load_score():
-    spec = importlib.util.spec_from_file_location("letters_reward_under_test", REWARD_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.score
-
-
-score = _load_score()
+REWARD_PATH = REPO / "examples/agents/letters_agent/reward.py"
+score = load_module(REWARD_PATH, "letters_reward_under_test").score
 
 
 def test_make_rows_is_deterministic_and_seed_dependent():

@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from stand_ins import REPO, load_module
 from workers.core.tasks import letters
 from workers.embedded import tiny_model as tm
 
-REPO = Path(__file__).resolve().parent.parent
 # A recipe that builds in seconds: a few warm-start steps still exercise the training path.
 FAST = dataclasses.replace(tm.DEFAULT_RECIPE, warm_start_steps=4, warm_start_clean_steps=2, warm_start_batch=8)
 
@@ -165,11 +165,7 @@ def test_chat_template_renders_tools_and_tool_calls(tiny_model_dir):
 
 def test_warm_started_model_answers_in_format_but_not_yet_right(tiny_model_dir):
     """The warm start teaches the answer shape; following the prompt is left to RL."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("r", REPO / "examples/agents/letters_agent/reward.py")
-    reward = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(reward)
+    reward = load_module(REPO / "examples/agents/letters_agent/reward.py", "r")
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     rows = letters.make_rows(64, seed=3)
@@ -207,16 +203,6 @@ VLLM_SCRIPT = textwrap.dedent(
 )
 
 
-def _load_by_path(name: str, path: Path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.timeout(400)
 def test_vllm_cpu_loads_and_generates_like_the_hf_model(tiny_model_dir, tmp_path):
     """vLLM CPU serves the tiny model: same prompt ids as HF, answers in format, low reward."""
@@ -231,7 +217,7 @@ def test_vllm_cpu_loads_and_generates_like_the_hf_model(tiny_model_dir, tmp_path
     results = json.loads(lines[-1][len("RESULT "):])
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     im_end = tok.convert_tokens_to_ids(tm.IM_END)
-    score = _load_by_path("letters_reward_vllm", REPO / "examples/agents/letters_agent/reward.py").score
+    score = load_module(REPO / "examples/agents/letters_agent/reward.py", "letters_reward_vllm").score
     for row, r in zip(rows, results, strict=True):
         assert r["prompt_ids"] == tm.prompt_token_ids(tok, row["prompt"])
         assert 1 <= len(r["ids"]) <= 16 and all(0 <= i < len(tok) for i in r["ids"])
@@ -249,7 +235,7 @@ def test_pure_torch_grpo_learns_the_task(tiny_model_dir):
     """The product's acceptance bar, in miniature: 60 GRPO steps of 8 x 4 at the recommended lr
     raise the mean reward of the last 10% of steps by >= 0.45 over the first 10% (measured
     0.59-0.70 over three seeds; the product bar is 0.3)."""
-    check = _load_by_path("check_learnability", REPO / "scripts/check_learnability.py")
+    check = load_module(REPO / "scripts/check_learnability.py", "check_learnability")
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     threads = torch.get_num_threads()

@@ -10,27 +10,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from stand_ins import random_qwen2
 from workers.core.algorithms.batch import TrainBatch
 from workers.core.algorithms.rollout_correction_config import RolloutCorrectionConfig
 from workers.core.types import TrajectoryRow
 from workers.trainer.worker import TrainerSettings, TrainerWorker
 
 VOCAB = 128
-
-
-def tiny_qwen2(path: str, *, tie: bool = False, seed: int = 0) -> str:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tie,
-    )
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def trainer_tiny_model(tmp_path_factory) -> str:
-    return tiny_qwen2(str(tmp_path_factory.mktemp("tiny_qwen2")))
 
 
 @pytest.fixture
@@ -72,13 +58,13 @@ def ragged_batch() -> TrainBatch:
     return TrainBatch.from_rows(rows, advantages=[1.0, -1.0, 0.5, -0.5, 2.0], pad_id=0)
 
 
-def test_compute_logprobs_matches_plain_hf_forward(trainer_tiny_model, make_trainer):
+def test_compute_logprobs_matches_plain_hf_forward(random_qwen2_dir, make_trainer):
     """FSDP2 wrapping, micro-batching and right padding do not change the numbers."""
     batch = ragged_batch()
-    trainer = make_trainer(trainer_tiny_model, micro_batch_size=2)
+    trainer = make_trainer(random_qwen2_dir, micro_batch_size=2)
     ours = trainer.compute_logprobs(batch)
 
-    ref = AutoModelForCausalLM.from_pretrained(trainer_tiny_model, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(random_qwen2_dir, dtype=torch.float32).eval()
     for b in range(batch.batch_size):
         n = int(batch.attention_mask[b].sum())
         ids = batch.input_ids[b : b + 1, :n]
@@ -89,14 +75,14 @@ def test_compute_logprobs_matches_plain_hf_forward(trainer_tiny_model, make_trai
         assert ours[b, 0] == 0.0 and bool((ours[b, n:] == 0).all())
 
 
-def test_update_raises_logprob_of_favoured_tokens(trainer_tiny_model, make_trainer):
+def test_update_raises_logprob_of_favoured_tokens(random_qwen2_dir, make_trainer):
     """Rows with positive advantage gain log-prob after one step; negative rows lose it."""
     gen = torch.Generator().manual_seed(1)
     prompt = [3, 4, 5]
     good = [torch.randint(1, VOCAB, (6,), generator=gen).tolist() for _ in range(3)]
     bad = [torch.randint(1, VOCAB, (6,), generator=gen).tolist() for _ in range(3)]
     batch = TrainBatch.from_rows([row(prompt, g) for g in good + bad], [1.0] * 3 + [-1.0] * 3, pad_id=0)
-    trainer = make_trainer(trainer_tiny_model, lr=1e-3, micro_batch_size=4)
+    trainer = make_trainer(random_qwen2_dir, lr=1e-3, micro_batch_size=4)
     before = trainer.compute_logprobs(batch)
     batch = with_rollout_logprobs(batch, before)  # on-policy rollout: π_rollout == π_old
 
@@ -119,12 +105,12 @@ def test_update_raises_logprob_of_favoured_tokens(trainer_tiny_model, make_train
     assert trainer.num_updates == 1
 
 
-def test_update_is_independent_of_micro_batch_size(trainer_tiny_model, make_trainer):
+def test_update_is_independent_of_micro_batch_size(random_qwen2_dir, make_trainer):
     """Token-mean over the whole mini-batch: 1-row and 5-row micro-batches give the same step."""
     batch = ragged_batch()
     results = []
     for mbs in (1, 5):
-        trainer = make_trainer(trainer_tiny_model, micro_batch_size=mbs)
+        trainer = make_trainer(random_qwen2_dir, micro_batch_size=mbs)
         stale = with_rollout_logprobs(batch, trainer.compute_logprobs(batch) - 0.3)  # IS weights e^0.3
         metrics = trainer.update(stale)
         results.append((metrics, trainer.full_state_dict()))
@@ -137,9 +123,9 @@ def test_update_is_independent_of_micro_batch_size(trainer_tiny_model, make_trai
         torch.testing.assert_close(sd1[name], sd5[name], atol=1e-6, rtol=0)
 
 
-def test_tis_caps_weights_when_rollout_policy_is_far(trainer_tiny_model, make_trainer):
+def test_tis_caps_weights_when_rollout_policy_is_far(random_qwen2_dir, make_trainer):
     batch = ragged_batch()
-    trainer = make_trainer(trainer_tiny_model)
+    trainer = make_trainer(random_qwen2_dir)
     far = with_rollout_logprobs(batch, trainer.compute_logprobs(batch) - 2.0)  # raw weights e^2 ≈ 7.4
     metrics = trainer.update(far)
     assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(2.0)
@@ -147,16 +133,16 @@ def test_tis_caps_weights_when_rollout_policy_is_far(trainer_tiny_model, make_tr
     assert metrics["rollout_corr/kl"] == pytest.approx(-2.0, abs=1e-5)
 
 
-def test_export_weights_round_trips_into_fresh_hf_model(trainer_tiny_model, make_trainer, tmp_path):
+def test_export_weights_round_trips_into_fresh_hf_model(random_qwen2_dir, make_trainer, tmp_path):
     batch = ragged_batch()
-    trainer = make_trainer(trainer_tiny_model)
+    trainer = make_trainer(random_qwen2_dir)
     trainer.update(with_rollout_logprobs(batch, trainer.compute_logprobs(batch)))  # weights differ from disk
     expected = trainer.compute_logprobs(batch)
 
     path = trainer.export_weights(str(tmp_path / "out" / "model.safetensors"))
     assert os.listdir(tmp_path / "out") == ["model.safetensors"]  # no temp file left
     sd = load_file(path)
-    fresh = Qwen2ForCausalLM(Qwen2Config.from_pretrained(trainer_tiny_model))
+    fresh = Qwen2ForCausalLM(Qwen2Config.from_pretrained(random_qwen2_dir))
     assert set(sd) == set(fresh.state_dict())  # HF names, nothing missing or extra
     assert all(t.dtype == torch.float32 for t in sd.values())
     fresh.load_state_dict(sd)
@@ -166,13 +152,13 @@ def test_export_weights_round_trips_into_fresh_hf_model(trainer_tiny_model, make
     lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
     valid = batch.attention_mask[:, 1:].bool()
     torch.testing.assert_close(lp[valid], expected[:, 1:][valid], atol=1e-5, rtol=0)
-    original = load_file(os.path.join(trainer_tiny_model, "model.safetensors"))
+    original = load_file(os.path.join(random_qwen2_dir, "model.safetensors"))
     assert not torch.equal(original["model.layers.0.mlp.up_proj.weight"], sd["model.layers.0.mlp.up_proj.weight"])
 
 
 def test_save_hf_of_tied_model_loads_with_from_pretrained(tmp_path, make_trainer):
     """tie_word_embeddings: lm_head aliases embed_tokens and is written once, as HF does."""
-    src = tiny_qwen2(str(tmp_path / "tied"), tie=True, seed=3)
+    src = random_qwen2(tmp_path / "tied", tie=True, seed=3)
     trainer = make_trainer(src)
     batch = ragged_batch()
     trainer.update(with_rollout_logprobs(batch, trainer.compute_logprobs(batch)))
@@ -187,20 +173,20 @@ def test_save_hf_of_tied_model_loads_with_from_pretrained(tmp_path, make_trainer
     torch.testing.assert_close(lp[valid], expected[:, 1:][valid], atol=1e-5, rtol=0)
 
 
-def test_update_rejects_batch_without_trained_tokens(trainer_tiny_model, make_trainer):
-    trainer = make_trainer(trainer_tiny_model)
+def test_update_rejects_batch_without_trained_tokens(random_qwen2_dir, make_trainer):
+    trainer = make_trainer(random_qwen2_dir)
     empty = TrainBatch.from_rows([row([1, 2, 3], [])], advantages=[0.0], pad_id=0)
     with pytest.raises(ValueError, match="no trained token"):
         trainer.update(empty)
 
 
-def test_settings_reject_bad_values(trainer_tiny_model):
+def test_settings_reject_bad_values(random_qwen2_dir):
     with pytest.raises(ValueError, match="micro_batch_size"):
-        TrainerSettings(model_path=trainer_tiny_model, micro_batch_size=0)
+        TrainerSettings(model_path=random_qwen2_dir, micro_batch_size=0)
     with pytest.raises(ValueError, match="is_threshold"):
-        TrainerSettings(model_path=trainer_tiny_model, rollout_correction=RolloutCorrectionConfig(is_threshold=0.5))
+        TrainerSettings(model_path=random_qwen2_dir, rollout_correction=RolloutCorrectionConfig(is_threshold=0.5))
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        TrainerSettings(model_path=trainer_tiny_model, clip_ratio_c=0.9)
+        TrainerSettings(model_path=random_qwen2_dir, clip_ratio_c=0.9)
 
 
 DP_RANK_SCRIPT = """
@@ -223,7 +209,7 @@ w.close()
 """
 
 
-def test_two_data_parallel_ranks_take_the_same_step_as_one(trainer_tiny_model, make_trainer, tmp_path):
+def test_two_data_parallel_ranks_take_the_same_step_as_one(random_qwen2_dir, make_trainer, tmp_path):
     """world_size 2 over gloo (two real processes, half the mini-batch each) == world_size 1 on all of it:
     the global token count and the dp_size factor undo FSDP's gradient averaging."""
     import subprocess
@@ -233,7 +219,7 @@ def test_two_data_parallel_ranks_take_the_same_step_as_one(trainer_tiny_model, m
     from workers.weight_sync.rendezvous import host_store, release_store
 
     batch = ragged_batch()
-    trainer = make_trainer(trainer_tiny_model, micro_batch_size=3)
+    trainer = make_trainer(random_qwen2_dir, micro_batch_size=3)
     batch = with_rollout_logprobs(batch, trainer.compute_logprobs(batch) - 0.3)
     torch.save({f: getattr(batch, f) for f in ("input_ids", "attention_mask", "loss_mask", "rollout_logprobs",
                                                  "advantages")}, tmp_path / "batch.pt")
@@ -246,7 +232,7 @@ def test_two_data_parallel_ranks_take_the_same_step_as_one(trainer_tiny_model, m
     rendezvous = host_store("127.0.0.1")  # served here, kept bound: both ranks join it as clients
     init = rendezvous.url
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(r), "2", trainer_tiny_model, init,
+        subprocess.Popen([sys.executable, str(script), str(r), "2", random_qwen2_dir, init,
                           str(tmp_path / "batch.pt"), str(tmp_path / "out.pt")],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         for r in range(2)

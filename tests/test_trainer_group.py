@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stand_ins import own_ray
 from workers.core.algorithms.batch import SampleTable, TrainBatch
 from workers.trainer.group import TrainerGroup, start_trainer_ranks
 from workers.trainer.shard import assign_rows, merge_rank_metrics, shard_batch
@@ -176,11 +177,8 @@ def test_rendezvous_store_stays_bound_from_host_to_release():
 
 @pytest.fixture(scope="module")
 def ray_local():
-    import ray
-
-    ray.init(address="local", num_cpus=2, num_gpus=3, include_dashboard=False, log_to_driver=False)  # logical GPUs
-    yield ray
-    ray.shutdown()
+    with own_ray(num_gpus=3) as ray:  # logical GPUs
+        yield ray
 
 
 def test_two_rank_group_update_equals_one_rank_on_the_whole_batch(ray_local, tmp_path):

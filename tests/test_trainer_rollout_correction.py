@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from workers.core.algorithms.batch import TrainBatch
 from workers.core.algorithms.rollout_correction_config import RejectionRule, RolloutCorrectionConfig
@@ -18,26 +17,16 @@ from orchestrator.clients import build_train_batch
 from workers.core.types import Sample, TrajectoryRow
 from workers.trainer.worker import TrainerSettings, TrainerWorker
 
-VOCAB = 128
-
-
-@pytest.fixture(scope="module")
-def rc_tiny_model(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("rc_tiny_qwen2"))
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    return path
+VOCAB = 128  # the vocabulary of conftest's random_qwen2_dir
 
 
 @pytest.fixture
-def rc_trainer(rc_tiny_model):
+def rc_trainer(random_qwen2_dir):
     """Builds TrainerWorkers with a given RolloutCorrectionConfig; closes them after the test."""
     made: list[TrainerWorker] = []
 
     def build(rc: RolloutCorrectionConfig, micro_batch_size: int = 2) -> TrainerWorker:
-        w = TrainerWorker(TrainerSettings(model_path=rc_tiny_model, lr=1e-3, weight_decay=0.0,
+        w = TrainerWorker(TrainerSettings(model_path=random_qwen2_dir, lr=1e-3, weight_decay=0.0,
                                           micro_batch_size=micro_batch_size, seed=0, rollout_correction=rc))
         made.append(w)
         return w

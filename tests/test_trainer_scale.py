@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from stand_ins import random_qwen2
 from workers.core.algorithms.batch import TrainBatch
 from workers.core.types import TrajectoryRow
 from workers.trainer.worker import TrainerSettings, TrainerWorker
@@ -20,12 +20,7 @@ NUM_LAYERS = 2
 
 @pytest.fixture(scope="module")
 def scale_model(tmp_path_factory) -> str:
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=NUM_LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    path = str(tmp_path_factory.mktemp("scale_qwen2"))
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    return path
+    return random_qwen2(tmp_path_factory.mktemp("scale_qwen2"), vocab=VOCAB, num_layers=NUM_LAYERS)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ One module-scoped pair of workers per settings (verl's import and engine build d
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +16,10 @@ from safetensors.torch import load_file
 
 pytest.importorskip("verl.workers.engine.base")
 
+from stand_ins import InThread, compose_config  # noqa: E402
 from workers.core.algorithms.batch import TrainBatch  # noqa: E402
 from workers.core.algorithms.rollout_correction_config import RolloutCorrectionConfig  # noqa: E402
 from workers.core.types import TrajectoryRow  # noqa: E402
-from workers.embedded.tiny_model import ensure_tiny_model  # noqa: E402
 from workers.trainer.worker import TrainerSettings, TrainerWorker  # noqa: E402
 from workers.trainer.verl_worker import (  # noqa: E402
     VerlSettings,
@@ -29,7 +28,6 @@ from workers.trainer.verl_worker import (  # noqa: E402
     verl_configs,
 )
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 TOL = 1e-5
 # lr 1e-3, not larger: k_proj biases have a zero true gradient (softmax ignores a shift shared by all
 # keys), so AdamW turns their float-rounding gradients into steps of about ±lr that differ between any
@@ -53,8 +51,8 @@ def make_batch(seed: int, advantages: list[float], vocab: int = 300) -> TrainBat
 
 
 @pytest.fixture(scope="module")
-def model_path() -> str:
-    return str(ensure_tiny_model())
+def model_path(tiny_model_dir) -> str:
+    return str(tiny_model_dir)
 
 
 def _pair(settings: TrainerSettings):
@@ -141,22 +139,6 @@ def test_weights_and_optimizer_files_are_interchangeable(decoupled_pair, tmp_pat
         ours.load_optimizer(str(tmp_path / "bad.pt"))
 
 
-class _InThread:
-    """Runs a blocking method in a worker thread (as a Ray actor would in its own process), so the
-    sender and the receiver make progress together."""
-
-    def __init__(self, obj) -> None:
-        self._obj = obj
-
-    def __getattr__(self, name):
-        fn = getattr(self._obj, name)
-
-        async def call(*args):
-            return await asyncio.to_thread(fn, *args)
-
-        return call
-
-
 async def test_broadcast_weights_sends_the_engine_weights(decoupled_pair):
     """weight_specs / open_weight_group / broadcast_weights (the GPU weight-sync path, here over
     shared memory): a receiver ends up holding exactly full_state_dict, in small buckets."""
@@ -169,7 +151,7 @@ async def test_broadcast_weights_sends_the_engine_weights(decoupled_pair):
     target = {n: torch.zeros_like(t) for n, t in full.items()}
     receiver = TensorReceiver(target)
     info = new_group_info("shm", 1, timeout_s=60.0)
-    sync = BroadcastWeightSync([_InThread(ours)], [_InThread(receiver)], info)
+    sync = BroadcastWeightSync([InThread(ours)], [InThread(receiver)], info)
     report = await asyncio.wait_for(sync.push("trainer", 1), 60.0)
     assert report.version == 1 and receiver.version() == 1
     assert all(torch.equal(target[n], full[n]) for n in full)
@@ -214,26 +196,21 @@ def test_megatron_configs_build_but_the_engine_refuses_a_cpu_host(model_path):
     check_verl_available(VerlSettings(strategy="fsdp"), cuda=False)  # fsdp runs on CPU: no error
 
 
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    from orchestrator.config import register, to_run_config
-
-    register()
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return to_run_config(compose(config_name="config", overrides=["run_dir=/tmp/x", *overrides]))
 
 
-def test_main_picks_the_trainer_class_by_name():
-    """orchestrator/main.py: trainer=verl selects VerlTrainerWorker with trainer.verl.*; megatron on
+def test_config_picks_the_trainer_class_by_name():
+    """orchestrator/config/trainer.py: trainer=verl selects VerlTrainerWorker with trainer.verl.*; megatron on
     a CPU cluster stops before any actor starts; a bad strategy names its key."""
     from orchestrator.config import ConfigError
-    from orchestrator.main import _trainer_class
+    from orchestrator.config import trainer_class
 
-    assert _trainer_class(_compose([]))[0] is TrainerWorker
-    cls, kw = _trainer_class(_compose(["trainer=verl", "trainer.verl.use_remove_padding=true"]))
+    def _trainer_class(cfg):
+        return trainer_class(cfg.trainer, cluster=cfg.cluster)
+
+    assert _trainer_class(compose_config([]))[0] is TrainerWorker
+    cls, kw = _trainer_class(compose_config(["trainer=verl", "trainer.verl.use_remove_padding=true"]))
     assert cls is VerlTrainerWorker and kw["verl"] == VerlSettings(strategy="fsdp", use_remove_padding=True)
     with pytest.raises(RuntimeError, match="megatron needs CUDA"):
-        _trainer_class(_compose(["trainer=verl", "trainer.verl.strategy=megatron"]))
+        _trainer_class(compose_config(["trainer=verl", "trainer.verl.strategy=megatron"]))
     with pytest.raises(ConfigError, match="trainer.verl.strategy"):
-        _compose(["trainer=verl", "trainer.verl.strategy=deepspeed"])
+        compose_config(["trainer=verl", "trainer.verl.strategy=deepspeed"])

@@ -9,6 +9,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
+from stand_ins import InThread
 from workers.weight_sync.broadcast import BroadcastWeightSync, new_group_info, send_weights
 from workers.weight_sync.plan import specs_of
 from workers.weight_sync.receiver import PushOutcome, TensorReceiver, run_receiver_process
@@ -72,30 +73,14 @@ def test_broadcast_reaches_every_receiver_exactly_and_refuses_old_versions(backe
     assert all(p.exitcode == 0 for p in procs)
 
 
-class InThread:
-    """Runs a blocking receiver / trainer method in a worker thread, as a Ray actor would run it in
-    its own process, so the sender and the receivers make progress together."""
-
-    def __init__(self, obj) -> None:
-        self._obj = obj
-
-    def __getattr__(self, name):
-        fn = getattr(self._obj, name)
-
-        async def call(*args):
-            return await asyncio.to_thread(fn, *args)
-
-        return call
-
-
 @pytest.mark.parametrize("backend", ["shm", "gloo"])
-async def test_broadcast_sync_copies_trainer_weights_into_receivers(backend, trainer_tiny_model_for_sync):
+async def test_broadcast_sync_copies_trainer_weights_into_receivers(backend, random_qwen2_dir):
     """A real TrainerWorker (FSDP2, its own gloo world) sends through a separate weight group;
     after a push both receivers hold the trainer's full state dict; a failing receiver makes the
     push raise and leaves the version where it was."""
     from workers.trainer.worker import TrainerSettings, TrainerWorker
 
-    trainer = TrainerWorker(TrainerSettings(model_path=trainer_tiny_model_for_sync, weight_sync_bucket_mb=0.01))
+    trainer = TrainerWorker(TrainerSettings(model_path=random_qwen2_dir, weight_sync_bucket_mb=0.01))
     try:
         full = trainer.full_state_dict()
         assert [s.name for s in trainer.weight_specs()] == list(full)
@@ -122,15 +107,3 @@ async def test_broadcast_sync_copies_trainer_weights_into_receivers(backend, tra
             r.close()
     finally:
         trainer.close()
-
-
-@pytest.fixture(scope="module")
-def trainer_tiny_model_for_sync(tmp_path_factory) -> str:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    path = str(tmp_path_factory.mktemp("sync_qwen2"))
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    return path

@@ -22,28 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from stand_ins import InThread
 from workers.core.types import GenerateRequest
 from workers.weight_sync.setup import broadcast_label, close_weight_sync, open_weight_sync
 
 REPO = Path(__file__).resolve().parent.parent
 T_TIMEOUT_S = 120.0
 SHM_DIR = Path("/dev/shm")
-
-
-class InThread:
-    """Runs a blocking trainer method in a worker thread, as the trainer's Ray actor would run it
-    in its own process, so the sender and the engine make progress together."""
-
-    def __init__(self, obj) -> None:
-        self._obj = obj
-
-    def __getattr__(self, name):
-        fn = getattr(self._obj, name)
-
-        async def call(*args):
-            return await asyncio.to_thread(fn, *args)
-
-        return call
 
 
 def _weight_sync_slots() -> set[str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stand_ins import hf_token_logprobs
 from workers.embedded.tiny_model import ensure_tiny_model
 from workers.weight_sync.broadcast import new_group_info, send_weights
 from workers.weight_sync.plan import specs_of
@@ -61,9 +62,7 @@ def perturbed_model(seed: int):
     gen = torch.Generator().manual_seed(seed)
     for p in model.parameters():
         p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    ids = torch.tensor([PROBE])
-    logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
-    ref = logp[:-1].gather(1, ids[0, 1:, None])[:, 0].tolist()
+    ref = hf_token_logprobs(model, PROBE)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, ref
 
 

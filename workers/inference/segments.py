@@ -3,7 +3,7 @@
 With `InferenceSettings.in_flight="abort_resume"` a weight update aborts a running request; the
 worker resubmits it with prompt + the tokens so far and the rest of its token budget, possibly
 several times. `SegmentedGeneration` accumulates the segments and builds the one result the
-caller sees. Pure logic: no vLLM, no asyncio (inference.py converts vLLM outputs into calls here).
+caller sees. Pure logic: no vLLM, no asyncio (worker.py converts vLLM outputs into calls here).
 
 Invariant (checked in `add`): the result's token i is token i of the concatenated segments, with
 its own log-prob and version; versions never decrease; the total never exceeds `max_tokens`, so

@@ -1,6 +1,6 @@
 """Bucketed, versioned weight broadcast: trainer rank 0 -> every inference worker.
 
-Protocol of one push of version v (both ends in this module, the bytes in weight_sync_transport):
+Protocol of one push of version v (both ends in this module, the bytes in transport.py):
   1. The sender plans buckets (`plan_buckets`, `bucket_mb`) from the tensor specs, broadcasts the
      plan (it carries v), then per bucket: flattens its tensors into the transport's buffer and
      broadcasts it; finally waits until every receiver has the last bucket (`finish`).

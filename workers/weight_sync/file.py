@@ -19,10 +19,10 @@ treat the run as broken (or push a newer version again), never continue silently
 Replicas are either local objects with `async update_weights(path, version)` or Ray actor handles
 of such a class (detected by `.remote`); this module does not import Ray.
 
-The bucketed broadcast path (same protocol, `BroadcastWeightSync`): weight_sync_plan.py (which
-tensors go in which bucket), weight_sync_transport.py (shared-memory / CUDA-IPC slots, gloo / NCCL
-groups), weight_sync_broadcast.py (sender, receiver stream, the sync), weight_sync_receiver.py
-(a receiver into plain tensors) and vllm_ext.py (the receiver inside vLLM). On CPU the file path
+The bucketed broadcast path (same protocol, `BroadcastWeightSync`): plan.py (which
+tensors go in which bucket), transport.py (shared-memory / CUDA-IPC slots, gloo / NCCL
+groups), broadcast.py (sender, receiver stream, the sync), receiver.py
+(a receiver into plain tensors) and workers/inference/vllm_ext.py (the receiver inside vLLM). On CPU the file path
 stays the run's default: scripts/bench_weight_sync.py measured it at 0.8-1.5 GB/s on a quiet
 2-core box (page cache), the shm broadcast at 2-3.3 GB/s; for the tiny default model both take
 milliseconds next to vLLM's reload. The run picks one by `trainer.weight_sync.backend` in
