@@ -248,3 +248,9 @@ def test_pure_torch_grpo_learns_the_task(tiny_model_dir):
         torch.set_num_threads(threads)
     first, last = check.summarize(means)
     assert first < 0.4 and last - first >= 0.45, (first, last, means)
+
+
+def test_default_cache_is_the_repository_cache():
+    """Regression: after the package move the default cache resolved to workers/.cache, so a clean
+    clone rebuilt the model there and README's `.cache/models/` was never used."""
+    assert tm.DEFAULT_CACHE_DIR == REPO / ".cache" / "models"

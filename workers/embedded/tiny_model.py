@@ -53,7 +53,7 @@ CACHE_ENV = "ORCH_CACHE_DIR"  # overrides the default cache root
 # One intra-op thread: on a shared 2-core machine it is ~10x faster than 2 spinning OpenMP
 # threads for this tiny model, and it makes float reductions independent of the core count.
 BUILD_THREADS = 1
-DEFAULT_CACHE_DIR = Path(__file__).resolve().parent.parent / ".cache" / "models"
+DEFAULT_CACHE_DIR = Path(__file__).resolve().parents[2] / ".cache" / "models"  # <repo>/.cache/models
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
