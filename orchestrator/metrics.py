@@ -1,8 +1,9 @@
 """Metric sinks (console, JSONL, wandb) and the end-of-run summary.
 
-Invariant: every sink receives the same step records in step order; `RUN_DIR/metrics.jsonl`
-holds exactly one JSON object per training step, flushed when the step is logged, so a crashed
-run keeps every step it finished. Metric names follow verl where verl has one.
+Invariant: every sink receives the same step records in step order (non-decreasing);
+`RUN_DIR/metrics.jsonl` holds one JSON object per training step, flushed when the step is logged,
+so a crashed run keeps every step it finished, plus the validation records that have no step of
+their own (step 0 before training; in async mode the final weights' validation, at the last step). Metric names follow verl where verl has one.
 """
 
 from __future__ import annotations

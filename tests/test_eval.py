@@ -228,3 +228,31 @@ def test_payload_without_a_served_model_names_no_model_endpoint():
     own = build_payload(req, eval_rollout_settings(EvalConfig(serve_model=False), base), "sid", "")["_rollout"]
     assert not {"base_url", "api_key", "model_id"} & own.keys()
     assert own["s3_bucket"] == "b" and own["session_id"] == "sid"
+
+
+# --- config ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["eval.n=0"], "eval.n"),
+    (["eval.temperature=0"], "eval.temperature"),
+    (["eval.serve_model=false"], "eval.serve_model"),  # training needs the served policy
+    (["task.split=val"], "task.split"),
+    (["task=gsm8k", "trainer.test_freq=5", "task.val_data_path=null"], "task.val_data_path"),
+    (["+rollout.acr.faults={crash: 2}"], "rollout.acr.faults"),
+])
+def test_bad_eval_value_names_the_key(overrides, key):
+    from orchestrator.config import ConfigError
+    from stand_ins import compose_config
+
+    with pytest.raises(ConfigError, match=rf"^{key.replace('.', chr(92) + '.')}"):
+        compose_config(overrides)
+
+
+def test_mode_eval_composes_with_its_outputs_settings():
+    from stand_ins import compose_config
+
+    cfg = compose_config(["mode=eval", "task=gsm8k", "task.split=test", "eval.n=4", "eval.temperature=0.6",
+                          "eval.serve_model=false"])
+    assert (cfg.mode.name, cfg.task.split, cfg.eval.n, cfg.eval.temperature) == ("eval", "test", 4, 0.6)
+    assert cfg.task.val_data_path == "examples/data/gsm8k/test.jsonl"
