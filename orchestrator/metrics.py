@@ -36,6 +36,8 @@ class ConsoleSink:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         parts = [f"{k.split('/')[-1]}={_fmt(metrics[k])}" for k in self.KEYS if k in metrics]
+        if "val/reward/mean" in metrics:  # a validation (orchestrator/validation.py) ran at this step
+            parts.append(f"val={_fmt(metrics['val/reward/mean'])}@v{int(metrics['val/policy_version'])}")
         print(f"[step {step}/{self._total}] " + " ".join(parts), file=self._stream, flush=True)
 
     def close(self) -> None:

@@ -256,3 +256,34 @@ def test_mode_eval_composes_with_its_outputs_settings():
                           "eval.serve_model=false"])
     assert (cfg.mode.name, cfg.task.split, cfg.eval.n, cfg.eval.temperature) == ("eval", "test", 4, 0.6)
     assert cfg.task.val_data_path == "examples/data/gsm8k/test.jsonl"
+
+
+def test_an_agent_without_a_served_model_uses_its_own(monkeypatch):
+    """The example agents' side of eval.serve_model=false: no base_url in `_rollout` -> the model
+    endpoint the agent is deployed with (env AGENT_MODEL_*); neither -> a clear error."""
+    from stand_ins import REPO, load_module
+
+    contract = load_module(REPO / "examples/agents/agent_common/rollout_contract.py", "agent_contract_under_test")
+    payload = {"prompt": "x", "_rollout": {"exp_id": "e", "input_id": "i", "s3_bucket": "b", "temperature": 0.5}}
+    for name in contract.MODEL_FIELDS_ENV.values():
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match="base_url"):
+        contract.RolloutSpec.parse(payload)
+    monkeypatch.setenv("AGENT_MODEL_BASE_URL", "http://prod.example/v1")
+    monkeypatch.setenv("AGENT_MODEL_ID", "prod-model")
+    monkeypatch.setenv("AGENT_MODEL_API_KEY", "k")
+    spec = contract.RolloutSpec.parse(payload)
+    assert (spec.base_url, spec.model_id, spec.api_key, spec.temperature) == ("http://prod.example/v1", "prod-model",
+                                                                              "k", 0.5)
+    served = {**payload["_rollout"], "base_url": "http://gw/v1", "model_id": "policy", "api_key": "tok"}
+    assert contract.RolloutSpec.parse({**payload, "_rollout": served}).base_url == "http://gw/v1"  # the gateway wins
+
+
+def test_console_line_shows_the_validation_and_the_version_it_measured():
+    import io
+
+    from orchestrator.metrics import ConsoleSink
+
+    out = io.StringIO()
+    ConsoleSink(60, out).log(0, {"val/reward/mean": 0.154, "val/policy_version": 0.0})
+    assert out.getvalue() == "[step 0/60] val=0.154@v0\n"
