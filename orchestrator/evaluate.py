@@ -52,7 +52,7 @@ class Progress:
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(failed=self.failed, in_flight=self._total - self.done, refresh=False)
-        elif self._style == "lines" and self.done * 100 >= self._next_line * self._total:
+        elif self._style == "lines" and (self.done * 100 >= self._next_line * self._total or self.done == self._total):
             elapsed = time.monotonic() - self._t0
             eta = elapsed / self.done * (self._total - self.done) if self.done else float("nan")
             print(f"[eval] {self.done}/{self._total} done, {self.failed} failed, {self._total - self.done} in flight, "
