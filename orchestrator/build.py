@@ -21,6 +21,7 @@ import json
 import os
 import shlex
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -28,6 +29,8 @@ from typing import Any, Awaitable, Callable
 from orchestrator.checkpoint import Checkpoint
 from orchestrator.config import (RunConfig, acr_client_config, buffer_config, gateway_config, inference_settings,
                                  rollout_settings, trainer_class, trainer_settings)
+from orchestrator.config import eval_rollout_settings, eval_settings
+from orchestrator.config.rollout import local_fault_rates
 from orchestrator.loop_common import LoopParts
 from orchestrator.metrics import MetricLogger
 from orchestrator.preflight import Preflight
@@ -99,7 +102,8 @@ def _start_local_stack(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStac
     acr = cfg.rollout.acr
     local = LocalStack(agent_command(cfg), num_agents=acr.num_agents, session_rate_per_s=acr.session_rate_per_s,
                        bucket=acr.s3_bucket, region=acr.region, agent_runtime_arn=acr.agent_runtime_arn,
-                       log_dir=run_dir / "logs", agent_env={k: str(v) for k, v in acr.agent_env.items()})
+                       log_dir=run_dir / "logs", agent_env={k: str(v) for k, v in acr.agent_env.items()},
+                       faults=local_fault_rates(acr))
     stack.enter_context(local)
     started = {**local.pids(), **{f"agent-{i}": pid for i, pid in enumerate(local.stats().agent_pids)}}
     (run_dir / "pids.json").write_text(json.dumps(started, indent=2) + "\n")  # for audits/tests
@@ -134,10 +138,7 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     from orchestrator.metrics import build_sinks
     from orchestrator.run_checkpoint import ResumablePrompts, RunCheckpointer
     from workers.buffer.store import TrajectoryBuffer
-    from workers.gateway.server import GatewayServer
-    from workers.inference.worker import InferenceWorker
     from workers.placement_groups import place
-    from workers.rollout.pool import start_rollout_pool
     from workers.trainer.group import start_trainer_ranks
     from workers.weight_sync.setup import FILE_BACKEND, close_weight_sync, open_weight_sync
 
@@ -149,19 +150,14 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     trainer_cls, trainer_kw = trainer_class(cfg.trainer, cluster=cfg.cluster)  # trainer=verl: fails here, before any actor, when it cannot run
     placed = place(cfg.cluster)  # GPUs checked and reserved before any actor starts (errors name the numbers)
     stack.callback(placed.remove)
-    inference_cls = ray.remote(num_cpus=0, max_concurrency=1000)(InferenceWorker)
-    replicas = [inference_cls.options(runtime_env=QUIET_VLLM, **placed.inference_options(i)).remote(
-        inference_settings(cfg.inference, mode=cfg.mode, async_=cfg.async_, cluster=cfg.cluster, seed=cfg.seed,
-                           model_path=model_path, replica=i, initial_policy_version=version))
-        for i in range(cfg.inference.replicas)]
+    replicas = _start_replicas(cfg, placed, model_path, version)
     threads = {"env_vars": {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads)}}
     trainer = await start_trainer_ranks(  # one actor, or N data-parallel ranks behind the same .remote surface
         ray.remote(num_cpus=0)(trainer_cls),
         trainer_settings(cfg.trainer, algorithm=cfg.algorithm, inference=cfg.inference, model_path=model_path),
         world_size=len(placed.plan.trainer) if placed.plan.groups else 1,
         rank_options=lambda r: {"runtime_env": threads, **placed.trainer_options(r)}, **trainer_kw)
-    gateway = ray.remote(num_cpus=0, max_concurrency=1000)(GatewayServer).remote(
-        gateway_config(cfg.model, rollout=cfg.rollout, model_path=model_path))
+    gateway = _gateway_actor(cfg, model_path)
     buffer = TrajectoryBuffer.start(buffer_config())
     stack.callback(buffer.stop)
 
@@ -176,18 +172,13 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     _close_quietly(closing, lambda: gateway.stop.remote())
     await gateway.set_engines.remote(replicas)
     base_url = await gateway.start.remote()
-    arn = rt.local.agent_runtime_arn if rt.local else cfg.rollout.acr.agent_runtime_arn
-    pool = start_rollout_pool(  # also starts the named cluster-wide ACR limit actors
-        rollout_settings(cfg.rollout, exp_id=f"exp-{run_dir.name}", agent_runtime_arn=arn, gateway_base_url=base_url,
-                         model_id=cfg.model.served_name),
-        num_workers=cfg.rollout.num_workers, limits=cfg.rollout.acr.limits.typed(), acr=acr_client_config(cfg.rollout),
-        result_host=cfg.rollout.result_host, gateway=gateway, buffer_handle=buffer.handle)
-    _close_quietly(closing, pool.shutdown)
+    train_settings = _rollout_settings(cfg, rt, base_url)
+    pool = _pool(cfg, train_settings, gateway, buffer, closing)
 
     logger = MetricLogger(build_sinks(cfg.logger.sinks, run_dir, cfg.trainer.total_steps, cfg.logger.wandb_project,
                                       cfg.logger.wandb_mode, asdict(cfg)))
     closing.callback(logger.close)
-    prompts = ResumablePrompts.restore(TASKS[cfg.task.name].rows(cfg.task), cfg.seed, ckpt.state if ckpt else None)
+    prompts = ResumablePrompts.restore(TASKS[cfg.task.name].rows(cfg.task, "train"), cfg.seed, ckpt.state if ckpt else None)
     trainer_client = TrainerClient(trainer, pad_id=pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
                                    weights_dir=run_dir / "weights", export_file=backend == FILE_BACKEND)
     parts = LoopParts(
@@ -195,9 +186,110 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
         trainer=_colocated(cfg, trainer_client, replicas), weights=weights, logger=logger,
         probe=GatewayProbe(gateway, replicas),
         checkpoint=RunCheckpointer(run_dir, trainer, prompts, save_freq=cfg.trainer.save_freq,
-                                   keep_last=cfg.trainer.max_ckpt_to_keep))
+                                   keep_last=cfg.trainer.max_ckpt_to_keep),
+        validator=_validator(cfg, train_settings, gateway, buffer, closing))
     return BuiltRun(parts=parts, start=LoopPosition.of(ckpt.state) if ckpt else None, pool=pool, logger=logger,
                     replicas=replicas, closing=closing)
+
+
+def _start_replicas(cfg: RunConfig, placed: Any, model_path: str, version: int) -> list:
+    """The inference replicas (Ray actors, not started yet), placed by `placed`."""
+    import ray
+
+    from workers.inference.worker import InferenceWorker
+
+    inference_cls = ray.remote(num_cpus=0, max_concurrency=1000)(InferenceWorker)
+    return [inference_cls.options(runtime_env=QUIET_VLLM, **placed.inference_options(i)).remote(
+        inference_settings(cfg.inference, mode=cfg.mode, async_=cfg.async_, cluster=cfg.cluster, seed=cfg.seed,
+                           model_path=model_path, replica=i, initial_policy_version=version))
+        for i in range(cfg.inference.replicas)]
+
+
+def _gateway_actor(cfg: RunConfig, model_path: str) -> Any:
+    import ray
+
+    from workers.gateway.server import GatewayServer
+
+    return ray.remote(num_cpus=0, max_concurrency=1000)(GatewayServer).remote(
+        gateway_config(cfg.model, rollout=cfg.rollout, model_path=model_path))
+
+
+def _rollout_settings(cfg: RunConfig, rt: Runtime, base_url: str) -> Any:
+    arn = rt.local.agent_runtime_arn if rt.local else cfg.rollout.acr.agent_runtime_arn
+    return rollout_settings(cfg.rollout, exp_id=f"exp-{rt.run_dir.name}", agent_runtime_arn=arn,
+                            gateway_base_url=base_url, model_id=cfg.model.served_name)
+
+
+def _pool(cfg: RunConfig, settings: Any, gateway: Any, buffer: Any, closing: contextlib.AsyncExitStack) -> Any:
+    """A rollout pool under the cluster-wide ACR limits (named actors, shared by every pool)."""
+    from workers.rollout.pool import start_rollout_pool
+
+    pool = start_rollout_pool(settings, num_workers=cfg.rollout.num_workers, limits=cfg.rollout.acr.limits.typed(),
+                              acr=acr_client_config(cfg.rollout), result_host=cfg.rollout.result_host,
+                              gateway=gateway, buffer_handle=buffer.handle)
+    _close_quietly(closing, pool.shutdown)
+    return pool
+
+
+def _validator(cfg: RunConfig, train_settings: Any, gateway: Any, buffer: Any,
+               closing: contextlib.AsyncExitStack) -> Any:
+    """Validation during training (`trainer.test_freq`, `trainer.val_before_train`) on its own pool
+    with the `eval` group's sampling; None when neither is set."""
+    t = cfg.trainer
+    if t.test_freq <= 0 and not t.val_before_train:
+        return None
+    from orchestrator.clients import BufferStore
+    from orchestrator.validation import Validator
+
+    pool = _pool(cfg, eval_rollout_settings(cfg.eval, train_settings), gateway, buffer, closing)
+    return Validator(pool=pool, store=BufferStore(buffer, cfg.eval.n, cfg.rollout.timeout_s),
+                     rows=TASKS[cfg.task.name].rows(cfg.task, cfg.task.val_split), settings=eval_settings(cfg.eval),
+                     test_freq=t.test_freq, val_before_train=t.val_before_train, clock=time.monotonic)
+
+
+@dataclass
+class BuiltEval:
+    """mode=eval's parts: the evaluation pool and the trajectory buffer it stores into (`store`),
+    the replicas (empty without a served model), what must be closed."""
+
+    pool: Any
+    store: Any
+    replicas: list
+    closing: contextlib.AsyncExitStack
+
+
+async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -> BuiltEval:
+    """mode=eval: inference replicas, gateway, buffer and the evaluation pool, no trainer and no
+    weight sync; with `eval.serve_model=false` no replicas and no gateway either."""
+    closing = contextlib.AsyncExitStack()
+    try:
+        from orchestrator.clients import BufferStore
+        from workers.buffer.store import TrajectoryBuffer
+
+        replicas: list = []
+        gateway, base_url = None, ""
+        if cfg.eval.serve_model:
+            from workers.placement_groups import place
+
+            placed = place(cfg.cluster)
+            stack.callback(placed.remove)
+            replicas = _start_replicas(cfg, placed, rt.model_path, rt.checkpoint.state.policy_version
+                                       if rt.checkpoint else 0)
+            _close_quietly(closing, lambda: asyncio.gather(*(r.shutdown.remote() for r in replicas)))
+            gateway = _gateway_actor(cfg, rt.model_path)
+            _close_quietly(closing, lambda: gateway.stop.remote())
+            await asyncio.gather(*(r.start.remote() for r in replicas))
+            await gateway.set_engines.remote(replicas)
+            base_url = await gateway.start.remote()
+        buffer = TrajectoryBuffer.start(buffer_config())
+        stack.callback(buffer.stop)
+        pool = _pool(cfg, eval_rollout_settings(cfg.eval, _rollout_settings(cfg, rt, base_url)), gateway, buffer,
+                     closing)
+        return BuiltEval(pool=pool, store=BufferStore(buffer, cfg.eval.n, cfg.rollout.timeout_s), replicas=replicas,
+                         closing=closing)
+    except BaseException:
+        await closing.aclose()
+        raise
 
 
 def _colocated(cfg: RunConfig, trainer_client: Any, replicas: list) -> Any:

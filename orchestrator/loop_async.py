@@ -11,6 +11,10 @@ Invariants: every dispatched rollout reaches exactly one terminal state in the l
 run ended); a group that is not trained gives its admission capacity back; no sample staler
 than η is trained with a gradient. A producer task that dies stops the run.
 
+Validation (`parts.validator`) runs as its own lane (orchestrator/validation.py ValidationLane):
+started when a due version is pushed, on its own rollout pool, never admitted, never trained;
+its metrics join the next step's record (`val/policy_version` names the version measured).
+
 Called by `main.py` with the same parts as the sync loop plus the staleness controller.
 """
 
@@ -26,6 +30,7 @@ from orchestrator.run_checkpoint import LoopPosition
 from orchestrator.staleness import AdmissionState
 from orchestrator.staleness import SampleStaleness, StalenessController, StalenessPolicy, judge_samples, staleness_metrics
 from orchestrator.staleness_gate import AdmissionGate
+from orchestrator.validation import ValidationLane
 from workers.core.types import RolloutRequest, Sample
 
 PARTITION = "async"  # one buffer partition; groups are cleared one by one once consumed
@@ -96,6 +101,9 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
     running: set[asyncio.Task] = set()
     stop = asyncio.Event()
     producer = asyncio.create_task(_produce(parts, cfg, gate, ready, running, stop, inflight), name="producer")
+    lane = ValidationLane(parts.validator, cfg.total_steps) if parts.validator is not None else None
+    if lane is not None:
+        lane.on_version(version.value, start.step)
     finished = False  # an error or an interrupt cancels in-flight groups at once instead of waiting
     try:
         for step in range(start.step + 1, cfg.total_steps + 1):
@@ -117,11 +125,15 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
             version.value = await sync_weights(parts, version.value)
             gate.notify()
             t_sync = parts.clock() - t0
+            if lane is not None:
+                lane.on_version(version.value, step)
             metrics = step_metrics(parts, samples=st.samples, updates=update_metrics, t_gen=st.wait_s,
                                    t_update=t_update, t_sync=t_sync, step_s=parts.clock() - t_step,
                                    version=version.value)
             metrics.update({"timing_s/wait_for_batch": st.wait_s,  # async: the wait for generation
                             **staleness_metrics(st.facts), "async/masked_stale": float(len(st.masked))})
+            if lane is not None:
+                metrics.update(lane.take())
             # pending rows and prompt cursor are read with no await between
             await end_step(parts, step, metrics, LoopPosition(step, version.value, inflight.next_group,
                                                               controller.counts().trained,
@@ -129,8 +141,12 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
         finished = True
     finally:
         stop.set()
+        if lane is not None and not finished:
+            await lane.cancel()
         gate.notify()
         await _drain(parts, producer, running, ready, cfg.drain_timeout_s if finished else 0.0)
+    if lane is not None and (last := await lane.finish()):
+        parts.logger.log(cfg.total_steps, last)  # the validation of the final weights
     return finish(parts, cfg.total_steps, version.value)
 
 

@@ -54,7 +54,8 @@ class StepLogger(Protocol):
 @dataclass
 class LoopParts:
     """Everything a loop talks to. `clock`: seconds (monotonic); `probe`: extra per-step metrics
-    (gateway, engines); `checkpoint`: called after every step with the loop's position."""
+    (gateway, engines); `checkpoint`: called after every step with the loop's position;
+    `validator`: validation on the held-out split (orchestrator/validation.py Validator), or None."""
 
     prompts: PromptSource
     rollouts: Rollouts
@@ -66,6 +67,7 @@ class LoopParts:
     clock: Callable[[], float] = time.monotonic
     probe: Callable[[], Awaitable[dict[str, float]]] | None = None
     checkpoint: Callable[[LoopPosition], Awaitable[None]] | None = None
+    validator: Any = None
 
 
 @dataclass(frozen=True)

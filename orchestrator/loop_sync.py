@@ -3,7 +3,9 @@
 Handed its `LoopParts` (orchestrator/loop_common.py) through small protocols, so a simulated engine, pool or trainer can
 stand in for the real ones. Invariant: at the end of every step, every rollout dispatched in that
 step is closed in the ledger (trained as `completed`, `filtered` or `failed`), the step's buffer
-partition is cleared, and the policy version has increased by exactly one.
+partition is cleared, and the policy version has increased by exactly one. Validation
+(`parts.validator`) runs at the step boundary on the weights just synced, and before the first
+step (logged as step 0) with `trainer.val_before_train`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ async def run_sync(parts: LoopParts, cfg: SyncLoopSettings, *, start: LoopPositi
     Returns the ledger counts and the final policy version."""
     start = start or LoopPosition(0, 0, 0, 0)
     version, next_group, trained_groups = start.policy_version, start.next_group_id, start.trained_groups
+    if parts.validator is not None and start.step == 0 and parts.validator.due(0, cfg.total_steps):
+        parts.logger.log(0, await parts.validator.run(version))
     for step in range(start.step + 1, cfg.total_steps + 1):
         t_step = parts.clock()
         reqs: list[RolloutRequest] = []
@@ -72,5 +76,7 @@ async def run_sync(parts: LoopParts, cfg: SyncLoopSettings, *, start: LoopPositi
         if latencies:
             metrics["rollout/latency_s_p50"] = latencies[len(latencies) // 2]
             metrics["rollout/latency_s_max"] = latencies[-1]
+        if parts.validator is not None and parts.validator.due(step, cfg.total_steps):
+            metrics.update(await parts.validator.run(version))
         await end_step(parts, step, metrics, LoopPosition(step, version, next_group, trained_groups))
     return finish(parts, cfg.total_steps, version)

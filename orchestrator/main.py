@@ -3,7 +3,9 @@
 compose (Hydra) -> validate (`to_run_config`: a bad value exits with status 2 and a message naming
 the key, before Ray or any server starts) -> pre-flight (orchestrator/preflight.py: file-system
 checks, checkpoint, run_dir) -> build the parts (orchestrator/build.py) -> run the sync or async
-loop -> report (`RUN_DIR/summary.json`; the loop writes `RUN_DIR/metrics.jsonl`).
+loop -> report (`RUN_DIR/summary.json`; the loop writes `RUN_DIR/metrics.jsonl`). `mode=eval`
+builds no trainer and evaluates instead (orchestrator/evaluate.py: `RUN_DIR/eval.jsonl`,
+`RUN_DIR/eval_summary.json`).
 
 Exit status: 0 done, 1 no rollout completed, 2 config / checkpoint / GPU-placement error,
 130 interrupted (Ctrl-C or SIGTERM).
@@ -65,7 +67,16 @@ def run(cfg: RunConfig) -> dict:
                 await asyncio.gather(*(r.shutdown.remote() for r in built.replicas))
             return summary
 
-        summary = asyncio.run(train())
+        if cfg.mode.name == "eval":
+            from orchestrator.evaluate import run_eval
+
+            summary = asyncio.run(run_eval(cfg, rt, stack))
+        else:
+            summary = asyncio.run(train())
+    if cfg.mode.name == "eval":
+        print(json.dumps(summary, indent=2, allow_nan=True), flush=True)
+        print(f"run_dir: {run_dir} (eval.jsonl, eval_summary.json)", flush=True)
+        return {"rollout/completed": summary["completed"], "rollout/failed": summary["failed"]}
     summary["wall_s"] = time.monotonic() - t_start
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
     print(json.dumps(summary, indent=2, allow_nan=True), flush=True)
@@ -96,6 +107,7 @@ async def _summary(report, built, local) -> dict:
         "policy_version": report.policy_version,
         "reward/initial": initial,
         "reward/final": final,
+        **(built.parts.validator.initial_final() if built.parts.validator is not None else {}),
         **{k: counts[k] for k in sorted(counts)},
         # the emulator's own count when local (the server's view), else what the workers left open
         "acr/sessions_open_at_exit": local.stats().sessions_open if local else acr_stats.get("sessions_open", 0),

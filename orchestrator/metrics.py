@@ -1,8 +1,9 @@
 """Metric sinks (console, JSONL, wandb) and the end-of-run summary.
 
-Invariant: every sink receives the same step records in step order; `RUN_DIR/metrics.jsonl`
-holds exactly one JSON object per training step, flushed when the step is logged, so a crashed
-run keeps every step it finished. Metric names follow verl where verl has one.
+Invariant: every sink receives the same step records in step order (non-decreasing);
+`RUN_DIR/metrics.jsonl` holds one JSON object per training step, flushed when the step is logged,
+so a crashed run keeps every step it finished, plus the validation records that have no step of
+their own (step 0 before training; in async mode the final weights' validation, at the last step). Metric names follow verl where verl has one.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class ConsoleSink:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         parts = [f"{k.split('/')[-1]}={_fmt(metrics[k])}" for k in self.KEYS if k in metrics]
+        if "val/reward/mean" in metrics:  # a validation (orchestrator/validation.py) ran at this step
+            parts.append(f"val={_fmt(metrics['val/reward/mean'])}@v{int(metrics['val/policy_version'])}")
         print(f"[step {step}/{self._total}] " + " ".join(parts), file=self._stream, flush=True)
 
     def close(self) -> None:

@@ -42,7 +42,8 @@ def check_model(cfg: RunConfig) -> None:
 
 
 def check_task_data(cfg: RunConfig) -> None:
-    """The task's data file (e.g. gsm8k's `task.data_path`) is there; the message names the key."""
+    """The task's data files (e.g. gsm8k's `task.data_path`, and `task.val_data_path` when set) are
+    there; the message names the key."""
     check_data = TASKS[cfg.task.name].check_data
     if check_data is None:
         return
@@ -50,6 +51,11 @@ def check_task_data(cfg: RunConfig) -> None:
         check_data(cfg.task.data_path)
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
+    if cfg.task.val_data_path:
+        try:
+            check_data(cfg.task.val_data_path)
+        except (FileNotFoundError, ValueError) as exc:
+            raise ConfigError(str(exc).replace("task.data_path", "task.val_data_path")) from None
 
 
 def check_run_dir(cfg: RunConfig) -> None:

@@ -24,25 +24,35 @@ class TaskParams(Protocol):
     seed: int
     data_path: Optional[str]
     max_turns: int
+    val_num_prompts: Optional[int]
+    val_data_path: Optional[str]
 
 
 @dataclass(frozen=True)
 class TaskEntry:
-    """A task: its row loader (task config -> dataset rows), its agent app (run with this Python
+    """A task: its row loader ((task config, split "train" | "test") -> dataset rows; the test
+    split holds prompts never drawn for training), its agent app (run with this Python
     by the local ACR emulator unless `rollout.acr.agent_cmd` names another command) and, for a
     task that reads `task.data_path`, the check that the file is there (raises FileNotFoundError
     or ValueError naming `task.data_path`; run by pre-flight, not by schema validation)."""
 
-    rows: Callable[[TaskParams], list[dict]]
+    rows: Callable[[TaskParams, str], list[dict]]
     agent: Path
     check_data: Optional[Callable[[Optional[str]], object]] = None
 
 
-def _letters_rows(t: TaskParams) -> list[dict]:
-    return letters.make_rows(t.num_prompts, t.seed)
+SPLITS: tuple[str, ...] = ("train", "test")  # every task has both; "test" is held out from training
 
 
-def _gsm8k_rows(t: TaskParams) -> list[dict]:
+def _letters_rows(t: TaskParams, split: str) -> list[dict]:
+    if split == "test":  # (letter, count) pairs never drawn for training (workers/core/tasks/letters.py)
+        return letters.make_rows(t.val_num_prompts or letters.MAX_COUNT * len(letters.LETTERS), t.seed, "test")
+    return letters.make_rows(t.num_prompts, t.seed, "train")
+
+
+def _gsm8k_rows(t: TaskParams, split: str) -> list[dict]:
+    if split == "test":  # the test file: its questions are not in the train file
+        return gsm8k.load_rows(t.val_data_path, t.val_num_prompts, t.seed, t.max_turns)
     return gsm8k.load_rows(t.data_path, t.num_prompts, t.seed, t.max_turns)
 
 

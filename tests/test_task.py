@@ -116,6 +116,6 @@ def test_registry_loads_letters_rows_for_its_agent():
     from orchestrator.config import TaskConfig
     from orchestrator.tasks import TASKS
 
-    rows = TASKS["letters"].rows(TaskConfig(num_prompts=5, seed=3))
+    rows = TASKS["letters"].rows(TaskConfig(num_prompts=5, seed=3), "train")
     assert rows == letters.make_rows(5, seed=3)
     assert TASKS["letters"].agent.parent == REWARD_PATH.parent  # reward.py sits beside the agent app

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 from orchestrator.config.errors import check, one_of
 
-MODE_NAMES = ("sync", "async")
+MODE_NAMES = ("sync", "async", "eval")  # eval: orchestrator/evaluate.py, no trainer
 
 
 @dataclass
 class ModeConfig:
-    """Sync or async training loop. `sync_every`: optimizer updates (mini-batches) per weight sync
+    """Sync or async training loop, or eval (batch evaluation, no training). `sync_every`: optimizer updates (mini-batches) per weight sync
     (verl: `parameter_sync_step`)."""
 
     name: str = "sync"

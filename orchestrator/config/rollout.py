@@ -8,7 +8,7 @@ The contract names are workers/rollout/contract.py's `Contract`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 from orchestrator.config.errors import ConfigError, check, one_of
 from workers.acr.limits import AcrLimitsConfig
@@ -66,6 +66,9 @@ class AcrConfig:
     retry_mode: str = "standard"  # botocore retry mode for throttling / 5xx
     max_attempts: int = 8  # botocore total attempts per call
     runtime_error_attempts: int = 3  # invocations of one session on RuntimeClientError (424)
+    # rollout=local only: fault injection rates of the emulator (workers/embedded/faults.py FaultRates
+    # fields, e.g. {crash: 0.05, throttle: 0.05, seed: 1}); empty: none
+    faults: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -114,6 +117,13 @@ class RolloutConfig:
         check(self.max_context_tokens > self.max_tokens, "rollout.max_context_tokens",
               f"must be > rollout.max_tokens={self.max_tokens} (prompt + answer must fit)", self.max_context_tokens)
         check(bool(self.acr.region), "rollout.acr.region", "must not be empty", self.acr.region)
+        if self.acr.faults:
+            check(self.name == "local", "rollout.acr.faults", "needs rollout=local (the emulator injects them)",
+                  dict(self.acr.faults))
+            try:
+                local_fault_rates(self.acr)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"rollout.acr.faults: {exc}") from None
         check(self.acr.num_agents >= 1, "rollout.acr.num_agents", "must be >= 1", self.acr.num_agents)
         check(self.acr.session_rate_per_s > 0, "rollout.acr.session_rate_per_s", "must be > 0",
               self.acr.session_rate_per_s)
@@ -131,6 +141,17 @@ def rollout_settings(r: RolloutConfig, *, exp_id: str, agent_runtime_arn: str, g
         temperature=r.temperature, top_p=r.top_p, timeout_s=r.timeout_s, max_context_tokens=r.max_context_tokens,
         contract=r.contract, http_background=r.http_background, push_grace_s=r.push_grace_s,  # type: ignore[arg-type]
         max_consecutive_bad_results=r.max_consecutive_bad_results)
+
+
+def local_fault_rates(acr: AcrConfig) -> Any:
+    """`rollout.acr.faults` as the emulator's FaultRates (workers/embedded/faults.py); None when empty.
+    Raises TypeError / ValueError on an unknown kind or a bad rate."""
+    if not acr.faults:
+        return None
+    from workers.embedded.faults import FaultRates
+
+    f = dict(acr.faults)
+    return FaultRates(**{k: (int(v) if k in ("seed", "repeats") else float(v)) for k, v in f.items()})
 
 
 def acr_client_config(r: RolloutConfig) -> AcrClientConfig:

@@ -18,6 +18,7 @@ from orchestrator.config.algorithm import AlgorithmConfig
 from orchestrator.config.async_ import AsyncConfig
 from orchestrator.config.cluster import ClusterConfig
 from orchestrator.config.errors import ConfigError, check
+from orchestrator.config.eval import EvalConfig
 from orchestrator.config.inference import InferenceConfig
 from orchestrator.config.logger import LoggerConfig
 from orchestrator.config.mode import ModeConfig
@@ -25,6 +26,7 @@ from orchestrator.config.model import ModelConfig
 from orchestrator.config.rollout import RolloutConfig
 from orchestrator.config.task import TaskConfig
 from orchestrator.config.trainer import CUDA_WEIGHT_SYNC_BACKENDS, TrainerConfig
+from orchestrator.tasks import TASKS
 
 if TYPE_CHECKING:
     from orchestrator.loop_async import AsyncLoopSettings
@@ -45,6 +47,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run_dir: str = MISSING
     seed: int = 0
 
@@ -64,6 +67,13 @@ class RunConfig:
         check(self.trainer.weight_sync.backend not in CUDA_WEIGHT_SYNC_BACKENDS or self.cluster.name != "local",
               "trainer.weight_sync.backend", "needs CUDA GPUs: use cluster=disaggregated or cluster=colocated "
               "(cluster=local runs on CPU; use file, shm or gloo)", self.trainer.weight_sync.backend)
+        validating = self.trainer.test_freq > 0 or self.trainer.val_before_train
+        check(not validating or self.task.val_split != "test" or TASKS[self.task.name].check_data is None
+              or bool(self.task.val_data_path), "task.val_data_path",
+              f"must be set to validate task={self.task.name} on its test split (trainer.test_freq)",
+              self.task.val_data_path)
+        check(self.eval.serve_model or self.mode.name == "eval", "eval.serve_model",
+              "can be false only with mode=eval (training needs the served policy)", self.eval.serve_model)
 
     @property
     def samples_per_step(self) -> int:
@@ -92,7 +102,7 @@ def async_loop_settings(run: RunConfig) -> AsyncLoopSettings:
 GROUP_SCHEMAS: dict[str, type] = {
     "mode": ModeConfig, "cluster": ClusterConfig, "model": ModelConfig, "trainer": TrainerConfig,
     "inference": InferenceConfig, "rollout": RolloutConfig, "task": TaskConfig,
-    "algorithm": AlgorithmConfig, "logger": LoggerConfig, "async": AsyncConfig,
+    "algorithm": AlgorithmConfig, "logger": LoggerConfig, "async": AsyncConfig, "eval": EvalConfig,
 }
 TOP_LEVEL_KEYS = ("run_dir", "seed")
 

@@ -85,6 +85,10 @@ class TrainerConfig:
     max_ckpt_to_keep: int = 2
     resume_mode: str = "disable"
     resume_from_path: str | None = None
+    # validation on `task.val_split` (the `eval` group's n and sampling): every `test_freq` steps
+    # (<= 0: never) and, with `val_before_train`, once before the first step (verl's names)
+    test_freq: int = 0
+    val_before_train: bool = False
     max_tokens_per_micro_batch: Optional[int] = None
     mixed_precision: Optional[str] = None
     activation_checkpointing: bool = False

@@ -23,7 +23,7 @@ from typing import Any
 
 from workers.core.calls import call, is_actor_method
 from workers.core.types import RolloutRequest, Sample, SessionCapture
-from workers.rollout.worker import RolloutOutcome, RolloutSettings, RolloutWorker
+from workers.rollout.worker import NoGateway, RolloutOutcome, RolloutSettings, RolloutWorker
 from workers.rollout.results import ResultBoard, ResultServer
 
 
@@ -48,7 +48,7 @@ class RolloutActor:
     """The Ray-facing shell around one RolloutWorker (see module docstring)."""
 
     def __init__(self, settings: RolloutSettings, gateway_handle: Any, buffer_handle: Any,
-                 options: PoolOptions | None = None) -> None:
+                 options: PoolOptions | None = None) -> None:  # gateway_handle None: no served model
         self._settings = settings
         self._gateway_handle = gateway_handle
         self._buffer_handle = buffer_handle
@@ -83,7 +83,8 @@ class RolloutActor:
             advertise = opts.result_advertise_host or (opts.result_host if opts.result_host != "0.0.0.0"
                                                        else socket.gethostbyname(socket.gethostname()))
             url = url.replace(f"//{opts.result_host}:", f"//{advertise}:", 1)
-        return RolloutWorker(self._settings, GatewayActorClient(self._gateway_handle), self._acr,
+        gateway = NoGateway() if self._gateway_handle is None else GatewayActorClient(self._gateway_handle)
+        return RolloutWorker(self._settings, gateway, self._acr,
                              _sink_for(self._buffer_handle), slots=clients.sessions if clients else None,
                              results=board, result_url=url)
 

@@ -55,7 +55,7 @@ from workers.rollout.contract import (
 )
 from workers.rollout.results import ResultBoard
 
-__all__ = ["RESERVED_KEYS", "ContractError", "BadResult", "RolloutSettings", "RolloutOutcome", "RolloutWorker",
+__all__ = ["RESERVED_KEYS", "ContractError", "BadResult", "NoGateway", "RolloutSettings", "RolloutOutcome", "RolloutWorker",
            "build_payload", "new_session_id", "parse_reward", "result_key", "FailReason"]
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,9 @@ class RolloutOutcome:
 
     result_to_stored_s: seconds from the result reaching this worker (push, HTTP answer or S3
     hit) to the sample being in the buffer; None when no result arrived.
+    num_input_tokens: recorded tokens the model did not generate (prompts, tool results);
+    num_turns: model turns the gateway served; policy_version: the oldest policy version of a
+    generated token (None: nothing generated through the gateway).
     """
 
     session_id: str
@@ -119,11 +122,25 @@ class RolloutOutcome:
     error: str | None
     reason: FailReason | None = None
     result_to_stored_s: float | None = None
+    num_input_tokens: int = 0
+    num_turns: int = 0
+    policy_version: int | None = None
 
 
 class GatewaySessions(Protocol):
     async def open_session(self, session_id: str, max_context_tokens: int | None = None) -> str: ...
     async def close_session(self, session_id: str) -> SessionCapture: ...
+
+
+class NoGateway:
+    """GatewaySessions when no model is served (`eval.serve_model=false`): the agent uses its own
+    model, so a session has no token and records nothing."""
+
+    async def open_session(self, session_id: str, max_context_tokens: int | None = None) -> str:
+        return ""
+
+    async def close_session(self, session_id: str) -> SessionCapture:
+        return SessionCapture(session_id=session_id, rows=(), num_turns=0)
 
 
 class AcrCalls(Protocol):
@@ -145,15 +162,24 @@ class SessionGate(Protocol):
 
 def build_payload(req: RolloutRequest, s: RolloutSettings, session_id: str, api_key: str,
                   result_url: str | None = None) -> dict:
-    """S3 contract: dataset row + `_rollout`. Raises ContractError if the row has reserved keys."""
+    """S3 contract: dataset row + `_rollout`. Raises ContractError if the row has reserved keys.
+    Without a gateway (`s.gateway_base_url` empty: evaluation of an agent with its own model) the
+    payload names no model endpoint: no base_url, model_id or api_key."""
     rollout = {
         "exp_id": s.exp_id, "input_id": req.input_id, "session_id": session_id,
-        "s3_bucket": s.s3_bucket, "base_url": s.gateway_base_url, "model_id": s.model_id,
-        "api_key": api_key, "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+        "s3_bucket": s.s3_bucket, **model_endpoint(s, api_key),
+        "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
     }  # fmt: skip
     if result_url is not None:
         rollout["result_url"] = result_url
     return s3_payload(req.row, req.input_id, rollout)
+
+
+def model_endpoint(s: RolloutSettings, api_key: str) -> dict:
+    """{base_url, model_id, api_key} of the served policy; {} when no model is served (no gateway)."""
+    if not s.gateway_base_url:
+        return {}
+    return {"base_url": s.gateway_base_url, "model_id": s.model_id, "api_key": api_key}
 
 
 def fail_reason(exc: BaseException) -> FailReason:
@@ -253,9 +279,12 @@ class RolloutWorker:
             self.counts[f"rollout/{status}"] += 1
             if v.reason is not None:
                 self.counts[f"rollout/failed/{v.reason}"] += 1
+            versions = sample.version_range()
             return RolloutOutcome(sid, req.group_id, req.sample_index, status, v.reward, sample.num_generated_tokens,
                                   sample.latency_s, v.error, v.reason,
-                                  None if v.result_s is None else stored_s - v.result_s)
+                                  None if v.result_s is None else stored_s - v.result_s,
+                                  num_input_tokens=sum(len(r.token_ids) - r.num_generated for r in capture.rows),
+                                  num_turns=capture.num_turns, policy_version=versions[0] if versions else None)
         finally:
             stopped = True
             if invoked:
@@ -330,7 +359,7 @@ class RolloutWorker:
         s = self._s
         inv = new_invocation_id()
         where = f"session {sid}"
-        config = {"base_url": s.gateway_base_url, "model_id": s.model_id, "api_key": api_key, "session_id": sid,
+        config = {**model_endpoint(s, api_key), "session_id": sid,
                   "exp_id": s.exp_id, "input_id": req.input_id, "max_tokens": s.max_tokens,
                   "temperature": s.temperature, "top_p": s.top_p}
         if (url := self._result_url_of(sid)) is not None:

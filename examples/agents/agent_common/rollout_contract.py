@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -32,7 +33,10 @@ import boto3
 ROLLOUT_KEY = "_rollout"
 RESULT_POST_TIMEOUT_S = 30.0  # bound on the fast-completion POST; S3 already holds the result
 MAX_STOP_REASON_CHARS = 2000  # an error object carries at most this much of the failure text
-REQUIRED_FIELDS = ("exp_id", "input_id", "s3_bucket", "base_url", "model_id", "api_key")
+REQUIRED_FIELDS = ("exp_id", "input_id", "s3_bucket")
+# The model endpoint: sent in `_rollout` when the orchestrator serves the policy; absent when it
+# evaluates the agent with its own model (eval.serve_model=false), which these env vars name.
+MODEL_FIELDS_ENV = {"base_url": "AGENT_MODEL_BASE_URL", "model_id": "AGENT_MODEL_ID", "api_key": "AGENT_MODEL_API_KEY"}
 
 logger = logging.getLogger("agent_common")
 _s3 = None  # boto3 clients are thread-safe; created on first use so env vars set before start apply
@@ -57,13 +61,18 @@ class RolloutSpec:
 
     @classmethod
     def parse(cls, payload: dict[str, Any]) -> "RolloutSpec":
-        """Raises ValueError naming the missing `_rollout` fields. Sampling fields may also sit in the row."""
+        """Raises ValueError naming the missing `_rollout` fields. Sampling fields may also sit in the row.
+        Without `base_url` in `_rollout` (no served policy) the model endpoint is the agent's own:
+        env AGENT_MODEL_BASE_URL, AGENT_MODEL_ID, AGENT_MODEL_API_KEY."""
         r = payload.get(ROLLOUT_KEY)
         if not isinstance(r, dict):
             raise ValueError(f"payload needs a '{ROLLOUT_KEY}' dict")
-        missing = [k for k in REQUIRED_FIELDS if not r.get(k)]
+        if not r.get("base_url"):  # the agent's own model
+            r = {**r, **{k: os.environ.get(env, "") for k, env in MODEL_FIELDS_ENV.items()}}
+        missing = [k for k in (*REQUIRED_FIELDS, *MODEL_FIELDS_ENV) if not r.get(k)]
         if missing:
-            raise ValueError(f"'{ROLLOUT_KEY}' lacks {missing}")
+            raise ValueError(f"'{ROLLOUT_KEY}' lacks {missing} (without base_url: set env "
+                             f"{sorted(MODEL_FIELDS_ENV.values())} to the agent's own model)")
 
         def opt(key: str, typ: type) -> Any:
             value = r.get(key, payload.get(key))

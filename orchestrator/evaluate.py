@@ -1,0 +1,107 @@
+"""mode=eval: batch evaluation of the current weights (`model.path`, or the checkpoint resumed) on
+`task.split`, through the real rollout pool under the same cluster-wide ACR limits, no trainer.
+
+Every prompt of the split (the first `eval.max_prompts`) x `eval.n` samples; outputs in run_dir:
+`eval.jsonl` (one line per rollout, orchestrator/validation.py EvalRecord) and
+`eval_summary.json` (orchestrator/validation.py `summarize`, plus the ACR session count left
+open). Progress: a tqdm bar on a terminal (done / failed / in flight, ETA), else a plain line per
+tenth of the rollouts.
+
+Invariant: eval.jsonl has exactly `rollouts` lines and `completed + failed == rollouts ==
+prompts x n` (a failed rollout is counted by reason, never scored 0). Callers: orchestrator/main.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from orchestrator.config import RunConfig
+from orchestrator.config.eval import eval_settings
+from orchestrator.tasks import TASKS
+from orchestrator.validation import EvalRecord, evaluate_rows, summarize
+
+PARTITION = "eval"
+LINES_EVERY = 10  # plain progress: a line per this many percent of the rollouts
+
+
+class Progress:
+    """Counts done / failed / in flight; draws a tqdm bar (`bar`) or prints plain lines (`lines`)."""
+
+    def __init__(self, total: int, style: str, stream: TextIO = sys.stderr) -> None:
+        if style == "auto":
+            style = "bar" if stream.isatty() else "lines"
+        self._style, self._total, self._stream = style, total, stream
+        self.done = self.failed = 0
+        self._t0 = time.monotonic()
+        self._next_line = 0
+        self._bar = None
+        if style == "bar":
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, file=stream, unit="rollout", dynamic_ncols=True)
+
+    def on_record(self, r: EvalRecord) -> None:
+        self.done += 1
+        self.failed += r.status != "completed"
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(failed=self.failed, in_flight=self._total - self.done, refresh=False)
+        elif self._style == "lines" and (self.done * 100 >= self._next_line * self._total or self.done == self._total):
+            elapsed = time.monotonic() - self._t0
+            eta = elapsed / self.done * (self._total - self.done) if self.done else float("nan")
+            print(f"[eval] {self.done}/{self._total} done, {self.failed} failed, {self._total - self.done} in flight, "
+                  f"{elapsed:.0f}s elapsed, ETA {eta:.0f}s", file=self._stream, flush=True)
+            self._next_line = self.done * 100 // self._total + LINES_EVERY
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def split_rows(cfg: RunConfig) -> list[dict]:
+    """The rows of `task.split` that are evaluated (the first `eval.max_prompts`)."""
+    rows = TASKS[cfg.task.name].rows(cfg.task, cfg.task.split)
+    return rows[:cfg.eval.max_prompts] if cfg.eval.max_prompts else rows
+
+
+async def run_eval(cfg: RunConfig, rt: Any, stack: contextlib.ExitStack) -> dict[str, Any]:
+    """Build the evaluation parts, evaluate the split, write eval.jsonl and eval_summary.json;
+    return the summary. Raises what the pool raises (ContractError stops the evaluation)."""
+    from orchestrator.build import build_eval
+
+    rows = split_rows(cfg)
+    settings = eval_settings(cfg.eval)
+    built = await build_eval(cfg, rt, stack)
+    progress = Progress(len(rows) * settings.n, cfg.eval.progress)
+    async with built.closing:
+        try:
+            records, wall_s = await evaluate_rows(built.pool, built.store, rows, settings, PARTITION, time.monotonic,
+                                                  progress.on_record)
+        finally:
+            progress.close()
+        acr = await built.pool.acr_stats()
+        counts = await built.pool.rollout_counts()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*(r.shutdown.remote() for r in built.replicas))
+    summary = {"task": cfg.task.name, "split": cfg.task.split, "model_path": rt.model_path,
+               "serve_model": cfg.eval.serve_model, "temperature": cfg.eval.temperature,
+               **summarize(records, n=settings.n, pass_threshold=settings.pass_threshold, wall_s=wall_s),
+               "acr/sessions_open_at_exit": rt.local.stats().sessions_open if rt.local else acr.get("sessions_open", 0),
+               "acr/requests": acr.get("requests", 0), "acr/retries": acr.get("retries", 0),
+               "acr/stop_failed": counts.get("acr/stop_failed", 0)}
+    write_outputs(rt.run_dir, records, summary)
+    return summary
+
+
+def write_outputs(run_dir: Path, records: list[EvalRecord], summary: dict[str, Any]) -> None:
+    """`run_dir/eval.jsonl` (a line per record) and `run_dir/eval_summary.json`."""
+    with (run_dir / "eval.jsonl").open("w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r.to_json(), allow_nan=True) + "\n")
+    (run_dir / "eval_summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
