@@ -26,12 +26,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol
 
+from orchestrator.loop_common import Rollouts
 from workers.core.passk import mean_and_sem, mean_pass_at_k, percentile
 from workers.core.types import RolloutRequest
-
-
-class Rollouts(Protocol):
-    async def run_all(self, reqs: list[RolloutRequest], partition: str) -> list[Any]: ...
 
 
 class PartitionStore(Protocol):
