@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from orchestrator.config.errors import check, one_of
+from orchestrator.sampler import SAMPLER_CHOICES, SamplerSettings
 from orchestrator.tasks import TASK_NAMES, TASKS
 
 
@@ -18,6 +19,11 @@ class TaskConfig:
         through epochs. seed: which rows. data_path: the task's JSONL file (gsm8k); a relative
         path resolves against the repository root. max_turns: model turns an agent may take per
         episode (sent to the agent in each row of multi-turn tasks).
+    sampler: how prompts are drawn. uniform: a reshuffled cycle, every prompt once per epoch.
+        difficulty: prompts whose groups are expected to have reward variance are drawn more
+        (orchestrator/sampler.py; its knobs: sampler_floor, the share of draw probability spread
+        uniformly, in (0, 1]; sampler_window, recent groups kept per prompt; sampler_prior_strength,
+        pseudo-groups of the prior; sampler_sharpness, the exponent on a prompt's informative rate).
     """
 
     name: str = "letters"
@@ -25,6 +31,11 @@ class TaskConfig:
     seed: int = 0
     data_path: Optional[str] = None
     max_turns: int = 1
+    sampler: str = "uniform"
+    sampler_floor: float = 0.05
+    sampler_window: int = 4
+    sampler_prior_strength: float = 0.5
+    sampler_sharpness: float = 4.0
 
     def __post_init__(self) -> None:
         one_of(self.name, "task.name", TASK_NAMES)
@@ -32,6 +43,20 @@ class TaskConfig:
             check(self.num_prompts is not None and self.num_prompts >= 1, "task.num_prompts", "must be >= 1",
                   self.num_prompts)
         check(self.max_turns >= 1, "task.max_turns", "must be >= 1", self.max_turns)
+        one_of(self.sampler, "task.sampler", SAMPLER_CHOICES)
+        check(0.0 < self.sampler_floor <= 1.0, "task.sampler_floor", "must be in (0, 1]", self.sampler_floor)
+        check(self.sampler_window >= 1, "task.sampler_window", "must be >= 1", self.sampler_window)
+        check(self.sampler_prior_strength > 0, "task.sampler_prior_strength", "must be > 0",
+              self.sampler_prior_strength)
+        check(self.sampler_sharpness > 0, "task.sampler_sharpness", "must be > 0", self.sampler_sharpness)
         if TASKS[self.name].check_data is not None:
             check(bool(self.data_path), "task.data_path", f"must be set for task={self.name} (its JSONL file)",
                   self.data_path)
+
+
+def sampler_settings(task: TaskConfig) -> SamplerSettings | None:
+    """The difficulty sampler's settings, or None for task.sampler=uniform (the PromptCycle)."""
+    if task.sampler == "uniform":
+        return None
+    return SamplerSettings(floor=task.sampler_floor, window=task.sampler_window,
+                           prior_strength=task.sampler_prior_strength, sharpness=task.sampler_sharpness)
