@@ -8,13 +8,17 @@ each prompt with a probability that grows with its estimated chance of an inform
 
     e_i = 1 - sum_v f_v**n          (f_v: share of reward value v among the prompt's C_i recent
                                      samples; sum_v f_v**n: chance that n fresh samples all tie)
-    q_i = (C_i * e_i + a * n * m) / (C_i + a * n)      (shrunk towards the prior mean m)
+    q_i = min(m, (C_i * e_i + a * n * m) / (C_i + a * n))   (shrunk towards the prior mean m)
     p_i = (1 - floor) * q_i**k / sum_j q_j**k + floor / N
 
 `n` = the prompt's last group size; `a` = `prior_strength` in groups; `m` = the informative rate
 of the last `GLOBAL_WINDOW` groups of any prompt (empirical-Bayes prior mean, so an unseen prompt
 is expected to teach as often as the average prompt does now); `k` = `sharpness`; N = number of
-prompts. An unseen prompt has q_i = m. Prompts are drawn with
+prompts. An unseen prompt has q_i = m. A prompt's own groups only ever lower its q_i below m (the
+`min`): training on an informative group changes the policy on that prompt, so variance last time
+does not predict variance next time. Measured on letters (sync, 60 steps): a prompt whose last
+group had variance had it again 46 % of the time, the base rate then; one whose last group was
+all-correct, 23 %. What the sampler does is draw less of the prompts that recently tied. Prompts are drawn with
 replacement by a seeded `random.Random`.
 
 Invariants: every prompt keeps a probability >= floor / N > 0 (a prompt the policy forgets comes
@@ -108,7 +112,7 @@ class DifficultySampler:
         weights = []
         for i in range(n):
             h = self._history.get(i)
-            q = m if not h else _shrunk_informative_rate(h, s.prior_strength, m)
+            q = m if not h else min(m, _shrunk_informative_rate(h, s.prior_strength, m))
             weights.append(q ** s.sharpness)
         total = sum(weights)
         if total <= 0.0:  # nothing is expected to teach: draw uniformly

@@ -16,7 +16,8 @@ Each leaf holds:
 - `acr_invocations_per_reward_point`: dispatched / (100 · (reward_final − reward_initial)), i.e.
   ACR invocations per percentage point of training-reward gain (NaN when there is no gain).
 
-    python scripts/bench_sampler.py --out bench_sampler.json [--steps 60] [--modes sync async]
+    python scripts/bench_sampler.py --out bench_sampler.json [--steps 60] [--modes sync async] \
+        [--samplers uniform difficulty] [Hydra overrides for every run, e.g. task.sampler_floor=0.1]
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON file to write")
     ap.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
+    ap.add_argument("--samplers", nargs="+", default=list(SAMPLERS), choices=list(SAMPLERS))
     ap.add_argument("--steps", type=int, default=0, help="trainer.total_steps (0: the config's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="per run (seconds)")
@@ -86,7 +88,7 @@ def main() -> None:
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="bench_sampler_"))
     out: dict[str, dict[str, dict]] = {}
     for mode in args.modes:
-        for sampler in SAMPLERS:
+        for sampler in args.samplers:
             out.setdefault(mode, {})[sampler] = point = run_point(mode, sampler, args, work)
             print(f"{mode:5s} {sampler:10s} filtered {point['filtered_fraction']:.3f} "
                   f"reward {point['reward_final']:.3f} (uniform-weighted {point['reward_final_uniform']:.3f}) "

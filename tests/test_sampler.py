@@ -155,7 +155,7 @@ async def test_difficulty_sampler_filters_fewer_rollouts_than_uniform_through_th
     uniform = await run(PromptCycle(ROWS, seed=0))
     difficulty = await run(DifficultySampler(ROWS, seed=0))
     assert filtered_fraction(uniform) > 0.35  # half the prompts never teach
-    assert filtered_fraction(difficulty) < 0.2
+    assert filtered_fraction(difficulty) < 0.3  # uniform: about 0.5
     m = difficulty.logger.steps[-1][1]
     for key in ("sampler/entropy", "sampler/skipped_easy", "sampler/skipped_hard", "sampler/reward_uniform"):
         assert key in m, key
