@@ -2,6 +2,7 @@
 shipped loops driven with simulated parts (no models, no Ray)."""
 
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -10,15 +11,15 @@ import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
 from orchestrator.batching import RolloutLedger
-from orchestrator.checkpoint import RunState
+from orchestrator.checkpoint import RunState, load_latest
 from orchestrator.loop_async import AsyncLoopSettings, run_async
 from orchestrator.loop_common import LoopParts
 from orchestrator.loop_sync import SyncLoopSettings, run_sync
 from orchestrator.prompts import PromptCycle
-from orchestrator.run_checkpoint import ResumablePrompts
+from orchestrator.run_checkpoint import LoopPosition, ResumablePrompts, RunCheckpointer
 from orchestrator.sampler import DifficultySampler, SamplerSettings, group_outcome
 from orchestrator.staleness import AdmissionState
-from stand_ins import ListLogger, MemoryStore, RecordingTrainer, SimReplica, SimRollouts
+from stand_ins import FileTrainer, ListLogger, MemoryStore, RecordingTrainer, SimReplica, SimRollouts
 
 ROWS = [{"input_id": f"p{i}", "prompt": "x"} for i in range(40)]
 
@@ -126,8 +127,8 @@ def test_prompt_cycle_ignores_feedback():
     assert c.take_metrics() == {} and c.next_rows(3) == PromptCycle(ROWS, seed=0).next_rows(3)
 
 
-def sim_parts(prompts):
-    store, engine = MemoryStore(), SimReplica()
+def sim_parts(prompts, engine_version=0):
+    store, engine = MemoryStore(), SimReplica(engine_version)
     rollouts = SimRollouts(store, engine, random.Random(0),
                            lambda r: float(r.sample_index % 2) if teaching(r.input_id) else 1.0, 0.005)
     return LoopParts(prompts=prompts, rollouts=rollouts, store=store, trainer=RecordingTrainer(engine),
@@ -163,3 +164,24 @@ async def test_difficulty_sampler_filters_fewer_rollouts_than_uniform_through_th
     assert "sampler/entropy" not in uniform.logger.steps[-1][1]
     c = difficulty.ledger.counts()
     assert c["rollout/trained_groups"] * 4 <= c["rollout/completed"] + c["rollout/expired"]
+
+
+async def test_async_run_checkpoints_the_sampler_and_a_resume_continues_from_it(tmp_path):
+    prompts = ResumablePrompts(DifficultySampler(ROWS, seed=4))
+    parts = sim_parts(prompts)
+    parts.checkpoint = RunCheckpointer(tmp_path, FileTrainer(), prompts, save_freq=3, keep_last=1)
+    run = AsyncLoopSettings(total_steps=3, groups_per_update=4, n=4, sync_every=1, max_staleness=1, on_stale="drop",
+                            filter_zero_variance=True, drain_timeout_s=10)
+    await asyncio.wait_for(run_async(parts, run), timeout=60)
+    saved = load_latest(tmp_path)
+    assert saved is not None and saved.state.prompts["kind"] == "difficulty" and saved.state.prompts["history"]
+
+    resumed = ResumablePrompts.restore(ROWS, seed=999, state=saved.state, sampler=SamplerSettings())
+    pending = len(saved.state.pending_rows)
+    assert resumed.next_rows(pending) == list(saved.state.pending_rows)
+    assert resumed.next_rows(5) == DifficultySampler.from_state(ROWS, saved.state.prompts).next_rows(5)
+    parts2 = sim_parts(ResumablePrompts.restore(ROWS, seed=999, state=saved.state, sampler=SamplerSettings()),
+                       engine_version=saved.state.policy_version)
+    report = await asyncio.wait_for(run_async(parts2, dataclasses.replace(run, total_steps=6),
+                                              start=LoopPosition.of(saved.state)), timeout=60)
+    assert report.policy_version == 6 and not parts2.ledger.open_rollouts()
