@@ -111,6 +111,10 @@ class RolloutLedger:
     _closed: dict[str, RolloutStatus] = field(default_factory=dict)
     _counts: dict[str, int] = field(default_factory=lambda: {s: 0 for s in TERMINAL_STATES})
     dispatched: int = 0
+    trained_groups: int = 0  # groups handed to an update (their samples closed completed/expired)
+
+    def on_group_trained(self) -> None:
+        self.trained_groups += 1
 
     def on_dispatched(self, key: str) -> None:
         if key in self._open or key in self._closed:
@@ -131,5 +135,6 @@ class RolloutLedger:
         return sorted(self._open)
 
     def counts(self) -> dict[str, int]:
-        """`rollout/{dispatched,completed,failed,expired,filtered}` so far."""
-        return {"rollout/dispatched": self.dispatched, **{f"rollout/{k}": v for k, v in self._counts.items()}}
+        """`rollout/{dispatched,completed,failed,expired,filtered,trained_groups}` so far."""
+        return {"rollout/dispatched": self.dispatched, **{f"rollout/{k}": v for k, v in self._counts.items()},
+                "rollout/trained_groups": self.trained_groups}

@@ -28,7 +28,7 @@ from typing import Any, Awaitable, Callable
 
 from orchestrator.checkpoint import Checkpoint
 from orchestrator.config import (RunConfig, acr_client_config, buffer_config, gateway_config, inference_settings,
-                                 rollout_settings, trainer_class, trainer_settings)
+                                 rollout_settings, sampler_settings, trainer_class, trainer_settings)
 from orchestrator.config import eval_rollout_settings, eval_settings
 from orchestrator.config.rollout import local_fault_rates
 from orchestrator.loop_common import LoopParts
@@ -178,7 +178,8 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     logger = MetricLogger(build_sinks(cfg.logger.sinks, run_dir, cfg.trainer.total_steps, cfg.logger.wandb_project,
                                       cfg.logger.wandb_mode, asdict(cfg)))
     closing.callback(logger.close)
-    prompts = ResumablePrompts.restore(TASKS[cfg.task.name].rows(cfg.task, "train"), cfg.seed, ckpt.state if ckpt else None)
+    prompts = ResumablePrompts.restore(TASKS[cfg.task.name].rows(cfg.task, "train"), cfg.seed, ckpt.state if ckpt else None,
+                                       sampler_settings(cfg.task))
     trainer_client = TrainerClient(trainer, pad_id=pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
                                    weights_dir=run_dir / "weights", export_file=backend == FILE_BACKEND)
     parts = LoopParts(

@@ -53,7 +53,8 @@ class RunState:
     """The driver's state at a checkpoint (JSON).
 
     step: optimizer updates done. policy_version: the version the saved weights carry.
-    next_group_id: the id the next admitted group gets. prompts: PromptCycle state.
+    next_group_id: the id the next admitted group gets. prompts: PromptCycle state, or the
+    DifficultySampler's JSON state (a dict with `kind: difficulty`) under task.sampler=difficulty.
     admission: staleness counters (`Admission.state()`). pending_rows: dataset rows drawn from
     `prompts` whose groups were running or buffered but not trained at save time; a resumed run
     dispatches them before drawing new rows, so no prompt is lost.
@@ -62,7 +63,7 @@ class RunState:
     step: int
     policy_version: int
     next_group_id: int
-    prompts: PromptCycleState
+    prompts: PromptCycleState | dict
     admission: AdmissionState
     pending_rows: tuple[dict, ...] = ()
 
@@ -80,7 +81,7 @@ class RunState:
             "step": self.step,
             "policy_version": self.policy_version,
             "next_group_id": self.next_group_id,
-            "prompts": self.prompts.to_json(),
+            "prompts": self.prompts if isinstance(self.prompts, dict) else self.prompts.to_json(),
             "admission": {"policy_version": self.admission.policy_version,
                           "trained_groups": self.admission.trained_groups},
             "pending_rows": list(self.pending_rows),
@@ -96,7 +97,8 @@ class RunState:
                 step=int(d["step"]),
                 policy_version=int(d["policy_version"]),
                 next_group_id=int(d["next_group_id"]),
-                prompts=PromptCycleState.from_json(d["prompts"]),
+                prompts=(dict(d["prompts"]) if d["prompts"].get("kind") == "difficulty"
+                         else PromptCycleState.from_json(d["prompts"])),
                 admission=AdmissionState(int(d["admission"]["policy_version"]), int(d["admission"]["trained_groups"])),
                 pending_rows=tuple(d["pending_rows"]),
             )

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 from orchestrator.batching import Group, assemble
 from orchestrator.loop_common import (LoopParts, LoopReport, close_trained, close_untrained, dispatch_group,
-                                       end_step, finish, ledger_key, step_metrics, sync_weights)
+                                       end_step, finish, ledger_key, report_groups, step_metrics,
+                                       sync_weights)
 from orchestrator.run_checkpoint import LoopPosition
 from orchestrator.staleness import AdmissionState
 from orchestrator.staleness import SampleStaleness, StalenessController, StalenessPolicy, judge_samples, staleness_metrics
@@ -190,6 +191,7 @@ async def _collect(parts: LoopParts, cfg: AsyncLoopSettings, policy: StalenessPo
         await parts.store.clear_groups(PARTITION, [gid])
         inflight.rows.pop(gid, None)  # every sample of the group reaches its terminal state below
         st.samples.extend(samples)
+        report_groups(parts.prompts, samples)
         completed = [s for s in samples if s.status == "completed"]
         verdict = judge_samples(completed, version, policy)
         st.facts.extend(verdict.facts)

@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 class PromptSource(Protocol):
     def next_rows(self, num: int) -> list[dict]: ...
+    def on_group_rewards(self, input_id: str, rewards: list[float]) -> None: ...
+    def take_metrics(self) -> dict[str, float]: ...
 
 
 class Rollouts(Protocol):
@@ -91,6 +93,18 @@ def dispatch_group(ledger: RolloutLedger, row: dict, group_id: int, n: int) -> l
     return reqs
 
 
+def report_groups(prompts: PromptSource, samples: list[Sample]) -> None:
+    """Feed each finished group's completed rewards back to the prompt source (one call per group;
+    a group with no completed sample is reported with no rewards)."""
+    by_group: dict[int, tuple[str, list[float]]] = {}
+    for s in samples:
+        _, rewards = by_group.setdefault(s.group_id, (s.input_id, []))
+        if s.status == "completed" and s.reward is not None:
+            rewards.append(float(s.reward))
+    for gid in sorted(by_group):
+        prompts.on_group_rewards(*by_group[gid])
+
+
 def close_untrained(ledger: RolloutLedger, batch: GroupBatch) -> None:
     """Close the failed and filtered samples of `batch` in the ledger (failures are logged)."""
     for s in batch.failed:
@@ -104,6 +118,7 @@ def close_trained(ledger: RolloutLedger, groups: Iterable[Group], masked: set[st
     """Close every sample of trained `groups`: `completed`, or `expired` when it was trained with a
     zero loss mask (its key in `masked`)."""
     for g in groups:
+        ledger.on_group_trained()
         for s in g.samples:
             key = ledger_key(s)
             ledger.on_terminal(key, "expired" if key in masked else "completed")
@@ -142,6 +157,7 @@ def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[
         **{k: float(v) for k, v in parts.ledger.counts().items()},
     }
     m.update(mean_update_metrics(updates))
+    m.update(parts.prompts.take_metrics())
     # the short name of verl's `rollout_corr/rollout_is_mean` (mean TIS weight over trained tokens)
     m["rollout_corr/is_mean"] = m.get("rollout_corr/rollout_is_mean", math.nan)
     return m

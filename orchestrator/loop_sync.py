@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from orchestrator.batching import assemble, split_groups
 from orchestrator.loop_common import (LoopParts, LoopReport, close_trained, close_untrained, dispatch_group,
-                                       end_step, finish, ledger_key, step_metrics, sync_weights)
+                                       end_step, finish, ledger_key, report_groups, step_metrics,
+                                       sync_weights)
 from orchestrator.run_checkpoint import LoopPosition
 from workers.core.types import RolloutRequest
 
@@ -50,6 +51,7 @@ async def run_sync(parts: LoopParts, cfg: SyncLoopSettings, *, start: LoopPositi
         if {ledger_key(s) for s in samples} != {ledger_key(r) for r in reqs}:
             raise RuntimeError(f"step {step}: buffer returned {len(samples)} samples for {len(reqs)} rollouts")
 
+        report_groups(parts.prompts, samples)
         batch = assemble(samples, filter_zero_variance=cfg.filter_zero_variance)
         if samples and len(batch.failed) == len(samples):  # nothing can ever train: stop instead of looping
             errors = sorted({str(s.error)[:200] for s in batch.failed})

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import signal
 import sys
 import time
@@ -109,6 +110,8 @@ async def _summary(report, built, local) -> dict:
         "reward/final": final,
         **(built.parts.validator.initial_final() if built.parts.validator is not None else {}),
         **{k: counts[k] for k in sorted(counts)},
+        "rollout/dispatched_per_trained_group": (counts["rollout/dispatched"] / counts["rollout/trained_groups"]
+                                                 if counts.get("rollout/trained_groups") else math.nan),
         # the emulator's own count when local (the server's view), else what the workers left open
         "acr/sessions_open_at_exit": local.stats().sessions_open if local else acr_stats.get("sessions_open", 0),
         "acr/throttled": local.stats().throttled if local else acr_stats.get("throttled", 0),

@@ -79,6 +79,13 @@ class PromptCycle:
         cycle.epoch = state.epoch
         return cycle
 
+    def on_group_rewards(self, input_id: str, rewards: list[float]) -> None:
+        """Uniform cycling ignores feedback (the difficulty sampler's hook, orchestrator/sampler.py)."""
+
+    def take_metrics(self) -> dict[str, float]:
+        """No `sampler/*` metrics: every prompt of an epoch is drawn exactly once."""
+        return {}
+
     def next_rows(self, num: int) -> list[dict]:
         out = []
         while len(out) < num:

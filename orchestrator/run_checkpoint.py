@@ -22,6 +22,7 @@ from typing import Any
 
 from orchestrator.checkpoint import Checkpoint, RunState, load_checkpoint, load_latest, stage_checkpoint
 from orchestrator.prompts import PromptCycle, PromptCycleState
+from orchestrator.sampler import DifficultySampler, SamplerSettings
 from orchestrator.staleness import AdmissionState
 
 
@@ -51,18 +52,33 @@ class LoopPosition:
 class ResumablePrompts:
     """The loop's prompt source: rows left over from a checkpoint first, then the prompt cycle."""
 
-    def __init__(self, cycle: PromptCycle, pending: tuple[dict, ...] = ()) -> None:
+    def __init__(self, cycle: PromptCycle | DifficultySampler, pending: tuple[dict, ...] = ()) -> None:
         self._cycle = cycle
         self._pending = list(pending)
 
     @classmethod
-    def restore(cls, rows: list[dict], seed: int, state: RunState | None) -> "ResumablePrompts":
-        """A fresh cycle over `rows` (seeded) or, with `state`, the one the checkpoint saved.
+    def restore(cls, rows: list[dict], seed: int, state: RunState | None,
+                sampler: SamplerSettings | None = None) -> "ResumablePrompts":
+        """A fresh source over `rows` (seeded) or, with `state`, the one the checkpoint saved: the
+        uniform `PromptCycle`, or with `sampler` settings the `DifficultySampler`.
 
-        Raises ValueError when the dataset rows differ from those the checkpoint was taken on."""
+        Raises ValueError when the dataset rows differ from those the checkpoint was taken on, or
+        the checkpoint was taken with the other sampler."""
         if state is None:
-            return cls(PromptCycle(rows, seed))
-        return cls(PromptCycle.from_state(rows, state.prompts), state.pending_rows)
+            return cls(PromptCycle(rows, seed) if sampler is None else DifficultySampler(rows, seed, sampler))
+        saved_difficulty = isinstance(state.prompts, dict)
+        if saved_difficulty != (sampler is not None):
+            raise ValueError(f"the checkpoint was taken with task.sampler="
+                             f"{'difficulty' if saved_difficulty else 'uniform'}: resume with the same sampler")
+        if sampler is None:
+            return cls(PromptCycle.from_state(rows, state.prompts), state.pending_rows)
+        return cls(DifficultySampler.from_state(rows, state.prompts, sampler), state.pending_rows)
+
+    def on_group_rewards(self, input_id: str, rewards: list[float]) -> None:
+        self._cycle.on_group_rewards(input_id, rewards)
+
+    def take_metrics(self) -> dict[str, float]:
+        return self._cycle.take_metrics()
 
     def next_rows(self, num: int) -> list[dict]:
         out = self._pending[:num]
@@ -71,8 +87,8 @@ class ResumablePrompts:
             out.extend(self._cycle.next_rows(num - len(out)))
         return out
 
-    def snapshot(self) -> tuple[PromptCycleState, tuple[dict, ...]]:
-        """The cycle's state and the leftover rows not handed out yet (read without awaiting)."""
+    def snapshot(self) -> tuple[PromptCycleState | dict, tuple[dict, ...]]:
+        """The cycle's (or sampler's) state and the leftover rows not handed out yet (read without awaiting)."""
         return self._cycle.state(), tuple(self._pending)
 
 

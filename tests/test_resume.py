@@ -7,7 +7,6 @@ And no prompt may be lost: groups in flight at the checkpoint are dispatched aga
 
 import asyncio
 import random
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +16,8 @@ from orchestrator.loop_async import AsyncLoopSettings, run_async
 from orchestrator.loop_common import LoopParts
 from orchestrator.prompts import PromptCycle
 from orchestrator.run_checkpoint import LoopPosition, ResumablePrompts, RunCheckpointer
-from stand_ins import ListLogger, MemoryStore, RecordingTrainer, SimReplica, SimRollouts, alternating_reward
+from stand_ins import (FileTrainer, ListLogger, MemoryStore, RecordingTrainer, SimReplica, SimRollouts,
+                       alternating_reward)
 
 ROWS = [{"input_id": f"p{i}", "prompt": "x"} for i in range(40)]
 ETA, B = 1, 2
@@ -48,25 +48,6 @@ class BoundCheckingRollouts(SimRollouts):
             admitted = self.trained_before + len(self.groups_seen) - self._returned_groups()
             self.peak_excess = max(self.peak_excess, admitted - (ETA + self.engine.version + 1) * B)
         return await super().run_all(reqs, partition)
-
-
-class FileTrainer:
-    """The trainer actor's checkpoint surface (`save_hf`, `save_optimizer` via `.remote`), writing
-    real files so that `RunCheckpointer` commits a complete, verifiable checkpoint."""
-
-    class _Call:
-        def __init__(self, fn):
-            self.remote = fn
-
-    def __init__(self):
-        async def save_hf(d):
-            Path(d).mkdir(parents=True, exist_ok=True)
-            (Path(d) / "config.json").write_text("{}")
-
-        async def save_optimizer(p):
-            Path(p).write_bytes(b"adam")
-
-        self.save_hf, self.save_optimizer = self._Call(save_hf), self._Call(save_optimizer)
 
 
 def build(prompts, engine_version=0, trained_before=0, seed=0):

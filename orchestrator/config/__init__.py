@@ -25,7 +25,7 @@ from orchestrator.config.rollout import (AcrConfig, AcrLimitsSchema, RolloutConf
                                          rollout_settings)
 from orchestrator.config.run import (GROUP_SCHEMAS, RunConfig, async_loop_settings, register, sync_loop_settings,
                                      to_run_config)
-from orchestrator.config.task import TaskConfig
+from orchestrator.config.task import TaskConfig, sampler_settings
 from orchestrator.config.trainer import (TrainerConfig, VerlEngineConfig, WeightSyncConfig, trainer_class,
                                          trainer_settings, verl_settings)
 from orchestrator.tasks import TASK_NAMES
@@ -36,6 +36,6 @@ __all__ = [
     "RejectionRuleConfig", "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "TASK_NAMES", "TaskConfig",
     "TrainerConfig", "TrainerPlacementConfig", "VerlEngineConfig", "WeightSyncConfig", "acr_client_config",
     "async_loop_settings", "buffer_config", "eval_rollout_settings", "eval_settings", "gateway_config", "inference_settings", "register",
-    "rollout_settings", "sync_loop_settings", "to_run_config", "trainer_class", "trainer_settings",
+    "rollout_settings", "sampler_settings", "sync_loop_settings", "to_run_config", "trainer_class", "trainer_settings",
     "verl_settings",
 ]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from orchestrator.config.errors import check, one_of
+from orchestrator.sampler import SAMPLER_CHOICES, SamplerSettings
 from orchestrator.tasks import SPLITS, TASK_NAMES, TASKS
 
 
@@ -23,6 +24,11 @@ class TaskConfig:
     val_num_prompts: rows of the test split (letters: generated from the held-out pairs;
         gsm8k: drawn from `val_data_path`, null: every row). val_data_path: the test split's
         JSONL file (gsm8k); relative paths resolve against the repository root.
+    sampler: how prompts are drawn. uniform: a reshuffled cycle, every prompt once per epoch.
+        difficulty: prompts whose groups are expected to have reward variance are drawn more
+        (orchestrator/sampler.py; its knobs: sampler_floor, the share of draw probability spread
+        uniformly, in (0, 1]; sampler_window, recent groups kept per prompt; sampler_prior_strength,
+        pseudo-groups of the prior; sampler_sharpness, the exponent on a prompt's informative rate).
     """
 
     name: str = "letters"
@@ -34,6 +40,11 @@ class TaskConfig:
     val_split: str = "test"
     val_num_prompts: Optional[int] = 32
     val_data_path: Optional[str] = None
+    sampler: str = "uniform"
+    sampler_floor: float = 0.05
+    sampler_window: int = 4
+    sampler_prior_strength: float = 0.5
+    sampler_sharpness: float = 4.0
 
     def __post_init__(self) -> None:
         one_of(self.name, "task.name", TASK_NAMES)
@@ -41,6 +52,12 @@ class TaskConfig:
             check(self.num_prompts is not None and self.num_prompts >= 1, "task.num_prompts", "must be >= 1",
                   self.num_prompts)
         check(self.max_turns >= 1, "task.max_turns", "must be >= 1", self.max_turns)
+        one_of(self.sampler, "task.sampler", SAMPLER_CHOICES)
+        check(0.0 < self.sampler_floor <= 1.0, "task.sampler_floor", "must be in (0, 1]", self.sampler_floor)
+        check(self.sampler_window >= 1, "task.sampler_window", "must be >= 1", self.sampler_window)
+        check(self.sampler_prior_strength > 0, "task.sampler_prior_strength", "must be > 0",
+              self.sampler_prior_strength)
+        check(self.sampler_sharpness > 0, "task.sampler_sharpness", "must be > 0", self.sampler_sharpness)
         one_of(self.split, "task.split", SPLITS)
         one_of(self.val_split, "task.val_split", SPLITS)
         check(self.val_num_prompts is None or self.val_num_prompts >= 1, "task.val_num_prompts",
@@ -50,3 +67,11 @@ class TaskConfig:
                   self.data_path)
             check(self.split != "test" or bool(self.val_data_path), "task.val_data_path",
                   f"must be set for task={self.name} with task.split=test (the test JSONL file)", self.val_data_path)
+
+
+def sampler_settings(task: TaskConfig) -> SamplerSettings | None:
+    """The difficulty sampler's settings, or None for task.sampler=uniform (the PromptCycle)."""
+    if task.sampler == "uniform":
+        return None
+    return SamplerSettings(floor=task.sampler_floor, window=task.sampler_window,
+                           prior_strength=task.sampler_prior_strength, sharpness=task.sampler_sharpness)
