@@ -32,6 +32,7 @@ no clock.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from bisect import bisect_right
@@ -73,6 +74,17 @@ def group_outcome(rewards: list[float]) -> tuple[float, bool]:
     return sum(rewards) / len(rewards), len(rewards) >= 2 and max(rewards) != min(rewards)
 
 
+def content_keys(rows: list[dict]) -> list[int]:
+    """Per row, the index of its prompt content: rows equal but for `input_id` share an index
+    (numbered in order of first appearance), so they share one history."""
+    seen: dict[str, int] = {}
+    out = []
+    for r in rows:
+        content = json.dumps({k: v for k, v in r.items() if k != "input_id"}, sort_keys=True, default=str)
+        out.append(seen.setdefault(content, len(seen)))
+    return out
+
+
 def _shrunk_informative_rate(groups: deque[tuple[float, ...]], prior_strength: float, m: float) -> float:
     """q_i of the module docstring from a prompt's recent groups' rewards (non-empty)."""
     pooled = [r for g in groups for r in g]
@@ -101,7 +113,8 @@ class DifficultySampler:
             raise ValueError("difficulty sampling needs unique input_id per dataset row")
         self.settings = settings
         self._rng = random.Random(seed)
-        self._history: dict[int, deque[tuple[float, ...]]] = {}  # row index -> recent groups' rewards
+        self._key = content_keys(self._rows)  # row index -> prompt content index
+        self._history: dict[int, deque[tuple[float, ...]]] = {}  # content index -> recent groups' rewards
         self._recent: deque[bool] = deque(maxlen=GLOBAL_WINDOW)
         self._draws = [0] * len(self._rows)
         self._pending_p: dict[str, list[float]] = {}  # draw probability of groups not fed back yet (FIFO)
@@ -112,11 +125,10 @@ class DifficultySampler:
         """p_i for every row (module docstring formula); sums to 1, each >= floor / N."""
         s, n = self.settings, len(self._rows)
         m = sum(self._recent) / len(self._recent) if self._recent else INITIAL_INFORMATIVE_RATE
-        weights = []
-        for i in range(n):
-            h = self._history.get(i)
-            q = m if not h else _shrunk_informative_rate(h, s.prior_strength, m)
-            weights.append(q ** s.sharpness)
+        q_of: dict[int, float] = {}
+        for k, h in self._history.items():
+            q_of[k] = _shrunk_informative_rate(h, s.prior_strength, m)
+        weights = [q_of.get(k, m) ** s.sharpness for k in self._key]
         total = sum(weights)
         if total <= 0.0:  # nothing is expected to teach: draw uniformly
             return [1.0 / n] * n
@@ -149,7 +161,7 @@ class DifficultySampler:
         if not rewards:
             return
         mean, informative = group_outcome(rewards)
-        i = self._index[input_id]
+        i = self._key[self._index[input_id]]
         self._history.setdefault(i, deque(maxlen=self.settings.window)).append(tuple(float(r) for r in rewards))
         self._recent.append(informative)
         self._step_weighted.append((1.0 / (len(self._rows) * p_draw), mean))
@@ -182,7 +194,7 @@ class DifficultySampler:
     def state(self) -> dict:
         """Everything `next_rows` depends on, JSON-safe (`kind: difficulty`)."""
         version, internal, gauss = self._rng.getstate()
-        return {"kind": "difficulty", "rng_state": [version, list(internal), gauss], "num_rows": len(self._rows),
+        return {"kind": "difficulty", "history_by": "content", "rng_state": [version, list(internal), gauss], "num_rows": len(self._rows),
                 "rows_digest": rows_digest(self._rows),
                 "history": {str(i): [list(g) for g in h] for i, h in sorted(self._history.items())},
                 "recent": list(self._recent), "draws": list(self._draws),
@@ -195,6 +207,8 @@ class DifficultySampler:
         Raises ValueError when `rows` differ from the rows the state was taken on, or the state is corrupt."""
         if state.get("kind") != "difficulty":
             raise ValueError(f"not a difficulty sampler state (kind {state.get('kind')!r})")
+        if state.get("history_by") != "content":
+            raise ValueError("sampler state keeps history per row (an older sampler): resume with the version that saved it")
         if len(rows) != state["num_rows"] or rows_digest(list(rows)) != state["rows_digest"]:
             raise ValueError(f"sampler state was saved for {state['num_rows']} other rows: the dataset changed")
         s = cls(rows, seed=0, settings=settings)
@@ -202,7 +216,7 @@ class DifficultySampler:
         s._rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
         for k, h in state["history"].items():
             if not 0 <= int(k) < len(rows):
-                raise ValueError(f"sampler state holds row index {k} outside [0, {len(rows)})")
+                raise ValueError(f"sampler state holds prompt index {k} outside [0, {len(rows)})")
             s._history[int(k)] = deque((tuple(float(r) for r in g) for g in h), maxlen=settings.window)
         s._recent.extend(bool(x) for x in state["recent"])
         if len(state["draws"]) != len(rows):

@@ -21,7 +21,7 @@ from orchestrator.sampler import DifficultySampler, SamplerSettings, group_outco
 from orchestrator.staleness import AdmissionState
 from stand_ins import FileTrainer, ListLogger, MemoryStore, RecordingTrainer, SimReplica, SimRollouts
 
-ROWS = [{"input_id": f"p{i}", "prompt": "x"} for i in range(40)]
+ROWS = [{"input_id": f"p{i}", "prompt": f"x{i}"} for i in range(40)]
 
 
 def teaching(input_id: str) -> bool:
@@ -63,6 +63,25 @@ def test_sampler_learns_to_draw_teaching_prompts_and_counts_skipped_easy():
     assert 0.0 < m["sampler/entropy"] < 1.0
     # importance weighting recovers the uniform-draw mean reward (0.5·0.5 + 0.5·1.0) from skewed draws
     assert m["sampler/reward_uniform"] == pytest.approx(0.75, abs=0.1)
+
+
+def test_rows_with_the_same_prompt_share_one_history():
+    rows = [{"input_id": "a", "prompt": "same"}, {"input_id": "b", "prompt": "same"},
+            {"input_id": "c", "prompt": "other"}]
+    s = DifficultySampler(rows, seed=0)
+    s.next_rows(2)
+    s.on_group_rewards("a", [1.0, 1.0, 1.0, 1.0])  # "a" tied: "b" is the same prompt, so it drops too
+    s.on_group_rewards("c", [0.0, 1.0, 0.0, 1.0])
+    p = s.probabilities()
+    assert p[0] == p[1] < p[2]
+    assert s.take_metrics()["sampler/skipped_easy"] == 1.0  # one prompt, two rows
+
+
+def test_restore_refuses_a_state_with_history_per_row():
+    state = DifficultySampler(ROWS, seed=0).state()
+    del state["history_by"]
+    with pytest.raises(ValueError, match="per row"):
+        DifficultySampler.from_state(ROWS, state)
 
 
 def test_hard_prompts_are_counted_as_skipped_hard():
@@ -111,7 +130,7 @@ def test_run_state_round_trips_the_sampler_state_and_resume_refuses_the_other_sa
        feedback=st.lists(st.tuples(st.integers(0, 29), st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]),
                                                                  max_size=6)), max_size=80))
 def test_every_prompt_keeps_a_non_zero_probability(num_rows, floor, sharpness, prior, window, feedback):
-    rows = [{"input_id": f"r{i}"} for i in range(num_rows)]
+    rows = [{"input_id": f"r{i}", "prompt": f"q{i % 7}"} for i in range(num_rows)]  # some share content
     s = DifficultySampler(rows, seed=0, settings=SamplerSettings(floor, window, prior, sharpness))
     for idx, rewards in feedback:
         s.next_rows(1)
