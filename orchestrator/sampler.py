@@ -14,17 +14,28 @@ each prompt with a probability that grows with its estimated chance of an inform
 `n` = the prompt's last group size; `a` = `prior_strength` in groups; `m` = the informative rate
 of the last `GLOBAL_WINDOW` groups of any prompt (empirical-Bayes prior mean, so an unseen prompt
 is expected to teach as often as the average prompt does now); `k` = `sharpness`; N = number of
-prompts. An unseen prompt has q_i = m. Prompts are drawn with replacement by a seeded
-`random.Random`.
+rows. A "prompt" is a row's content without its `input_id` (`content_keys`): rows that ask the
+same thing share one history, across epochs (letters: 512 rows are 130 distinct prompts, so each
+history fills about 4x faster). An unseen prompt has q_i = m. Rows are drawn with replacement by a
+seeded `random.Random`.
 
-Measured (scripts/bench_sampler.py, letters, 60 steps; README "Benchmarks"): in async mode this
-cuts the rollouts spent per trained group (about 27 % fewer at step 52); in sync mode, where 480
-draws meet 512 prompts and history is thin, it filters more than uniform, because re-drawn
-prompts are learnt faster and then tie. A variant whose own history could only lower a prompt's
-q_i below m (a `min(m, ...)`) was no better than uniform in either mode. Filtering late in these
-runs is mostly all-correct groups: the policy saturates, whichever prompt is drawn.
+What limits it (measured on letters, n = 4, 60 steps; README "Benchmarks" has the bench figures).
+The zero-variance share is set by how far the policy has saturated, not by which prompt is drawn:
+with uniform draws the cumulative filtered fraction stays <= 25 % to about step 25 in both modes,
+then the policy solves almost every prompt (async, second half of the run: 88 % of groups tie,
+nearly all all-correct) and the fraction climbs to 45 % (sync) / 73 % (async) by step 60. Late
+ties (groups after the first third) are nearly homogeneous across prompts: an oracle that ranks
+each late group by the tie rate of the same prompt's other groups within +-40 groups (past and
+future) still finds 44 % (sync) / 58 % (async) ties in its best quarter, against 59 % / 87 % for
+all late groups. So no draw rule
+reaches 25 % over a 60-step run on this task; it can only cut rollouts per trained group. Probing
+a group (2 samples first, the rest only when they differ) is no way out either: for i.i.d.
+samples the tie chances obey t_4 <= t_2**2, so a probe filters t_2 / (2 - t_2) >= t_2**2 >= t_4
+of its rollouts and spends 2 + 2 / (1 - t_2) >= 4 / (1 - t_4) rollouts per informative group.
+What lowers the fraction changes the learning problem: larger groups (`rollout.n`), fewer steps
+past saturation, or harder or more prompts.
 
-Invariants: every prompt keeps a probability >= floor / N > 0 (a prompt the policy forgets comes
+Invariants: every row keeps a probability >= floor / N > 0 (a prompt the policy forgets comes
 back); `DifficultySampler.from_state(rows, s.state(), settings)` draws exactly what `s` would draw
 next given the same feedback (all state is in `state()`, JSON-safe). Pure logic: no Ray, no I/O,
 no clock.
