@@ -32,9 +32,9 @@ on this task; it can only cut rollouts per trained group. Probing a group (2 sam
 rest only when they differ) is no way out either: for i.i.d. samples the tie chances obey
 t_4 <= t_2**2, so a probe filters t_2 / (2 - t_2) >= t_2**2 >= t_4 of its rollouts and spends
 2 + 2 / (1 - t_2) >= 4 / (1 - t_4) rollouts per informative group (every probe counted as
-dispatched). What lowers the fraction changes the learning problem: larger groups (`rollout.n`; at the late async per-sample perfect rate of 92 %, i.i.d.
-groups of 4 / 8 / 16 tie 72 / 51 / 26 % of the time), fewer steps past saturation, or harder or
-more prompts.
+dispatched). What lowers the fraction changes the learning problem: larger groups (`rollout.n`;
+at the late async per-sample perfect rate of 92 %, i.i.d. groups of 4 / 8 / 16 tie 72 / 51 / 26 %
+of the time), fewer steps past saturation, or harder or more prompts.
 
 Bench (`scripts/bench_sampler.py --parallel`, seed 0, 60 steps, uniform vs difficulty, on a loaded
 2-core machine): filtered fraction sync 42.1 vs 41.9 %, async 70.0 vs 67.4 % (6612 vs 6088 rollouts
