@@ -215,7 +215,8 @@ class DifficultySampler:
     def state(self) -> dict:
         """Everything `next_rows` depends on, JSON-safe (`kind: difficulty`)."""
         version, internal, gauss = self._rng.getstate()
-        return {"kind": "difficulty", "history_by": "content", "rng_state": [version, list(internal), gauss], "num_rows": len(self._rows),
+        return {"kind": "difficulty", "history_by": "content", "rng_state": [version, list(internal), gauss],
+                "num_rows": len(self._rows),
                 "rows_digest": rows_digest(self._rows),
                 "history": {str(i): [list(g) for g in h] for i, h in sorted(self._history.items())},
                 "recent": list(self._recent), "draws": list(self._draws),
@@ -229,15 +230,17 @@ class DifficultySampler:
         if state.get("kind") != "difficulty":
             raise ValueError(f"not a difficulty sampler state (kind {state.get('kind')!r})")
         if state.get("history_by") != "content":
-            raise ValueError("sampler state keeps history per row (an older sampler): resume with the version that saved it")
+            raise ValueError("sampler state keeps history per row (an older sampler): "
+                             "resume with the version that saved it")
         if len(rows) != state["num_rows"] or rows_digest(list(rows)) != state["rows_digest"]:
             raise ValueError(f"sampler state was saved for {state['num_rows']} other rows: the dataset changed")
         s = cls(rows, seed=0, settings=settings)
         version, internal, gauss = state["rng_state"]
         s._rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
+        num_prompts = max(s._key) + 1
         for k, h in state["history"].items():
-            if not 0 <= int(k) < len(rows):
-                raise ValueError(f"sampler state holds prompt index {k} outside [0, {len(rows)})")
+            if not 0 <= int(k) < num_prompts:
+                raise ValueError(f"sampler state holds prompt index {k} outside [0, {num_prompts})")
             s._history[int(k)] = deque((tuple(float(r) for r in g) for g in h), maxlen=settings.window)
         s._recent.extend(bool(x) for x in state["recent"])
         if len(state["draws"]) != len(rows):
