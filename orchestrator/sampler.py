@@ -36,14 +36,16 @@ dispatched). What lowers the fraction changes the learning problem: larger group
 at the late async per-sample perfect rate of 92 %, i.i.d. groups of 4 / 8 / 16 tie 72 / 51 / 26 %
 of the time), fewer steps past saturation, or harder or more prompts.
 
-Bench (`scripts/bench_sampler.py --parallel`, seed 0, 60 steps, uniform vs difficulty, on a loaded
-2-core machine): filtered fraction sync 42.1 vs 41.9 %, async 70.0 vs 67.4 % (6612 vs 6088 rollouts
-for 480 trained groups); reward/final sync 0.908 vs 0.913, async 0.970 vs 0.922 over the drawn
-prompts (0.953 importance-weighted to uniform draws); held-out val/reward 0.933 vs 0.930 (sync),
-0.931 vs 0.981 (async), SEM about 0.02. Same-seed repeats of uniform differ by up to 13 points
-(sync 31.9 / 45.2 / 42.1 %), so one run per point separates nothing finer. With histories pooled by
-content the sync figure matches uniform's (the per-row sampler's bench had 46.7 % against 31.9 %),
-which is as much as this noise lets one say.
+Bench (`scripts/bench_sampler.py --parallel`, 60 steps, uniform vs difficulty, seeds 0 / 1, on a
+loaded 2-core machine): filtered fraction sync 42.1 vs 41.9 % / 41.9 vs 46.0 %, async 70.0 vs 67.4 %
+/ 64.5 vs 46.6 % (6612 vs 6088 / 5600 vs 3716 rollouts for 480 trained groups); reward/final sync
+0.908 vs 0.913 / 0.926 vs 0.851, async 0.970 vs 0.922 / 0.950 vs 0.869 over the drawn prompts
+(difficulty importance-weighted to uniform draws: sync 0.929 / 0.828, async 0.953 / 0.939);
+held-out val/reward sync 0.933 vs 0.930 / 0.883 vs 0.861, async 0.931 vs 0.981 / 0.983 vs 0.878
+(SEM 0.01-0.03). Same-seed repeats of uniform sync filtered 31.9 / 45.2 / 42.1 %: run-to-run spread
+is as large as any difference between the samplers, so neither the filtered fraction nor the
+rewards rank them; difficulty never reached 25 %, and where it saved most rollouts (async, seed 1)
+its held-out reward was lowest.
 
 Invariants: every row keeps a probability >= floor / N > 0 (a prompt the policy forgets comes
 back); `DifficultySampler.from_state(rows, s.state(), settings)` draws exactly what `s` would draw
