@@ -148,4 +148,8 @@ def main(dcfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from orchestrator.config.hydra_errors import check_overrides
+
+    if (problem := check_overrides(sys.argv[1:])) is not None:  # Hydra's own failures: exit 2 too
+        _fail("config error", problem, 2)
     main()
