@@ -7,7 +7,7 @@ loop -> report (`RUN_DIR/summary.json`; the loop writes `RUN_DIR/metrics.jsonl`)
 builds no trainer and evaluates instead (orchestrator/evaluate.py: `RUN_DIR/eval.jsonl`,
 `RUN_DIR/eval_summary.json`).
 
-Exit status: 0 done, 1 no rollout completed, 2 config / checkpoint / GPU-placement error,
+Exit status: 0 done, 1 nothing trained (no rollout completed, or every group was filtered), 2 config / checkpoint / GPU-placement error,
 130 interrupted (Ctrl-C or SIGTERM).
 
 Invariant: everything this process starts is stopped on every exit path (normal end, error,
@@ -29,6 +29,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.config import ConfigError, RunConfig, async_loop_settings, register, sync_loop_settings, to_run_config
+from orchestrator.run_watch import nothing_trained
 
 register()
 
@@ -143,8 +144,11 @@ def main(dcfg: DictConfig) -> None:
         _fail("config error", exc, 2)
     except KeyboardInterrupt:
         _fail("interrupted", "stopped every process this run started", 130)
-    if summary.get("rollout/completed", 0) == 0 and summary.get("rollout/failed", 0) > 0:
-        _fail("run failed", f"no rollout completed ({summary['rollout/failed']} failed; see summary.json and logs/)", 1)
+    if cfg.mode.name == "eval":
+        if summary.get("rollout/completed", 0) == 0 and summary.get("rollout/failed", 0) > 0:
+            _fail("run failed", f"no rollout completed ({summary['rollout/failed']} failed; see logs/)", 1)
+    elif (why := nothing_trained(summary)) is not None:  # every group filtered, or every rollout failed
+        _fail("run failed", why, 1)
 
 
 if __name__ == "__main__":
