@@ -23,15 +23,19 @@ import math
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import NoReturn
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.config import ConfigError, RunConfig, async_loop_settings, register, sync_loop_settings, to_run_config
+from orchestrator.console_log import quiet_console
+from orchestrator.progress import phase, summary_text
 from orchestrator.run_watch import nothing_trained
 
 register()
+_STARTED: list[Path] = []  # the run_dir of the run this process started (pre-flight passed)
 
 
 def _raise_interrupt(signum, frame):  # SIGTERM behaves like Ctrl-C: unwind and clean up
@@ -55,6 +59,8 @@ def run(cfg: RunConfig) -> dict:
     resolved["async"] = resolved.pop("async_")  # the attribute's config key
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     print(f"run_dir: {run_dir}", flush=True)
+    _STARTED.append(run_dir)  # past pre-flight: this run owns run_dir, its report is ours to write
+    quiet_console(run_dir, cfg.logger.console_level)  # library output to RUN_DIR/logs/ from here on
     signal.signal(signal.SIGTERM, _raise_interrupt)
     with contextlib.ExitStack() as stack:
         rt = start_runtime(cfg, pre, stack)
@@ -62,6 +68,7 @@ def run(cfg: RunConfig) -> dict:
 
         async def train() -> dict:
             built = await build_parts(cfg, rt, stack)
+            phase(f"training: {cfg.trainer.total_steps} steps; the first one waits for its first batch")
             async with built.closing:
                 report = await _run_loop(cfg, built)
             summary = await _summary(report, built, rt.local)
@@ -81,8 +88,8 @@ def run(cfg: RunConfig) -> dict:
         return {"rollout/completed": summary["completed"], "rollout/failed": summary["failed"]}
     summary["wall_s"] = time.monotonic() - t_start
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
-    print(json.dumps(summary, indent=2, allow_nan=True), flush=True)
-    print(f"run_dir: {run_dir}", flush=True)
+    print(summary_text(summary), flush=True)
+    print(f"run_dir: {run_dir} (summary.json, metrics.jsonl, logs/)", flush=True)
     return summary
 
 
@@ -115,11 +122,31 @@ async def _summary(report, built, local) -> dict:
                                                  if counts.get("rollout/trained_groups") else math.nan),
         # the emulator's own count when local (the server's view), else what the workers left open
         "acr/sessions_open_at_exit": local.stats().sessions_open if local else acr_stats.get("sessions_open", 0),
-        "acr/throttled": local.stats().throttled if local else acr_stats.get("throttled", 0),
+        # the same meaning local and on AWS: ThrottlingExceptions that reached a rollout after botocore's
+        # retries (acr/retries counts the retried ones); locally also the emulator's own count of refusals
+        "acr/throttled": acr_stats.get("throttled", 0),
+        **({"acr/emulator_throttled": local.stats().throttled} if local else {}),
         "acr/retries": acr_stats.get("retries", 0),
         "acr/requests": acr_stats.get("requests", 0),
         **{k: pool_counts[k] for k in sorted(pool_counts) if k.startswith(("rollout/failed/", "acr/"))},
     }
+
+
+@contextlib.contextmanager
+def _report_at_end(cfg: RunConfig):
+    """Write RUN_DIR/report/ when the run leaves (done, failed or interrupted) once a step was
+    logged; its path is the last line on the console. A broken report never hides the run's error."""
+    try:
+        yield
+    finally:
+        if cfg.mode.name != "eval" and _STARTED:
+            try:
+                from orchestrator.report import write_run_report
+
+                if (path := write_run_report(_STARTED[-1])) is not None:
+                    print(f"report: {path}", flush=True)
+            except Exception as exc:  # noqa: BLE001  the run's own outcome matters more
+                print(f"warning: the run report was not written: {exc!r}", file=sys.stderr, flush=True)
 
 
 def _fail(kind: str, exc: BaseException | str, code: int) -> NoReturn:
@@ -133,6 +160,11 @@ def main(dcfg: DictConfig) -> None:
         cfg = to_run_config(dcfg)
     except ConfigError as exc:
         _fail("config error", exc, 2)
+    with _report_at_end(cfg):
+        _run_and_exit(cfg)
+
+
+def _run_and_exit(cfg: RunConfig) -> None:
     from orchestrator.checkpoint import CheckpointError
     from workers.core.placement import InsufficientGpusError
 

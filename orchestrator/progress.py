@@ -106,3 +106,17 @@ class ProgressSink:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
+
+
+def summary_text(summary: dict) -> str:
+    """The run's end in two lines (summary.json holds every figure)."""
+    def num(k: str) -> str:
+        v = summary.get(k)
+        return _f(v, ".3f") or "-"
+
+    counts = ", ".join(f"{int(summary.get(f'rollout/{k}', 0))} {name}" for k, name in
+                       (("completed", "trained"), ("filtered", "filtered"), ("failed", "failed"), ("expired", "expired")))
+    return (f"done: {summary.get('steps', 0)} steps, policy version {summary.get('policy_version', 0)}, "
+            f"reward {num('reward/initial')} -> {num('reward/final')}, {summary.get('wall_s', 0):.0f} s\n"
+            f"rollouts: {int(summary.get('rollout/dispatched', 0))} dispatched: {counts}; "
+            f"ACR throttled {summary.get('acr/throttled', 0)}")
