@@ -33,7 +33,7 @@ from orchestrator.config import ConfigError, eval_rollout_settings, eval_setting
 from orchestrator.config.rollout import local_fault_rates
 from orchestrator.loop_common import LoopParts
 from orchestrator.metrics import MetricLogger
-from orchestrator.preflight import Preflight
+from orchestrator.preflight import Preflight, check_kv_cache
 from orchestrator.run_checkpoint import LoopPosition
 from orchestrator.tasks import TASKS
 
@@ -87,6 +87,7 @@ def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -
         model_path = str(ensure_tiny_model())
     if pre.checkpoint is not None:  # trainer and inference replicas start from the checkpoint's weights
         model_path = str(pre.checkpoint.model_dir)
+    check_kv_cache(cfg, model_path)  # before any engine: names inference.kv_cache_gib and the minimum
     if cfg.rollout.name == "local":
         phase(f"starting the local ACR emulator, moto S3 and {cfg.rollout.acr.num_agents} agent process(es)")
     local = _start_local_stack(cfg, pre.run_dir, stack) if cfg.rollout.name == "local" else None

@@ -30,6 +30,16 @@ def _valid_keys(cause: BaseException) -> list[str]:
     return [f.name for f in dataclasses.fields(t)] if dataclasses.is_dataclass(t) else []
 
 
+def _parses(override: str) -> bool:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        OverridesParser.create().parse_overrides([override])
+    except OverrideParseException:
+        return False
+    return True
+
+
 def describe(exc: BaseException, overrides: list[str]) -> str:
     """The one-line message (without the `config error: ` prefix) of a Hydra composition failure
     `exc` caused by the command line `overrides`."""
@@ -38,8 +48,9 @@ def describe(exc: BaseException, overrides: list[str]) -> str:
         options = [o for o in (exc.options or []) if not o.endswith(SCHEMA_SUFFIX)]
         return f"{group}: no choice {choice!r}; valid choices: {', '.join(options)}"
     if isinstance(exc, OverrideParseException):
-        bad = next((o for o in overrides if "=" not in o and not o.startswith("~")), None)
-        return f"cannot parse the override {bad or ' '.join(overrides)!r}: {str(exc).splitlines()[0]}"
+        bad = next((o for o in overrides if not _parses(o)), " ".join(overrides))
+        return (f"cannot parse the override {bad!r}: {str(exc).splitlines()[0]} (quote a value with spaces or "
+                "special characters: key='value')")
     cause = exc.__cause__
     text = str(exc)
     key = getattr(cause, "full_key", None) or ""
