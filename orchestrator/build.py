@@ -34,6 +34,7 @@ from orchestrator.config.rollout import local_fault_rates
 from orchestrator.loop_common import LoopParts
 from orchestrator.metrics import MetricLogger
 from orchestrator.preflight import Preflight, check_kv_cache
+from orchestrator.progress import phase
 from orchestrator.run_checkpoint import LoopPosition
 from orchestrator.tasks import TASKS
 
@@ -76,7 +77,6 @@ def agent_command(cfg: RunConfig) -> list[str]:
 def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -> Runtime:
     """Model weights, the local stack (stopped by `stack`) and Ray (shut down by `stack`)."""
     from orchestrator.console_log import link_ray_logs, ray_init_options
-    from orchestrator.progress import phase
 
     if cfg.model.path:
         model_path = str(Path(cfg.model.path).resolve())
