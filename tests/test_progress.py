@@ -74,3 +74,45 @@ def test_no_metrics_file_before_the_first_record(tmp_path):
     sink.log(1, {"reward/mean": 0.5})
     sink.close()
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "reward/mean": 0.5}\n'
+
+
+def test_quiet_console_sends_library_output_to_the_run_dir(tmp_path, monkeypatch):
+    """Library records below logger.console_level and Python warnings go to RUN_DIR/logs/driver.log
+    only; a warning of ours still reaches the console."""
+    import logging
+    import warnings
+
+    from orchestrator.console_log import QUIET_ENV, quiet_console
+
+    for k in QUIET_ENV:  # quiet_console sets them for the processes it starts: restored after the test
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    console = io.StringIO()
+    root = logging.getLogger()
+    hydra_like = logging.StreamHandler(console)  # what Hydra's job_logging=stdout installs
+    saved = (root.level, list(root.handlers))
+    root.addHandler(hydra_like)
+    try:
+        path = quiet_console(tmp_path, "error")
+        logging.getLogger("vllm.engine").warning("Triton is installed, but doesn't include CPU backend")
+        logging.getLogger("ray").info("Started a local Ray instance.")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("torch.distributed.reduce_op is deprecated", FutureWarning)
+        logging.getLogger("orchestrator.loop_common").error("rollout s-1 failed: boom")
+        for h in root.handlers:
+            h.flush()
+        text = path.read_text()
+        assert "CPU backend" in text and "reduce_op" in text and "Started a local Ray" in text
+        assert console.getvalue() == "rollout s-1 failed: boom\n"
+    finally:
+        logging.captureWarnings(False)
+        for h in list(root.handlers):
+            if h not in saved[1]:
+                root.removeHandler(h)
+                h.close()
+        ray_logger = logging.getLogger("ray")
+        for h in list(ray_logger.handlers):
+            if isinstance(h, logging.FileHandler):
+                ray_logger.removeHandler(h)
+        root.setLevel(saved[0])
