@@ -77,5 +77,7 @@ def link_ray_logs(run_dir: Path) -> None:
 
         session = Path(ray._private.worker._global_node.get_session_dir_path())  # no public accessor
         link = Path(run_dir) / "logs" / "ray"
+        if link.is_symlink():  # an earlier attempt in this run_dir: point at this session
+            link.unlink()
         if not link.exists():
             link.symlink_to(session / "logs", target_is_directory=True)
