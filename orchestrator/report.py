@@ -93,7 +93,8 @@ def _throughput(axes, runs: list[RunData]) -> int:
         xs, ys = run.series("perf/throughput", "wall_min")
         per = gpus[i] or 1
         if xs:
-            axes[0].plot(xs, [60.0 * y / per for y in ys], color=f"C{i}", label=run.name)
+            axes[0].plot(xs, [60.0 * y / per for y in ys], color=f"C{i}", label=run.name,
+                         marker="." if len(xs) < 30 else None)
             n += len(xs)
         steps = [r for r in run.steps if isinstance(r.get("perf/inference_concurrency"), (int, float))]
         if steps:
@@ -101,7 +102,7 @@ def _throughput(axes, runs: list[RunData]) -> int:
                             [60.0 * r.get("perf/throughput", 0.0) / per for r in steps], color=f"C{i}", s=12,
                             label=run.name)
             n += len(steps)
-    _finish(axes[0], f"trained tokens/min ({unit})", "loop wall time (min)", "tokens/min", True)
+    _finish(axes[0], f"trained tokens/min, {unit}", "loop wall time (min)", "tokens/min", True)
     n += _lines(axes[1], runs, "perf/inference_concurrency", "wall_min")
     _finish(axes[1], "inference concurrency (gateway, time average)", "loop wall time (min)", "requests in flight", True)
     _finish(axes[2], "throughput vs concurrency", "inference concurrency", "tokens/min", True)
