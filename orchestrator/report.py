@@ -130,7 +130,7 @@ def _staleness(axes, runs: list[RunData]) -> int:
             ax.bar(steps, col, bottom=bottom, width=1.0, color=f"C{j}", label=f"staleness {b}")
             bottom = [a + c for a, c in zip(bottom, col)]
             n += sum(1 for c in col if c > 0)
-        _finish(ax, f"staleness of trained samples: {run.name}", "step", "samples", True)
+        _finish(ax, f"staleness of completed samples: {run.name}", "step", "samples", True)
     return n
 
 
@@ -203,7 +203,8 @@ PLOTS: tuple[tuple[str, str, int, PanelFn], ...] = (
     ("reward.png", "Reward against step, loop wall time (and GPU-hours on GPUs)", 3, _reward),
     ("throughput.png", "Throughput, inference concurrency, throughput against concurrency", 3, _throughput),
     ("kv_cache.png", "KV-cache usage over time", 1, _kv_cache),
-    ("staleness.png", "Staleness of trained samples per step (async)", 0, _staleness),
+    ("staleness.png", "Staleness of the completed samples judged per step (async; those staler than "
+     "async.max_staleness are dropped or loss-masked, async/dropped_stale)", 0, _staleness),
     ("rollout_correction.png", "Rollout correction: masked fraction and IS-weight statistics", 2, _rollout_corr),
     ("timing.png", "Time per step: waiting for a batch / generation, update, weight sync", 0, _timing),
     ("outcomes.png", "Rollout outcomes over time", 4, _outcomes),
