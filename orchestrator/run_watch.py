@@ -42,9 +42,12 @@ class StepWatch:
         finished = sum(delta[k] for k in FINISHED)
         out: list[tuple[str, str]] = []
         if finished > 0 and delta["rollout/filtered"] / finished >= MOSTLY_FILTERED:
+            reward = rec.get("reward/mean")
+            mean = f", mean reward {reward:.2f}" if isinstance(reward, (int, float)) and math.isfinite(reward) else ""
             out.append(("filtered", f"step {step}: {int(delta['rollout/filtered'])} of {int(finished)} rollouts "
-                        "were filtered (every sample of their group got the same reward: nothing to learn); "
-                        "check the reward, the sampling temperature or the task's difficulty"))
+                        f"were filtered (every sample of their group got the same reward: nothing to learn{mean}); "
+                        "the prompts may be too easy or too hard for the policy, or the reward or the sampling "
+                        "temperature may not vary"))
         if finished > 0 and delta["rollout/failed"] / finished >= FAILURE_BURST:
             out.append(("failed", f"step {step}: {int(delta['rollout/failed'])} of {int(finished)} rollouts failed "
                         "(reasons in RUN_DIR/logs/ and summary.json rollout/failed/*)"))
