@@ -77,10 +77,13 @@ class ProgressSink:
 
             self._bar = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeRemainingColumn(),
                                  TextColumn("{task.fields[info]}"), console=Console(file=stream), transient=False)
-            self._task = self._bar.add_task("train", total=total_steps, info="waiting for the first step")
-            self._bar.start()
+            self._task = self._bar.add_task("train", total=total_steps, info="")
+        self._started = False  # the bar is drawn from the first record on, after the setup phase lines
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self._bar is not None and not self._started:
+            self._bar.start()
+            self._started = True
         fields = step_fields(metrics)
         if "timing_s/step" not in metrics:  # a validation record of its own (step 0, or the final weights)
             self._say(f"[validation @ step {step}] " + " ".join(f"{k}={v}" for k, v in fields))
