@@ -29,11 +29,12 @@ from typing import Any, Awaitable, Callable
 from orchestrator.checkpoint import Checkpoint
 from orchestrator.config import (RunConfig, acr_client_config, buffer_config, gateway_config, inference_settings,
                                  rollout_settings, sampler_settings, trainer_class, trainer_settings)
-from orchestrator.config import eval_rollout_settings, eval_settings
+from orchestrator.config import ConfigError, eval_rollout_settings, eval_settings
 from orchestrator.config.rollout import local_fault_rates
 from orchestrator.loop_common import LoopParts
 from orchestrator.metrics import MetricLogger
-from orchestrator.preflight import Preflight
+from orchestrator.preflight import Preflight, check_kv_cache
+from orchestrator.progress import phase
 from orchestrator.run_checkpoint import LoopPosition
 from orchestrator.tasks import TASKS
 
@@ -75,24 +76,32 @@ def agent_command(cfg: RunConfig) -> list[str]:
 
 def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -> Runtime:
     """Model weights, the local stack (stopped by `stack`) and Ray (shut down by `stack`)."""
+    from orchestrator.console_log import link_ray_logs, ray_init_options
+
     if cfg.model.path:
         model_path = str(Path(cfg.model.path).resolve())
     else:
         from workers.embedded.tiny_model import ensure_tiny_model
 
+        phase("model: the tiny model (built on the first run, about a minute on 2 cores; cached after)")
         model_path = str(ensure_tiny_model())
     if pre.checkpoint is not None:  # trainer and inference replicas start from the checkpoint's weights
         model_path = str(pre.checkpoint.model_dir)
+    check_kv_cache(cfg, model_path)  # before any engine: names inference.kv_cache_gib and the minimum
+    if cfg.rollout.name == "local":
+        phase(f"starting the local ACR emulator, moto S3 and {cfg.rollout.acr.num_agents} agent process(es)")
     local = _start_local_stack(cfg, pre.run_dir, stack) if cfg.rollout.name == "local" else None
+    phase("starting Ray")
     import ray
 
     os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")  # TQ warns about thread counts on every op
     joining = bool(cfg.cluster.address or os.environ.get("RAY_ADDRESS"))  # RAY_ADDRESS: under `ray job submit`
     ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
              num_gpus=None if joining else cfg.cluster.num_gpus,  # logical GPUs of a cluster we start
-             log_to_driver=True, runtime_env={"env_vars": {k: os.environ[k] for k in AWS_ENV if k in os.environ}}
-             if joining else None)
+             runtime_env={"env_vars": {k: os.environ[k] for k in AWS_ENV if k in os.environ}} if joining else None,
+             **ray_init_options(cfg.logger.console_level))  # actors' output: RUN_DIR/logs/ray unless loud
     stack.callback(ray.shutdown)
+    link_ray_logs(pre.run_dir)
     return Runtime(run_dir=pre.run_dir, model_path=model_path, checkpoint=pre.checkpoint, local=local)
 
 
@@ -100,15 +109,41 @@ def _start_local_stack(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStac
     from workers.embedded.local_stack import LocalStack
 
     acr = cfg.rollout.acr
+    from workers.embedded.local_stack import LocalStackError
+
     local = LocalStack(agent_command(cfg), num_agents=acr.num_agents, session_rate_per_s=acr.session_rate_per_s,
                        bucket=acr.s3_bucket, region=acr.region, agent_runtime_arn=acr.agent_runtime_arn,
                        log_dir=run_dir / "logs", agent_env={k: str(v) for k, v in acr.agent_env.items()},
                        faults=local_fault_rates(acr))
-    stack.enter_context(local)
+    try:
+        stack.enter_context(local)
+    except LocalStackError as exc:
+        why = agent_start_failure(str(exc), run_dir / "logs" / "emulator.log")
+        if why is None:
+            raise
+        raise ConfigError(f"rollout.acr.agent_cmd {shlex.join(agent_command(cfg))!r}: {why}") from None
     started = {**local.pids(), **{f"agent-{i}": pid for i, pid in enumerate(local.stats().agent_pids)}}
     (run_dir / "pids.json").write_text(json.dumps(started, indent=2) + "\n")  # for audits/tests
     os.environ.update(local.env)  # boto3 everywhere (driver, Ray workers) reads these
     return local
+
+
+AGENT_OUTPUT_LINES = 20  # of the agent's own output quoted when it does not start
+
+
+def agent_start_failure(error: str, emulator_log: Path) -> str | None:
+    """When the local emulator failed because an agent did not start: what happened and the agent's
+    own output (the emulator's log before the emulator's traceback); None for any other failure."""
+    text = emulator_log.read_text(errors="replace") if emulator_log.is_file() else ""
+    last = next((ln for ln in reversed(text.splitlines()) if ln.startswith("RuntimeError: agent ")), None)
+    if last is None or "agent " not in error + text:
+        return None
+    before = text.rsplit("Traceback (most recent call last):", 1)[0].splitlines()
+    ends = [i for i, ln in enumerate(before) if ln.startswith("RuntimeError: ")]  # an earlier run's traceback
+    own = [ln for ln in before[ends[-1] + 1 if ends else 0:] if ln.strip()][-AGENT_OUTPUT_LINES:]
+    shown = "\n".join(f"  | {ln}" for ln in own) if own else "  (it printed nothing)"
+    return (f"the agent did not start ({last.removeprefix('RuntimeError: ')}); its output:\n{shown}\n"
+            f"(full log: {emulator_log})")
 
 
 async def build_parts(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -> BuiltRun:
@@ -150,6 +185,7 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     trainer_cls, trainer_kw = trainer_class(cfg.trainer, cluster=cfg.cluster)  # trainer=verl: fails here, before any actor, when it cannot run
     placed = place(cfg.cluster)  # GPUs checked and reserved before any actor starts (errors name the numbers)
     stack.callback(placed.remove)
+    phase(f"starting {cfg.inference.replicas} inference replica(s) (vLLM) and the trainer")
     replicas = _start_replicas(cfg, placed, model_path, version)
     threads = {"env_vars": {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads)}}
     trainer = await start_trainer_ranks(  # one actor, or N data-parallel ranks behind the same .remote surface
@@ -162,6 +198,7 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     stack.callback(buffer.stop)
 
     await asyncio.gather(*(r.start.remote() for r in replicas))
+    phase("engines ready; starting the gateway, weight sync and rollout pool")
     if ckpt is not None:
         await trainer.load_optimizer.remote(str(ckpt.optimizer_path))
     backend = cfg.trainer.weight_sync.backend  # file, or a bucketed broadcast group formed here

@@ -3,7 +3,8 @@
 Handed its `LoopParts` (orchestrator/loop_common.py) through small protocols, so a simulated engine, pool or trainer can
 stand in for the real ones. Invariant: at the end of every step, every rollout dispatched in that
 step is closed in the ledger (trained as `completed`, `filtered` or `failed`), the step's buffer
-partition is cleared, and the policy version has increased by exactly one. Validation
+partition is cleared, and the policy version has increased by exactly one when the step trained a
+group (a step with nothing to train neither updates nor syncs weights: the version stays). Validation
 (`parts.validator`) runs at the step boundary on the weights just synced, and before the first
 step (logged as step 0) with `trainer.val_before_train`.
 """
@@ -64,7 +65,8 @@ async def run_sync(parts: LoopParts, cfg: SyncLoopSettings, *, start: LoopPositi
         t_update = parts.clock() - t0
 
         t0 = parts.clock()
-        version = await sync_weights(parts, version)
+        if updates:  # a step with nothing to train (all filtered) has no new weights: the version stays
+            version = await sync_weights(parts, version)
         t_sync = parts.clock() - t0
         await parts.store.clear(partition)
         trained_groups += cfg.batch_size  # every group of the step is consumed (trained, filtered or failed)

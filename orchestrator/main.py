@@ -7,7 +7,7 @@ loop -> report (`RUN_DIR/summary.json`; the loop writes `RUN_DIR/metrics.jsonl`)
 builds no trainer and evaluates instead (orchestrator/evaluate.py: `RUN_DIR/eval.jsonl`,
 `RUN_DIR/eval_summary.json`).
 
-Exit status: 0 done, 1 no rollout completed, 2 config / checkpoint / GPU-placement error,
+Exit status: 0 done, 1 nothing trained (no rollout completed, or every group was filtered), 2 config / checkpoint / GPU-placement error,
 130 interrupted (Ctrl-C or SIGTERM).
 
 Invariant: everything this process starts is stopped on every exit path (normal end, error,
@@ -23,14 +23,19 @@ import math
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import NoReturn
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.config import ConfigError, RunConfig, async_loop_settings, register, sync_loop_settings, to_run_config
+from orchestrator.console_log import quiet_console
+from orchestrator.progress import phase, summary_text
+from orchestrator.run_watch import nothing_trained
 
 register()
+_STARTED: list[Path] = []  # the run_dir of the run this process started (pre-flight passed)
 
 
 def _raise_interrupt(signum, frame):  # SIGTERM behaves like Ctrl-C: unwind and clean up
@@ -54,6 +59,8 @@ def run(cfg: RunConfig) -> dict:
     resolved["async"] = resolved.pop("async_")  # the attribute's config key
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     print(f"run_dir: {run_dir}", flush=True)
+    _STARTED.append(run_dir)  # past pre-flight: this run owns run_dir, its report is ours to write
+    quiet_console(run_dir, cfg.logger.console_level)  # library output to RUN_DIR/logs/ from here on
     signal.signal(signal.SIGTERM, _raise_interrupt)
     with contextlib.ExitStack() as stack:
         rt = start_runtime(cfg, pre, stack)
@@ -61,6 +68,7 @@ def run(cfg: RunConfig) -> dict:
 
         async def train() -> dict:
             built = await build_parts(cfg, rt, stack)
+            phase(f"training: {cfg.trainer.total_steps} steps; the first one waits for its first batch")
             async with built.closing:
                 report = await _run_loop(cfg, built)
             summary = await _summary(report, built, rt.local)
@@ -80,8 +88,8 @@ def run(cfg: RunConfig) -> dict:
         return {"rollout/completed": summary["completed"], "rollout/failed": summary["failed"]}
     summary["wall_s"] = time.monotonic() - t_start
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
-    print(json.dumps(summary, indent=2, allow_nan=True), flush=True)
-    print(f"run_dir: {run_dir}", flush=True)
+    print(summary_text(summary), flush=True)
+    print(f"run_dir: {run_dir} (summary.json, metrics.jsonl, logs/)", flush=True)
     return summary
 
 
@@ -114,11 +122,31 @@ async def _summary(report, built, local) -> dict:
                                                  if counts.get("rollout/trained_groups") else math.nan),
         # the emulator's own count when local (the server's view), else what the workers left open
         "acr/sessions_open_at_exit": local.stats().sessions_open if local else acr_stats.get("sessions_open", 0),
-        "acr/throttled": local.stats().throttled if local else acr_stats.get("throttled", 0),
+        # the same meaning local and on AWS: ThrottlingExceptions that reached a rollout after botocore's
+        # retries (acr/retries counts the retried ones); locally also the emulator's own count of refusals
+        "acr/throttled": acr_stats.get("throttled", 0),
+        **({"acr/emulator_throttled": local.stats().throttled} if local else {}),
         "acr/retries": acr_stats.get("retries", 0),
         "acr/requests": acr_stats.get("requests", 0),
         **{k: pool_counts[k] for k in sorted(pool_counts) if k.startswith(("rollout/failed/", "acr/"))},
     }
+
+
+@contextlib.contextmanager
+def _report_at_end(cfg: RunConfig):
+    """Write RUN_DIR/report/ when the run leaves (done, failed or interrupted) once a step was
+    logged; its path is the last line on the console. A broken report never hides the run's error."""
+    try:
+        yield
+    finally:
+        if cfg.mode.name != "eval" and _STARTED:
+            try:
+                from orchestrator.report import write_run_report
+
+                if (path := write_run_report(_STARTED[-1])) is not None:
+                    print(f"report: {path}", flush=True)
+            except Exception as exc:  # noqa: BLE001  the run's own outcome matters more
+                print(f"warning: the run report was not written: {exc!r}", file=sys.stderr, flush=True)
 
 
 def _fail(kind: str, exc: BaseException | str, code: int) -> NoReturn:
@@ -132,6 +160,11 @@ def main(dcfg: DictConfig) -> None:
         cfg = to_run_config(dcfg)
     except ConfigError as exc:
         _fail("config error", exc, 2)
+    with _report_at_end(cfg):
+        _run_and_exit(cfg)
+
+
+def _run_and_exit(cfg: RunConfig) -> None:
     from orchestrator.checkpoint import CheckpointError
     from workers.core.placement import InsufficientGpusError
 
@@ -143,9 +176,16 @@ def main(dcfg: DictConfig) -> None:
         _fail("config error", exc, 2)
     except KeyboardInterrupt:
         _fail("interrupted", "stopped every process this run started", 130)
-    if summary.get("rollout/completed", 0) == 0 and summary.get("rollout/failed", 0) > 0:
-        _fail("run failed", f"no rollout completed ({summary['rollout/failed']} failed; see summary.json and logs/)", 1)
+    if cfg.mode.name == "eval":
+        if summary.get("rollout/completed", 0) == 0 and summary.get("rollout/failed", 0) > 0:
+            _fail("run failed", f"no rollout completed ({summary['rollout/failed']} failed; see logs/)", 1)
+    elif (why := nothing_trained(summary)) is not None:  # every group filtered, or every rollout failed
+        _fail("run failed", why, 1)
 
 
 if __name__ == "__main__":
+    from orchestrator.config.hydra_errors import check_overrides
+
+    if (problem := check_overrides(sys.argv[1:])) is not None:  # Hydra's own failures: exit 2 too
+        _fail("config error", problem, 2)
     main()

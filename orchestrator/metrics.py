@@ -1,4 +1,4 @@
-"""Metric sinks (console, JSONL, wandb) and the end-of-run summary.
+"""Metric sinks (console progress, JSONL, TensorBoard, wandb) and the end-of-run summary.
 
 Invariant: every sink receives the same step records in step order (non-decreasing);
 `RUN_DIR/metrics.jsonl` holds one JSON object per training step, flushed when the step is logged,
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-import sys
+import os
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -20,47 +20,55 @@ class MetricSink(Protocol):
     def close(self) -> None: ...
 
 
-def _fmt(v: Any) -> str:
-    return f"{v:.3f}" if isinstance(v, float) else str(v)
-
-
-class ConsoleSink:
-    """One progress line per step: step/total, reward, timings, throughput."""
-
-    KEYS = ("reward/mean", "timing_s/gen", "timing_s/update_actor", "timing_s/update_weights",
-            "perf/throughput", "rollout/failed", "rollout_corr/is_mean")
-
-    def __init__(self, total_steps: int, stream: TextIO = sys.stdout) -> None:
-        self._total = total_steps
-        self._stream = stream
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        parts = [f"{k.split('/')[-1]}={_fmt(metrics[k])}" for k in self.KEYS if k in metrics]
-        if "val/reward/mean" in metrics:  # a validation (orchestrator/validation.py) ran at this step
-            parts.append(f"val={_fmt(metrics['val/reward/mean'])}@v{int(metrics['val/policy_version'])}")
-        print(f"[step {step}/{self._total}] " + " ".join(parts), file=self._stream, flush=True)
-
-    def close(self) -> None:
-        pass
-
-
 class JsonlSink:
-    """Appends `{"step": s, **metrics}` per step to `path`, flushed at once."""
+    """Appends `{"step": s, **metrics}` per step to `path`, flushed at once. The file is created by
+    the first record, so a run that fails before logging anything leaves no metrics.jsonl and its
+    run_dir can be reused by a rerun."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = path.open("a", encoding="utf-8")
+        self._path = path
+        self._f: TextIO | None = None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        if self._f is None:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = self._path.open("a", encoding="utf-8")
         self._f.write(json.dumps({"step": step, **metrics}, allow_nan=True) + "\n")
         self._f.flush()
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
+
+
+class TensorBoardSink:
+    """TensorBoard event files under RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR/tensorboard`);
+    one scalar per finite metric per step."""
+
+    def __init__(self, log_dir: Path) -> None:
+        from tensorboardX import SummaryWriter  # only when the sink is selected
+
+        self._w = SummaryWriter(logdir=str(log_dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                self._w.add_scalar(k, v, step)
+        self._w.flush()
+
+    def close(self) -> None:
+        self._w.close()
+
+
+def resolve_wandb_mode(mode: str, environ: dict[str, str]) -> str:
+    """`logger.wandb_mode`, with `auto` resolved: online when WANDB_API_KEY is set, else offline."""
+    if mode != "auto":
+        return mode
+    return "online" if environ.get("WANDB_API_KEY") else "offline"
 
 
 class WandbSink:
-    """wandb run (offline by default: files under RUN_DIR/wandb, sync later with `wandb sync`)."""
+    """wandb run (offline without WANDB_API_KEY: files under RUN_DIR/wandb, sync later with `wandb sync`)."""
 
     def __init__(self, run_dir: Path, project: str, mode: str, config: dict[str, Any]) -> None:
         import wandb  # heavy; only when the sink is selected
@@ -107,13 +115,17 @@ def reward_initial_final(rewards: list[float], fraction: float = 0.1) -> tuple[f
 
 def build_sinks(names: list[str], run_dir: Path, total_steps: int, wandb_project: str,
                 wandb_mode: str, config: dict[str, Any]) -> list[MetricSink]:
-    """Create the sinks named in `logger.sinks`."""
+    """Create the sinks named in `logger.sinks` (`wandb_mode` resolved by `resolve_wandb_mode`)."""
+    from orchestrator.progress import ProgressSink
+
     sinks: list[MetricSink] = []
     for name in names:
         if name == "console":
-            sinks.append(ConsoleSink(total_steps))
+            sinks.append(ProgressSink(total_steps))
         elif name == "jsonl":
             sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
-        elif name == "wandb" and wandb_mode != "disabled":
-            sinks.append(WandbSink(run_dir, wandb_project, wandb_mode, config))
+        elif name == "tensorboard":
+            sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+        elif name == "wandb" and (mode := resolve_wandb_mode(wandb_mode, os.environ)) != "disabled":
+            sinks.append(WandbSink(run_dir, wandb_project, mode, config))
     return sinks

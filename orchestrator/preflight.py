@@ -7,11 +7,14 @@ is not a file and holds no earlier run unless resuming, the checkpoint to resume
 and leaves steps to train, and `run_dir` can be created (it is created here).
 
 Raises ConfigError (orchestrator/config/errors.py) or CheckpointError (orchestrator/checkpoint.py),
-each message naming the config key or the file. Callers: orchestrator/main.py after `to_run_config`.
+each message naming the config key or the file. Callers: orchestrator/main.py after `to_run_config`;
+orchestrator/build.py calls `check_kv_cache` once the model's weights are known (the tiny model is
+built after pre-flight).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,6 +81,32 @@ def find_checkpoint(cfg: RunConfig, run_dir: Path) -> Checkpoint | None:
         raise CheckpointError(f"{ckpt.path} is at step {ckpt.state.step}; trainer.total_steps={t.total_steps} "
                               f"leaves nothing to train (total_steps counts the steps before the resume too)")
     return ckpt
+
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+KV_BLOCK_TOKENS = 16  # vLLM allocates the KV cache in blocks of this many tokens (its default block size)
+
+
+def kv_cache_min_bytes(model_dir: Path, max_model_len: int, dtype: str) -> int:
+    """Bytes of KV cache one sequence of `max_model_len` tokens needs: K and V per layer,
+    2 x layers x kv_heads x head_dim x dtype bytes per token, rounded up to whole blocks. vLLM
+    refuses to start below it. Reads the model's config.json (HF names)."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    per_token = 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", heads) * head_dim * DTYPE_BYTES[dtype]
+    return per_token * -(-max_model_len // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+
+
+def check_kv_cache(cfg: RunConfig, model_dir: str | Path) -> None:
+    """`inference.kv_cache_gib` holds one `inference.max_model_len` sequence of the model; raises
+    ConfigError naming the key and the minimum (before any engine starts, instead of vLLM's advice
+    about gpu_memory_utilization a minute later)."""
+    inf = cfg.inference
+    need = kv_cache_min_bytes(Path(model_dir), inf.max_model_len, inf.dtype)
+    check(inf.kv_cache_gib * 2**30 >= need, "inference.kv_cache_gib",
+          f"is too small for one inference.max_model_len={inf.max_model_len} sequence of this model: it needs at "
+          f"least {need / 2**30:.6f} GiB ({need} bytes)", inf.kv_cache_gib)
 
 
 def preflight(cfg: RunConfig) -> Preflight:

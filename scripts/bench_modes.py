@@ -14,7 +14,11 @@ The workload is bound by environment time, as the blog's SWE-Gym agent is, not b
 quota: by default every configuration runs with a raised quota (`--acr-rate`: the emulator's
 session-creation rate and the cluster-wide limiter), which a user asks AWS for at this scale.
 
-    python scripts/bench_modes.py --out bench_modes.json [--steps 20] [--env-median-s 0.2]
+    python scripts/bench_modes.py --out bench_modes.json [--steps 20] [--env-median-s 0.2] \
+        [--runs-dir DIR] [--report docs/img/bench_modes]
+
+`--report` overlays the four runs in one set of plots (orchestrator/report.py) with a table of
+their headline figures; README shows the images of the committed run.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ def _mean(values: list[float]) -> float:
 def run_config(name: str, args: argparse.Namespace, work: Path) -> dict:
     """Run one configuration as a subprocess; return its figures (raises on a failed run)."""
     run_dir = work / name
+    if (run_dir / "summary.json").is_file():  # kept from an earlier invocation with the same --runs-dir
+        print(f"{name}: reusing {run_dir}", flush=True)
+        return _figures(name, args, run_dir, wall_s=math.nan)
     cmd = [sys.executable, "-m", "orchestrator.main", f"+experiment=blog_{name}",
            f"trainer.total_steps={args.steps}", f"seed={args.seed}", "logger=console", f"run_dir={run_dir}",
            f"+rollout.acr.agent_env.LETTERS_ENV_TIME_MEDIAN_S={args.env_median_s}",
@@ -51,6 +58,10 @@ def run_config(name: str, args: argparse.Namespace, work: Path) -> dict:
     wall_s = time.monotonic() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return _figures(name, args, run_dir, wall_s)
+
+
+def _figures(name: str, args: argparse.Namespace, run_dir: Path, wall_s: float) -> dict:
     all_steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = all_steps[args.warmup_steps:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -88,6 +99,9 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
     ap.add_argument("--timeout-s", type=float, default=600.0, help="bound on one configuration's run")
     ap.add_argument("--out", type=Path, help="write the figures as JSON")
+    ap.add_argument("--runs-dir", type=Path, help="keep each configuration's run dir here (default: a temporary "
+                    "dir); a configuration whose run dir there holds a summary.json is not run again")
+    ap.add_argument("--report", type=Path, help="write the comparison report (PNG plots + report.html) here")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every configuration")
     args = ap.parse_args()
     names = [c for c in args.configs.split(",") if c]
@@ -96,9 +110,17 @@ def main() -> None:
         ap.error(f"unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-modes-") as tmp:
+        work = args.runs_dir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         for name in names:
             print(f"running {name} ...", flush=True)
-            rows.append(run_config(name, args, Path(tmp)))
+            rows.append(run_config(name, args, work))
+        if args.report:
+            sys.path.insert(0, str(REPO))
+            from orchestrator.report import build_report
+
+            html, plots = build_report([work / n for n in names], args.report, warmup_steps=args.warmup_steps)
+            print(f"report: {html} ({len(plots)} plots)")
     base = next((r for r in rows if r["config"] == "sync_1"), rows[0])
     for r in rows:
         r["speedup"] = r["trained_tokens_per_min"] / base["trained_tokens_per_min"] if base["trained_tokens_per_min"] else math.nan

@@ -41,7 +41,7 @@ def test_default_config_is_the_embedded_default():
         ("mode.sync_every=3", "mode.sync_every"),  # 8 groups do not split into 3 mini-batches
         ("trainer.lr=0", "trainer.lr"),
         ("rollout.top_p=1.5", "rollout.top_p"),
-        ("logger.sinks=[console,tensorboard]", "logger.sinks"),
+        ("logger.sinks=[console,mlflow]", "logger.sinks"),
         ("inference.max_model_len=16", "rollout.max_tokens"),  # 16 answer tokens do not fit
         ("rollout.max_tokens=600", "rollout.max_context_tokens"),  # 512-token budget < answer
         ("rollout.n=1", "rollout.n"),  # GRPO: a group of one has no baseline, nothing would train
@@ -75,8 +75,8 @@ def test_cli_unknown_mode_exits_nonzero_naming_mode(tmp_path):
         [sys.executable, "-m", "orchestrator.main", "mode=turbo", f"run_dir={tmp_path / 'r'}"],
         capture_output=True, text=True, timeout=60, cwd=CONFIGS.parent,
     )
-    assert proc.returncode != 0
-    assert "mode/turbo" in proc.stderr + proc.stdout
+    assert proc.returncode == 2
+    assert "config error: mode: no choice 'turbo'; valid choices: async, eval, sync" in proc.stderr
 
 
 def test_run_dir_of_an_earlier_run_or_a_file_is_refused(tmp_path):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from report_checks import check_report
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,6 +47,16 @@ def test_main_job_runs_end_to_end_on_real_parts(tmp_path):
     assert trained and all(abs(s["rollout_corr/log_ppl_abs_diff"]) < 1e-3 for s in trained)
     assert all(abs(s["rollout_corr/is_mean"] - 1.0) < 1e-3 for s in trained)
     assert f"run_dir: {run_dir}" in proc.stdout
+    # the report of a short real run: every plot a valid PNG with data, referenced files only; its
+    # path is the last console line
+    check_report(run_dir / "report" / "report.html")
+    assert proc.stdout.rstrip().splitlines()[-1] == f"report: {run_dir / 'report' / 'report.html'}"
+    # a quiet console: nothing from Ray, vLLM, Triton or TransferQueue before the first step
+    before_step_1 = proc.stdout.split("[step 1/")[0] + proc.stderr
+    for noise in ("Ray instance", "(InferenceWorker", "(TrainerWorker", "Triton", "TransferQueue", "NUMA",
+                  "FutureWarning", "Loading"):
+        assert noise not in before_step_1, (noise, before_step_1[-3000:])
+    assert (run_dir / "logs" / "driver.log").is_file()
     # every server the run started (moto, emulator, agents) was stopped by PID
     started = json.loads((run_dir / "pids.json").read_text())
     assert len(started) >= 4  # moto, emulator, two agents

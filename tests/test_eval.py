@@ -282,8 +282,8 @@ def test_an_agent_without_a_served_model_uses_its_own(monkeypatch):
 def test_console_line_shows_the_validation_and_the_version_it_measured():
     import io
 
-    from orchestrator.metrics import ConsoleSink
+    from orchestrator.progress import ProgressSink
 
     out = io.StringIO()
-    ConsoleSink(60, out).log(0, {"val/reward/mean": 0.154, "val/policy_version": 0.0})
-    assert out.getvalue() == "[step 0/60] val=0.154@v0\n"
+    ProgressSink(60, out, tty=False).log(0, {"val/reward/mean": 0.154, "val/policy_version": 0.0})
+    assert out.getvalue() == "[validation @ step 0] val=0.154@v0\n"

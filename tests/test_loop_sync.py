@@ -131,3 +131,26 @@ async def test_a_step_where_every_rollout_failed_stops_the_run():
         await run_sync(parts, SyncLoopSettings(total_steps=3, batch_size=2, n=4, sync_every=1,
                                                filter_zero_variance=True))
     assert not trainer.updates and push.versions == [0]
+
+
+async def test_a_step_with_nothing_to_train_neither_syncs_nor_advances_the_version():
+    """Regression (new-user report): with a reward that never varies every group was filtered, yet
+    each step pushed weights, bumped the policy version and logged is_mean=nan."""
+    store, push, trainer, logger = MemoryStore(), RecordingPush(), RecordingTrainer(), ListLogger()
+
+    class SameReward(SimRollouts):
+        async def run_all(self, reqs, partition):
+            row = TrajectoryRow((1, 2, 3, 4), (0, 0, 1, 1), (0.0, 0.0, -0.3, -0.2), (-1, -1, 0, 0))
+            out = [Sample(f"sess-{r.group_id}-{r.sample_index}", r.group_id, r.input_id, r.sample_index, (row,), 1.0,
+                          "completed", 0.01) for r in reqs]
+            await self.store.put(out, partition)
+            return out
+
+    rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(10)]
+    parts = LoopParts(prompts=PromptCycle(rows, seed=0), rollouts=SameReward(store, push.versions), store=store,
+                      trainer=trainer, weights=push, logger=logger, ledger=RolloutLedger())
+    report = await run_sync(parts, SyncLoopSettings(total_steps=2, batch_size=2, n=4, sync_every=1,
+                                                    filter_zero_variance=True))
+    assert not trainer.updates and push.versions == [0] and report.policy_version == 0
+    assert report.counts["rollout/filtered"] == 16 and report.counts.get("rollout/trained_groups", 0) == 0
+    assert [m["policy_version"] for _, m in logger.steps] == [0.0, 0.0]

@@ -1,0 +1,46 @@
+"""Hydra's own composition failures exit 2 with `config error:` naming the key (issue: a typo in a
+group choice printed Hydra's search path, a stack-trace hint and exited 1)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import orchestrator.main  # noqa: F401  registers the schemas, as the entry point does
+from orchestrator.config.hydra_errors import check_overrides
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("mode=asyn", "mode: no choice 'asyn'; valid choices: async, eval, sync"),
+    ("trainer.lr=abc", "trainer.lr: Value 'abc' of type 'str' could not be converted to Float"),
+    ("trainer.total_steps=1.5", "trainer.total_steps: Value '1.5'"),
+    ("rollout.acr.agent_env={K: V}", "rollout.acr.agent_env: a dict value does not merge"),
+    ("rollout.acr.agent_env.K=V", "+rollout.acr.agent_env.K=V"),  # the missing + is named
+    ("trainer.nope=1", "trainer.nope: no such key; valid keys here: name, total_steps, lr"),
+    ("+trainer.lr=1", "trainer.lr: already set by the defaults"),
+    ("+experiment=nope", "experiment: no choice 'nope'; valid choices: blog_async_1"),
+    ("trainer.lr=[1", "cannot parse the override 'trainer.lr=[1'"),
+])
+def test_hydra_failure_names_the_key(override, expected):
+    msg = check_overrides([override])
+    assert msg is not None and expected in msg, msg
+    assert "\n" not in msg and "search path" not in msg
+
+
+def test_accepted_overrides_pass():
+    assert check_overrides(["mode=async", "trainer.lr=0.001", "+rollout.acr.agent_env.K=V",
+                            "+experiment=blog_sync_2"]) is None
+    assert check_overrides(["--cfg", "job"]) is None  # Hydra's flags stay Hydra's
+
+
+def test_unknown_group_choice_exits_2_before_anything_starts():
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.main", "mode=asyn"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("config error: mode: no choice 'asyn'; valid choices: async, eval, sync")
+    assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr

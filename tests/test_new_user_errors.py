@@ -1,0 +1,60 @@
+"""What a new user hit before the first step, each now a clear `config error:` naming our key
+(exit 2) instead of a stack trace or a library's advice a minute later; the run dir stays reusable."""
+
+from __future__ import annotations
+
+import glob
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.build import agent_start_failure
+from orchestrator.preflight import kv_cache_min_bytes
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def main_job(*overrides: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.main", "logger=console", *overrides], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_kv_cache_minimum_is_one_full_sequence(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4,
+                                                      "num_key_value_heads": 2, "hidden_size": 256}))
+    # 2 (K, V) x 2 layers x 2 kv heads x 64 head dim x 4 bytes = 2048 B per token; 500 tokens -> 32 blocks of 16
+    assert kv_cache_min_bytes(tmp_path, 500, "float32") == 2048 * 512
+    assert kv_cache_min_bytes(tmp_path, 512, "bfloat16") == 1024 * 512
+
+
+def test_agent_failure_quotes_the_agents_own_output_of_the_last_start(tmp_path):
+    log = tmp_path / "emulator.log"
+    tb = "Traceback (most recent call last):\n  File x\nRuntimeError: agent 0 (pid 1) exited with {}\n"
+    log.write_text("old output\n" + tb.format(1) + "usage: agent --port N\nagent: error: bad flag\n" + tb.format(2))
+    msg = agent_start_failure("emulator exited with 1", log)
+    assert msg.startswith("the agent did not start (agent 0 (pid 1) exited with 2); its output:")
+    assert "  | agent: error: bad flag" in msg and "old output" not in msg
+    log.write_text("moto could not bind\n")
+    assert agent_start_failure("moto exited with 1", log) is None  # not an agent's failure: left as it was
+
+
+@pytest.mark.skipif(not glob.glob(str(REPO / ".cache/models/tiny-*/config.json")), reason="tiny model not built")
+def test_too_small_kv_cache_and_a_bad_agent_cmd_exit_2_naming_the_key(tmp_path):
+    kv = main_job("inference.kv_cache_gib=0.0001", f"run_dir={tmp_path / 'kv'}")
+    assert kv.returncode == 2, kv.stderr[-2000:]
+    assert kv.stderr.startswith("config error: inference.kv_cache_gib is too small for one "
+                                "inference.max_model_len=512 sequence of this model: it needs at least")
+    assert "gpu_memory_utilization" not in kv.stderr + kv.stdout and "Traceback" not in kv.stderr
+
+    script = tmp_path / "bad_agent.py"
+    script.write_text("import sys\nprint('agent: unknown option --bogus', file=sys.stderr)\nsys.exit(2)\n")
+    run_dir = tmp_path / "agent"
+    agent = main_job(f"rollout.acr.agent_cmd='{sys.executable} {script}'", f"run_dir={run_dir}")
+    assert agent.returncode == 2, agent.stderr[-3000:]
+    assert agent.stderr.startswith("config error: rollout.acr.agent_cmd"), agent.stderr[-3000:]
+    assert "the agent did not start (agent 0" in agent.stderr and "| agent: unknown option --bogus" in agent.stderr
+    assert "Traceback" not in agent.stderr
+    assert not (run_dir / "metrics.jsonl").exists()  # failed before its first step: a rerun may reuse run_dir

@@ -1,0 +1,118 @@
+"""The console a person watches (orchestrator/progress.py) and the metric sinks beside it
+(orchestrator/metrics.py): plain lines off a terminal, a rich bar on one, warnings always shown,
+TensorBoard event files, wandb online only with an API key, no metrics.jsonl before a first record."""
+
+from __future__ import annotations
+
+import io
+import math
+
+from orchestrator.metrics import JsonlSink, TensorBoardSink, resolve_wandb_mode
+from orchestrator.progress import ProgressSink
+
+
+def step_rec(step, *, filtered=0, is_mean=1.0):
+    return {"reward/mean": 0.25 * step, "perf/throughput": 120.0, "timing_s/step": 2.0, "timing_s/gen": 1.5,
+            "timing_s/update_actor": 0.4, "timing_s/update_weights": 0.05, "rollout/dispatched": 20.0 * step,
+            "rollout/completed": 16.0 * step - filtered, "rollout/filtered": float(filtered), "rollout/failed": 0.0,
+            "rollout/expired": 0.0, "rollout_corr/is_mean": is_mean}
+
+
+def test_plain_lines_off_a_terminal_with_eta_and_in_flight():
+    out, err = io.StringIO(), io.StringIO()
+    sink = ProgressSink(10, out, tty=False, warn_stream=err)
+    sink.log(1, step_rec(1))
+    sink.log(2, step_rec(2, is_mean=math.nan))  # nothing trained: no is_mean=nan on the console
+    lines = out.getvalue().splitlines()
+    assert lines[0] == ("[step 1/10] reward=0.250 tok/s=120 step=2.0s gen=1.5 update=0.4 sync=0.05 in_flight=4 "
+                        "failed=0 filtered=0 is_mean=1.000 eta=0:00:18")  # 9 steps left x 2 s
+    assert lines[1].startswith("[step 2/10]") and "nan" not in lines[1] and lines[1].endswith("eta=0:00:16")
+    assert err.getvalue() == ""
+
+
+def test_warnings_are_shown_on_stderr_beside_the_lines():
+    out, err = io.StringIO(), io.StringIO()
+    sink = ProgressSink(10, out, tty=False, warn_stream=err)
+    sink.log(1, step_rec(1, filtered=15))  # 15 of 16 finished rollouts filtered
+    assert err.getvalue().startswith("warning: step 1: 15 of 16 rollouts were filtered")
+
+
+def test_a_terminal_gets_a_progress_bar(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")  # rich's width off a real terminal
+    out = io.StringIO()
+    sink = ProgressSink(4, out, tty=True)
+    for s in range(1, 5):
+        sink.log(s, step_rec(s))
+    sink.close()
+    text = out.getvalue()
+    assert "4/4" in text and "reward=1.000" in text and "[step" not in text
+
+
+def test_tensorboard_sink_writes_event_files(tmp_path):
+    sink = TensorBoardSink(tmp_path / "tb")
+    sink.log(1, {"reward/mean": 0.5, "rollout_corr/is_mean": math.nan})
+    sink.close()
+    from tensorboardX.event_file_writer import EventFileWriter  # noqa: F401  (the writer we pinned)
+
+    files = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert len(files) == 1 and b"reward/mean" in files[0].read_bytes()
+
+
+def test_wandb_goes_online_only_with_an_api_key():
+    assert resolve_wandb_mode("auto", {"WANDB_API_KEY": "k"}) == "online"
+    assert resolve_wandb_mode("auto", {}) == "offline"
+    assert resolve_wandb_mode("disabled", {"WANDB_API_KEY": "k"}) == "disabled"
+
+
+def test_no_metrics_file_before_the_first_record(tmp_path):
+    """A run that fails before its first step leaves no metrics.jsonl, so a rerun may reuse its
+    run_dir (pre-flight refuses a run_dir holding a metrics.jsonl)."""
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    sink.close()
+    assert not (tmp_path / "metrics.jsonl").exists()
+    sink = JsonlSink(tmp_path / "metrics.jsonl")
+    sink.log(1, {"reward/mean": 0.5})
+    sink.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "reward/mean": 0.5}\n'
+
+
+def test_quiet_console_sends_library_output_to_the_run_dir(tmp_path, monkeypatch):
+    """Library records below logger.console_level and Python warnings go to RUN_DIR/logs/driver.log
+    only; a warning of ours still reaches the console."""
+    import logging
+    import warnings
+
+    from orchestrator.console_log import QUIET_ENV, quiet_console
+
+    for k in QUIET_ENV:  # quiet_console sets them for the processes it starts: restored after the test
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
+    console = io.StringIO()
+    root = logging.getLogger()
+    hydra_like = logging.StreamHandler(console)  # what Hydra's job_logging=stdout installs
+    saved = (root.level, list(root.handlers))
+    root.addHandler(hydra_like)
+    try:
+        path = quiet_console(tmp_path, "error")
+        logging.getLogger("vllm.engine").warning("Triton is installed, but doesn't include CPU backend")
+        logging.getLogger("ray").info("Started a local Ray instance.")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("torch.distributed.reduce_op is deprecated", FutureWarning)
+        logging.getLogger("orchestrator.loop_common").error("rollout s-1 failed: boom")
+        for h in root.handlers:
+            h.flush()
+        text = path.read_text()
+        assert "CPU backend" in text and "reduce_op" in text and "Started a local Ray" in text
+        assert console.getvalue() == "rollout s-1 failed: boom\n"
+    finally:
+        logging.captureWarnings(False)
+        for h in list(root.handlers):
+            if h not in saved[1]:
+                root.removeHandler(h)
+                h.close()
+        ray_logger = logging.getLogger("ray")
+        for h in list(ray_logger.handlers):
+            if isinstance(h, logging.FileHandler):
+                ray_logger.removeHandler(h)
+        root.setLevel(saved[0])

@@ -1,0 +1,121 @@
+"""The run report (orchestrator/report.py) from synthetic metrics files: every plot is written,
+is a PNG with data drawn, report.html references only files that exist; several runs overlay with
+a headline table; plots without data are not written. The report of a real run is checked in
+tests/test_e2e.py (test_main_job_runs_end_to_end_on_real_parts)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import yaml
+from report_checks import MIN_COLORED_PIXELS, check_report, colored_pixels
+
+from orchestrator.report import PLOTS, build_report, main
+from orchestrator.report_data import headline, load_run
+
+ALL_PLOTS = {p[0] for p in PLOTS}
+
+
+def make_run(path, *, mode="async", steps=12, gpus=0, seed=0, masked=True, val=True, step_s=2.0):
+    """A run dir with every metric the loops log, values drawn from a seeded generator."""
+    rng = random.Random(seed)
+    path.mkdir(parents=True)
+    cluster = ({"name": "local"} if not gpus else
+               {"name": "disaggregated", "trainer": {"nodes": 1, "gpus_per_node": gpus // 2},
+                "inference": {"replicas": gpus // 2, "tensor_parallel_size": 1}})
+    (path / "config.yaml").write_text(yaml.safe_dump({"mode": {"name": mode}, "cluster": cluster}))
+    recs = [{"step": 0, "val/reward/mean": 0.1, "val/policy_version": 0}] if val else []
+    done = filt = 0
+    for s in range(1, steps + 1):
+        done, filt = done + 16, filt + rng.randint(0, 8)
+        r = {"step": s, "reward/mean": min(1.0, 0.1 * s + rng.random() * 0.1), "timing_s/step": step_s,
+             "timing_s/gen": 1.2, "timing_s/update_actor": 0.5, "timing_s/update_weights": 0.1,
+             "perf/throughput": 100.0 + 10 * rng.random(), "perf/trained_tokens": 400.0,
+             "perf/inference_concurrency": 4 + rng.random() * 4, "perf/kv_cache_usage": 0.05 * rng.random(),
+             "rollout/completed": done, "rollout/filtered": filt, "rollout/failed": s // 4, "rollout/expired": s // 3,
+             "rollout_corr/rollout_is_mean": 1 + 0.01 * rng.random(), "rollout_corr/rollout_is_min": 0.8,
+             "rollout_corr/rollout_is_max": 1.3, "policy_version": s}
+        if mode == "async":
+            r.update({"timing_s/wait_for_batch": 1.2, "staleness/mean": 0.5, "staleness/hist/0": 10,
+                      "staleness/hist/1": 5, "staleness/hist/2": rng.randint(0, 2)})
+        if masked:
+            r["rollout_corr/rollout_rs_masked_fraction"] = 0.02 * rng.random()
+        if s == 3:
+            r["perf/kv_cache_usage"] = math.nan  # a step without the engine's figure is left out
+        recs.append(r)
+        if val and s % 4 == 0:
+            recs.append({"step": s, "val/reward/mean": 0.1 + 0.05 * s, "val/policy_version": s})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (path / "summary.json").write_text(json.dumps({"steps": steps, "rollout/failed/timeout": 2}))
+    return path
+
+
+def test_every_plot_of_a_full_run_is_a_png_with_data(tmp_path):
+    run = make_run(tmp_path / "run", gpus=4)
+    html, plots = build_report([run], tmp_path / "out")
+    assert {p.file for p in plots} == ALL_PLOTS
+    check_report(html, expect=ALL_PLOTS)
+    assert all(p.points > 0 for p in plots)
+
+
+def test_an_empty_axis_does_not_pass_the_data_check(tmp_path):
+    """Negative control of check_report: a PNG of axes with no data has no colored pixel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.set_title("empty")
+    fig.savefig(tmp_path / "empty.png")
+    plt.close(fig)
+    assert colored_pixels(tmp_path / "empty.png") < MIN_COLORED_PIXELS
+
+
+def test_runs_overlay_with_a_headline_table(tmp_path):
+    sync = make_run(tmp_path / "sync_1", mode="sync", step_s=4.0, masked=False, val=False)
+    asyn = make_run(tmp_path / "async_1", mode="async", seed=1)
+    assert main([str(sync), str(asyn), "--out", str(tmp_path / "cmp")]) == 0
+    text = (tmp_path / "cmp" / "report.html").read_text()
+    assert "sync_1" in text and "async_1" in text and "trained_tokens_per_min" in text
+    check_report(tmp_path / "cmp" / "report.html", expect=ALL_PLOTS)
+    # async's steps take half as long for the same tokens: twice the trained tokens per minute
+    h_sync, h_async = headline(load_run(sync)), headline(load_run(asyn))
+    assert h_async["trained_tokens_per_min"] == pytest.approx(2 * h_sync["trained_tokens_per_min"])
+    assert (h_sync["mode"], h_sync["steps"], h_sync["completed"]) == ("sync", 12, 12 * 16)
+
+
+def test_a_plot_without_data_is_not_written_nor_referenced(tmp_path):
+    """A sync CPU run without engine figures: no KV-cache or staleness plot, and a stale
+    kv_cache.png left by an earlier report is removed rather than shown."""
+    run = make_run(tmp_path / "run", mode="sync", masked=False)
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    (run / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if "kv_cache" not in k}) + "\n"
+                                               for r in lines))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "kv_cache.png").write_bytes(b"old")
+    html, plots = build_report([run], out)
+    assert {p.file for p in plots} == ALL_PLOTS - {"kv_cache.png", "staleness.png"}
+    assert not (out / "kv_cache.png").exists()
+    check_report(html, expect=ALL_PLOTS - {"kv_cache.png", "staleness.png"})
+
+
+def test_a_resumed_run_keeps_the_last_record_of_a_repeated_step(tmp_path):
+    run = make_run(tmp_path / "run", steps=4, val=False)
+    with (run / "metrics.jsonl").open("a") as f:  # the resume re-ran step 4
+        f.write(json.dumps({"step": 4, "reward/mean": 0.9, "timing_s/step": 1.0}) + "\n")
+    data = load_run(run)
+    assert [r["step"] for r in data.steps] == [1, 2, 3, 4]
+    assert data.series("reward/mean")[1][-1] == 0.9
+
+
+def test_not_a_run_dir_is_a_clear_error(tmp_path, capsys):
+    assert main([str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text("{not json\n")
+    assert main([str(tmp_path)]) == 2
+    assert "metrics.jsonl:1: not JSON" in capsys.readouterr().err
