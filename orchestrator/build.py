@@ -212,7 +212,7 @@ def _gateway_actor(cfg: RunConfig, model_path: str) -> Any:
     from workers.gateway.server import GatewayServer
 
     return ray.remote(num_cpus=0, max_concurrency=1000)(GatewayServer).remote(
-        gateway_config(cfg.model, rollout=cfg.rollout, model_path=model_path))
+        gateway_config(cfg.model, rollout=cfg.rollout, model_path=model_path, net=cfg.gateway))
 
 
 def _rollout_settings(cfg: RunConfig, rt: Runtime, base_url: str) -> Any:
