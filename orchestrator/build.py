@@ -70,7 +70,9 @@ def agent_command(cfg: RunConfig) -> list[str]:
     """The agent process the local emulator runs: `rollout.acr.agent_cmd`, else the task's app."""
     if cfg.rollout.acr.agent_cmd:
         return shlex.split(cfg.rollout.acr.agent_cmd)
-    return [sys.executable, str(TASKS[cfg.task.name].agent)]
+    agent = TASKS[cfg.task.name].agent
+    assert agent is not None, "config validation requires rollout.acr.agent_cmd for a task without an agent"
+    return [sys.executable, str(agent)]
 
 
 def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -> Runtime:

@@ -123,7 +123,7 @@ def test_thousands_commas_and_decimals_in_the_ground_truth():
 
 def test_an_empty_file_is_refused(tmp_path):
     path = _write(tmp_path, ["", "  "])
-    with pytest.raises(gsm8k.DatasetError, match="no GSM8K rows"):
+    with pytest.raises(gsm8k.DatasetError, match="no rows"):
         gsm8k.load_rows(str(path), None, seed=0, max_turns=4)
 
 

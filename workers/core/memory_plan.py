@@ -59,6 +59,8 @@ class ModelShape:
     tie_word_embeddings: bool = False
     num_experts: int = 0  # MoE: experts per layer (0: dense MLP)
     moe_intermediate_size: int = 0
+    qkv_bias: bool = False  # Qwen2 / Qwen2.5: biases on q, k, v
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head's q and k
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelShape":
@@ -71,7 +73,9 @@ class ModelShape:
                        intermediate_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
                        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                        num_experts=int(cfg.get("num_experts") or 0),
-                       moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0))
+                       moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+                       qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+                       qk_norm=cfg.get("model_type") in ("qwen3", "qwen3_moe"))
         except KeyError as exc:
             raise ValueError(f"config.json has no {exc.args[0]!r}") from None
 
@@ -80,6 +84,8 @@ class ModelShape:
         """Parameters of one decoder layer: attention (q, k, v, o), MLP or experts + router, norms."""
         h, a, k, d = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
         attn = h * a * d + 2 * h * k * d + a * d * h
+        attn += (a + 2 * k) * d if self.qkv_bias else 0
+        attn += 2 * d if self.qk_norm else 0
         if self.num_experts:
             mlp = self.num_experts * 3 * h * self.moe_intermediate_size + h * self.num_experts
         else:
@@ -108,21 +114,21 @@ class ModelShape:
 
 
 def _qwen(h: int, layers: int, heads: int, kv: int, inter: int, tied: bool, vocab: int = 151936,
-          head_dim: int = 128, experts: int = 0, moe_inter: int = 0) -> ModelShape:
+          head_dim: int = 128, experts: int = 0, moe_inter: int = 0, qwen2: bool = False) -> ModelShape:
     return ModelShape(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
                       head_dim=head_dim, intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
-                      num_experts=experts, moe_intermediate_size=moe_inter)
+                      num_experts=experts, moe_intermediate_size=moe_inter, qkv_bias=qwen2, qk_norm=not qwen2)
 
 
 # Shapes of the preset families (their config.json values), so a plan can be made on a machine
 # without the weights. Matched by the start of model.path's directory name, lower-cased.
 KNOWN_SHAPES: dict[str, ModelShape] = {
-    "qwen2.5-0.5b": _qwen(896, 24, 14, 2, 4864, True, head_dim=64),
-    "qwen2.5-1.5b": _qwen(1536, 28, 12, 2, 8960, True),
-    "qwen2.5-3b": _qwen(2048, 36, 16, 2, 11008, True),
-    "qwen2.5-7b": _qwen(3584, 28, 28, 4, 18944, False, vocab=152064),
-    "qwen2.5-14b": _qwen(5120, 48, 40, 8, 13824, False, vocab=152064),
-    "qwen2.5-32b": _qwen(5120, 64, 40, 8, 27648, False, vocab=152064),
+    "qwen2.5-0.5b": _qwen(896, 24, 14, 2, 4864, True, head_dim=64, qwen2=True),
+    "qwen2.5-1.5b": _qwen(1536, 28, 12, 2, 8960, True, qwen2=True),
+    "qwen2.5-3b": _qwen(2048, 36, 16, 2, 11008, True, qwen2=True),
+    "qwen2.5-7b": _qwen(3584, 28, 28, 4, 18944, False, vocab=152064, qwen2=True),
+    "qwen2.5-14b": _qwen(5120, 48, 40, 8, 13824, False, vocab=152064, qwen2=True),
+    "qwen2.5-32b": _qwen(5120, 64, 40, 8, 27648, False, vocab=152064, qwen2=True),
     "qwen3-0.6b": _qwen(1024, 28, 16, 8, 3072, True),
     "qwen3-1.7b": _qwen(2048, 28, 16, 8, 6144, True),
     "qwen3-4b": _qwen(2560, 36, 32, 8, 9728, True),
