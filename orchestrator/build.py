@@ -34,12 +34,10 @@ from orchestrator.config.rollout import local_fault_rates
 from orchestrator.loop_common import LoopParts
 from orchestrator.metrics import MetricLogger
 from orchestrator.preflight import Preflight
+from orchestrator.preflight_aws import forwarded_aws_env
 from orchestrator.run_checkpoint import LoopPosition
 from orchestrator.tasks import TASKS
 
-# AWS settings a joined cluster's actors need from the driver (the local stack's endpoints, credentials)
-AWS_ENV = ("AWS_ENDPOINT_URL_BEDROCK_AGENTCORE", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
-           "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_REGION")
 QUIET_VLLM = {"env_vars": {"VLLM_LOGGING_LEVEL": "ERROR"}}  # a reload warns per step about rotary buffers
 
 
@@ -76,7 +74,9 @@ def agent_command(cfg: RunConfig) -> list[str]:
 
 
 def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -> Runtime:
-    """Model weights, the local stack (stopped by `stack`) and Ray (shut down by `stack`)."""
+    """Model weights, the local stack (stopped by `stack`) and Ray (shut down by `stack`). Joining a
+    cluster, the driver's AWS configuration (every AWS_* variable) goes to the actors in the job's
+    runtime_env; without any, they use their node's own credential chain (its instance role)."""
     if cfg.model.path:
         model_path = str(Path(cfg.model.path).resolve())
     else:
@@ -92,8 +92,7 @@ def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -
     joining = bool(cfg.cluster.address or os.environ.get("RAY_ADDRESS"))  # RAY_ADDRESS: under `ray job submit`
     ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
              num_gpus=None if joining else cfg.cluster.num_gpus,  # logical GPUs of a cluster we start
-             log_to_driver=True, runtime_env={"env_vars": {k: os.environ[k] for k in AWS_ENV if k in os.environ}}
-             if joining else None)
+             log_to_driver=True, runtime_env={"env_vars": forwarded_aws_env(os.environ)} if joining else None)
     stack.callback(ray.shutdown)
     return Runtime(run_dir=pre.run_dir, model_path=model_path, checkpoint=pre.checkpoint, local=local)
 

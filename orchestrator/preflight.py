@@ -4,7 +4,8 @@ Schema validation (orchestrator/config/) reads values only; `preflight` then che
 values point at, in this order: `model.path` is a Hugging Face model directory, `model.chat_template`
 a file, every row of the task's data files parses (the registry's row loader, orchestrator/tasks.py), `run_dir`
 is not a file and holds no earlier run unless resuming, the checkpoint to resume from is complete
-and leaves steps to train, and `run_dir` can be created (it is created here).
+and leaves steps to train, with `rollout=aws` the AWS credentials and bucket
+(orchestrator/preflight_aws.py), and `run_dir` can be created (it is created here).
 
 Raises ConfigError (orchestrator/config/errors.py) or CheckpointError (orchestrator/checkpoint.py),
 each message naming the config key or the file. Callers: orchestrator/main.py after `to_run_config`.
@@ -12,6 +13,7 @@ each message naming the config key or the file. Callers: orchestrator/main.py af
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +92,11 @@ def preflight(cfg: RunConfig) -> Preflight:
     check_run_dir(cfg)
     run_dir = Path(cfg.run_dir).resolve()
     ckpt = find_checkpoint(cfg, run_dir)
+    if cfg.rollout.name == "aws":  # credentials, bucket, reachability (orchestrator/preflight_aws.py)
+        from orchestrator.preflight_aws import check_aws
+
+        for warning in check_aws(cfg, exp_id=f"exp-{run_dir.name}"):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -23,8 +23,8 @@ ALL_INTERFACES = "0.0.0.0"
 class GatewayGroupConfig:
     """host: interface to listen on (null: 127.0.0.1 with rollout=local, 0.0.0.0 with rollout=aws).
     port: TCP port (0: a free one; fix it when a firewall or reverse proxy must name it).
-    advertise_url: the base URL agents are given as `base_url` (null: the listen URL with
-    rollout=local, "auto" with rollout=aws; "auto": http://<this node's routable address>:<port>/v1;
+    advertise_url: the base URL agents are given as `base_url` (null: "auto" when listening on
+    every interface (0.0.0.0), else the listen URL; "auto": http://<this node's routable address>:<port>/v1;
     or e.g. https://rl.example.com/v1 behind a TLS-terminating reverse proxy)."""
 
     host: Optional[str] = None
@@ -40,7 +40,6 @@ class GatewayGroupConfig:
 
 def gateway_net(g: GatewayGroupConfig, *, rollout_name: str) -> tuple[str, int, Optional[str]]:
     """(host, port, advertise_url) of the gateway for a run whose rollouts are `rollout_name`."""
-    remote = rollout_name == "aws"
-    host = g.host or (ALL_INTERFACES if remote else LOOPBACK)
-    advertise = g.advertise_url or (AUTO if remote else None)
+    host = g.host or (ALL_INTERFACES if rollout_name == "aws" else LOOPBACK)
+    advertise = g.advertise_url or (AUTO if host == ALL_INTERFACES else None)  # a bound address is its own URL
     return host, g.port, advertise
