@@ -99,3 +99,11 @@ def test_advertised_url():
 def test_reach_warning(addr, warns):
     w = reach_warning(addr, "gateway.advertise_url")
     assert (w is None) if warns is None else (warns in w)
+
+
+def test_task_custom_needs_your_agent_locally_but_not_on_aws():
+    with pytest.raises(ConfigError, match=r"rollout\.acr\.agent_cmd must name your agent's command with task=custom"):
+        compose_config(["task=custom", "task.data_path=examples/data/arith/train.jsonl"])
+    with pytest.raises(ConfigError, match=r"task\.data_path must be set for task=custom"):
+        compose_config(["task=custom", "rollout.acr.agent_cmd=python a.py"])
+    assert compose_config([*AWS, "task=custom", "task.data_path=d.parquet"]).task.prompt_key == "prompt"
