@@ -107,3 +107,12 @@ def test_task_custom_needs_your_agent_locally_but_not_on_aws():
     with pytest.raises(ConfigError, match=r"task\.data_path must be set for task=custom"):
         compose_config(["task=custom", "rollout.acr.agent_cmd=python a.py"])
     assert compose_config([*AWS, "task=custom", "task.data_path=d.parquet"]).task.prompt_key == "prompt"
+
+
+def test_result_host_auto_listens_everywhere_and_advertises_the_nodes_address():
+    from workers.core.netaddr import listen_and_advertise
+
+    assert listen_and_advertise("auto") == ("0.0.0.0", routable_address())
+    assert listen_and_advertise("0.0.0.0") == ("0.0.0.0", routable_address())
+    assert listen_and_advertise("127.0.0.1") == ("127.0.0.1", None)
+    assert routable_address() not in ("", "0.0.0.0")

@@ -39,6 +39,15 @@ def routable_address() -> str:
         return "127.0.0.1"
 
 
+def listen_and_advertise(host: str) -> tuple[str, str | None]:
+    """(interface to listen on, host to advertise or None for the listen address) of a configured
+    host: "auto" and "0.0.0.0" listen on every interface and advertise this node's routable
+    address; any other host is both."""
+    if host in (AUTO, "0.0.0.0"):
+        return "0.0.0.0", routable_address()
+    return host, None
+
+
 def host_of(url_or_host: str) -> str:
     """The host part of a URL (`http://10.0.0.5:8000/v1` -> `10.0.0.5`), or the argument itself."""
     if "://" in url_or_host:

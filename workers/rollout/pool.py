@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from workers.core.calls import call, is_actor_method
-from workers.core.netaddr import AUTO, routable_address
+from workers.core.netaddr import listen_and_advertise
 from workers.core.types import RolloutRequest, Sample, SessionCapture
 from workers.rollout.worker import NoGateway, RolloutOutcome, RolloutSettings, RolloutWorker
 from workers.rollout.results import ResultBoard, ResultServer
@@ -79,10 +79,10 @@ class RolloutActor:
         board, url = None, None
         if opts.result_host:
             board = ResultBoard()
-            listen = "0.0.0.0" if opts.result_host == AUTO else opts.result_host  # auto: every interface
+            listen, advertise = listen_and_advertise(opts.result_host)  # auto: every interface, this node's address
             self._server = ResultServer(board, host=listen)
             url = await self._server.start()
-            advertise = opts.result_advertise_host or (listen if listen != "0.0.0.0" else routable_address())
+            advertise = opts.result_advertise_host or advertise or listen
             url = url.replace(f"//{listen}:", f"//{advertise}:", 1)
         gateway = NoGateway() if self._gateway_handle is None else GatewayActorClient(self._gateway_handle)
         return RolloutWorker(self._settings, gateway, self._acr,
