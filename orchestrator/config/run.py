@@ -76,7 +76,7 @@ class RunConfig:
               self.inference.name)
         check(TASKS[self.task.name].agent is not None or self.rollout.name != "local" or bool(self.rollout.acr.agent_cmd),
               "rollout.acr.agent_cmd", f"must name your agent's command with task={self.task.name} and rollout=local "
-              "(e.g. rollout.acr.agent_cmd='python examples/agents/echo_math_agent/app.py')", self.rollout.acr.agent_cmd)
+              "(e.g. rollout.acr.agent_cmd='python examples/agents/arith_agent/app.py')", self.rollout.acr.agent_cmd)
         validating = self.trainer.test_freq > 0 or self.trainer.val_before_train
         check(not validating or self.task.val_split != "test" or TASKS[self.task.name].check_data is None
               or bool(self.task.val_data_path), "task.val_data_path",
