@@ -18,7 +18,8 @@ AWS = ["rollout.acr.agent_runtime_arn=arn:aws:bedrock-agentcore:us-east-1:123456
        "rollout.acr.s3_bucket=my-rollouts", "inference.max_model_len=16384"]
 REQUIRED = {("rollout", "aws"): AWS, **{("model", m): ["model.path=/models/x"]
                                         for m in ("qwen2_5", "qwen3", "qwen3_coder")},
-            ("inference", "vllm"): ["cluster=disaggregated"]}
+            ("inference", "vllm"): ["cluster=disaggregated"],
+            ("task", "custom"): ["task.data_path=examples/data/arith/train.jsonl", "rollout.acr.agent_cmd=python a.py"]}
 
 
 @pytest.mark.parametrize(

@@ -121,9 +121,13 @@ def test_main_dry_run_exit_status(tmp_path, overrides, code, needle):
     assert not run_dir.exists()
 
 
-def test_ray_places_the_2_node_experiment_as_planned():
-    """Ray logical GPUs on two simulated nodes of 8: the placement groups of swe_agent_2node are created
-    and land as the plan says (the trainer's 8 GPUs on one node, the 4 TP-2 replicas on the other)."""
+GPU_EXPERIMENTS = [n for n in EXPERIMENTS if not n.startswith("blog_")]  # the blog ones run on cluster=local
+
+
+@pytest.mark.parametrize("name", GPU_EXPERIMENTS)
+def test_ray_places_the_experiment_on_the_logical_gpus_it_names(name):
+    """A Ray cluster of the experiment's nodes x GPUs (logical, simulated nodes): its placement groups
+    are created and land as the plan says (GPUs per node; a trainer node's ranks on one host)."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
     from ray.util.placement_group import placement_group_table
@@ -132,12 +136,14 @@ def test_ray_places_the_2_node_experiment_as_planned():
 
     if ray.is_initialized():
         pytest.skip("Ray is already initialized in this process by another test module")
-    cfg = compose_config(["+experiment=swe_agent_2node"])
-    plan = plan_placement(cfg.cluster.placement_spec())
-    expected = Counter(s.node for s in assign_bundles(plan, [8, 8]) for _ in s.gpus)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 8})
+    cfg = compose_config([f"+experiment={name}"])
+    c = cfg.cluster
+    plan = plan_placement(c.placement_spec())
+    expected = Counter(s.node for s in assign_bundles(plan, [c.gpus_per_node] * c.nodes) for _ in s.gpus)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": c.gpus_per_node})
     try:
-        cluster.add_node(num_cpus=1, num_gpus=8)
+        for _ in range(c.nodes - 1):
+            cluster.add_node(num_cpus=1, num_gpus=c.gpus_per_node)
         ray.init(address=cluster.address)
         cluster.wait_for_nodes()
         placed = PlacedGroups.create(plan, ready_timeout_s=60)
@@ -147,9 +153,10 @@ def test_ray_places_the_2_node_experiment_as_planned():
                 table = placement_group_table(pg)
                 for i, node in table["bundles_to_node_id"].items():
                     per_node[node] += int(table["bundles"][i].get("GPU", 0))
-            assert sorted(per_node.values()) == sorted(expected.values()) == [8, 8]
-            trainer_nodes = set(placement_group_table(placed.groups[0])["bundles_to_node_id"].values())
-            assert len(trainer_nodes) == 1  # STRICT_PACK: the trainer's 8 ranks share a host
+            assert sorted(per_node.values()) == sorted(expected.values())
+            for pg, spec in zip(placed.groups, plan.groups):
+                if spec.strategy == "STRICT_PACK":  # a trainer node's ranks share a host
+                    assert len(set(placement_group_table(pg)["bundles_to_node_id"].values())) == 1
         finally:
             placed.remove()
     finally:
