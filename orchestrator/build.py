@@ -34,13 +34,11 @@ from orchestrator.config.rollout import local_fault_rates
 from orchestrator.loop_common import LoopParts
 from orchestrator.metrics import MetricLogger
 from orchestrator.preflight import Preflight, check_kv_cache
+from orchestrator.preflight_aws import forwarded_aws_env
 from orchestrator.progress import phase
 from orchestrator.run_checkpoint import LoopPosition
 from orchestrator.tasks import TASKS
 
-# AWS settings a joined cluster's actors need from the driver (the local stack's endpoints, credentials)
-AWS_ENV = ("AWS_ENDPOINT_URL_BEDROCK_AGENTCORE", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
-           "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_REGION")
 QUIET_VLLM = {"env_vars": {"VLLM_LOGGING_LEVEL": "ERROR"}}  # a reload warns per step about rotary buffers
 
 
@@ -71,11 +69,15 @@ def agent_command(cfg: RunConfig) -> list[str]:
     """The agent process the local emulator runs: `rollout.acr.agent_cmd`, else the task's app."""
     if cfg.rollout.acr.agent_cmd:
         return shlex.split(cfg.rollout.acr.agent_cmd)
-    return [sys.executable, str(TASKS[cfg.task.name].agent)]
+    agent = TASKS[cfg.task.name].agent
+    assert agent is not None, "config validation requires rollout.acr.agent_cmd for a task without an agent"
+    return [sys.executable, str(agent)]
 
 
 def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -> Runtime:
-    """Model weights, the local stack (stopped by `stack`) and Ray (shut down by `stack`)."""
+    """Model weights, the local stack (stopped by `stack`) and Ray (shut down by `stack`). Joining a
+    cluster, the driver's AWS configuration (every AWS_* variable) goes to the actors in the job's
+    runtime_env; without any, they use their node's own credential chain (its instance role)."""
     from orchestrator.console_log import link_ray_logs, ray_init_options
 
     if cfg.model.path:
@@ -98,7 +100,7 @@ def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -
     joining = bool(cfg.cluster.address or os.environ.get("RAY_ADDRESS"))  # RAY_ADDRESS: under `ray job submit`
     ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
              num_gpus=None if joining else cfg.cluster.num_gpus,  # logical GPUs of a cluster we start
-             runtime_env={"env_vars": {k: os.environ[k] for k in AWS_ENV if k in os.environ}} if joining else None,
+             runtime_env={"env_vars": forwarded_aws_env(os.environ)} if joining else None,
              **ray_init_options(cfg.logger.console_level))  # actors' output: RUN_DIR/logs/ray unless loud
     stack.callback(ray.shutdown)
     link_ray_logs(pre.run_dir)
@@ -249,7 +251,7 @@ def _gateway_actor(cfg: RunConfig, model_path: str) -> Any:
     from workers.gateway.server import GatewayServer
 
     return ray.remote(num_cpus=0, max_concurrency=1000)(GatewayServer).remote(
-        gateway_config(cfg.model, rollout=cfg.rollout, model_path=model_path))
+        gateway_config(cfg.model, rollout=cfg.rollout, model_path=model_path, net=cfg.gateway))
 
 
 def _rollout_settings(cfg: RunConfig, rt: Runtime, base_url: str) -> Any:

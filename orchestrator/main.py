@@ -7,7 +7,10 @@ loop -> report (`RUN_DIR/summary.json`; the loop writes `RUN_DIR/metrics.jsonl`)
 builds no trainer and evaluates instead (orchestrator/evaluate.py: `RUN_DIR/eval.jsonl`,
 `RUN_DIR/eval_summary.json`).
 
-Exit status: 0 done, 1 nothing trained (no rollout completed, or every group was filtered), 2 config / checkpoint / GPU-placement error,
+`dry_run=true` prints the plan (orchestrator/plan.py) and starts nothing.
+
+Exit status: 0 done (or a dry run that fits), 1 nothing trained (no rollout completed, or every group was filtered), 2 config / checkpoint /
+GPU-placement error (or a dry run that does not fit),
 130 interrupted (Ctrl-C or SIGTERM).
 
 Invariant: everything this process starts is stopped on every exit path (normal end, error,
@@ -149,6 +152,16 @@ def _report_at_end(cfg: RunConfig):
                 print(f"warning: the run report was not written: {exc!r}", file=sys.stderr, flush=True)
 
 
+def _dry_run(cfg: RunConfig) -> None:
+    """Print the plan (placement per node and GPU, memory per GPU); raise ConfigError when it cannot fit."""
+    from orchestrator.plan import build_plan, check_plan, format_plan
+
+    plan = build_plan(cfg)
+    print(format_plan(plan), flush=True)
+    check_plan(plan)
+    print("dry run: the plan fits; nothing was started", flush=True)
+
+
 def _fail(kind: str, exc: BaseException | str, code: int) -> NoReturn:
     print(f"{kind}: {exc}", file=sys.stderr, flush=True)
     sys.exit(code)
@@ -168,6 +181,12 @@ def _run_and_exit(cfg: RunConfig) -> None:
     from orchestrator.checkpoint import CheckpointError
     from workers.core.placement import InsufficientGpusError
 
+    if cfg.dry_run:  # the plan only: nothing starts (orchestrator/plan.py)
+        try:
+            _dry_run(cfg)
+        except (ConfigError, InsufficientGpusError) as exc:
+            _fail("config error", exc, 2)
+        return
     try:
         summary = run(cfg)
     except CheckpointError as exc:

@@ -2,9 +2,10 @@
 
 Schema validation (orchestrator/config/) reads values only; `preflight` then checks what the
 values point at, in this order: `model.path` is a Hugging Face model directory, `model.chat_template`
-a file, the task's data file exists (the registry's `check_data`, orchestrator/tasks.py), `run_dir`
+a file, every row of the task's data files parses (the registry's row loader, orchestrator/tasks.py), `run_dir`
 is not a file and holds no earlier run unless resuming, the checkpoint to resume from is complete
-and leaves steps to train, and `run_dir` can be created (it is created here).
+and leaves steps to train, with `rollout=aws` the AWS credentials and bucket
+(orchestrator/preflight_aws.py), and `run_dir` can be created (it is created here).
 
 Raises ConfigError (orchestrator/config/errors.py) or CheckpointError (orchestrator/checkpoint.py),
 each message naming the config key or the file. Callers: orchestrator/main.py after `to_run_config`;
@@ -15,6 +16,7 @@ built after pre-flight).
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,20 +47,23 @@ def check_model(cfg: RunConfig) -> None:
 
 
 def check_task_data(cfg: RunConfig) -> None:
-    """The task's data files (e.g. gsm8k's `task.data_path`, and `task.val_data_path` when set) are
-    there; the message names the key."""
-    check_data = TASKS[cfg.task.name].check_data
-    if check_data is None:
+    """Every row the run will read is read once here (the registry's row loader: JSONL, Parquet or
+    save_to_disk, workers/core/tasks/dataset_files.py), so a missing file, an empty one, a row
+    without a needed field or a line that is not UTF-8 stops the run before anything starts, with
+    a message naming the key, the file, the row and the field. Splits read: the one trained on (or
+    `task.split` with mode=eval) and `task.val_split` when validating."""
+    task = TASKS[cfg.task.name]
+    if task.check_data is None:
         return
-    try:
-        check_data(cfg.task.data_path)
-    except (FileNotFoundError, ValueError) as exc:
-        raise ConfigError(str(exc)) from None
-    if cfg.task.val_data_path:
+    splits = {cfg.task.split if cfg.mode.name == "eval" else "train"}
+    if cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train:
+        splits.add(cfg.task.val_split)
+    for split in sorted(splits):
         try:
-            check_data(cfg.task.val_data_path)
+            task.rows(cfg.task, split)
         except (FileNotFoundError, ValueError) as exc:
-            raise ConfigError(str(exc).replace("task.data_path", "task.val_data_path")) from None
+            msg = str(exc)
+            raise ConfigError(msg.replace("task.data_path", "task.val_data_path") if split == "test" else msg) from None
 
 
 def check_run_dir(cfg: RunConfig) -> None:
@@ -116,6 +121,11 @@ def preflight(cfg: RunConfig) -> Preflight:
     check_run_dir(cfg)
     run_dir = Path(cfg.run_dir).resolve()
     ckpt = find_checkpoint(cfg, run_dir)
+    if cfg.rollout.name == "aws":  # credentials, bucket, reachability (orchestrator/preflight_aws.py)
+        from orchestrator.preflight_aws import check_aws
+
+        for warning in check_aws(cfg, exp_id=f"exp-{run_dir.name}"):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

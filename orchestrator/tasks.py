@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
-from workers.core.tasks import gsm8k, letters
+from workers.core.tasks import custom, gsm8k, letters
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 AGENTS_DIR = REPO_ROOT / "examples" / "agents"
@@ -26,18 +26,20 @@ class TaskParams(Protocol):
     max_turns: int
     val_num_prompts: Optional[int]
     val_data_path: Optional[str]
+    prompt_key: str
 
 
 @dataclass(frozen=True)
 class TaskEntry:
     """A task: its row loader ((task config, split "train" | "test") -> dataset rows; the test
     split holds prompts never drawn for training), its agent app (run with this Python
-    by the local ACR emulator unless `rollout.acr.agent_cmd` names another command) and, for a
+    by the local ACR emulator unless `rollout.acr.agent_cmd` names another command; None for a task
+    whose agent is the user's) and, for a
     task that reads `task.data_path`, the check that the file is there (raises FileNotFoundError
     or ValueError naming `task.data_path`; run by pre-flight, not by schema validation)."""
 
     rows: Callable[[TaskParams, str], list[dict]]
-    agent: Path
+    agent: Optional[Path]  # None: the user's own (rollout.acr.agent_cmd locally, the runtime ARN on AWS)
     check_data: Optional[Callable[[Optional[str]], object]] = None
 
 
@@ -56,8 +58,15 @@ def _gsm8k_rows(t: TaskParams, split: str) -> list[dict]:
     return gsm8k.load_rows(t.data_path, t.num_prompts, t.seed, t.max_turns)
 
 
+def _custom_rows(t: TaskParams, split: str) -> list[dict]:
+    data_path, num = (t.val_data_path, t.val_num_prompts) if split == "test" else (t.data_path, t.num_prompts)
+    path = gsm8k.resolve_data_path(data_path, task="custom")
+    return custom.load_rows(path, t.prompt_key, num, t.seed, t.max_turns)
+
+
 TASKS: dict[str, TaskEntry] = {
     "letters": TaskEntry(_letters_rows, AGENTS_DIR / "letters_agent" / "app.py"),
     "gsm8k": TaskEntry(_gsm8k_rows, AGENTS_DIR / "gsm8k_agent" / "app.py", check_data=gsm8k.resolve_data_path),
+    "custom": TaskEntry(_custom_rows, None, check_data=lambda p: gsm8k.resolve_data_path(p, task="custom")),
 }
 TASK_NAMES: tuple[str, ...] = tuple(TASKS)

@@ -123,7 +123,7 @@ def test_thousands_commas_and_decimals_in_the_ground_truth():
 
 def test_an_empty_file_is_refused(tmp_path):
     path = _write(tmp_path, ["", "  "])
-    with pytest.raises(gsm8k.DatasetError, match="no GSM8K rows"):
+    with pytest.raises(gsm8k.DatasetError, match="no rows"):
         gsm8k.load_rows(str(path), None, seed=0, max_turns=4)
 
 
@@ -158,7 +158,7 @@ def test_the_registry_covers_every_task_name_and_loads_rows_for_its_agent():
 
     assert set(TASKS) == set(TASK_NAMES)
     for name, entry in TASKS.items():
-        assert entry.agent.is_file(), name
+        assert entry.agent is None or entry.agent.is_file(), name  # None: the user's agent (task=custom)
     rows = TASKS["gsm8k"].rows(TaskConfig(name="gsm8k", num_prompts=3, seed=1, data_path=TEST_COPY, max_turns=2), "train")
     assert [r["max_turns"] for r in rows] == [2, 2, 2]
     assert TASKS["gsm8k"].agent == REPO / "examples/agents/gsm8k_agent/app.py"

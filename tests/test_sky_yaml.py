@@ -72,3 +72,15 @@ def test_submit_gets_the_head_dashboard_address():
     cfg = yaml.safe_load(TASK_YAML.read_text())
     assert f"RAY_ADDRESS=\"http://127.0.0.1:$DASHBOARD_PORT\"" in cfg["run"]
     assert cfg["envs"]["DASHBOARD_PORT"] == 8265
+
+
+def test_the_default_job_is_the_2_node_experiment_and_matches_the_hardware():
+    """OVERRIDES defaults to +experiment=swe_agent_2node, which names the nodes and GPUs the yaml asks for."""
+    from stand_ins import compose_config
+
+    cfg = yaml.safe_load(TASK_YAML.read_text())
+    assert cfg["envs"]["OVERRIDES"] == "+experiment=swe_agent_2node"
+    run = compose_config(cfg["envs"]["OVERRIDES"].split())
+    gpu, count = cfg["resources"]["accelerators"].split(":")
+    assert (run.cluster.nodes, run.cluster.gpus_per_node) == (cfg["num_nodes"], int(count)) == (2, 8)
+    assert gpu == "H100" and run.cluster.gpu_memory_gib == 80

@@ -1,7 +1,7 @@
 """Typed config schema of a run, registered in Hydra's ConfigStore, validated where declared.
 
 One module per config group under `configs/` (mode, cluster, model, trainer, inference, rollout,
-task, algorithm, logger, async, eval); each holds its group's dataclass and the mapping from the group
+task, algorithm, logger, async, eval, gateway); each holds its group's dataclass and the mapping from the group
 to the settings of the worker it configures (`inference_settings`, `trainer_settings`,
 `gateway_config`, `rollout_settings`, ...). `OmegaConf.to_object` turns the composed config into
 these dataclasses, which runs each `__post_init__`; a bad value raises `ConfigError` whose message
@@ -17,6 +17,7 @@ from orchestrator.config.async_ import AsyncConfig
 from orchestrator.config.cluster import ClusterConfig, InferencePlacementConfig, TrainerPlacementConfig
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.eval import EvalConfig, eval_rollout_settings, eval_settings
+from orchestrator.config.gateway import GatewayGroupConfig, gateway_net
 from orchestrator.config.inference import InferenceConfig, inference_settings
 from orchestrator.config.logger import LoggerConfig
 from orchestrator.config.mode import ModeConfig
@@ -31,11 +32,11 @@ from orchestrator.config.trainer import (TrainerConfig, VerlEngineConfig, Weight
 from orchestrator.tasks import TASK_NAMES
 
 __all__ = [
-    "AcrConfig", "AcrLimitsSchema", "AlgorithmConfig", "AsyncConfig", "ClusterConfig", "ConfigError", "EvalConfig",
+    "AcrConfig", "AcrLimitsSchema", "AlgorithmConfig", "AsyncConfig", "ClusterConfig", "ConfigError", "EvalConfig", "GatewayGroupConfig",
     "GROUP_SCHEMAS", "InferenceConfig", "InferencePlacementConfig", "LoggerConfig", "ModeConfig", "ModelConfig",
     "RejectionRuleConfig", "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "TASK_NAMES", "TaskConfig",
     "TrainerConfig", "TrainerPlacementConfig", "VerlEngineConfig", "WeightSyncConfig", "acr_client_config",
-    "async_loop_settings", "buffer_config", "eval_rollout_settings", "eval_settings", "gateway_config", "inference_settings", "register",
+    "async_loop_settings", "buffer_config", "eval_rollout_settings", "eval_settings", "gateway_config", "gateway_net", "inference_settings", "register",
     "rollout_settings", "sampler_settings", "sync_loop_settings", "to_run_config", "trainer_class", "trainer_settings",
     "verl_settings",
 ]

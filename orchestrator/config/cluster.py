@@ -31,7 +31,10 @@ class ClusterConfig:
     """Where actors go (workers/core/placement.py). `name`: local (no GPUs), disaggregated (trainer
     and inference on separate GPUs) or colocated (they share GPUs; inference sleeps during updates).
     `num_cpus` / `num_gpus`: logical CPUs / GPUs of a Ray cluster the driver starts itself (None:
-    the machine's; ignored when joining a cluster). `placement_timeout_s`: wait for placement groups."""
+    the machine's; ignored when joining a cluster). `placement_timeout_s`: wait for placement groups.
+    `nodes` x `gpus_per_node` GPUs of `gpu_memory_gib` GiB: the hardware a plan is made for
+    (`dry_run=true`, orchestrator/plan.py; SkyPilot's num_nodes and accelerators); gpus_per_node
+    null: the GPUs the placement asks for, on one node."""
 
     name: str = "local"
     address: str | None = None
@@ -42,8 +45,15 @@ class ClusterConfig:
     trainer: TrainerPlacementConfig = field(default_factory=TrainerPlacementConfig)
     inference: InferencePlacementConfig = field(default_factory=InferencePlacementConfig)
     placement_timeout_s: float = 60.0
+    nodes: int = 1
+    gpus_per_node: int | None = None
+    gpu_memory_gib: float = 80.0
 
     def __post_init__(self) -> None:
+        check(self.nodes >= 1, "cluster.nodes", "must be >= 1", self.nodes)
+        check(self.gpus_per_node is None or self.gpus_per_node >= 0, "cluster.gpus_per_node", "must be null or >= 0",
+              self.gpus_per_node)
+        check(self.gpu_memory_gib > 0, "cluster.gpu_memory_gib", "must be > 0", self.gpu_memory_gib)
         one_of(self.name, "cluster.name", PLACEMENT_MODES)
         check(self.trainer_replicas == 1, "cluster.trainer_replicas", "must be 1 on a CPU cluster", self.trainer_replicas)
         check(self.torch_threads >= 1, "cluster.torch_threads", "must be >= 1", self.torch_threads)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from orchestrator.config.async_ import SYNC_IN_FLIGHT, AsyncConfig
 from orchestrator.config.cluster import ClusterConfig
@@ -14,26 +14,42 @@ from orchestrator.config.mode import ModeConfig
 if TYPE_CHECKING:
     from workers.inference.settings import InferenceSettings
 
-INFERENCE_ENGINES = ("vllm_cpu",)
+INFERENCE_ENGINES = ("vllm_cpu", "vllm")  # vllm_cpu: vLLM's CPU build; vllm: vLLM on CUDA GPUs
 INFERENCE_DTYPES = ("float32", "bfloat16")  # also the dtype weight sync sends (workers/weight_sync/plan.py)
 
 
 @dataclass
 class InferenceConfig:
-    """vLLM replicas. `kv_cache_gib`: KV-cache size per replica in GiB (explicit on CPU)."""
+    """vLLM replicas. `kv_cache_gib`: KV-cache size per replica in GiB (required on CPU; on GPU
+    null lets vLLM size it from `gpu_memory_utilization`, the fraction of each GPU's memory the
+    engine may use for weights, activations and KV cache). `max_num_batched_tokens`: tokens per
+    engine step (chunked prefill; null: vLLM's default). `enable_prefix_caching`: reuse the KV of
+    shared prompt prefixes (a multi-turn agent's history). `enforce_eager`: no CUDA graphs."""
 
     name: str = "vllm_cpu"
     replicas: int = 1
     max_model_len: int = 512
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: Optional[float] = 1.0
     max_num_seqs: int = 64
     dtype: str = "float32"
+    gpu_memory_utilization: float = 0.9
+    max_num_batched_tokens: Optional[int] = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = True
 
     def __post_init__(self) -> None:
         one_of(self.name, "inference.name", INFERENCE_ENGINES)
         check(self.replicas >= 1, "inference.replicas", "must be >= 1", self.replicas)
         check(self.max_model_len >= 16, "inference.max_model_len", "must be >= 16", self.max_model_len)
-        check(self.kv_cache_gib > 0, "inference.kv_cache_gib", "must be > 0", self.kv_cache_gib)
+        check(self.kv_cache_gib is not None or self.name == "vllm", "inference.kv_cache_gib",
+              "must be set with inference=vllm_cpu (vLLM's CPU build needs an explicit KV-cache size)",
+              self.kv_cache_gib)
+        check(self.kv_cache_gib is None or self.kv_cache_gib > 0, "inference.kv_cache_gib", "must be > 0",
+              self.kv_cache_gib)
+        check(0 < self.gpu_memory_utilization <= 1, "inference.gpu_memory_utilization", "must be in (0, 1]",
+              self.gpu_memory_utilization)
+        check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 16, "inference.max_num_batched_tokens", "must be null or >= 16",
+              self.max_num_batched_tokens)
         one_of(self.dtype, "inference.dtype", INFERENCE_DTYPES)
 
 
@@ -46,7 +62,10 @@ def inference_settings(inf: InferenceConfig, *, mode: ModeConfig, async_: AsyncC
 
     return InferenceSettings(
         model_path=model_path, dtype=inf.dtype, max_model_len=inf.max_model_len,
-        kv_cache_bytes=int(inf.kv_cache_gib * 2**30), max_num_seqs=inf.max_num_seqs, seed=seed + replica,
+        kv_cache_bytes=None if inf.kv_cache_gib is None else int(inf.kv_cache_gib * 2**30),
+        gpu_memory_utilization=inf.gpu_memory_utilization, max_num_batched_tokens=inf.max_num_batched_tokens,
+        enable_prefix_caching=inf.enable_prefix_caching, enforce_eager=inf.enforce_eager,
+        max_num_seqs=inf.max_num_seqs, seed=seed + replica,
         in_flight=async_.in_flight if mode.name == "async" else SYNC_IN_FLIGHT,  # type: ignore[arg-type]
         resume_aborted=async_.resume_aborted, tensor_parallel_size=cluster.inference.tensor_parallel_size,
         enable_sleep_mode=cluster.name == "colocated", initial_policy_version=initial_policy_version)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from orchestrator.config.errors import check
+from orchestrator.config.gateway import GatewayGroupConfig, gateway_net
 from orchestrator.config.rollout import RolloutConfig
 from workers.gateway.tool_parsers import TOOL_CALL_PARSERS
 
@@ -18,7 +19,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class ModelConfig:
-    """The policy. `path`: a Hugging Face model dir; None builds (once) and uses the tiny default.
+    """The policy. `path`: a Hugging Face model dir; None builds (once) and uses the tiny default
+    (only with `name=tiny`: every other preset, e.g. `model=qwen3`, requires it).
 
     chat_template: a Jinja file replacing the tokenizer's chat template in the gateway (vLLM's
     `--chat-template`), e.g. for a model whose own template renders no tools.
@@ -33,15 +35,21 @@ class ModelConfig:
     tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
+        check(self.name == "tiny" or bool(self.path), "model.path",
+              f"must be set for model={self.name} (a local Hugging Face model directory, e.g. "
+              "model.path=/models/Qwen3-8B); only model=tiny builds its own", self.path)
         check(self.tool_call_parser in TOOL_CALL_PARSERS, "model.tool_call_parser",
               f"must be one of {', '.join(TOOL_CALL_PARSERS)}", self.tool_call_parser)
 
 
-def gateway_config(model: ModelConfig, *, rollout: RolloutConfig, model_path: str) -> GatewayConfig:
-    """The gateway's settings: the model it renders for, and the rollouts' sampling and budgets."""
+def gateway_config(model: ModelConfig, *, rollout: RolloutConfig, model_path: str,
+                   net: GatewayGroupConfig | None = None) -> GatewayConfig:
+    """The gateway's settings: the model it renders for, the rollouts' sampling and budgets, and
+    where it listens / what URL agents get (the `gateway` group, defaults by `rollout.name`)."""
     from workers.gateway.config import GatewayConfig
 
-    return GatewayConfig(model_path=model_path, served_model_name=model.served_name,
+    host, port, advertise_url = gateway_net(net or GatewayGroupConfig(), rollout_name=rollout.name)
+    return GatewayConfig(model_path=model_path, host=host, port=port, advertise_url=advertise_url, served_model_name=model.served_name,
                          chat_template=model.chat_template, tool_call_parser=model.tool_call_parser,
                          max_context_tokens=rollout.max_context_tokens, max_tokens=rollout.max_tokens,
                          temperature=rollout.temperature, top_p=rollout.top_p)

@@ -8,9 +8,10 @@ The contract names are workers/rollout/contract.py's `Contract`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any, Optional, get_args
 
 from orchestrator.config.errors import ConfigError, check, one_of
+from workers.acr.arn import check_bucket_name, parse_runtime_arn
 from workers.acr.limits import AcrLimitsConfig
 from workers.acr.client import RETRY_MODES
 from workers.rollout.contract import Contract
@@ -52,12 +53,14 @@ class AcrLimitsSchema:
 @dataclass
 class AcrConfig:
     """ACR endpoint. With `rollout=local` the emulator and moto S3 are started on loopback and
-    `agent_runtime_arn` / `s3_bucket` point at them; otherwise they name real AWS resources."""
+    `agent_runtime_arn` / `s3_bucket` point at them; with `rollout=aws` they name real AWS resources
+    (both required, their form checked here, the bucket's existence by pre-flight) and `region`
+    null takes the ARN's region (as agentcore-rl-toolkit does; a different explicit region is refused)."""
 
     agent_runtime_arn: str = "arn:aws:bedrock-agentcore:us-west-2:000000000000:runtime/letters-agent"
     qualifier: str = "DEFAULT"
     s3_bucket: str = "rollouts"
-    region: str = "us-west-2"
+    region: Optional[str] = "us-west-2"
     num_agents: int = 2
     session_rate_per_s: float = 25.0
     agent_cmd: str | None = None
@@ -91,7 +94,9 @@ class RolloutConfig:
     contract: str = "s3"  # s3: `_rollout` + result in S3 | http: `_config` + `_agentcore_runtime` records
     http_background: bool = False  # http: start in the background and poll `get` (else the start answers)
     push_grace_s: float = 5.0  # s3: once agents POST results, S3 polling starts this long after the invoke
-    result_host: str = "127.0.0.1"  # where rollout actors take posted results ("" = S3 polling only)
+    # where rollout actors take posted results: an interface address, "auto" (listen on every
+    # interface, tell agents this node's routable address; rollout=aws) or "" (S3 polling only)
+    result_host: str = "127.0.0.1"
     max_consecutive_bad_results: int = 32  # agent results in a row without a usable reward: stop the run
 
     def __post_init__(self) -> None:
@@ -116,6 +121,8 @@ class RolloutConfig:
               self.poll_max_s)
         check(self.max_context_tokens > self.max_tokens, "rollout.max_context_tokens",
               f"must be > rollout.max_tokens={self.max_tokens} (prompt + answer must fit)", self.max_context_tokens)
+        if self.name == "aws":
+            _check_aws(self.acr)
         check(bool(self.acr.region), "rollout.acr.region", "must not be empty", self.acr.region)
         if self.acr.faults:
             check(self.name == "local", "rollout.acr.faults", "needs rollout=local (the emulator injects them)",
@@ -127,6 +134,23 @@ class RolloutConfig:
         check(self.acr.num_agents >= 1, "rollout.acr.num_agents", "must be >= 1", self.acr.num_agents)
         check(self.acr.session_rate_per_s > 0, "rollout.acr.session_rate_per_s", "must be > 0",
               self.acr.session_rate_per_s)
+
+
+def _check_aws(acr: AcrConfig) -> None:
+    """rollout=aws: the runtime ARN's form, the bucket name's form, and the region (from the ARN)."""
+    for key, value in (("agent_runtime_arn", acr.agent_runtime_arn), ("s3_bucket", acr.s3_bucket)):
+        check(bool(value), f"rollout.acr.{key}", f"must be set with rollout=aws (add rollout.acr.{key}=...)", value)
+    try:
+        arn = parse_runtime_arn(acr.agent_runtime_arn)
+    except ValueError as exc:
+        raise ConfigError(f"rollout.acr.agent_runtime_arn {exc}, got {acr.agent_runtime_arn!r}") from None
+    try:
+        check_bucket_name(acr.s3_bucket)
+    except ValueError as exc:
+        raise ConfigError(f"rollout.acr.s3_bucket {exc}, got {acr.s3_bucket!r}") from None
+    check(acr.region in (None, arn.region), "rollout.acr.region",
+          f"must be null or the runtime's region {arn.region!r} (from rollout.acr.agent_runtime_arn)", acr.region)
+    acr.region = arn.region
 
 
 def rollout_settings(r: RolloutConfig, *, exp_id: str, agent_runtime_arn: str, gateway_base_url: str,

@@ -19,6 +19,7 @@ from orchestrator.config.async_ import AsyncConfig
 from orchestrator.config.cluster import ClusterConfig
 from orchestrator.config.errors import ConfigError, check
 from orchestrator.config.eval import EvalConfig
+from orchestrator.config.gateway import GatewayGroupConfig
 from orchestrator.config.inference import InferenceConfig
 from orchestrator.config.logger import LoggerConfig
 from orchestrator.config.mode import ModeConfig
@@ -35,7 +36,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class RunConfig:
-    """The whole run. `run_dir`: where metrics.jsonl, summary.json and checkpoints go."""
+    """The whole run. `run_dir`: where metrics.jsonl, summary.json and checkpoints go. `dry_run`:
+    print the plan (placement per node and GPU, memory per GPU) and start nothing."""
 
     mode: ModeConfig = field(default_factory=ModeConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -48,8 +50,10 @@ class RunConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     async_: AsyncConfig = field(default_factory=AsyncConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    gateway: GatewayGroupConfig = field(default_factory=GatewayGroupConfig)
     run_dir: str = MISSING
     seed: int = 0
+    dry_run: bool = False  # print the placement and memory plan (orchestrator/plan.py) and exit
 
     def __post_init__(self) -> None:
         groups = self.rollout.batch_size
@@ -67,6 +71,12 @@ class RunConfig:
         check(self.trainer.weight_sync.backend not in CUDA_WEIGHT_SYNC_BACKENDS or self.cluster.name != "local",
               "trainer.weight_sync.backend", "needs CUDA GPUs: use cluster=disaggregated or cluster=colocated "
               "(cluster=local runs on CPU; use file, shm or gloo)", self.trainer.weight_sync.backend)
+        check(self.inference.name != "vllm" or self.cluster.name != "local", "inference.name",
+              "vllm runs on CUDA GPUs: use cluster=disaggregated or cluster=colocated (inference=vllm_cpu on CPU)",
+              self.inference.name)
+        check(TASKS[self.task.name].agent is not None or self.rollout.name != "local" or bool(self.rollout.acr.agent_cmd),
+              "rollout.acr.agent_cmd", f"must name your agent's command with task={self.task.name} and rollout=local "
+              "(e.g. rollout.acr.agent_cmd='python examples/agents/arith_agent/app.py')", self.rollout.acr.agent_cmd)
         validating = self.trainer.test_freq > 0 or self.trainer.val_before_train
         check(not validating or self.task.val_split != "test" or TASKS[self.task.name].check_data is None
               or bool(self.task.val_data_path), "task.val_data_path",
@@ -103,8 +113,9 @@ GROUP_SCHEMAS: dict[str, type] = {
     "mode": ModeConfig, "cluster": ClusterConfig, "model": ModelConfig, "trainer": TrainerConfig,
     "inference": InferenceConfig, "rollout": RolloutConfig, "task": TaskConfig,
     "algorithm": AlgorithmConfig, "logger": LoggerConfig, "async": AsyncConfig, "eval": EvalConfig,
+    "gateway": GatewayGroupConfig,
 }
-TOP_LEVEL_KEYS = ("run_dir", "seed")
+TOP_LEVEL_KEYS = ("run_dir", "seed", "dry_run")
 
 
 def _attr(group: str) -> str:
@@ -154,7 +165,10 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
         parts[_attr(group)] = obj
     unknown = sorted(set(cfg.keys()) - set(GROUP_SCHEMAS) - set(TOP_LEVEL_KEYS) - {"hydra", "experiment"})
     if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown config key (known: {sorted(GROUP_SCHEMAS)} run_dir seed)")
+        raise ConfigError(f"{unknown[0]}: unknown config key (known: {sorted(GROUP_SCHEMAS)} {' '.join(TOP_LEVEL_KEYS)})")
     if "run_dir" not in cfg or OmegaConf.is_missing(cfg, "run_dir") or not str(cfg.run_dir or "").strip():
         raise ConfigError("run_dir must be set (a directory path; empty would write into the current directory)")
-    return RunConfig(**parts, run_dir=str(cfg.run_dir), seed=int(cfg.seed))
+    dry_run = cfg.get("dry_run", False)
+    if not isinstance(dry_run, bool):
+        raise ConfigError(f"dry_run must be true or false, got {dry_run!r}")
+    return RunConfig(**parts, run_dir=str(cfg.run_dir), seed=int(cfg.seed), dry_run=dry_run)

@@ -24,6 +24,8 @@ class TaskConfig:
     val_num_prompts: rows of the test split (letters: generated from the held-out pairs;
         gsm8k: drawn from `val_data_path`, null: every row). val_data_path: the test split's
         JSONL file (gsm8k); relative paths resolve against the repository root.
+    prompt_key: the field every row of task=custom must carry (its prompt: a string or a list of
+        chat messages); all fields reach the agent's payload.
     sampler: how prompts are drawn. uniform: a reshuffled cycle, every prompt once per epoch.
         difficulty: prompts whose groups are expected to have reward variance are drawn more
         (orchestrator/sampler.py; its knobs: sampler_floor, the share of draw probability spread
@@ -40,6 +42,7 @@ class TaskConfig:
     val_split: str = "test"
     val_num_prompts: Optional[int] = 32
     val_data_path: Optional[str] = None
+    prompt_key: str = "prompt"
     sampler: str = "uniform"
     sampler_floor: float = 0.05
     sampler_window: int = 4

@@ -156,17 +156,48 @@ def check_capacity(plan: PlacementPlan, node_gpus: Sequence[float]) -> None:
         raise InsufficientGpusError(
             f"{where}, but the Ray cluster has {have:g} GPUs (per node: {per_node}); lower cluster.trainer.* / "
             "cluster.inference.* or add GPUs (cluster.num_gpus sets logical GPUs of a local cluster)")
-    items: list[tuple[float, str]] = []
-    for g in plan.groups:
+    assign_bundles(plan, node_gpus)
+
+
+@dataclass(frozen=True)
+class BundleSite:
+    """Where a bundle is expected to land: node index and the GPU indices it takes there."""
+
+    group: int
+    bundle: int
+    node: int
+    gpus: tuple[int, ...]
+
+
+def assign_bundles(plan: PlacementPlan, node_gpus: Sequence[float]) -> list[BundleSite]:
+    """Expected node and GPU indices of every bundle, first-fit-decreasing (a STRICT_PACK group on
+    one node, a PACK group's bundles each on one node), as `check_capacity` checks fit. Ray makes
+    its own choice among equally good nodes; the counts per node are what this guarantees.
+    Raises InsufficientGpusError naming the group that fits on no node."""
+    per_node = [float(g) for g in node_gpus]
+    where = f"cluster={plan.spec.mode} needs {plan.num_gpus:g} GPUs ({plan.spec.describe()})"
+    items: list[tuple[float, str, list[tuple[int, int, float]]]] = []  # (gpus, what, [(group, bundle, gpus)])
+    for gi, g in enumerate(plan.groups):
         if g.strategy == "STRICT_PACK":
-            items.append((g.num_gpus, f"group {g.name} ({len(g.bundles)} bundles on one node)"))
+            items.append((g.num_gpus, f"group {g.name} ({len(g.bundles)} bundles on one node)",
+                          [(gi, bi, b.get("GPU", 0.0)) for bi, b in enumerate(g.bundles)]))
         else:
-            items.extend((b.get("GPU", 0.0), f"a bundle of group {g.name}") for b in g.bundles)
+            items.extend((b.get("GPU", 0.0), f"a bundle of group {g.name}", [(gi, bi, b.get("GPU", 0.0))])
+                         for bi, b in enumerate(g.bundles))
     free = sorted(per_node, reverse=True)
-    for gpus, what in sorted(items, key=lambda x: -x[0]):
+    order = sorted(range(len(per_node)), key=lambda i: -per_node[i])  # free[j] is node order[j]
+    next_gpu = [0] * len(per_node)
+    sites: list[BundleSite] = []
+    for gpus, what, bundles in sorted(items, key=lambda x: -x[0]):
         fit = next((i for i, f in enumerate(free) if f >= gpus), None)
         if fit is None:
             raise InsufficientGpusError(
                 f"{where}: {what} needs {gpus:g} GPUs on one node, but no node has that many free "
                 f"(per node: {per_node}, free after packing larger groups: {free})")
         free[fit] -= gpus
+        node = order[fit]
+        for gi, bi, n in bundles:
+            whole = max(1, int(n))
+            sites.append(BundleSite(gi, bi, node, tuple(range(next_gpu[node], next_gpu[node] + whole))))
+            next_gpu[node] += whole
+    return sorted(sites, key=lambda s: (s.group, s.bundle))

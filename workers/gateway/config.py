@@ -18,6 +18,9 @@ class GatewayConfig:
     served_model_name: model id listed by GET /v1/models and echoed in answers (None: model_path).
     host / port: listen address; port 0 picks a free port. The default host is loopback; a public
         address (e.g. 0.0.0.0, for agents running elsewhere) must be configured explicitly.
+    advertise_url: the base URL agents are given (None: `http://HOST:PORT/v1` as bound; "auto":
+        `http://<this node's routable address>:PORT/v1`; else used as given, e.g. the https URL of
+        a TLS-terminating reverse proxy in front of HOST:PORT).
     max_context_tokens: default per-request budget (prompt + generated tokens) of a session.
     max_body_bytes: largest accepted request body.
     temperature / top_p / max_tokens / enforce_sampling: the sessions' SamplingDefaults.
@@ -33,6 +36,7 @@ class GatewayConfig:
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 0
+    advertise_url: str | None = None
     max_context_tokens: int = 4096
     max_body_bytes: int = 16 * 1024 * 1024
     temperature: float = 1.0

@@ -96,7 +96,8 @@ class GatewayServer:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> str:
-        """Listen on cfg.host:cfg.port (0 = a free port); return the base URL `http://HOST:PORT/v1`.
+        """Listen on cfg.host:cfg.port (0 = a free port); return the base URL agents are given:
+        `http://HOST:PORT/v1`, or as `cfg.advertise_url` says (see `advertised_url`).
 
         Idempotent: a second call returns the same URL. Raises OSError if the port is taken.
         """
@@ -130,7 +131,7 @@ class GatewayServer:
             self._runner = None
             raise
         host, port = self._runner.addresses[0][:2]
-        self._base_url = f"http://{host}:{port}/v1"
+        self._base_url = advertised_url(self._cfg.advertise_url, host, port)
         return self._base_url
 
     async def stop(self) -> None:
@@ -198,3 +199,15 @@ class GatewayServer:
             running = None
         if running is not None and running is not self._loop:
             raise RuntimeError("GatewayServer methods must be called on the event loop that ran start()")
+
+
+def advertised_url(advertise_url: str | None, host: str, port: int) -> str:
+    """The base URL agents are given for a gateway bound to `host:port`: `http://HOST:PORT/v1`
+    when `advertise_url` is None, this node's routable address for "auto", else `advertise_url`."""
+    from workers.core.netaddr import AUTO, routable_address
+
+    if advertise_url is None:
+        return f"http://{host}:{port}/v1"
+    if advertise_url == AUTO:
+        return f"http://{routable_address()}:{port}/v1"
+    return advertise_url.rstrip("/")

@@ -33,6 +33,9 @@ def build_engine(s: InferenceSettings, *, kv_usage: "KvCacheUsage") -> tuple["As
     """Build the engine (loads the model, allocates the KV cache); returns it and what was
     measured. `EngineInfo.sleep_level` is 1 where vLLM sleep mode is available and asked for, else
     0. The caller labels it with its policy version before any request. Raises ValueError on conflicting environment settings."""
+    if s.kv_cache_bytes is None and current_platform_is_cpu():
+        raise ValueError("inference.kv_cache_bytes must be set on CPU (vLLM's CPU build sizes no KV cache from "
+                         "gpu_memory_utilization)")
     if os.environ.get(KV_CACHE_ENV):
         raise ValueError(
             f"{KV_CACHE_ENV}={os.environ[KV_CACHE_ENV]!r} is set and would override "
@@ -59,7 +62,8 @@ def build_engine(s: InferenceSettings, *, kv_usage: "KvCacheUsage") -> tuple["As
         max_model_len=s.max_model_len,
         max_num_seqs=s.max_num_seqs,
         max_num_batched_tokens=s.max_num_batched_tokens,
-        kv_cache_memory_bytes=s.kv_cache_bytes,
+        kv_cache_memory_bytes=s.kv_cache_bytes,  # None on GPU: sized from gpu_memory_utilization
+        gpu_memory_utilization=s.gpu_memory_utilization,
         seed=s.seed,
         enforce_eager=s.enforce_eager,
         enable_prefix_caching=s.enable_prefix_caching,
@@ -80,6 +84,13 @@ def build_engine(s: InferenceSettings, *, kv_usage: "KvCacheUsage") -> tuple["As
         max_num_seqs=s.max_num_seqs,
         sleep_level=sleep_level,
     )
+
+
+def current_platform_is_cpu() -> bool:
+    """vLLM's platform is its CPU build (imports vLLM)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def _make_package_importable_by_engine_processes() -> None:

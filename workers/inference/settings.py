@@ -21,8 +21,10 @@ LOGPROBS_MODES: tuple[LogprobsMode, ...] = get_args(LogprobsMode)
 class InferenceSettings:
     """Engine settings of one replica.
 
-    kv_cache_bytes: KV-cache size in bytes, always explicit (on CPU vLLM otherwise sizes it from a
-        fraction of host memory). `VLLM_CPU_KVCACHE_SPACE` must be unset: it would override this.
+    kv_cache_bytes: KV-cache size in bytes (on CPU always explicit: vLLM otherwise sizes it from a
+        fraction of host memory; `VLLM_CPU_KVCACHE_SPACE` must be unset: it would override this).
+        None (GPU only): vLLM sizes it from `gpu_memory_utilization`, the fraction of the GPU's
+        memory the engine may take for weights, activations and KV cache.
     logprobs_mode: "processed_logprobs" returns log π of the distribution sampled from (after
         temperature/top-p); "raw_logprobs" returns log-softmax of the raw logits.
     worker_in_engine_process: run the model in vLLM's engine-core process (executor "uni",
@@ -45,7 +47,8 @@ class InferenceSettings:
     model_path: str
     dtype: str = "float32"
     max_model_len: int = 512
-    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     seed: int = 0
@@ -63,8 +66,10 @@ class InferenceSettings:
         if not self.model_path:
             raise ValueError("inference.model_path must be set")
         for key in ("max_model_len", "kv_cache_bytes", "max_num_seqs"):
-            if getattr(self, key) <= 0:
+            if getattr(self, key) is not None and getattr(self, key) <= 0:
                 raise ValueError(f"inference.{key} must be > 0, got {getattr(self, key)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"inference.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
             raise ValueError(f"inference.max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -84,7 +89,7 @@ class EngineInfo:
 
     startup_s: float
     max_model_len: int
-    kv_cache_bytes: int
+    kv_cache_bytes: int | None  # None: sized by vLLM from gpu_memory_utilization
     max_num_seqs: int
     sleep_level: int = 0  # what sleep() does: 0 pauses scheduling only, 1 also frees device memory
 

@@ -15,13 +15,13 @@ Callers: orchestrator/build.py builds the pool (`start_rollout_pool`); the loops
 from __future__ import annotations
 
 import asyncio
-import socket
 import uuid
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from workers.core.calls import call, is_actor_method
+from workers.core.netaddr import listen_and_advertise
 from workers.core.types import RolloutRequest, Sample, SessionCapture
 from workers.rollout.worker import NoGateway, RolloutOutcome, RolloutSettings, RolloutWorker
 from workers.rollout.results import ResultBoard, ResultServer
@@ -33,7 +33,8 @@ class PoolOptions:
 
     limits: workers.acr.limits.LimitHandles (the named limit actors), or None for no limits.
     acr: workers.acr.client.AcrClientConfig, or None for defaults.
-    result_host: interface the fast-completion result server listens on ("" = no server);
+    result_host: interface the fast-completion result server listens on ("" = no server; "auto":
+        every interface, advertised as this node's routable address);
         `result_advertise_host` is the host agents are told to post to (default: result_host,
         or this node's IP when result_host is 0.0.0.0).
     """
@@ -78,11 +79,11 @@ class RolloutActor:
         board, url = None, None
         if opts.result_host:
             board = ResultBoard()
-            self._server = ResultServer(board, host=opts.result_host)
+            listen, advertise = listen_and_advertise(opts.result_host)  # auto: every interface, this node's address
+            self._server = ResultServer(board, host=listen)
             url = await self._server.start()
-            advertise = opts.result_advertise_host or (opts.result_host if opts.result_host != "0.0.0.0"
-                                                       else socket.gethostbyname(socket.gethostname()))
-            url = url.replace(f"//{opts.result_host}:", f"//{advertise}:", 1)
+            advertise = opts.result_advertise_host or advertise or listen
+            url = url.replace(f"//{listen}:", f"//{advertise}:", 1)
         gateway = NoGateway() if self._gateway_handle is None else GatewayActorClient(self._gateway_handle)
         return RolloutWorker(self._settings, gateway, self._acr,
                              _sink_for(self._buffer_handle), slots=clients.sessions if clients else None,

@@ -1,10 +1,12 @@
 """The GSM8K task: grade-school math word problems read from a JSONL file (Cobbe et al. 2021).
 
-Each line of the file is `{"question": str, "answer": str}` where the answer is a worked
-solution ending in `#### <number>` (the format of openai/grade-school-math). A row sent to the
-agent (examples/agents/gsm8k_agent) is
+Each row is `{"question": str, "answer": str}` where the answer is a worked solution ending in
+`#### <number>` (the format of openai/grade-school-math), or a row of verl's GSM8K parquet
+(`prompt` messages, `reward_model.ground_truth`, `extra_info.question`); the file is JSONL,
+Parquet or a `datasets` `save_to_disk` directory (workers/core/tasks/dataset_files.py). A row
+sent to the agent (examples/agents/gsm8k_agent) is
 
-    {"input_id": "gsm8k-<file stem>-<line number>", "question": str, "answer": <int | float>,
+    {"input_id": "gsm8k-<file stem>-<line or row number>", "question": str, "answer": <int | float>,
      "max_turns": int}
 
 where `answer` is the numeric ground truth after `####` (thousands commas removed; an int when
@@ -16,15 +18,15 @@ the first 128 of the test split as test.jsonl, MIT licence beside them); configs
 makes its train file the default `task.data_path`.
 
 Invariants: `load_rows` is a pure function of (file contents, num, seed, max_turns); input_ids
-are unique (one per line); a malformed line raises `DatasetError` naming the file and line.
+are unique (one per row); a malformed row raises `DatasetError` naming the file, row and field.
 """
 
 from __future__ import annotations
 
-import json
-import random
 import re
 from pathlib import Path
+
+from workers.core.tasks.dataset_files import DatasetError, Record, draw_rows, field, read_records
 
 REPO_ROOT: Path = Path(__file__).resolve().parents[3]  # workers/core/tasks/gsm8k.py -> the repository
 SAMPLE_DIR = "examples/data/gsm8k"  # the in-repository sample, relative to REPO_ROOT
@@ -33,26 +35,23 @@ DATA_PATH_KEY = "task.data_path"
 _FINAL = re.compile(r"####\s*(-?\d[\d,]*(?:\.\d+)?)\s*$")
 
 
-class DatasetError(ValueError):
-    """A GSM8K file or line is malformed; the message names the file and the line."""
-
-
-def resolve_data_path(data_path: str | None, root: Path = REPO_ROOT) -> Path:
+def resolve_data_path(data_path: str | None, root: Path = REPO_ROOT, task: str = "gsm8k") -> Path:
     """The absolute path of `task.data_path` (relative paths resolve against `root`).
 
     Raises ValueError if `data_path` is unset, FileNotFoundError (naming `task.data_path` and the
     resolved path) if no file is there.
     """
     if not data_path:
-        raise ValueError(f"{DATA_PATH_KEY} must be set for task=gsm8k (a GSM8K JSONL file)")
+        raise ValueError(f"{DATA_PATH_KEY} must be set for task={task} (a JSONL or Parquet file, or a save_to_disk "
+                         "directory)")
     path = Path(data_path).expanduser()
     if not path.is_absolute():
         path = root / path
     path = path.resolve()
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(
             f"{DATA_PATH_KEY}={data_path!r}: no file at {path} (relative paths resolve against the "
-            f"repository root {root}); point {DATA_PATH_KEY} at a GSM8K JSONL file"
+            f"repository root {root}); point {DATA_PATH_KEY} at a JSONL or Parquet file or a save_to_disk directory"
         )
     return path
 
@@ -70,39 +69,45 @@ def parse_final_number(answer: str) -> int | float:
     return int(text) if re.fullmatch(r"-?\d+", text) else value
 
 
-def parse_line(line: str, where: str) -> tuple[str, int | float]:
-    """(question, numeric answer) of one JSONL line. Raises DatasetError prefixed with `where`."""
+def parse_row(record: Record) -> tuple[str, int | float]:
+    """(question, numeric answer) of one row: GSM8K's own `{"question", "answer": "... #### N"}`, or
+    verl's schema (`extra_info.question`, else the last user message of `prompt`, and
+    `reward_model.ground_truth`). Raises DatasetError naming the row and the field."""
+    row = record.row
+    if "question" in row or "answer" in row:
+        question, answer = row.get("question"), row.get("answer")
+        if not isinstance(question, str) or not question.strip():
+            raise DatasetError(f"{record.where}: field 'question': needs a non-empty string 'question'")
+        if not isinstance(answer, str):
+            raise DatasetError(f"{record.where}: field 'answer': needs a string 'answer' ending in '#### <number>'")
+        try:
+            return question, parse_final_number(answer)
+        except ValueError as exc:
+            raise DatasetError(f"{record.where}: field 'answer': {exc}") from None
+    truth = str(field(record, "reward_model.ground_truth"))  # verl's schema
+    question = (row.get("extra_info") or {}).get("question") or _last_user_message(record)
     try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise DatasetError(f"{where}: not valid JSON ({exc})") from None
-    if not isinstance(obj, dict):
-        raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    question, answer = obj.get("question"), obj.get("answer")
-    if not isinstance(question, str) or not question.strip():
-        raise DatasetError(f"{where}: needs a non-empty string 'question'")
-    if not isinstance(answer, str):
-        raise DatasetError(f"{where}: needs a string 'answer' ending in '#### <number>'")
-    try:
-        return question, parse_final_number(answer)
-    except ValueError as exc:
-        raise DatasetError(f"{where}: {exc}") from None
+        return question, parse_final_number(f"#### {truth}")
+    except ValueError:
+        raise DatasetError(f"{record.where}: field 'reward_model.ground_truth' is not a number: {truth!r}") from None
+
+
+def _last_user_message(record: Record) -> str:
+    prompt = field(record, "prompt")
+    users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"] \
+        if isinstance(prompt, list) else []
+    if not users or not isinstance(users[-1], str):
+        raise DatasetError(f"{record.where}: field 'prompt' must be a list of chat messages with a user message")
+    return users[-1]
 
 
 def read_file(path: Path) -> list[dict]:
-    """Every row of a GSM8K JSONL file, in file order (blank lines skipped; `max_turns` not set).
-
-    Raises DatasetError naming `path:line` on the first malformed line, or when no row is found.
-    """
-    rows: list[dict] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            question, answer = parse_line(line, f"{path}:{lineno}")
-            rows.append({"input_id": f"gsm8k-{path.stem}-{lineno}", "question": question, "answer": answer})
-    if not rows:
-        raise DatasetError(f"{path}: no GSM8K rows in the file")
+    """Every row of a GSM8K dataset (JSONL, Parquet or `save_to_disk`; dataset_files.py), in file
+    order (`max_turns` not set). Raises DatasetError naming the file, row and field."""
+    rows = []
+    for rec in read_records(path):
+        question, answer = parse_row(rec)
+        rows.append({"input_id": f"gsm8k-{path.stem}-{rec.number}", "question": question, "answer": answer})
     return rows
 
 
@@ -115,12 +120,4 @@ def load_rows(data_path: str | None, num: int | None, seed: int, max_turns: int,
     DatasetError naming the line, ValueError naming `task.num_prompts` when it exceeds the rows.
     """
     path = resolve_data_path(data_path, root)
-    rows = read_file(path)
-    if num is not None:
-        if not 1 <= num <= len(rows):
-            raise ValueError(f"task.num_prompts={num} must be in [1, {len(rows)}] (rows in {path}); "
-                             f"null takes every row")
-        order = list(range(len(rows)))
-        random.Random(seed).shuffle(order)
-        rows = [rows[i] for i in order[:num]]
-    return [{**r, "max_turns": max_turns} for r in rows]
+    return [{**r, "max_turns": max_turns} for r in draw_rows(read_file(path), num, seed, path)]

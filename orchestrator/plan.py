@@ -1,0 +1,166 @@
+"""`dry_run=true`: the run's plan, printed without starting anything.
+
+From the validated config alone (no Ray, no torch, no GPU): where every trainer rank and inference
+replica goes (node and GPU, workers/core/placement.py's plan and `assign_bundles`, on
+`cluster.nodes` x `cluster.gpus_per_node` GPUs) and what each GPU holds at its peak
+(workers/core/memory_plan.py: weights, gradients, optimizer state, activations at the token budget,
+KV cache). The model's shape comes from `model.path`/config.json when it is readable here, else
+from the preset shapes by the directory's name (so a plan for a GPU cluster can be made on a
+laptop), else from the tiny model's recipe when `model.path` is unset.
+
+`check_plan` refuses a plan that cannot run: a GPU whose estimate exceeds `cluster.gpu_memory_gib`,
+or an engine whose KV cache cannot hold one `inference.max_model_len` sequence; the ConfigError
+names the node, the GPU, its roles and the bytes. Callers: orchestrator/main.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.config import ConfigError, RunConfig
+from workers.core.memory_plan import (GIB, KNOWN_SHAPES, EngineLoad, EngineMemory, GpuMemory, GpuPlan, ModelShape,
+                                      TrainerLoad, colocated_memory, engine_memory, known_shape, trainer_memory)
+from workers.core.placement import assign_bundles, plan_placement
+
+VLLM_DEFAULT_BATCHED_TOKENS = 8192  # vLLM's chunked-prefill default on GPU when max_num_batched_tokens is unset
+
+
+@dataclass
+class RunPlan:
+    """The plan: the hardware, the model, one `GpuPlan` per GPU in use, the engines' KV capacity."""
+
+    header: list[str]
+    gpus: list[GpuPlan]
+    gpu_bytes: int
+    engines: list[tuple[int, EngineMemory]]  # (replica, one of its GPUs)
+    max_model_len: int
+
+
+def model_shape(cfg: RunConfig) -> tuple[ModelShape, str]:
+    """The model's shape and where it came from. Raises ConfigError when neither config.json nor
+    a known name gives it."""
+    path = cfg.model.path
+    if not path:
+        from workers.embedded.tiny_model import TinyModelRecipe
+
+        r = TinyModelRecipe()
+        shape = ModelShape(hidden_size=r.hidden_size, num_hidden_layers=r.num_hidden_layers,
+                           num_attention_heads=r.num_attention_heads, num_key_value_heads=r.num_key_value_heads,
+                           head_dim=r.head_dim, intermediate_size=r.intermediate_size, vocab_size=r.vocab_size,
+                           tie_word_embeddings=True, qkv_bias=True)  # a Qwen2 model
+        return shape, "the tiny model's recipe"
+    config = Path(path) / "config.json"
+    if config.is_file():
+        try:
+            return ModelShape.from_hf_config(json.loads(config.read_text())), str(config)
+        except (ValueError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"model.path: {config}: {exc}") from None
+    shape = known_shape(Path(path).name)
+    if shape is None:
+        raise ConfigError(f"dry_run: model.path={path!r} has no config.json here and its directory name matches no "
+                          f"known shape ({', '.join(KNOWN_SHAPES)}); run the dry run where the model is")
+    return shape, f"the {Path(path).name} preset shape (no config.json here)"
+
+
+def build_plan(cfg: RunConfig) -> RunPlan:
+    """The placement and per-GPU memory of `cfg` (module docstring). Raises ConfigError /
+    InsufficientGpusError when the shape is unknown or the placement fits no node."""
+    shape, source = model_shape(cfg)
+    c, inf, t = cfg.cluster, cfg.inference, cfg.trainer
+    placement = plan_placement(c.placement_spec())
+    per_node = c.gpus_per_node if c.gpus_per_node is not None else math.ceil(placement.num_gpus)
+    gpu_bytes = int(c.gpu_memory_gib * GIB)
+    header = [f"plan: cluster={c.name}, {c.nodes} node(s) x {per_node} GPU(s) of {c.gpu_memory_gib:g} GiB",
+              f"model: {cfg.model.path or 'tiny (built on first use)'}: {shape.num_params / 1e9:.2f} B parameters "
+              f"({source})"]
+    if not placement.groups:
+        header.append("cluster=local: no GPUs are placed; the trainer and the engine run on CPU (no GPU memory plan)")
+        return RunPlan(header, [], gpu_bytes, [], inf.max_model_len)
+    tokens = t.max_tokens_per_micro_batch or t.micro_batch_size * cfg.rollout.max_context_tokens
+    world = len(placement.trainer)
+    trainer = trainer_memory(shape, TrainerLoad(world, t.mixed_precision, tokens, t.activation_checkpointing))
+    tp = c.inference.tensor_parallel_size
+    load = EngineLoad(tensor_parallel_size=tp, dtype=inf.dtype, gpu_bytes=gpu_bytes,
+                      gpu_memory_utilization=inf.gpu_memory_utilization,
+                      kv_cache_bytes=None if inf.kv_cache_gib is None else int(inf.kv_cache_gib * GIB),
+                      max_model_len=inf.max_model_len,
+                      max_num_batched_tokens=inf.max_num_batched_tokens or VLLM_DEFAULT_BATCHED_TOKENS,
+                      max_num_seqs=inf.max_num_seqs)
+    engine = engine_memory(shape, load)
+    header += [f"trainer: {world} rank(s), FSDP2 {t.mixed_precision or 'fp32'}, {tokens} tokens per micro-batch"
+               f"{', activation checkpointing' if t.activation_checkpointing else ''}",
+               f"inference: {inf.replicas} replica(s) x tensor_parallel_size {tp}, {inf.dtype}, "
+               f"gpu_memory_utilization {inf.gpu_memory_utilization:g}, KV cache {engine.kv_tokens} tokens per GPU "
+               f"({engine.kv_tokens // max(1, inf.max_model_len)} sequences of {inf.max_model_len} tokens)"]
+    sites = assign_bundles(placement, [per_node] * c.nodes)
+    gpus: dict[tuple[int, int], GpuPlan] = {}
+    site_of = {(s.group, s.bundle): s for s in sites}
+
+    def on(slot, role: str, mem: GpuMemory) -> None:
+        site = site_of[(slot.group, slot.bundle)]
+        for g in site.gpus:
+            p = gpus.setdefault((site.node, g), GpuPlan(site.node, g))
+            p.roles.append(role)
+            p.memory = mem if p.memory.total == 0 else colocated_memory(p.memory, mem, _budget(load, mem))
+
+    for r, slot in enumerate(placement.trainer):
+        on(slot, f"trainer rank {r}", trainer)
+    for i, slot in enumerate(placement.inference):
+        on(slot, f"inference replica {i}" + (f" (tp {tp})" if tp > 1 else ""), engine.memory)
+    ordered = [gpus[k] for k in sorted(gpus)]
+    return RunPlan(header, ordered, gpu_bytes, [(i, engine) for i in range(inf.replicas)], inf.max_model_len)
+
+
+def _budget(load: EngineLoad, mem: GpuMemory) -> int:
+    """What a colocated engine may take while it serves: vLLM's utilization share, or its explicit total."""
+    if load.kv_cache_bytes is not None:
+        return mem.total
+    return int(load.gpu_memory_utilization * load.gpu_bytes)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:6.1f}"
+
+
+def format_plan(plan: RunPlan) -> str:
+    """The plan as text: the header, then one line per node and GPU with its roles and memory in GiB."""
+    lines = list(plan.header)
+    node = None
+    for p in plan.gpus:
+        if p.node != node:
+            node = p.node
+            lines.append(f"node {node}:{' ' * 37}weights  grads  optim  activ  kv_cache  other  total (GiB)")
+        m = p.memory
+        lines.append(f"  GPU {p.gpu}: {', '.join(p.roles):<40.40} {_gib(m.weights)} {_gib(m.gradients)} "
+                     f"{_gib(m.optimizer)} {_gib(m.activations)} {_gib(m.kv_cache)}   {_gib(m.other)} {_gib(m.total)}"
+                     f" / {plan.gpu_bytes / GIB:g}")
+    if plan.gpus:
+        peak = max(plan.gpus, key=lambda p: p.memory.total)
+        lines.append(f"peak: {peak.memory.total / GIB:.1f} GiB of {plan.gpu_bytes / GIB:g} GiB (node {peak.node} "
+                     f"GPU {peak.gpu}: {', '.join(peak.roles)})")
+    return "\n".join(lines)
+
+
+def check_plan(plan: RunPlan) -> None:
+    """Raise ConfigError naming the GPU and the bytes when a GPU's estimate exceeds its memory or an
+    engine's KV cache cannot hold one max_model_len sequence."""
+    for p in plan.gpus:
+        if p.memory.total > plan.gpu_bytes:
+            m = p.memory
+            raise ConfigError(
+                f"dry run: node {p.node} GPU {p.gpu} ({', '.join(p.roles)}) needs {m.total:,} bytes "
+                f"({m.total / GIB:.1f} GiB: weights {m.weights:,}, gradients {m.gradients:,}, optimizer {m.optimizer:,}, "
+                f"activations {m.activations:,}, KV cache {m.kv_cache:,}, other {m.other:,}) but has {plan.gpu_bytes:,} "
+                f"bytes ({plan.gpu_bytes / GIB:g} GiB, cluster.gpu_memory_gib); add GPUs (cluster.trainer.*), lower "
+                "trainer.max_tokens_per_micro_batch, enable trainer.activation_checkpointing or use a smaller model")
+    for replica, e in plan.engines:
+        need = e.kv_bytes_per_token * plan.max_model_len
+        if e.kv_tokens < plan.max_model_len:
+            raise ConfigError(
+                f"dry run: inference replica {replica}: its KV cache ({e.memory.kv_cache:,} bytes per GPU, {e.kv_tokens} "
+                f"tokens) cannot hold one inference.max_model_len={plan.max_model_len} sequence ({need:,} bytes per "
+                "GPU); raise inference.gpu_memory_utilization or cluster.inference.tensor_parallel_size, or lower "
+                "inference.max_model_len")

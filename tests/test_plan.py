@@ -1,0 +1,171 @@
+"""dry_run=true: the plan of every shipped experiment fits the GPUs it names, the memory model
+counts parameters exactly, a plan that cannot fit exits 2 naming the GPU and the bytes, and the
+placement the plan prints is what Ray does with that many logical GPUs on that many nodes."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from orchestrator.config import ConfigError
+from orchestrator.plan import build_plan, check_plan, format_plan
+from stand_ins import CONFIGS, REPO, compose_config
+from workers.core.memory_plan import (GIB, KNOWN_SHAPES, EngineLoad, ModelShape, TrainerLoad, engine_memory,
+                                      known_shape, trainer_memory)
+from workers.core.placement import assign_bundles, plan_placement
+
+EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_shipped_experiment_plans_on_the_gpus_it_names(name):
+    cfg = compose_config([f"+experiment={name}"])
+    plan = build_plan(cfg)
+    check_plan(plan)  # raises ConfigError when a GPU does not fit
+    text = format_plan(plan)
+    if cfg.cluster.name == "local":
+        assert plan.gpus == [] and "no GPUs" in text
+        return
+    placement = plan_placement(cfg.cluster.placement_spec())
+    named = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    assert placement.num_gpus == named, f"{name} names {named} GPUs but places {placement.num_gpus}"
+    assert len(plan.gpus) == named  # every named GPU is used, none twice
+    assert len({(g.node, g.gpu) for g in plan.gpus}) == named
+    assert all(g.memory.total <= plan.gpu_bytes for g in plan.gpus)
+    assert f"peak: " in text and "GPU 0:" in text
+
+
+def test_parameter_count_is_exact_on_the_tiny_models_weights(tiny_model_dir):
+    """The shape's parameter count equals the numel summed from the safetensors header."""
+    raw = (tiny_model_dir / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    numel = sum(_prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    shape = ModelShape.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
+    assert shape.num_params == numel
+
+
+@pytest.mark.parametrize("key,published_b", [("qwen2.5-7b", 7.62), ("qwen3-8b", 8.19), ("qwen3-14b", 14.77),
+                                             ("qwen3-32b", 32.76), ("qwen3-30b-a3b", 30.53)])
+def test_known_shapes_match_the_published_parameter_counts(key, published_b):
+    """Published = the safetensors totals on each model card (billions)."""
+    assert KNOWN_SHAPES[key].num_params / 1e9 == pytest.approx(published_b, abs=0.01)
+
+
+def test_known_shape_matches_directory_names():
+    assert known_shape("Qwen3-8B") is KNOWN_SHAPES["qwen3-8b"]
+    assert known_shape("Qwen2.5-7B-Instruct") is KNOWN_SHAPES["qwen2.5-7b"]
+    assert known_shape("Qwen3-Coder-30B-A3B-Instruct") is KNOWN_SHAPES["qwen3-coder-30b-a3b"]
+    assert known_shape("Qwen3-80B") is None  # "qwen3-8" must not match a longer number
+    assert known_shape("my-model") is None
+
+
+def test_trainer_memory_shards_states_and_checkpointing_cuts_activations():
+    shape = KNOWN_SHAPES["qwen3-8b"]
+    p = shape.num_params
+    one = trainer_memory(shape, TrainerLoad(1, "bf16", 8192, False))
+    eight = trainer_memory(shape, TrainerLoad(8, "bf16", 8192, False))
+    assert eight.optimizer == 8 * p // 8 and one.optimizer == 8 * p  # Adam: two fp32 moments, sharded
+    assert eight.gradients == 4 * p // 8
+    ckpt = trainer_memory(shape, TrainerLoad(8, "bf16", 8192, True))
+    logits = 8192 * shape.vocab_size * 14
+    assert ckpt.activations < eight.activations and ckpt.activations > logits
+
+
+def test_engine_kv_cache_is_what_the_utilization_leaves():
+    shape = KNOWN_SHAPES["qwen3-8b"]
+    load = EngineLoad(tensor_parallel_size=1, dtype="bfloat16", gpu_bytes=80 * GIB, gpu_memory_utilization=0.9,
+                      kv_cache_bytes=None, max_model_len=8192, max_num_batched_tokens=8192, max_num_seqs=256)
+    e = engine_memory(shape, load)
+    assert e.memory.weights == 2 * shape.num_params
+    assert e.memory.total == int(0.9 * 80 * GIB)  # weights + activations + KV + overhead = vLLM's share
+    assert e.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2  # K and V, 36 layers, 8 KV heads, head_dim 128, bf16
+    assert e.kv_tokens == e.memory.kv_cache // e.kv_bytes_per_token
+
+
+def test_a_plan_that_does_not_fit_names_the_gpu_and_the_bytes():
+    cfg = compose_config(["+experiment=swe_agent_2node", "model.path=/models/Qwen3-32B"])
+    with pytest.raises(ConfigError, match=r"node 0 GPU \d \(trainer rank \d\) needs [\d,]+ bytes .* but has "
+                                          r"85,899,345,920 bytes"):
+        check_plan(build_plan(cfg))
+    cfg = compose_config(["+experiment=swe_agent_2node", "inference.gpu_memory_utilization=0.2"])
+    with pytest.raises(ConfigError, match=r"inference replica 0: its KV cache .* cannot hold one "
+                                          r"inference.max_model_len=16384 sequence"):
+        check_plan(build_plan(cfg))
+
+
+def test_unknown_model_without_config_json_is_a_config_error():
+    cfg = compose_config(["+experiment=swe_agent_2node", "model.path=/nowhere/my-model"])
+    with pytest.raises(ConfigError, match="no config.json here and its directory name matches no known shape"):
+        build_plan(cfg)
+
+
+@pytest.mark.parametrize("overrides,code,needle", [
+    ([], 0, "dry run: the plan fits; nothing was started"),
+    (["model.path=/models/Qwen3-32B"], 2, "config error: dry run: node 0 GPU"),
+])
+def test_main_dry_run_exit_status(tmp_path, overrides, code, needle):
+    """The acceptance command: prints the plan, exits 0; a plan that cannot fit exits 2. Nothing starts:
+    no run_dir is created."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "orchestrator.main", "+experiment=swe_agent_2node", "dry_run=true",
+                          f"run_dir={run_dir}", *overrides], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == code, out.stderr[-3000:]
+    assert needle in out.stdout + out.stderr
+    assert "node 1:" in out.stdout and "inference replica 3 (tp 2)" in out.stdout
+    assert not run_dir.exists()
+
+
+GPU_EXPERIMENTS = [n for n in EXPERIMENTS if not n.startswith("blog_")]  # the blog ones run on cluster=local
+
+
+@pytest.mark.parametrize("name", GPU_EXPERIMENTS)
+def test_ray_places_the_experiment_on_the_logical_gpus_it_names(name):
+    """A Ray cluster of the experiment's nodes x GPUs (logical, simulated nodes): its placement groups
+    are created and land as the plan says (GPUs per node; a trainer node's ranks on one host)."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+    from ray.util.placement_group import placement_group_table
+
+    from workers.placement_groups import PlacedGroups
+
+    if ray.is_initialized():
+        pytest.skip("Ray is already initialized in this process by another test module")
+    cfg = compose_config([f"+experiment={name}"])
+    c = cfg.cluster
+    plan = plan_placement(c.placement_spec())
+    expected = Counter(s.node for s in assign_bundles(plan, [c.gpus_per_node] * c.nodes) for _ in s.gpus)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": c.gpus_per_node})
+    try:
+        for _ in range(c.nodes - 1):
+            cluster.add_node(num_cpus=1, num_gpus=c.gpus_per_node)
+        ray.init(address=cluster.address)
+        cluster.wait_for_nodes()
+        placed = PlacedGroups.create(plan, ready_timeout_s=60)
+        try:
+            per_node: Counter = Counter()
+            for pg in placed.groups:
+                table = placement_group_table(pg)
+                for i, node in table["bundles_to_node_id"].items():
+                    per_node[node] += int(table["bundles"][i].get("GPU", 0))
+            assert sorted(per_node.values()) == sorted(expected.values())
+            for pg, spec in zip(placed.groups, plan.groups):
+                if spec.strategy == "STRICT_PACK":  # a trainer node's ranks share a host
+                    assert len(set(placement_group_table(pg)["bundles_to_node_id"].values())) == 1
+        finally:
+            placed.remove()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= int(x)
+    return n
