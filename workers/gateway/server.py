@@ -154,15 +154,19 @@ class GatewayServer:
         self,
         session_id: str,
         max_context_tokens: int | None = None,
-        sampling: SamplingDefaults | None = None,
+        sampling: SamplingDefaults | dict | None = None,
         max_turns: int | None = None,
     ) -> str:
         """Open a capture session; return its secret token (the agent's OpenAI / Anthropic `api_key`).
 
+        sampling: the session's SamplingDefaults (or their fields as a dict, for callers that do
+            not import the gateway); None: the gateway's defaults.
         max_turns: the session's turn cap (None: gateway.max_turns).
         Raises SessionExists if the id is already open, ValueError on a bad budget.
         """
         self._check_loop()
+        if isinstance(sampling, dict):
+            sampling = SamplingDefaults(**sampling)
         return self._capture.open(
             session_id,
             max_context_tokens=max_context_tokens,
