@@ -78,9 +78,9 @@ def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -
     if cfg.model.path:
         model_path = str(Path(cfg.model.path).resolve())
     else:
-        from workers.embedded.tiny_model import ensure_tiny_model
+        from workers.embedded.qwen3_random import ensure_embedded_model
 
-        model_path = str(ensure_tiny_model())
+        model_path = str(ensure_embedded_model(cfg.model.name))  # tiny or qwen3_random, built once
     if pre.checkpoint is not None:  # trainer and inference replicas start from the checkpoint's weights
         model_path = str(pre.checkpoint.model_dir)
     local = _start_local_stack(cfg, pre.run_dir, stack) if cfg.rollout.name == "local" else None

@@ -371,6 +371,13 @@ class CaptureStore:
             raise SessionNotFound(f"session {session_id!r} is not open")
         return len(state.rows[row_index].token_ids)
 
+    def extends_a_row(self, session_id: str, prompt_ids: tuple[int, ...]) -> bool:
+        """Whether `prompt_ids` would be recorded CLEAN (it extends a row). Raises SessionNotFound."""
+        state = self._sessions.get(session_id)
+        if state is None:
+            raise SessionNotFound(f"session {session_id!r} is not open")
+        return self._row_extended_by(state, tuple(prompt_ids)) is not None
+
     def num_open(self) -> int:
         """Number of open sessions."""
         return len(self._sessions)

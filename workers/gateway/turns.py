@@ -166,14 +166,17 @@ class TurnRunner:
             return _Rendered(r.encoder.encode(text), (), "", text)
         keys = tuple(message_key(m) for m in req.messages)
         context = context_key(req.tools, req.chat_template_kwargs)
+        ids = r.encoder.encode(text)
         memos = self.capture.memos(sid)
-        cont = memos and find_continuation(
+        if not memos or self.capture.extends_a_row(sid, ids):  # CLEAN already: no second render
+            return _Rendered(ids, keys, context, text)
+        cont = find_continuation(
             memos, keys, context, text,
             lambda n: r.render_text(req.messages[:n], req.tools, req.chat_template_kwargs, generation_prompt=False),
             lambda answer: self._answer_key(req, answer),
         )
-        if not cont:
-            return _Rendered(r.encoder.encode(text), keys, context, text)
+        if cont is None:
+            return _Rendered(ids, keys, context, text)
         self.counters.add("turns_continued")
         ids = self.capture.row_prefix(sid, cont.row_index, cont.row_len) + r.encoder.encode(cont.text)
         return _Rendered(ids, keys, context, text)
