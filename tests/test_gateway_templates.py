@@ -138,17 +138,18 @@ async def converse(renderer: ChatRenderer, answers: list[str], *, continuity: bo
         token = await server.open_session(SESSION)
         msgs: list = [{"role": "user", "content": "What is 2+3, and what time is it?"}]
         extra = {"chat_template_kwargs": kwargs} if kwargs else None
-        responses = []
+        responses, kinds = [], []
         async with openai.AsyncOpenAI(base_url=server.base_url, api_key=token, max_retries=0) as c:
             for i in range(3):
+                before = server.metrics()
                 r = await asyncio.wait_for(
                     c.chat.completions.create(model=MODEL_ID, messages=msgs, tools=TOOLS, extra_body=extra), TIMEOUT_S)
+                kinds.append(last_kind(before, server.metrics()))
                 responses.append(r)
                 msg = r.choices[0].message
                 msgs.append(msg)
                 for tc in msg.tool_calls or ():
                     msgs.append({"role": "tool", "tool_call_id": tc.id, "content": TOOL_RESULTS[i]})
-        kinds = [t.kind for t in server._capture.turns(SESSION)]
         cap = await server.close_session(SESSION)
         return Conversation(responses, [r.prompt_ids for r in engine.requests], outputs, cap.rows, kinds, msgs,
                             server.metrics())
@@ -160,6 +161,14 @@ def as_template_input(messages: list) -> tuple[dict, ...]:
     """The messages as the gateway gives them to the template (SDK objects dumped, arguments parsed)."""
     raw = [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m for m in messages]
     return ChatRequest.parse({"model": MODEL_ID, "messages": raw}).messages
+
+
+def last_kind(before, after) -> TurnKind:
+    """How the turn served between two metrics snapshots was recorded."""
+    for kind, field in ((TurnKind.FIRST, "turns_first"), (TurnKind.CLEAN, "turns_clean"), (TurnKind.FORK, "turns_fork")):
+        if getattr(after, field) == getattr(before, field) + 1:
+            return kind
+    raise AssertionError("no turn recorded")
 
 
 def mask_positions(row) -> list[int]:
@@ -278,3 +287,39 @@ def test_registry_recognises_both_qwen3_revisions(real_tokenizers):
     assert original != revised
     assert identify(original) == identify(revised) and identify(original).family == "qwen3"
     assert identify(original).reasoning
+
+
+@pytest.mark.parametrize("edit", ["edited_tool_result", "dropped_call"])
+async def test_diverging_history_still_forks_with_continuity(edit, real_tokenizers):
+    """Continuity applies only when the history matches the recorded turns message by message: an
+    edited tool result or a dropped turn is a real divergence and starts a new row (FORK)."""
+    case = next(c for c in CASES if c.name == "qwen2_5")
+    renderer = renderer_for(case, real_tokenizers)
+    tok = renderer.tokenizer
+    outputs = [(*tok.encode(a, add_special_tokens=False), tok.eos_token_id) for a in answer_texts(case, "compact")]
+    engine = ScriptedEngine(outputs)
+    server = GatewayServer(GatewayConfig(model_path="unused", served_model_name=MODEL_ID, max_context_tokens=8192),
+                           [engine], renderer=renderer)
+    await asyncio.wait_for(server.start(), TIMEOUT_S)
+    try:
+        token = await server.open_session(SESSION)
+        msgs: list = [{"role": "user", "content": "What is 2+3, and what time is it?"}]
+        kinds = []
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=token, max_retries=0) as c:
+            for i in range(3):
+                before = server.metrics()
+                r = await c.chat.completions.create(model=MODEL_ID, messages=msgs, tools=TOOLS)
+                kinds.append(last_kind(before, server.metrics()))
+                msg = r.choices[0].message
+                msgs += [msg, *({"role": "tool", "tool_call_id": tc.id, "content": TOOL_RESULTS[i]}
+                                for tc in msg.tool_calls or ())]
+                if i == 1 and edit == "edited_tool_result":
+                    msgs[2] = {**msgs[2], "content": "6"}
+                elif i == 1:
+                    msgs = msgs[:1] + msgs[3:]  # the first call and its result are gone
+        cap = await server.close_session(SESSION)
+    finally:
+        await server.stop()
+    assert kinds == [TurnKind.FIRST, TurnKind.CLEAN, TurnKind.FORK]
+    assert len(cap.rows) == 2 and cap.rows[1].token_ids == engine.requests[2].prompt_ids + outputs[2]
+    assert sum(r.num_generated for r in cap.rows) == sum(len(o) for o in outputs)
