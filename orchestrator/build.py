@@ -83,10 +83,10 @@ def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -
     if cfg.model.path:
         model_path = str(Path(cfg.model.path).resolve())
     else:
-        from workers.embedded.tiny_model import ensure_tiny_model
+        from workers.embedded.qwen3_random import ensure_embedded_model
 
-        phase("model: the tiny model (built on the first run, about a minute on 2 cores; cached after)")
-        model_path = str(ensure_tiny_model())
+        phase(f"model: the {cfg.model.name} model (built on the first run, about a minute on 2 cores; cached after)")
+        model_path = str(ensure_embedded_model(cfg.model.name))  # tiny or qwen3_random, built once
     if pre.checkpoint is not None:  # trainer and inference replicas start from the checkpoint's weights
         model_path = str(pre.checkpoint.model_dir)
     check_kv_cache(cfg, model_path)  # before any engine: names inference.kv_cache_gib and the minimum
@@ -192,7 +192,8 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     threads = {"env_vars": {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads)}}
     trainer = await start_trainer_ranks(  # one actor, or N data-parallel ranks behind the same .remote surface
         ray.remote(num_cpus=0)(trainer_cls),
-        trainer_settings(cfg.trainer, algorithm=cfg.algorithm, inference=cfg.inference, model_path=model_path),
+        trainer_settings(cfg.trainer, algorithm=cfg.algorithm, inference=cfg.inference, model_path=model_path,
+                         sampling=(cfg.rollout.temperature, cfg.rollout.top_p)),
         world_size=len(placed.plan.trainer) if placed.plan.groups else 1,
         rank_options=lambda r: {"runtime_env": threads, **placed.trainer_options(r)}, **trainer_kw)
     gateway = _gateway_actor(cfg, model_path)

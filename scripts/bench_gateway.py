@@ -20,6 +20,19 @@ Figures (goals from issue 5: added p50 <= 1 ms, p99 <= 5 ms, >= 2000 turns/s on 
                                  measured with process_time: it does not depend on how busy the
                                  machine is, and 1000 / it is the turns/s one free core sustains
 On a shared machine the wall-clock figures depend on the load (`config.loadavg_*`).
+
+    python scripts/bench_gateway.py --render-cost [--contexts 2048,8192,32768] [--out FILE.json]
+
+Rendering cost with the real Qwen3 tokenizer and chat template (workers/embedded/real_tokenizers.py;
+run `python -m workers.embedded.real_tokenizers` once): in process, no HTTP. One agent runs a
+tool loop (thinking answer + hermes call, then a ~200-token tool result) until the context passes
+the largest size; every turn goes through the gateway's TurnRunner (render, encode, parse,
+record) with the zero-cost engine, once with token continuity and once without. Figures per
+context size (the turns whose prompt is within 10% of it):
+  turn_ms        TurnRunner.run per turn (p50): the gateway's whole per-turn work but HTTP
+  render_ms      ChatRenderer.render of that prompt (template + tokenization, piece cache warm)
+  render_cold_ms the same with an empty piece cache (a gateway seeing the conversation first)
+  template_ms    the Jinja rendering alone (render_text)
 """
 
 from __future__ import annotations
@@ -220,6 +233,85 @@ async def run_client(urls: list[str], tokens: list[str], args, conn) -> dict:
     }
 
 
+RENDER_WORDS = ("alpha beta gamma delta value result error file line test passed failed module "
+                "function return import class self data index count total sum mean 0 1 2 3 4 5 6 7 8 9 "
+                "the of and to in is for on with as by at from").split()
+
+
+async def _render_cost_run(renderer, contexts: list[int], continuity: bool) -> dict:
+    import random
+    import statistics
+
+    from workers.embedded.sim_engine import ScriptedEngine
+    from workers.gateway.capture import CaptureStore
+    from workers.gateway.chat_template import SegmentEncoder
+    from workers.gateway.metrics import Counters
+    from workers.gateway.openai_api import ChatRequest
+    from workers.gateway.router import ReplicaRouter
+    from workers.gateway.turns import TurnRunner
+
+    tok = renderer.tokenizer
+    call = "<think>\nI need the calculator.\n</think>\n\n" + CALL_TEXT
+    engine = ScriptedEngine([(*tok.encode(call, add_special_tokens=False), tok.eos_token_id)], record=False)
+    capture = CaptureStore(default_max_context_tokens=int(max(contexts) * 1.3))
+    runner = TurnRunner(capture, ReplicaRouter([engine]), renderer, Counters(), continuity=continuity)
+    session = capture.authenticate(capture.open("render-cost-" + "0" * 30, max_turns=10**6))
+    rng = random.Random(0)
+    messages: list[dict] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Check every file."}]
+    turns: list[tuple[int, float, dict]] = []
+    while not turns or turns[-1][0] < max(contexts) * 1.1:
+        body = {"model": "qwen3", "messages": messages, "tools": [CALC]}
+        req = ChatRequest.parse(body)
+        t0 = time.perf_counter()
+        out = await runner.run(session, req)
+        turns.append((len(out.prompt_ids), time.perf_counter() - t0, body))
+        tc = out.parsed.tool_calls[0]
+        messages = [*messages, {"role": "assistant", "content": out.parsed.content or None, "tool_calls": [
+            {"id": tc.id, "type": "function", "function": {"name": tc.name, "arguments": tc.arguments_json}}]},
+            {"role": "tool", "tool_call_id": tc.id, "content": " ".join(rng.choice(RENDER_WORDS) for _ in range(150))}]
+    figures = {}
+    for n in contexts:
+        near = [(p, dt, b) for p, dt, b in turns if abs(p - n) <= 0.1 * n]
+        req = ChatRequest.parse(near[len(near) // 2][2])
+        timed = lambda f: min(_time_once(f) for _ in range(5))  # noqa: E731
+        cold = SegmentEncoder(tok)
+        text = renderer.render_text(req.messages, req.tools)
+        t0 = time.perf_counter()
+        cold.encode(text)
+        figures[str(n)] = {
+            "turns": len(near),
+            "prompt_tokens": near[len(near) // 2][0],
+            "turn_ms": round(statistics.median(dt for _, dt, _ in near) * 1e3, 3),
+            "render_ms": round(timed(lambda: renderer.render(req.messages, req.tools)) * 1e3, 3),
+            "render_cold_ms": round((time.perf_counter() - t0) * 1e3, 3),
+            "template_ms": round(timed(lambda: renderer.render_text(req.messages, req.tools)) * 1e3, 3),
+        }
+    kinds = [t.kind.value for t in capture.turns(session.session_id)]
+    figures["clean_turns"] = f"{kinds.count('clean')}/{len(kinds) - 1}"
+    return figures
+
+
+def _time_once(f) -> float:
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
+
+
+def render_cost(contexts: list[int]) -> dict:
+    """Per-turn rendering figures with the real Qwen3 template (see the module docstring)."""
+    from transformers import AutoTokenizer
+
+    from workers.embedded.real_tokenizers import tokenizer_dir
+    from workers.gateway.chat_template import ChatRenderer
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(str(tokenizer_dir("qwen3"))))
+    out = {"template": f"qwen3 ({renderer.info.family})", "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}
+    for continuity in (True, False):
+        out["continuity" if continuity else "no_continuity"] = asyncio.run(_render_cost_run(renderer, contexts, continuity))
+    out["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--turns", type=int, default=4000, help="turns in the throughput phase")
@@ -228,7 +320,15 @@ def main() -> None:
     ap.add_argument("--pin", action="store_true", help="server on CPU 0, client on CPU 1")
     ap.add_argument("--uvloop", action="store_true", help="serve on uvloop (the Ray actor runs on asyncio)")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
+    ap.add_argument("--render-cost", action="store_true", help="rendering cost with the real Qwen3 template instead")
+    ap.add_argument("--contexts", default="2048,8192,32768", help="context sizes (tokens) for --render-cost")
     args = ap.parse_args()
+    if args.render_cost:
+        text = json.dumps(render_cost([int(x) for x in args.contexts.split(",")]), indent=2)
+        print(text)
+        if args.out:
+            args.out.write_text(text + "\n")
+        return
     loadavg_start = [round(x, 2) for x in os.getloadavg()]
     num_sessions = 2 + args.latency_turns // TURNS_PER_SESSION + args.turns // TURNS_PER_SESSION
     parent, child = mp.Pipe()

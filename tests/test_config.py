@@ -172,3 +172,11 @@ def test_choice_lists_are_the_owning_modules():
             compose_config([f"{key}={choice}"])  # each owned choice validates
         with pytest.raises(ConfigError, match=rf"^{key.replace('.', chr(92) + '.')}"):
             compose_config([f"{key}=not_a_choice"])
+
+
+def test_verl_trainer_refuses_a_top_p_it_cannot_score():
+    """verl's actor divides the logits by the temperature but applies no top-p nucleus: with
+    rollout.top_p < 1 its log-probs could not match the engine's, so the config is refused."""
+    with pytest.raises(ConfigError, match=r"^rollout\.top_p.*trainer=verl"):
+        compose_config(["trainer=verl", "rollout.top_p=0.9"])
+    assert compose_config(["trainer=verl", "rollout.temperature=0.6"]).rollout.temperature == 0.6

@@ -192,3 +192,14 @@ async def test_reasoning_template_dropping_think_forks_without_duplicating_token
         assert server.metrics().turns_fork == 1
     finally:
         await server.stop()
+
+
+def test_llama3_json_calls_plain_answers_and_broken_calls():
+    p = parse_tool_calls('{"name": "a", "parameters": {"x": 1}}', "llama3_json")
+    assert p.content == "" and [(c.name, c.arguments()) for c in p.tool_calls] == [("a", {"x": 1})]
+    p = parse_tool_calls('<|python_tag|>{"name":"a","parameters":{}}; {"name": "b", "arguments": {"y": 2}}', "llama3_json")
+    assert [(c.name, c.arguments()) for c in p.tool_calls] == [("a", {}), ("b", {"y": 2})]
+    assert parse_tool_calls("The answer is 5.", "llama3_json").content == "The answer is 5."
+    for broken in ('{"name": "a", "parameters": {"x": 1}', '{"parameters": {}}', '{"name": "a"} trailing'):
+        p = parse_tool_calls(broken, "llama3_json")
+        assert p.ill_formed and p.content == broken and p.tool_calls == ()

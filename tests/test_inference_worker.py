@@ -274,3 +274,32 @@ async def test_settings_module_imports_without_vllm_or_torch():
                          cwd=str(Path(__file__).resolve().parents[1]))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(0.5, 1.0), (0.7, 1.0), (1.0, 1.0), (0.7, 0.9)])
+async def test_trainer_scores_the_distribution_the_engine_sampled_from(worker, tiny_model_dir, temperature, top_p):
+    """Regression (issue 12, item 9): at rollout.temperature=0.5 the engine's log-probs were of the
+    tempered distribution and the trainer's of the untempered one (on-policy KL ~0.12, is_mean
+    ~0.93). The trainer's scoring (workers/trainer/helpers.token_logprobs with the rollout's
+    temperature and top_p) must give on-policy KL < 1e-4 and mean IS weight within 1e-3 of 1."""
+    from workers.core.algorithms.rollout_correction import offpolicy_metrics
+    from workers.trainer.helpers import token_logprobs
+
+    prompts = [[1, 50 + i, 60, 70 + i] for i in range(8)]
+    results = await asyncio.wait_for(asyncio.gather(*(
+        worker.generate(_req(p, 32, temperature=temperature, top_p=top_p, seed=i)) for i, p in enumerate(prompts))),
+        T_TIMEOUT_S)
+    ids = torch.tensor([p + list(r.output_ids) for p, r in zip(prompts, results)])
+    rollout = torch.tensor([r.logprobs for r in results])
+    mask = torch.ones_like(rollout)
+    with torch.no_grad():
+        logits = _hf_model(tiny_model_dir)(input_ids=ids).logits
+    scored = {}
+    for name, t, p in (("matched", temperature, top_p), ("untempered", 1.0, 1.0)):
+        lp, _ = token_logprobs(logits, ids, with_entropy=False, temperature=t, top_p=p)
+        scored[name] = lp[:, len(prompts[0]):]
+    m = offpolicy_metrics(scored["matched"], rollout, mask)
+    is_mean = torch.exp(scored["matched"] - rollout).mean().item()
+    assert abs(m["kl"]) < 1e-4 and m["k3_kl"] < 1e-4 and abs(is_mean - 1) < 1e-3, (m["kl"], m["k3_kl"], is_mean)
+    if (temperature, top_p) != (1.0, 1.0):  # the old scoring does not match: the test can fail
+        assert abs(offpolicy_metrics(scored["untempered"], rollout, mask)["kl"]) > 1e-3

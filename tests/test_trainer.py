@@ -58,10 +58,12 @@ def ragged_batch() -> TrainBatch:
     return TrainBatch.from_rows(rows, advantages=[1.0, -1.0, 0.5, -0.5, 2.0], pad_id=0)
 
 
-def test_compute_logprobs_matches_plain_hf_forward(random_qwen2_dir, make_trainer):
-    """FSDP2 wrapping, micro-batching and right padding do not change the numbers."""
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_compute_logprobs_matches_plain_hf_forward(random_qwen2_dir, make_trainer, temperature):
+    """FSDP2 wrapping, micro-batching and right padding do not change the numbers; the trainer
+    scores the rollout temperature's distribution (log_softmax(logits / T), as vLLM and verl)."""
     batch = ragged_batch()
-    trainer = make_trainer(random_qwen2_dir, micro_batch_size=2)
+    trainer = make_trainer(random_qwen2_dir, micro_batch_size=2, sampling_temperature=temperature)
     ours = trainer.compute_logprobs(batch)
 
     ref = AutoModelForCausalLM.from_pretrained(random_qwen2_dir, dtype=torch.float32).eval()
@@ -70,7 +72,7 @@ def test_compute_logprobs_matches_plain_hf_forward(random_qwen2_dir, make_traine
         ids = batch.input_ids[b : b + 1, :n]
         with torch.no_grad():
             logits = ref(input_ids=ids).logits[0]  # one unpadded sequence
-        want = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        want = torch.log_softmax(logits[:-1] / temperature, dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
         torch.testing.assert_close(ours[b, 1:n], want, atol=1e-5, rtol=0)
         assert ours[b, 0] == 0.0 and bool((ours[b, n:] == 0).all())
 
@@ -252,3 +254,23 @@ def test_two_data_parallel_ranks_take_the_same_step_as_one(random_qwen2_dir, mak
     assert two["metrics"]["actor/grad_norm"] == pytest.approx(one["actor/grad_norm"], rel=1e-5)
     for name, t in sd_one.items():
         torch.testing.assert_close(two["state_dict"][name], t, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 0.9), (0.7, 0.5), (1.3, 0.95)])
+def test_sampling_logits_match_vllms_top_p_reference(temperature, top_p):
+    """Reference test: the trainer's nucleus equals vLLM's sampler (apply_top_k_top_p_pytorch on
+    logits / T), and the sampled token is kept even when it lies outside it."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    from workers.trainer.helpers import sampling_logits
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=gen) * 3
+    ref = apply_top_k_top_p_pytorch(logits.clone() / temperature, None, torch.full((64,), top_p))
+    targets = ref.argmax(dim=-1)  # inside the nucleus
+    ours = sampling_logits(logits, targets, temperature=temperature, top_p=top_p)
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+    assert torch.allclose(ours.log_softmax(-1)[~torch.isinf(ours)], ref.log_softmax(-1)[~torch.isinf(ref)], atol=1e-6)
+    outside = torch.isinf(ref).float().argmax(dim=-1)  # a dropped token per row (top_p < 1 drops some)
+    kept = sampling_logits(logits, outside, temperature=temperature, top_p=top_p)
+    assert torch.isfinite(kept.gather(-1, outside[:, None])).all()

@@ -82,6 +82,9 @@ class RunConfig:
               or bool(self.task.val_data_path), "task.val_data_path",
               f"must be set to validate task={self.task.name} on its test split (trainer.test_freq)",
               self.task.val_data_path)
+        check(self.rollout.top_p == 1.0 or self.trainer.name != "verl", "rollout.top_p",
+              "must be 1 with trainer=verl (verl's actor scores the tempered distribution without top-p "
+              "truncation, so its log-probs could not match the engine's); use trainer=fsdp", self.rollout.top_p)
         check(self.eval.serve_model or self.mode.name == "eval", "eval.serve_model",
               "can be false only with mode=eval (training needs the served policy)", self.eval.serve_model)
 

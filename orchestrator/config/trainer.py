@@ -113,9 +113,10 @@ class TrainerConfig:
 
 
 def trainer_settings(t: TrainerConfig, *, algorithm: AlgorithmConfig, inference: InferenceConfig,
-                     model_path: str) -> TrainerSettings:
+                     model_path: str, sampling: tuple[float, float] = (1.0, 1.0)) -> TrainerSettings:
     """What every trainer rank is built with (workers/trainer/settings.py); the PPO clip and the
-    rollout correction come from `algorithm`, the sent weights' dtype from `inference.dtype`."""
+    rollout correction come from `algorithm`, the sent weights' dtype from `inference.dtype`, the
+    scored distribution from the rollouts' `sampling` (temperature, top_p)."""
     from workers.trainer.settings import TrainerSettings
 
     alg = algorithm
@@ -125,7 +126,7 @@ def trainer_settings(t: TrainerConfig, *, algorithm: AlgorithmConfig, inference:
         rollout_correction=alg.rollout_correction.typed(), seed=t.seed, micro_batch_size=t.micro_batch_size,
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, mixed_precision=t.mixed_precision,  # type: ignore[arg-type]
         activation_checkpointing=t.activation_checkpointing, weight_sync_dtype=inference.dtype,
-        weight_sync_bucket_mb=t.weight_sync.bucket_mb)
+        weight_sync_bucket_mb=t.weight_sync.bucket_mb, sampling_temperature=sampling[0], sampling_top_p=sampling[1])
 
 
 def verl_settings(v: VerlEngineConfig) -> VerlSettings:

@@ -45,6 +45,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,19 +162,25 @@ def ensure_tiny_model(
     Returns `<cache_dir>/<recipe.key()>`, a complete HF model directory. Safe to call from
     several processes at once (a file lock serialises builds; the folder appears atomically).
     """
+    return cached_model_dir(cache_dir, recipe.key(), lambda out: build_tiny_model(out, recipe))
+
+
+def cached_model_dir(cache_dir: str | Path | None, key: str, build: Callable[[Path], object]) -> Path:
+    """`<cache root>/<key>`, built by `build(tmp_dir)` on first use (see the module invariants:
+    built under a temporary name, renamed atomically under a file lock; concurrent callers wait)."""
     root = Path(cache_dir or os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser().resolve()
     root.mkdir(parents=True, exist_ok=True)
-    final = root / recipe.key()
+    final = root / key
     if (final / "config.json").is_file():
         return final
-    with open(root / f"{recipe.key()}.lock", "w") as lock:
+    with open(root / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if (final / "config.json").is_file():
                 return final
-            tmp = Path(tempfile.mkdtemp(prefix=f"{recipe.key()}.tmp-", dir=root))
+            tmp = Path(tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=root))
             try:
-                build_tiny_model(tmp, recipe)
+                build(tmp)
                 os.rename(tmp, final)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -174,7 +174,7 @@ class _Row:
 
 
 class _SessionState:
-    __slots__ = ("view", "digest", "rows", "turns", "started")
+    __slots__ = ("view", "digest", "rows", "turns", "started", "memos")
 
     def __init__(self, view: Session, digest: bytes) -> None:
         self.view = view
@@ -182,6 +182,7 @@ class _SessionState:
         self.rows: list[_Row] = []
         self.turns: list[TurnRecord] = []
         self.started = 0  # turns admitted by begin_turn
+        self.memos: list = []  # the turn runner's notes on this session (continuity.TurnMemo)
 
 
 def _digest(token: str) -> bytes:
@@ -343,6 +344,39 @@ class CaptureStore:
         if state is None:
             raise SessionNotFound(f"session {session_id!r} is not open")
         return tuple(state.turns)
+
+    def memos(self, session_id: str) -> list:
+        """The session's list of notes (owned by the caller's logic, dropped with the session:
+        turns.py keeps continuity.TurnMemo entries here). Raises SessionNotFound."""
+        state = self._sessions.get(session_id)
+        if state is None:
+            raise SessionNotFound(f"session {session_id!r} is not open")
+        return state.memos
+
+    def row_prefix(self, session_id: str, row_index: int, length: int) -> tuple[int, ...]:
+        """The first `length` token ids of a row of an open session (rows only grow, so a prefix
+        read later is the same tokens). Raises SessionNotFound, IndexError past the row's end."""
+        state = self._sessions.get(session_id)
+        if state is None:
+            raise SessionNotFound(f"session {session_id!r} is not open")
+        row = state.rows[row_index]
+        if not 0 <= length <= len(row.token_ids):
+            raise IndexError(f"row {row_index} has {len(row.token_ids)} tokens, asked for {length}")
+        return tuple(row.token_ids[:length])
+
+    def row_len(self, session_id: str, row_index: int) -> int:
+        """Number of tokens of a row of an open session. Raises SessionNotFound, IndexError."""
+        state = self._sessions.get(session_id)
+        if state is None:
+            raise SessionNotFound(f"session {session_id!r} is not open")
+        return len(state.rows[row_index].token_ids)
+
+    def extends_a_row(self, session_id: str, prompt_ids: tuple[int, ...]) -> bool:
+        """Whether `prompt_ids` would be recorded CLEAN (it extends a row). Raises SessionNotFound."""
+        state = self._sessions.get(session_id)
+        if state is None:
+            raise SessionNotFound(f"session {session_id!r} is not open")
+        return self._row_extended_by(state, tuple(prompt_ids)) is not None
 
     def num_open(self) -> int:
         """Number of open sessions."""

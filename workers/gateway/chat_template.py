@@ -3,8 +3,9 @@
 `ChatRenderer.render` applies the chat template (the tokenizer's, or an override file, as vLLM's
 `--chat-template`) with the generation prompt and returns the exact ids the engine is given (and
 the capture records); `decode` turns generated ids into the answer text, leaving out a trailing
-stop token (the ids keep it). `tool_format` is the tool-call format the template teaches
-(tool_parsers.detect_tool_format, or the configured parser).
+stop token (the ids keep it). `info` is what the chat-template registry knows of the template
+(template_registry.identify: family, tool-call format, extra turn-ending tokens, whether it can be
+served); `tool_format` is the tool-call format the template teaches (or the configured parser).
 
 Speed. Rendering the text is cheap (the compiled template is cached by transformers); tokenizing
 a long conversation is not (about 1 ms per 3 kB here). `SegmentEncoder` splits the text at added
@@ -30,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.gateway.tool_parsers import TOOL_FORMATS, ToolFormat, detect_tool_format
+from workers.gateway.template_registry import TemplateInfo, identify
+from workers.gateway.tool_parsers import TOOL_FORMATS, ToolFormat
 
 SEGMENT_CACHE_ENTRIES = 32768  # cached text pieces (LRU); ~a few hundred conversations' messages
 SEGMENT_CACHE_MAX_CHARS = 65536  # longer pieces are encoded every time (bounded memory)
@@ -68,6 +70,12 @@ class SegmentEncoder:
             if len(self._cache) > SEGMENT_CACHE_ENTRIES:
                 self._cache.popitem(last=False)
         return ids
+
+    def added_text(self, token_id: int) -> str | None:
+        """The text of `token_id` when it is an added token (`<|im_end|>`, ...), else None."""
+        if not hasattr(self, "_added_text"):
+            self._added_text = {i: c for c, i in self._added_ids.items()}
+        return self._added_text.get(int(token_id))
 
     def encode(self, text: str) -> tuple[int, ...]:
         """[n] ids of `text`, no special tokens added (equal to `tokenizer.encode(text, add_special_tokens=False)`)."""
@@ -126,15 +134,18 @@ class ChatRenderer:
                 "tokenizer has no chat_template (or has several); give gateway.chat_template, a Jinja file"
             )
         self.tokenizer = tokenizer
+        self.info: TemplateInfo = identify(self.template)
         ids = []
         if tokenizer.eos_token_id is not None:
             ids.append(int(tokenizer.eos_token_id))
-        ids.extend(int(i) for i in extra_stop_token_ids if int(i) not in ids)
+        vocab_added = {t.content: int(i) for i, t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).items()}
+        family_stops = [vocab_added[t] for t in self.info.stop_tokens if t in vocab_added]
+        ids.extend(i for i in (*map(int, extra_stop_token_ids), *family_stops) if i not in ids)
         if not ids:
             raise ValueError("tokenizer has no eos token and no extra_stop_token_ids were given")
         self.base_stop_ids: tuple[int, ...] = tuple(ids)
         if tool_call_parser == "auto":
-            self.tool_format: ToolFormat | None = detect_tool_format(self.template)
+            self.tool_format: ToolFormat | None = self.info.tool_format  # type: ignore[assignment]
         elif tool_call_parser == "none":
             self.tool_format = None
         elif tool_call_parser in TOOL_FORMATS:
@@ -172,8 +183,10 @@ class ChatRenderer:
         messages: Sequence[dict[str, Any]],
         tools: Sequence[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        *,
+        generation_prompt: bool = True,
     ) -> str:
-        """The templated conversation plus the assistant generation prompt, as text.
+        """The templated conversation plus (generation_prompt) the assistant generation prompt, as text.
 
         template_kwargs: extra variables for the template (e.g. enable_thinking for Qwen3).
         Raises TemplateError when the template rejects the conversation.
@@ -186,7 +199,7 @@ class ChatRenderer:
                 list(messages),
                 tools=list(tools) if tools else None,
                 chat_template=self.template,
-                add_generation_prompt=True,
+                add_generation_prompt=generation_prompt,
                 tokenize=False,
                 **extra,
             )

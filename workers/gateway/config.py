@@ -28,8 +28,10 @@ class GatewayConfig:
     chat_template: path of a Jinja chat template that replaces the tokenizer's (vLLM's
         `--chat-template`), e.g. one that renders tools for a model whose own template does not.
     tool_call_parser: "auto" (detect the format from the template), "hermes" (Qwen2.5 JSON
-        `<tool_call>`), "qwen3_coder" (XML `<function=...>`), or "none" (requests with tools get 400).
+        `<tool_call>`), "qwen3_coder" (XML `<function=...>`), "llama3_json" (Llama 3.x), or "none" (requests with tools get 400).
     max_turns: turns a session may run (429 past it).
+    token_continuity: build a turn's prompt on the recorded tokens when the client's history
+        matches the recorded turns (workers/gateway/continuity.py); False always re-renders.
     """
 
     model_path: str
@@ -47,6 +49,7 @@ class GatewayConfig:
     chat_template: str | None = None
     tool_call_parser: str = "auto"
     max_turns: int = 256
+    token_continuity: bool = True
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -65,11 +68,11 @@ class GatewayConfig:
             raise ValueError(f"gateway.max_tokens must be >= 1, got {self.max_tokens}")
         if self.max_turns < 1:
             raise ValueError(f"gateway.max_turns must be >= 1, got {self.max_turns}")
-        if self.tool_call_parser not in ("auto", "none", "hermes", "qwen3_coder"):
-            raise ValueError(
-                "gateway.tool_call_parser must be one of auto, none, hermes, qwen3_coder, "
-                f"got {self.tool_call_parser!r}"
-            )
+        from workers.gateway.tool_parsers import TOOL_CALL_PARSERS
+
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"gateway.tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
 
     @property
     def model_id(self) -> str:

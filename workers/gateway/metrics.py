@@ -17,6 +17,7 @@ class GatewayMetrics:
     turns_first: int = 0
     turns_clean: int = 0
     turns_fork: int = 0
+    turns_continued: int = 0  # prompts built on recorded tokens (continuity.py), a subset of served
     turns_aborted: int = 0
     turns_unrecorded_closed: int = 0
     turns_cancelled: int = 0  # the client went away; its engine request was cancelled

@@ -112,7 +112,10 @@ class GatewayServer:
             tool_call_parser=self._cfg.tool_call_parser,
         )
         self._renderer = renderer
-        if renderer.tool_format is None:
+        if renderer.info.unsupported_reason is not None:
+            log.error("gateway: every request will be refused (400 template_unsupported): %s",
+                      renderer.info.unsupported_reason)
+        elif renderer.tool_format is None:
             log.warning(
                 "gateway: the chat template of %s renders no known tool-call format; requests offering "
                 "tools will be refused (set gateway.chat_template / tool_call_parser to serve tool agents)",
@@ -152,15 +155,19 @@ class GatewayServer:
         self,
         session_id: str,
         max_context_tokens: int | None = None,
-        sampling: SamplingDefaults | None = None,
+        sampling: SamplingDefaults | dict | None = None,
         max_turns: int | None = None,
     ) -> str:
         """Open a capture session; return its secret token (the agent's OpenAI / Anthropic `api_key`).
 
+        sampling: the session's SamplingDefaults (or their fields as a dict, for callers that do
+            not import the gateway); None: the gateway's defaults.
         max_turns: the session's turn cap (None: gateway.max_turns).
         Raises SessionExists if the id is already open, ValueError on a bad budget.
         """
         self._check_loop()
+        if isinstance(sampling, dict):
+            sampling = SamplingDefaults(**sampling)
         return self._capture.open(
             session_id,
             max_context_tokens=max_context_tokens,

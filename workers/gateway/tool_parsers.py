@@ -1,12 +1,14 @@
 """Tool-call parsing of generated text, in the format the model's chat template teaches.
 
-Two formats (the names are vLLM's `--tool-call-parser` names):
+Three formats (the names are vLLM's `--tool-call-parser` names):
   "hermes"       Qwen2.5 / Hermes JSON: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
   "qwen3_coder"  Qwen3-Coder XML: `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n
                  </function>\\n</tool_call>`
-`detect_tool_format(template)` picks one from the chat template's text (None: the template renders
-no known tool-call format, and the gateway refuses requests that offer tools instead of silently
-never parsing a call).
+  "llama3_json"  Llama 3.1/3.2: the whole answer is `{"name": ..., "parameters": {...}}` (optionally
+                 after `<|python_tag|>`; several calls separated by `;`)
+`detect_tool_format(template)` picks one from the chat template's text (template_registry.py;
+None: the template renders no known tool-call format, and the gateway refuses requests that offer
+tools instead of silently never parsing a call).
 
 Invariant: parsing never loses text. A well-formed output gives `content` (the text before the
 first call, trailing whitespace removed so that re-rendering the assistant message reproduces the
@@ -24,13 +26,16 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-ToolFormat = Literal["hermes", "qwen3_coder"]
+from workers.gateway.template_registry import identify
+
+ToolFormat = Literal["hermes", "qwen3_coder", "llama3_json"]
 # `model.tool_call_parser`: detect from the template ("auto"), a ToolFormat, or "none" (tools refused)
 TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", *get_args(ToolFormat), "none")
-TOOL_FORMATS: tuple[ToolFormat, ...] = ("hermes", "qwen3_coder")
+TOOL_FORMATS: tuple[ToolFormat, ...] = get_args(ToolFormat)
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.x: starts a tool call
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
@@ -65,13 +70,7 @@ def new_call_id() -> str:
 
 def detect_tool_format(chat_template: str | None) -> ToolFormat | None:
     """The tool-call format a chat template renders, or None when it renders no known one."""
-    if not chat_template:
-        return None
-    if "<function=" in chat_template and "<parameter=" in chat_template:
-        return "qwen3_coder"
-    if TOOL_CALL_OPEN in chat_template:
-        return "hermes"
-    return None
+    return identify(chat_template).tool_format  # type: ignore[return-value]
 
 
 def parse_tool_calls(
@@ -84,6 +83,8 @@ def parse_tool_calls(
     """
     if fmt not in TOOL_FORMATS:
         raise ValueError(f"unknown tool-call format {fmt!r}; known: {TOOL_FORMATS}")
+    if fmt == "llama3_json":
+        return _parse_llama3(text)
     start = text.find(TOOL_CALL_OPEN)
     if start < 0:
         return ParsedOutput(content=text)
@@ -101,22 +102,45 @@ def _check_only_calls(rest: str, blocks: re.Pattern[str]) -> None:
         raise ValueError(f"text outside tool-call blocks: {leftover.strip()[:80]!r}")
 
 
+def _json_call(obj: Any) -> ToolCall:
+    """One `{"name": ..., "arguments" | "parameters": {...}}` object as a ToolCall."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        raise ValueError("a tool call must be an object with a non-empty string 'name'")
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models emit the arguments as a JSON string
+        args = json.loads(args)
+    if not isinstance(args, dict):
+        raise ValueError("tool-call arguments must be a JSON object")
+    return ToolCall(id=new_call_id(), name=obj["name"], arguments_json=json.dumps(args, ensure_ascii=False))
+
+
 def _parse_hermes(rest: str) -> tuple[ToolCall, ...]:
     _check_only_calls(rest, _HERMES_BLOCK)
-    calls = []
-    for body in _HERMES_BLOCK.findall(rest):
-        obj = json.loads(body)
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-            raise ValueError("a tool call must be an object with a non-empty string 'name'")
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):  # some models emit the arguments as a JSON string
-            args = json.loads(args)
-        if not isinstance(args, dict):
-            raise ValueError("tool-call arguments must be a JSON object")
-        calls.append(ToolCall(id=new_call_id(), name=obj["name"], arguments_json=json.dumps(args, ensure_ascii=False)))
+    calls = tuple(_json_call(json.loads(body)) for body in _HERMES_BLOCK.findall(rest))
     if not calls:
         raise ValueError("no complete tool-call block")
-    return tuple(calls)
+    return calls
+
+
+def _parse_llama3(text: str) -> ParsedOutput:
+    """Llama 3.x: an answer that is (after `<|python_tag|>`) JSON objects with a "name" is calls.
+
+    Text that does not start with `{` is content; text that starts with `{` but is not a list of
+    call objects (bad JSON, no name) is ill-formed (the model opened a call it did not finish).
+    """
+    body = text.strip()
+    body = body[len(PYTHON_TAG):].lstrip() if body.startswith(PYTHON_TAG) else body
+    if not body.startswith("{"):
+        return ParsedOutput(content=text)
+    try:
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while at < len(body):
+            obj, at = decoder.raw_decode(body, at)
+            calls.append(_json_call(obj))
+            at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
+    except (ValueError, TypeError):
+        return ParsedOutput(content=text, ill_formed=True)
+    return ParsedOutput(content="", tool_calls=tuple(calls))
 
 
 def _schemas(tools: tuple[dict[str, Any], ...] | None) -> dict[str, dict[str, Any]]:

@@ -1,10 +1,13 @@
 """One model turn, whatever API asked for it: render, budget, route, generate, parse, record.
 
 `TurnRunner.run` is shared by the OpenAI and Anthropic routes. Steps, in order:
-1. refuse tools when the model's template has no known tool-call format (400 `tools_unsupported`,
-   never a silent no-op);
+1. refuse a template the gateway cannot serve (gpt-oss harmony: 400 `template_unsupported`, from
+   the first request of every session) and tools when the model's template has no known
+   tool-call format (400 `tools_unsupported`), never a silent no-op;
 2. render the conversation to ids (chat_template.py) and clamp max_tokens to the session's
-   remaining context: a prompt that leaves no room is 400 `context_length_exceeded`;
+   remaining context: a prompt that leaves no room is 400 `context_length_exceeded`. When the
+   messages continue a recorded turn (continuity.py, `continuity=True`), the prompt is the
+   recorded tokens plus the rendered new text;
 3. admit the turn against the session's turn cap (capture.begin_turn: 429 past it);
 4. send it to the replica the router picks; a replica whose generate raises (anything but
    cancellation or a ValueError about the request) is taken out of rotation and the turn is tried
@@ -13,7 +16,8 @@
 5. parse tool calls in the template's format (a call it cannot read: raw text, turn ill_formed;
    tool_choice "required" or a named function that the output does not honour: ill_formed too,
    as the gateway cannot constrain decoding);
-6. record the turn in the capture store (exact served ids; see capture.py). A stop string of
+6. record the turn in the capture store (exact served ids; see capture.py) and remember it for
+   continuity (when it ended on an added stop token). A stop string of
    several tokens (the engine stops on single ids only) is applied after generation: the answer
    and the record both end with the token that completed it, and the text leaves it out.
 
@@ -31,12 +35,23 @@ from dataclasses import dataclass
 from workers.core.types import GenerateRequest, GenerateResult
 from workers.gateway.capture import CaptureStore, Session, SessionNotFound, TurnKind, TurnRecord
 from workers.gateway.chat_template import ChatRenderer
+from workers.gateway.continuity import TurnMemo, context_key, digest, find_continuation, message_key, remember
 from workers.gateway.metrics import Counters
 from workers.gateway.openai_api import ApiError, ChatRequest, bad_request
 from workers.gateway.router import ReplicaRouter
 from workers.gateway.tool_parsers import ParsedOutput, parse_tool_calls
 
 _KIND_COUNTER = {TurnKind.FIRST: "turns_first", TurnKind.CLEAN: "turns_clean", TurnKind.FORK: "turns_fork"}
+
+
+@dataclass(frozen=True)
+class _Rendered:
+    """A request's prompt ids and what continuity needs to remember the turn."""
+
+    ids: tuple[int, ...]
+    keys: tuple[bytes, ...]
+    context: str
+    text: str
 
 
 @dataclass(frozen=True)
@@ -104,11 +119,26 @@ def truncate_result(result: GenerateResult, n_keep: int) -> GenerateResult:
 class TurnRunner:
     """Runs turns for the routes of one app (see the module docstring)."""
 
-    def __init__(self, capture: CaptureStore, router: ReplicaRouter, renderer: ChatRenderer, counters: Counters) -> None:
+    def __init__(
+        self,
+        capture: CaptureStore,
+        router: ReplicaRouter,
+        renderer: ChatRenderer,
+        counters: Counters,
+        *,
+        continuity: bool = True,
+    ) -> None:
         self.capture = capture
         self.router = router
         self.renderer = renderer
         self.counters = counters
+        self.continuity = continuity
+
+    def check_template(self) -> None:
+        """Raise ApiError(400, template_unsupported) when the gateway cannot serve the template."""
+        reason = self.renderer.info.unsupported_reason
+        if reason is not None:
+            raise bad_request(reason, code="template_unsupported")
 
     def check_tools(self, req: ChatRequest) -> None:
         """Raise ApiError(400, tools_unsupported) when tools are offered but cannot be parsed."""
@@ -122,12 +152,61 @@ class TurnRunner:
 
     def prompt_ids(self, req: ChatRequest) -> tuple[int, ...]:
         """[prompt_len] rendered ids of the request. Raises TemplateError, ApiError."""
+        self.check_template()
         self.check_tools(req)
         return self.renderer.render(req.messages, req.tools, req.chat_template_kwargs)
 
+    def _render(self, session: Session, req: ChatRequest) -> _Rendered:
+        """The turn's prompt: the plain render, or a continuation of a recorded turn."""
+        self.check_template()
+        self.check_tools(req)
+        r, sid = self.renderer, session.session_id
+        text = r.render_text(req.messages, req.tools, req.chat_template_kwargs)
+        if not self.continuity:
+            return _Rendered(r.encoder.encode(text), (), "", text)
+        keys = tuple(message_key(m) for m in req.messages)
+        context = context_key(req.tools, req.chat_template_kwargs)
+        ids = r.encoder.encode(text)
+        memos = self.capture.memos(sid)
+        if not memos or self.capture.extends_a_row(sid, ids):  # CLEAN already: no second render
+            return _Rendered(ids, keys, context, text)
+        cont = find_continuation(
+            memos, keys, context, text,
+            lambda n: r.render_text(req.messages[:n], req.tools, req.chat_template_kwargs, generation_prompt=False),
+            lambda answer: self._answer_key(req, answer),
+        )
+        if cont is None:
+            return _Rendered(ids, keys, context, text)
+        self.counters.add("turns_continued")
+        ids = self.capture.row_prefix(sid, cont.row_index, cont.row_len) + r.encoder.encode(cont.text)
+        return _Rendered(ids, keys, context, text)
+
+    def _answer_key(self, req: ChatRequest, text: str) -> bytes:
+        """message_key of the assistant message an answer written as `text` is returned as."""
+        fmt = self.renderer.tool_format
+        parsed = parse_tool_calls(text, fmt, req.tools) if req.tools and fmt is not None else ParsedOutput(text)
+        calls = [{"function": {"name": c.name, "arguments": c.arguments()}} for c in parsed.tool_calls]
+        return message_key({"role": "assistant", "content": parsed.content, "tool_calls": calls})
+
+    def _remember(self, sid: str, req: ChatRequest, rendered: _Rendered, text: str, result: GenerateResult,
+                  stop_ids: tuple[int, ...], record: TurnRecord) -> None:
+        """Note the turn for continuity when it ended on an added stop token (see continuity.py)."""
+        if not self.continuity or result.finish_reason != "stop" or not result.output_ids:
+            return
+        end_text = self.renderer.encoder.added_text(result.output_ids[-1])
+        if end_text is None or result.output_ids[-1] not in stop_ids:
+            return
+        memo = TurnMemo(
+            messages=(*rendered.keys, self._answer_key(req, text)), context=rendered.context,
+            prompt_chars=len(rendered.text), prompt_digest=digest(rendered.text), row_index=record.row_index,
+            row_len=self.capture.row_len(sid, record.row_index), end_text=end_text,
+        )
+        remember(self.capture.memos(sid), memo)
+
     async def run(self, session: Session, req: ChatRequest, *, id_prefix: str = "chatcmpl-") -> TurnOutcome:
         """Serve one turn (see the module docstring for the steps and the errors raised)."""
-        prompt_ids = self.prompt_ids(req)
+        rendered = self._render(session, req)
+        prompt_ids = rendered.ids
         stops = self.renderer.stop_spec(req.stop)
         stop_ids = stops.ids
         completion_id = id_prefix + uuid.uuid4().hex
@@ -152,6 +231,7 @@ class TurnRunner:
         except SessionNotFound:
             self.counters.add("turns_unrecorded_closed")
             raise
+        self._remember(session.session_id, req, rendered, text, result, stop_ids, record)
         c = self.counters
         c.add("turns_served")
         c.add(_KIND_COUNTER[record.kind])

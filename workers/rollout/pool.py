@@ -134,8 +134,9 @@ class GatewayActorClient:
     def __init__(self, handle: Any) -> None:
         self._h = handle
 
-    async def open_session(self, session_id: str, max_context_tokens: int | None = None) -> str:
-        return await call(self._h, "open_session", session_id, max_context_tokens)
+    async def open_session(self, session_id: str, max_context_tokens: int | None = None,
+                           sampling: dict | None = None) -> str:
+        return await call(self._h, "open_session", session_id, max_context_tokens, sampling)
 
     async def close_session(self, session_id: str) -> SessionCapture:
         return await call(self._h, "close_session", session_id)

@@ -128,7 +128,10 @@ class RolloutOutcome:
 
 
 class GatewaySessions(Protocol):
-    async def open_session(self, session_id: str, max_context_tokens: int | None = None) -> str: ...
+    """sampling: the session's sampling settings as a dict of the gateway's SamplingDefaults fields."""
+
+    async def open_session(self, session_id: str, max_context_tokens: int | None = None,
+                           sampling: dict | None = None) -> str: ...
     async def close_session(self, session_id: str) -> SessionCapture: ...
 
 
@@ -136,7 +139,8 @@ class NoGateway:
     """GatewaySessions when no model is served (`eval.serve_model=false`): the agent uses its own
     model, so a session has no token and records nothing."""
 
-    async def open_session(self, session_id: str, max_context_tokens: int | None = None) -> str:
+    async def open_session(self, session_id: str, max_context_tokens: int | None = None,
+                           sampling: dict | None = None) -> str:
         return ""
 
     async def close_session(self, session_id: str) -> SessionCapture:
@@ -255,7 +259,11 @@ class RolloutWorker:
         t0 = self._clock()  # latency_s: the session's life, not the wait for a slot
         invoked = False
         try:
-            api_key = await self._gateway.open_session(sid, self._s.max_context_tokens)
+            # the gateway enforces the sampling the agent is told: the trainer scores exactly this
+            # distribution (TrainerSettings.sampling_temperature / sampling_top_p)
+            sampling = {"temperature": self._s.temperature, "top_p": self._s.top_p,
+                        "max_tokens": self._s.max_tokens, "enforce": True}
+            api_key = await self._gateway.open_session(sid, self._s.max_context_tokens, sampling)
             try:
                 if self._results is not None:
                     self._results.expect(sid, api_key)

@@ -17,28 +17,60 @@ if TYPE_CHECKING:
     from workers.core.algorithms.rollout_correction import RolloutCorrection, RolloutCorrectionConfig
 
 
+def sampling_logits(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                    top_p: float = 1.0) -> torch.Tensor:
+    """The logits of the distribution the engine sampled from: divided by the temperature, and
+    outside the top-p nucleus set to -inf, exactly as vLLM's sampler does before it reports
+    `processed_logprobs` (vllm/v1/sample/sampler.py: apply_temperature, then
+    ops/topk_topp_sampler.py: apply_top_k_top_p_pytorch; verl's actor divides by the rollout
+    temperature the same way, verl/workers/actor/dp_actor.py).
+
+    Args:
+        logits: [..., V] float logits; targets: [...] the sampled ids, always kept in the nucleus
+            (a token the engine sampled is in its nucleus; rounding here must not make it -inf).
+        temperature: > 0. top_p: in (0, 1]; 1 keeps every token (no sort).
+    Returns:
+        [..., V] logits, differentiable in the kept entries (the nucleus itself is a constant).
+    """
+    out = logits / temperature if temperature != 1.0 else logits
+    if top_p >= 1.0:
+        return out
+    with torch.no_grad():
+        sort, idx = out.sort(dim=-1, descending=False)
+        cum = sort.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cum <= 1 - top_p
+        drop_sorted[..., -1] = False  # at least one token
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, idx, drop_sorted)
+        drop.scatter_(-1, targets.unsqueeze(-1), False)
+    return out.masked_fill(drop, float("-inf"))
+
+
 def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, *, with_entropy: bool = True
+    logits: torch.Tensor, input_ids: torch.Tensor, *, with_entropy: bool = True,
+    temperature: float = 1.0, top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-prob and entropy in TrainBatch alignment.
+    """Per-token log-prob and entropy in TrainBatch alignment, of the sampling distribution.
 
     Args:
         logits: [B, T, V] next-token logits (logits[:, t] predicts token t + 1).
         input_ids: [B, T].
+        temperature / top_p: the rollout's sampling settings (sampling_logits): log-probs are of
+            the distribution the engine sampled from, so that on-policy π_θ equals π_rollout.
 
     Returns:
         (logprobs, entropy), both [B, T] float32; column 0 is 0 in both. entropy[b, t] is the entropy
         of the distribution token t was drawn from; it is detached, and None unless with_entropy.
     """
-    logits = logits[:, :-1].float()
-    targets = input_ids[:, 1:].unsqueeze(-1)
+    targets = input_ids[:, 1:]
+    logits = sampling_logits(logits[:, :-1].float(), targets, temperature=temperature, top_p=top_p)
     lse = torch.logsumexp(logits, dim=-1)
-    lp = torch.gather(logits, -1, targets).squeeze(-1) - lse
+    lp = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - lse
     zero = torch.zeros_like(lp[:, :1])
     if not with_entropy:
         return torch.cat([zero, lp], dim=1), None
     with torch.no_grad():
-        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+        p = torch.softmax(logits, dim=-1)
+        ent = lse - (p * logits.masked_fill(p == 0, 0.0)).sum(dim=-1)
     return torch.cat([zero, lp], dim=1), torch.cat([zero, ent.detach()], dim=1)
 
 

@@ -37,6 +37,10 @@ class TrainerSettings:
     weight_sync_dtype: dtype of the tensors `broadcast_weights` sends (the inference dtype).
     compute_entropy: log actor/entropy (costs one softmax over the vocabulary per micro-batch).
     device: "auto" picks CUDA when available, else CPU.
+    sampling_temperature / sampling_top_p: the rollouts' sampling settings; log-probs are of the
+        tempered, top-p-truncated distribution the engine sampled from (helpers.sampling_logits),
+        as the engine's `processed_logprobs` are. trainer=verl scores the temperature only (verl's
+        actor), so it refuses top_p < 1.
     """
 
     model_path: str
@@ -61,8 +65,14 @@ class TrainerSettings:
     compute_entropy: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"
     extra_model_kwargs: dict = field(default_factory=dict)
+    sampling_temperature: float = 1.0
+    sampling_top_p: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.sampling_temperature <= 0:
+            raise ValueError(f"rollout.temperature must be > 0 for training, got {self.sampling_temperature}")
+        if not 0 < self.sampling_top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.sampling_top_p}")
         if self.lr <= 0:
             raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
         if self.grad_clip <= 0:

@@ -161,6 +161,7 @@ def to_verl_batch(
     calculate_entropy: bool,
     global_batch_size: float | None = None,
     use_remove_padding: bool = False,
+    temperature: float = 1.0,
 ) -> TensorDict:
     """verl's no-padding TensorDict for `batch` (every per-token field a jagged nested tensor).
 
@@ -174,6 +175,7 @@ def to_verl_batch(
         global_batch_size: sequences with >= 1 trained token, summed over data-parallel ranks
             (seq-mean loss modes).
         use_remove_padding: pack sequences (needs flash-attn varlen on GPU) or pad them.
+        temperature: the rollout temperature; verl's engine divides the logits by it.
 
     Returns:
         TensorDict of batch size [B] with input_ids, position_ids, loss_mask, advantages,
@@ -213,7 +215,7 @@ def to_verl_batch(
         max_token_len_per_gpu=int(micro_batch_tokens),
         use_fused_kernels=False,
         calculate_entropy=calculate_entropy,
-        temperature=1.0,
+        temperature=float(temperature),
         global_batch_size=global_batch_size,
     )
     return td

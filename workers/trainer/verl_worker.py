@@ -149,7 +149,8 @@ class VerlEngine:
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """verl `infer_batch`, no grad, realigned to TrainBatch; [B, T] float32 on CPU."""
         td = to_verl_batch(batch, micro_batch_tokens=self._micro_batch_tokens(batch), calculate_entropy=False,
-                           use_remove_padding=self.verl_cfg.use_remove_padding)
+                           use_remove_padding=self.verl_cfg.use_remove_padding,
+                           temperature=self.cfg.sampling_temperature)
         with self.engine.eval_mode():
             out = self.engine.infer_batch(td, loss_function=None)
         lp = engine_to_batch_alignment(out["model_output"]["log_probs"], batch.seq_len)
@@ -164,6 +165,7 @@ class VerlEngine:
             train, old_logprobs=inputs.old_logprobs, is_weights=inputs.is_weights,
             micro_batch_tokens=self._micro_batch_tokens(train), calculate_entropy=self.cfg.compute_entropy,
             global_batch_size=inputs.num_seqs, use_remove_padding=self.verl_cfg.use_remove_padding,
+            temperature=self.cfg.sampling_temperature,
         )
         with self.engine.train_mode():
             if not self.cfg.activation_checkpointing:  # HF checkpoints layers in train mode only
@@ -254,6 +256,10 @@ class VerlTrainerWorker(TrainerShell):
         if cfg.extra_model_kwargs:
             raise ValueError("trainer=verl loads the model through verl's HFModelConfig: extra_model_kwargs "
                              f"{sorted(cfg.extra_model_kwargs)} are not supported (use trainer.verl.*)")
+        if cfg.sampling_top_p < 1:
+            raise ValueError(f"trainer=verl scores the tempered distribution without top-p truncation, so it cannot "
+                             f"match rollouts sampled with rollout.top_p={cfg.sampling_top_p}; use rollout.top_p=1 "
+                             "or trainer=fsdp")
         self.verl_cfg = verl or VerlSettings()
         device = pick_device(cfg)
         check_verl_available(self.verl_cfg, cuda=device.type == "cuda")

@@ -106,7 +106,8 @@ class FsdpEngine:
         t = mb.trimmed()
         ids = t.input_ids.to(self.device)
         out = self.model(input_ids=ids, attention_mask=t.attention_mask.to(self.device), use_cache=False)
-        lp, ent = token_logprobs(out.logits, ids, with_entropy=with_entropy)
+        lp, ent = token_logprobs(out.logits, ids, with_entropy=with_entropy,
+                                 temperature=self.cfg.sampling_temperature, top_p=self.cfg.sampling_top_p)
         valid = t.attention_mask.to(self.device, lp.dtype)
         pad = (0, mb.seq_len - t.seq_len)
         lp = torch.nn.functional.pad(lp * valid, pad)

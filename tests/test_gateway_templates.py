@@ -1,0 +1,325 @@
+"""Gateway fidelity on real tokenizers and chat templates (Qwen2.5, Qwen3, Qwen3.5+/Qwen3-Coder,
+Llama 3.1/3.2, gpt-oss), fetched once into the cache (workers/embedded/real_tokenizers.py).
+
+Each family runs one multi-turn tool conversation through the real gateway and the official
+OpenAI SDK: a calculator call, a zero-argument call, a final answer. A scripted engine emits
+exactly the tokens the template's tool-call format implies (`canonical`: the call written as the
+template re-renders it) or a model's compact JSON (`compact`: `{"name":"calculator",...}`).
+Asserted per family:
+- tool calls parsed (the zero-argument one too), arguments round-trip as JSON;
+- token-exact capture: the row is the engine's prompts and outputs, loss mask 1 exactly on the
+  generated tokens, nothing recorded twice;
+- CLEAN where the template extends the previous tokens, FORK where it rewrites history (Qwen3 with
+  thinking off drops the empty think block of earlier answers);
+- the row decodes to the template's own rendering of the conversation (canonical style), so the
+  assistant -> tool separator is kept; Llama's tool results go in the `ipython` role;
+- compact JSON: FORK on every tool turn without token continuity, CLEAN with it;
+- gpt-oss (harmony): a clear 400 `template_unsupported` on the session's first request.
+The chat-template registry recognises each real template by content (both Qwen3 revisions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from workers.embedded.sim_engine import ScriptedEngine
+from workers.gateway.capture import TurnKind
+from workers.gateway.chat_template import ChatRenderer
+from workers.gateway.config import GatewayConfig
+from workers.gateway.openai_api import ChatRequest
+from workers.gateway.server import GatewayServer
+from workers.gateway.template_registry import identify
+
+MODEL_ID = "real"
+SESSION = "gw-templates-session-" + "0" * 24
+TIMEOUT_S = 30
+TOOLS = [
+    {"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
+                                      "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                                                     "required": ["expression"]}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The time now.",
+                                      "parameters": {"type": "object", "properties": {}}}},
+]
+CALLS = [("calculator", {"expression": "2+3"}), ("get_time", {})]
+FINAL = "2+3 = 5, and it is 12:00."
+TOOL_RESULTS = ["5", "12:00"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One family: tokenizer, template (None: the tokenizer's own), template kwargs, expectations."""
+
+    name: str
+    tokenizer: str
+    template: str | None
+    family: str
+    fmt: str
+    kwargs: dict | None = None
+    think: str | None = None  # reasoning the model writes before each answer (after `<think>\n`)
+    think_in_prompt: bool = False  # the generation prompt already opened `<think>\n`
+    rewrites_history: bool = False  # the template drops something of earlier answers: FORK
+
+
+CASES = [
+    Case("qwen2_5", "qwen2_5", None, "qwen2_5", "hermes"),
+    Case("qwen3_think", "qwen3", None, "qwen3", "hermes", think="I use a tool."),
+    Case("qwen3_nothink", "qwen3", None, "qwen3", "hermes", kwargs={"enable_thinking": False}, rewrites_history=True),
+    Case("qwen3_trl_revision", "qwen3", "qwen3", "qwen3", "hermes", think="I use a tool."),
+    Case("qwen3_5_xml", "qwen3", "qwen3_5_think", "qwen3_coder", "qwen3_coder", think="I use a tool.",
+         think_in_prompt=True),
+    Case("qwen3_5_xml_nothink", "qwen3", "qwen3_5_nothink", "qwen3_coder", "qwen3_coder"),
+    Case("qwen3_6_xml", "qwen3", "qwen3_6", "qwen3_coder", "qwen3_coder", think="Tool.", think_in_prompt=True),
+    Case("llama3_1", "llama3_2", "llama3_1", "llama3", "llama3_json"),
+    Case("llama3_2", "llama3_2", None, "llama3", "llama3_json"),
+]
+
+
+def call_text(fmt: str, name: str, args: dict, style: str) -> str:
+    """A tool call as the model writes it in `fmt` (canonical: as the template renders it)."""
+    sep = (",", ":") if style == "compact" else (", ", ": ")
+    if fmt == "hermes":
+        return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, separators=sep) + "\n</tool_call>"
+    if fmt == "llama3_json":
+        return json.dumps({"name": name, "parameters": args}, separators=sep)
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
+    return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
+
+
+def answer_texts(case: Case, style: str) -> list[str]:
+    """The three answers of the conversation, as generated text (without the end token)."""
+    outs = [call_text(case.fmt, n, a, style) for n, a in CALLS] + [FINAL]
+    if case.think_in_prompt:
+        return [f"{case.think}\n</think>\n\n{o}" for o in outs]
+    if case.think:
+        return [f"<think>\n{case.think}\n</think>\n\n{o}" for o in outs]
+    return outs
+
+
+_TOKENIZERS: dict[str, object] = {}
+
+
+def renderer_for(case: Case, root: Path) -> ChatRenderer:
+    """A ChatRenderer for the case (each tokenizer is loaded once per module: ~3 s each)."""
+    from transformers import AutoTokenizer
+
+    from workers.embedded.real_tokenizers import tokenizer_dir, trl_template
+
+    if case.tokenizer not in _TOKENIZERS:
+        _TOKENIZERS[case.tokenizer] = AutoTokenizer.from_pretrained(str(tokenizer_dir(case.tokenizer)))
+    return ChatRenderer(_TOKENIZERS[case.tokenizer], chat_template=trl_template(case.template) if case.template else None)
+
+
+@dataclass
+class Conversation:
+    responses: list
+    prompts: list[tuple[int, ...]]
+    outputs: list[tuple[int, ...]]
+    rows: tuple
+    kinds: list[TurnKind]
+    messages: list
+    metrics: object
+
+
+async def converse(renderer: ChatRenderer, answers: list[str], *, continuity: bool, kwargs: dict | None) -> Conversation:
+    tok = renderer.tokenizer
+    outputs = [(*tok.encode(a, add_special_tokens=False), renderer.base_stop_ids[0]) for a in answers]
+    engine = ScriptedEngine(outputs)
+    cfg = GatewayConfig(model_path="unused", served_model_name=MODEL_ID, max_context_tokens=8192,
+                        token_continuity=continuity)
+    server = GatewayServer(cfg, [engine], renderer=renderer)
+    await asyncio.wait_for(server.start(), TIMEOUT_S)
+    try:
+        token = await server.open_session(SESSION)
+        msgs: list = [{"role": "user", "content": "What is 2+3, and what time is it?"}]
+        extra = {"chat_template_kwargs": kwargs} if kwargs else None
+        responses, kinds = [], []
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=token, max_retries=0) as c:
+            for i in range(3):
+                before = server.metrics()
+                r = await asyncio.wait_for(
+                    c.chat.completions.create(model=MODEL_ID, messages=msgs, tools=TOOLS, extra_body=extra), TIMEOUT_S)
+                kinds.append(last_kind(before, server.metrics()))
+                responses.append(r)
+                msg = r.choices[0].message
+                msgs.append(msg)
+                for tc in msg.tool_calls or ():
+                    msgs.append({"role": "tool", "tool_call_id": tc.id, "content": TOOL_RESULTS[i]})
+        cap = await server.close_session(SESSION)
+        return Conversation(responses, [r.prompt_ids for r in engine.requests], outputs, cap.rows, kinds, msgs,
+                            server.metrics())
+    finally:
+        await server.stop()
+
+
+def as_template_input(messages: list) -> tuple[dict, ...]:
+    """The messages as the gateway gives them to the template (SDK objects dumped, arguments parsed)."""
+    raw = [m.model_dump(exclude_none=True) if hasattr(m, "model_dump") else m for m in messages]
+    return ChatRequest.parse({"model": MODEL_ID, "messages": raw}).messages
+
+
+def last_kind(before, after) -> TurnKind:
+    """How the turn served between two metrics snapshots was recorded."""
+    for kind, field in ((TurnKind.FIRST, "turns_first"), (TurnKind.CLEAN, "turns_clean"), (TurnKind.FORK, "turns_fork")):
+        if getattr(after, field) == getattr(before, field) + 1:
+            return kind
+    raise AssertionError("no turn recorded")
+
+
+def mask_positions(row) -> list[int]:
+    return [i for i, m in enumerate(row.loss_mask) if m == 1]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+async def test_tool_conversation_on_real_template(case, real_tokenizers):
+    renderer = renderer_for(case, real_tokenizers)
+    assert renderer.info.family == case.family and renderer.tool_format == case.fmt
+    conv = await converse(renderer, answer_texts(case, "canonical"), continuity=True, kwargs=case.kwargs)
+    tok = renderer.tokenizer
+
+    # tool calls parsed, zero-argument included; arguments round-trip; the final answer is text
+    for r, (name, args) in zip(conv.responses[:2], CALLS):
+        (tc,) = r.choices[0].message.tool_calls
+        assert tc.function.name == name and json.loads(tc.function.arguments) == args
+        assert r.choices[0].finish_reason == "tool_calls"
+    assert not conv.responses[2].choices[0].message.tool_calls
+    assert conv.responses[2].choices[0].message.content.endswith(FINAL)
+
+    if case.rewrites_history:
+        assert conv.kinds == [TurnKind.FIRST, TurnKind.FORK, TurnKind.FORK]
+        assert len(conv.rows) == 3
+        for row, p, o in zip(conv.rows, conv.prompts, conv.outputs):  # each row exact, nothing twice
+            assert row.token_ids == p + o and row.loss_mask == (0,) * len(p) + (1,) * len(o)
+        return
+
+    assert conv.kinds == [TurnKind.FIRST, TurnKind.CLEAN, TurnKind.CLEAN]
+    (row,) = conv.rows
+    assert row.token_ids == conv.prompts[2] + conv.outputs[2]  # token-exact: the served ids
+    for p, prev_p, prev_o in zip(conv.prompts[1:], conv.prompts, conv.outputs):
+        assert p[: len(prev_p) + len(prev_o)] == prev_p + prev_o  # each prompt extends the last turn
+    generated = [t for o in conv.outputs for t in o]
+    assert [row.token_ids[i] for i in mask_positions(row)] == generated  # mask 1 = generated, once each
+    # the row is the template's own rendering with the generated answers: separators kept
+    final_prompt = renderer.render_text(as_template_input(conv.messages[:-1]), TOOLS, case.kwargs)
+    assert tok.decode(row.token_ids) == final_prompt + tok.decode(conv.outputs[2])
+    if case.family == "llama3":
+        assert '<|start_header_id|>ipython<|end_header_id|>\n\n"5"<|eot_id|>' in final_prompt  # tojson of a str
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.fmt != "qwen3_coder"], ids=lambda c: c.name)
+async def test_compact_json_calls_continue_the_recorded_tokens(case, real_tokenizers):
+    """Regression (issue 12, item 2): a model writes `{"name":"calculator",...}`, the SDK sends it
+    back parsed, the template re-renders it with spaces; without continuity every tool turn is a
+    new row (FORK). With it, the next prompt is the recorded tokens plus the rendered new text."""
+    renderer = renderer_for(case, real_tokenizers)
+    answers = answer_texts(case, "compact")
+    before = await converse(renderer, answers, continuity=False, kwargs=case.kwargs)
+    after = await converse(renderer, answers, continuity=True, kwargs=case.kwargs)
+    assert before.kinds == [TurnKind.FIRST, TurnKind.FORK, TurnKind.FORK]
+    expected = TurnKind.FORK if case.rewrites_history else TurnKind.CLEAN
+    assert after.kinds == [TurnKind.FIRST, expected, expected]
+    for conv in (before, after):
+        generated = sum(len(o) for o in conv.outputs)
+        assert sum(r.num_generated for r in conv.rows) == generated  # nothing recorded twice
+        masked = [row.token_ids[i] for row in conv.rows for i in mask_positions(row)]
+        assert masked == [t for o in conv.outputs for t in o]  # mask 1 = generated tokens, in order
+    if not case.rewrites_history:
+        (row,) = after.rows
+        assert row.token_ids == after.prompts[2] + after.outputs[2]
+        assert [row.token_ids[i] for i in mask_positions(row)] == [t for o in after.outputs for t in o]
+        text = renderer.tokenizer.decode(row.token_ids)
+        assert json.dumps({"name": "get_time", ("parameters" if case.fmt == "llama3_json" else "arguments"): {}},
+                          separators=(",", ":")) in text  # the model's own tokens, not the re-render
+        assert after.metrics.turns_continued == 2
+
+
+async def test_gpt_oss_harmony_is_refused_at_the_first_request(real_tokenizers):
+    from transformers import AutoTokenizer
+
+    from workers.embedded.real_tokenizers import tokenizer_dir
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir("gptoss")))
+    renderer = ChatRenderer(tok)
+    assert renderer.info.family == "harmony"
+    engine = ScriptedEngine([(1, 2)])
+    server = GatewayServer(GatewayConfig(model_path="unused", served_model_name=MODEL_ID), [engine], renderer=renderer)
+    await asyncio.wait_for(server.start(), TIMEOUT_S)
+    try:
+        token = await server.open_session(SESSION)
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=token, max_retries=0) as c:
+            with pytest.raises(openai.BadRequestError) as err:
+                await c.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}])
+        assert err.value.code == "template_unsupported" and "harmony" in err.value.message
+        assert engine.requests == []  # nothing generated, nothing recorded
+        assert (await server.close_session(SESSION)).rows == ()
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize(
+    ("template", "family", "fmt"),
+    [("qwen2_5", "qwen2_5", "hermes"), ("qwen3", "qwen3", "hermes"), ("qwen3_instruct_2507", "chatml", "hermes"),
+     ("qwen3_5_think", "qwen3_coder", "qwen3_coder"), ("qwen3_5_nothink", "qwen3_coder", "qwen3_coder"),
+     ("qwen3_6", "qwen3_coder", "qwen3_coder"), ("qwen3_8", "qwen3_coder", "qwen3_coder"),
+     ("llama3_1", "llama3", "llama3_json"), ("llama3_2", "llama3", "llama3_json"), ("llama3", "llama3", None),
+     ("gptoss", "harmony", None)],
+)
+def test_registry_recognises_real_templates_by_content(template, family, fmt, real_tokenizers):
+    from workers.embedded.real_tokenizers import trl_template
+
+    info = identify(trl_template(template))
+    assert (info.family, info.tool_format) == (family, fmt)
+    assert (info.unsupported_reason is not None) == (family == "harmony")
+
+
+def test_registry_recognises_both_qwen3_revisions(real_tokenizers):
+    """The original Qwen3 template (the tokenizer's) and TRL's revision differ in text (non-string
+    content handling) but are the same family."""
+    from workers.embedded.real_tokenizers import tokenizer_dir, trl_template
+
+    original = json.loads((tokenizer_dir("qwen3") / "tokenizer_config.json").read_text())["chat_template"]
+    revised = trl_template("qwen3")
+    assert original != revised
+    assert identify(original) == identify(revised) and identify(original).family == "qwen3"
+    assert identify(original).reasoning
+
+
+@pytest.mark.parametrize("edit", ["edited_tool_result", "dropped_call"])
+async def test_diverging_history_still_forks_with_continuity(edit, real_tokenizers):
+    """Continuity applies only when the history matches the recorded turns message by message: an
+    edited tool result or a dropped turn is a real divergence and starts a new row (FORK)."""
+    case = next(c for c in CASES if c.name == "qwen2_5")
+    renderer = renderer_for(case, real_tokenizers)
+    tok = renderer.tokenizer
+    outputs = [(*tok.encode(a, add_special_tokens=False), tok.eos_token_id) for a in answer_texts(case, "compact")]
+    engine = ScriptedEngine(outputs)
+    server = GatewayServer(GatewayConfig(model_path="unused", served_model_name=MODEL_ID, max_context_tokens=8192),
+                           [engine], renderer=renderer)
+    await asyncio.wait_for(server.start(), TIMEOUT_S)
+    try:
+        token = await server.open_session(SESSION)
+        msgs: list = [{"role": "user", "content": "What is 2+3, and what time is it?"}]
+        kinds = []
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=token, max_retries=0) as c:
+            for i in range(3):
+                before = server.metrics()
+                r = await c.chat.completions.create(model=MODEL_ID, messages=msgs, tools=TOOLS)
+                kinds.append(last_kind(before, server.metrics()))
+                msg = r.choices[0].message
+                msgs += [msg, *({"role": "tool", "tool_call_id": tc.id, "content": TOOL_RESULTS[i]}
+                                for tc in msg.tool_calls or ())]
+                if i == 1 and edit == "edited_tool_result":
+                    msgs[2] = {**msgs[2], "content": "6"}
+                elif i == 1:
+                    msgs = msgs[:1] + msgs[3:]  # the first call and its result are gone
+        cap = await server.close_session(SESSION)
+    finally:
+        await server.stop()
+    assert kinds == [TurnKind.FIRST, TurnKind.CLEAN, TurnKind.FORK]
+    assert len(cap.rows) == 2 and cap.rows[1].token_ids == engine.requests[2].prompt_ids + outputs[2]
+    assert sum(r.num_generated for r in cap.rows) == sum(len(o) for o in outputs)
