@@ -227,7 +227,8 @@ def _pool(cfg: RunConfig, settings: Any, gateway: Any, buffer: Any, closing: con
 
     pool = start_rollout_pool(settings, num_workers=cfg.rollout.num_workers, limits=cfg.rollout.acr.limits.typed(),
                               acr=acr_client_config(cfg.rollout), result_host=cfg.rollout.result_host,
-                              gateway=gateway, buffer_handle=buffer.handle)
+                              gateway=gateway, buffer_handle=buffer.handle, store=buffer,
+                              redispatch_lost=cfg.rollout.redispatch_lost)
     _close_quietly(closing, pool.shutdown)
     return pool
 

@@ -93,6 +93,7 @@ class RolloutConfig:
     push_grace_s: float = 5.0  # s3: once agents POST results, S3 polling starts this long after the invoke
     result_host: str = "127.0.0.1"  # where rollout actors take posted results ("" = S3 polling only)
     max_consecutive_bad_results: int = 32  # agent results in a row without a usable reward: stop the run
+    redispatch_lost: int = 1  # times a rollout whose actor died runs again (new session id), then failed actor_lost
 
     def __post_init__(self) -> None:
         one_of(self.name, "rollout.name", ROLLOUT_BACKENDS)
@@ -107,6 +108,7 @@ class RolloutConfig:
         check(self.push_grace_s >= 0, "rollout.push_grace_s", "must be >= 0", self.push_grace_s)
         check(self.max_consecutive_bad_results >= 1, "rollout.max_consecutive_bad_results", "must be >= 1",
               self.max_consecutive_bad_results)
+        check(self.redispatch_lost >= 0, "rollout.redispatch_lost", "must be >= 0", self.redispatch_lost)
         one_of(self.acr.retry_mode, "rollout.acr.retry_mode", RETRY_MODES)
         check(self.acr.max_attempts >= 1, "rollout.acr.max_attempts", "must be >= 1", self.acr.max_attempts)
         check(self.acr.runtime_error_attempts >= 1, "rollout.acr.runtime_error_attempts", "must be >= 1",

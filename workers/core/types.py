@@ -171,9 +171,14 @@ class Sample:
 
 @dataclass(frozen=True)
 class RolloutRequest:
-    """One rollout to dispatch: a dataset row for one sample of one group."""
+    """One rollout to dispatch: a dataset row for one sample of one group.
+
+    session_id: the ACR session id to use (the rollout pool assigns it, so that it can stop the
+    session and find the sample if the actor running it dies); None: the worker makes one.
+    """
 
     group_id: int
     input_id: str
     sample_index: int
     row: dict = field(default_factory=dict)
+    session_id: str | None = None

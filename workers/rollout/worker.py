@@ -59,7 +59,8 @@ __all__ = ["RESERVED_KEYS", "ContractError", "BadResult", "NoGateway", "RolloutS
            "build_payload", "new_session_id", "parse_reward", "result_key", "FailReason"]
 
 log = logging.getLogger(__name__)
-FailReason = Literal["timeout", "bad_result", "agent_error", "throttled", "acr_error", "transport"]
+FailReason = Literal["timeout", "bad_result", "agent_error", "throttled", "acr_error", "transport", "engine_lost",
+                     "actor_lost"]
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,7 @@ class RolloutWorker:
         Raises ContractError (reserved key in the row, or a streak of bad results): stop the run.
         """
         check_row(req.row, req.input_id)
-        sid = new_session_id(self._s.exp_id, req.group_id, req.sample_index)
+        sid = req.session_id or new_session_id(self._s.exp_id, req.group_id, req.sample_index)
         if self._slots is not None:
             await self._slots.acquire()
         t0 = self._clock()  # latency_s: the session's life, not the wait for a slot
@@ -381,6 +382,22 @@ class RolloutWorker:
         return http_reward(record, where), self._clock()
 
     # -- cleanup ----------------------------------------------------------------------------
+
+    async def stop_lost_session(self, session_id: str) -> bool:
+        """Close the gateway session and stop the ACR session of a rollout whose actor died (the
+        pool asks a live actor). True when ACR stopped it; False when it was not open (or the stop
+        failed: counted in `acr/stop_failed`). Never raises for a session that is already gone."""
+        try:
+            await self._gateway.close_session(session_id)
+        except Exception:  # noqa: BLE001 - not open at the gateway (closed before the death, or never opened)
+            pass
+        try:
+            return await asyncio.shield(self._acr.stop_session(self._s.agent_runtime_arn, session_id,
+                                                               self._s.qualifier))
+        except Exception as exc:  # noqa: BLE001 - counted and visible; the rollout's fate is already decided
+            log.warning("StopRuntimeSession failed for lost session %s: %s", session_id, exc)
+            self.counts["acr/stop_failed"] += 1
+            return False
 
     async def _stop_acr_session(self, session_id: str) -> bool:
         """Stop the ACR session; shielded so a cancelled rollout still releases its session.
