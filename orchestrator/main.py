@@ -42,6 +42,7 @@ def run(cfg: RunConfig) -> dict:
     Raises ConfigError / CheckpointError from pre-flight, before anything starts."""
     from orchestrator.build import build_parts, start_runtime
     from orchestrator.preflight import preflight
+    from orchestrator.supervise import run_watched
 
     t_start = time.monotonic()
     pre = preflight(cfg)
@@ -62,7 +63,7 @@ def run(cfg: RunConfig) -> dict:
         async def train() -> dict:
             built = await build_parts(cfg, rt, stack)
             async with built.closing:
-                report = await _run_loop(cfg, built)
+                report = await run_watched(_run_loop(cfg, built), built.watchers)  # a dead replica is replaced
             summary = await _summary(report, built, rt.local)
             with contextlib.suppress(Exception):
                 await asyncio.gather(*(r.shutdown.remote() for r in built.replicas))

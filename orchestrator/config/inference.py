@@ -28,6 +28,9 @@ class InferenceConfig:
     kv_cache_gib: float = 1.0
     max_num_seqs: int = 64
     dtype: str = "float32"
+    max_restarts: int = 3  # dead replicas replaced over the run (file weight sync); then the run stops
+    health_check_s: float = 2.0  # seconds between the supervisor's liveness checks of the replicas
+    replica_wait_s: float = 300.0  # a turn with no healthy replica waits this long for a replacement
 
     def __post_init__(self) -> None:
         one_of(self.name, "inference.name", INFERENCE_ENGINES)
@@ -35,6 +38,9 @@ class InferenceConfig:
         check(self.max_model_len >= 16, "inference.max_model_len", "must be >= 16", self.max_model_len)
         check(self.kv_cache_gib > 0, "inference.kv_cache_gib", "must be > 0", self.kv_cache_gib)
         one_of(self.dtype, "inference.dtype", INFERENCE_DTYPES)
+        check(self.max_restarts >= 0, "inference.max_restarts", "must be >= 0", self.max_restarts)
+        check(self.health_check_s > 0, "inference.health_check_s", "must be > 0", self.health_check_s)
+        check(self.replica_wait_s >= 0, "inference.replica_wait_s", "must be >= 0", self.replica_wait_s)
 
 
 def inference_settings(inf: InferenceConfig, *, mode: ModeConfig, async_: AsyncConfig, cluster: ClusterConfig,

@@ -37,11 +37,13 @@ class ModelConfig:
               f"must be one of {', '.join(TOOL_CALL_PARSERS)}", self.tool_call_parser)
 
 
-def gateway_config(model: ModelConfig, *, rollout: RolloutConfig, model_path: str) -> GatewayConfig:
-    """The gateway's settings: the model it renders for, and the rollouts' sampling and budgets."""
+def gateway_config(model: ModelConfig, *, rollout: RolloutConfig, model_path: str,
+                   replica_wait_s: float = 0.0) -> GatewayConfig:
+    """The gateway's settings: the model it renders for, the rollouts' sampling and budgets, and
+    how long a turn waits for a replacement replica (`inference.replica_wait_s`)."""
     from workers.gateway.config import GatewayConfig
 
     return GatewayConfig(model_path=model_path, served_model_name=model.served_name,
                          chat_template=model.chat_template, tool_call_parser=model.tool_call_parser,
                          max_context_tokens=rollout.max_context_tokens, max_tokens=rollout.max_tokens,
-                         temperature=rollout.temperature, top_p=rollout.top_p)
+                         temperature=rollout.temperature, top_p=rollout.top_p, replica_wait_s=replica_wait_s)

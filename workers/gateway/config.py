@@ -27,6 +27,9 @@ class GatewayConfig:
     tool_call_parser: "auto" (detect the format from the template), "hermes" (Qwen2.5 JSON
         `<tool_call>`), "qwen3_coder" (XML `<function=...>`), or "none" (requests with tools get 400).
     max_turns: turns a session may run (429 past it).
+    replica_wait_s: when a replica died under a turn and no healthy one is left, how long the turn
+        waits for a replacement (`set_engines`) before it fails (503 `engine_failed`, the session
+        marked `engine_lost`); 0: fail at once. Seconds.
     """
 
     model_path: str
@@ -43,6 +46,7 @@ class GatewayConfig:
     chat_template: str | None = None
     tool_call_parser: str = "auto"
     max_turns: int = 256
+    replica_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -59,6 +63,8 @@ class GatewayConfig:
             raise ValueError(f"gateway.top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"gateway.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.replica_wait_s < 0:
+            raise ValueError(f"gateway.replica_wait_s must be >= 0, got {self.replica_wait_s}")
         if self.max_turns < 1:
             raise ValueError(f"gateway.max_turns must be >= 1, got {self.max_turns}")
         if self.tool_call_parser not in ("auto", "none", "hermes", "qwen3_coder"):

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from workers.core.calls import call, is_actor_method
+from workers.core.calls import actor_died, call, is_actor_method
 from workers.core.types import RolloutRequest, Sample, SessionCapture
 from workers.rollout.contract import new_session_id
 from workers.rollout.recovery import ACTOR_LOST, Attempt, plan_lost
@@ -183,15 +183,6 @@ def _sink_for(handle: Any):
     from workers.buffer.store import TrajectoryBuffer
 
     return TrajectoryBuffer.connect(handle)
-
-
-def actor_died(exc: BaseException) -> bool:
-    """True when `exc` says the Ray actor behind a call is gone (its process died)."""
-    try:
-        from ray.exceptions import RayActorError
-    except ImportError:  # no Ray: a plain object cannot die apart from this process
-        return False
-    return isinstance(exc, RayActorError)
 
 
 def _own_actor_name() -> str:

@@ -6,7 +6,9 @@ exactly one sample, or raises (ContractError: the run must stop; CancelledError)
 nothing. On every exit path (success, agent error, bad result, timeout, cancellation, shutdown)
 the ACR session is stopped (shielded from cancellation), the gateway session closed and the
 session slot of the cluster-wide cap released. A sample with captured tokens but no usable reward
-is stored with status "failed" and reward None, so it can never be trained as if it had one.
+is stored with status "failed" and reward None, so it can never be trained as if it had one; so is
+a session whose turn found no inference replica (`engine_lost`, marked by the gateway), whatever
+reward its agent then reported.
 
 Which bad data stops the run and which fails one rollout: see `workers.rollout.contract`.
 
@@ -267,6 +269,9 @@ class RolloutWorker:
                 if self._results is not None:
                     self._results.forget(sid)
                 capture = await self._gateway.close_session(sid)  # no task: not on the completion path
+            if capture.engine_lost and v.reason is None:  # a turn got a 503: the agent's reward is not the policy's
+                v = _Verdict(None, "engine_lost", "engine_lost: an inference replica died under a turn of this "
+                             "session and no other could serve it", v.result_s)
             if v.reason is None:
                 self._streak.on_good()
             elif v.reason == "bad_result":

@@ -1,0 +1,119 @@
+"""Keep the inference replicas serving while the loop runs, and stop the run when a watcher fails.
+
+`ReplicaSupervisor` asks every replica for its policy version each `inference.health_check_s`
+seconds. A replica whose actor died (SIGKILL, OOM, node loss: `workers.core.calls.actor_died`) is
+replaced by a new actor started from the run's initial weights (`spawn(i)`), which then loads the
+current version's weights file through the weight sync (`CpuWeightSync.admit`, under the push
+lock, so it serves exactly the version the others serve), and only then is handed to the gateway
+(`set_engines`). Meanwhile the gateway retries the dead replica's turns on another replica, or
+holds them until the replacement comes (`inference.replica_wait_s`), or fails them `engine_lost`
+(workers/gateway/turns.py). Replacements are counted (`inference/restarts`, logged every step);
+past `inference.max_restarts` the supervisor raises `ReplicasExhausted`, which stops the run.
+
+To kill a replica from outside (scripts/chaos.py): the actors are of class `InferenceWorker`
+(`ray.util.state.list_actors(filters=[("class_name", "=", "InferenceWorker"), ("state", "=",
+"ALIVE")])`); kill the process of its `pid` with SIGKILL.
+
+`run_watched(main, watchers)` runs the loop next to such watchers: a watcher that raises cancels
+the loop and its error propagates; the loop's end cancels the watchers.
+
+Invariant: a replica is in the gateway's list only once it serves the weight sync's current
+version; the replica list given here is replaced in place (the same list the driver shuts down).
+Callers: orchestrator/build.py (wiring), orchestrator/main.py (run_watched).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from workers.core.calls import actor_died, call
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ReplicasExhausted(RuntimeError):
+    """An inference replica died and `inference.max_restarts` replacements are used up."""
+
+
+class ReplicaSupervisor:
+    """Replaces dead inference replicas (see the module docstring).
+
+    replicas: the run's replica handles (replaced in place); spawn(i): a new, not yet started
+    replica for slot i, loaded with the weights of `loaded_version`; weights: the CpuWeightSync
+    (`admit`); gateway: the GatewayServer (`set_engines`); max_restarts: replacements allowed
+    over the run; check_every_s: seconds between health checks.
+    """
+
+    def __init__(self, replicas: list[Any], *, spawn: Callable[[int], Any], weights: Any, gateway: Any,
+                 loaded_version: int, max_restarts: int, check_every_s: float) -> None:
+        if max_restarts < 0 or check_every_s <= 0:
+            raise ValueError(f"need max_restarts >= 0 and check_every_s > 0, got {max_restarts}, {check_every_s}")
+        self._replicas = replicas
+        self._spawn = spawn
+        self._weights = weights
+        self._gateway = gateway
+        self._loaded_version = loaded_version
+        self._max_restarts = max_restarts
+        self._every_s = check_every_s
+        self.restarts = 0
+
+    async def run(self) -> None:
+        """Check, replace, sleep; forever (cancel to stop). Raises ReplicasExhausted."""
+        while True:
+            await asyncio.sleep(self._every_s)
+            await self.check()
+
+    async def check(self) -> list[int]:
+        """Replace every replica found dead now; returns their indices. Raises ReplicasExhausted,
+        or what a replica's health call raised other than its death."""
+        got = await asyncio.gather(*(call(r, "policy_version") for r in self._replicas), return_exceptions=True)
+        dead = []
+        for i, g in enumerate(got):
+            if isinstance(g, BaseException):
+                if not actor_died(g):
+                    raise g
+                dead.append(i)
+        for i in dead:
+            await self._replace(i)
+        return dead
+
+    async def _replace(self, i: int) -> None:
+        if self.restarts >= self._max_restarts:
+            raise ReplicasExhausted(f"inference replica {i} died and inference.max_restarts={self._max_restarts} "
+                                    f"replacements are used up ({self.restarts} done); stopping the run")
+        self.restarts += 1
+        log.warning("inference replica %d died; starting a replacement (%d/%d)", i, self.restarts, self._max_restarts)
+        new = self._spawn(i)
+        await call(new, "start")
+        await call(self._weights, "admit", i, new, loaded_version=self._loaded_version)
+        self._replicas[i] = new
+        await call(self._gateway, "set_engines", list(self._replicas))
+        log.warning("inference replica %d replaced; serving policy version %d", i, await call(new, "policy_version"))
+
+    async def metrics(self) -> dict[str, float]:
+        """`inference/restarts`: replacements so far (a step metric)."""
+        return {"inference/restarts": float(self.restarts)}
+
+
+async def run_watched(main: Awaitable[T], watchers: Sequence[Callable[[], Awaitable[None]]]) -> T:
+    """Await `main` while the `watchers` run beside it; the first watcher to raise cancels `main`
+    and its error propagates. A watcher that returns just stops watching. Everything still
+    running is cancelled on the way out."""
+    task = asyncio.ensure_future(main)
+    side = {asyncio.ensure_future(w()) for w in watchers}
+    try:
+        while True:
+            done, _ = await asyncio.wait({task, *side}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
+            for w in done:
+                w.result()  # raises: the finally below cancels the loop
+            side -= done
+    finally:
+        for t in (task, *side):
+            t.cancel()
+        await asyncio.gather(task, *side, return_exceptions=True)
