@@ -65,6 +65,7 @@ class BuiltRun:
     replicas: list
     closing: contextlib.AsyncExitStack
     watchers: list = field(default_factory=list)  # run beside the loop (orchestrator/supervise.py run_watched)
+    trainer_ranks: list = field(default_factory=list)  # rank actors in rank order (to name a dead one)
 
 
 def agent_command(cfg: RunConfig) -> list[str]:
@@ -194,7 +195,8 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
                                    keep_last=cfg.trainer.max_ckpt_to_keep),
         validator=_validator(cfg, train_settings, gateway, buffer, closing))
     return BuiltRun(parts=parts, start=LoopPosition.of(ckpt.state) if ckpt else None, pool=pool, logger=logger,
-                    replicas=replicas, closing=closing, watchers=[supervisor.run] if supervisor else [])
+                    replicas=replicas, closing=closing, watchers=[supervisor.run] if supervisor else [],
+                    trainer_ranks=list(getattr(trainer, "ranks", [trainer])))
 
 
 def _replica_spawner(cfg: RunConfig, placed: Any, model_path: str, version: int) -> Callable[[int], Any]:

@@ -8,7 +8,8 @@ builds no trainer and evaluates instead (orchestrator/evaluate.py: `RUN_DIR/eval
 `RUN_DIR/eval_summary.json`).
 
 Exit status: 0 done, 1 no rollout completed, 2 config / checkpoint / GPU-placement error,
-130 interrupted (Ctrl-C or SIGTERM).
+3 a trainer rank died (the message names it and the checkpoint to resume from), 130 interrupted
+(Ctrl-C or SIGTERM).
 
 Invariant: everything this process starts is stopped on every exit path (normal end, error,
 Ctrl-C, SIGTERM), servers by PID and actors through Ray; nothing is stopped by name.
@@ -42,7 +43,7 @@ def run(cfg: RunConfig) -> dict:
     Raises ConfigError / CheckpointError from pre-flight, before anything starts."""
     from orchestrator.build import build_parts, start_runtime
     from orchestrator.preflight import preflight
-    from orchestrator.supervise import run_watched
+    from orchestrator.supervise import explain_trainer_loss, run_watched
 
     t_start = time.monotonic()
     pre = preflight(cfg)
@@ -63,7 +64,13 @@ def run(cfg: RunConfig) -> dict:
         async def train() -> dict:
             built = await build_parts(cfg, rt, stack)
             async with built.closing:
-                report = await run_watched(_run_loop(cfg, built), built.watchers)  # a dead replica is replaced
+                try:
+                    report = await run_watched(_run_loop(cfg, built), built.watchers)  # a dead replica is replaced
+                except Exception as exc:
+                    lost = await explain_trainer_loss(exc, built.trainer_ranks, run_dir)
+                    if lost is None:
+                        raise
+                    raise lost from exc
             summary = await _summary(report, built, rt.local)
             with contextlib.suppress(Exception):
                 await asyncio.gather(*(r.shutdown.remote() for r in built.replicas))
@@ -134,6 +141,7 @@ def main(dcfg: DictConfig) -> None:
     except ConfigError as exc:
         _fail("config error", exc, 2)
     from orchestrator.checkpoint import CheckpointError
+    from orchestrator.supervise import TrainerLost
     from workers.core.placement import InsufficientGpusError
 
     try:
@@ -142,6 +150,8 @@ def main(dcfg: DictConfig) -> None:
         _fail("checkpoint error", exc, 2)
     except (ConfigError, InsufficientGpusError) as exc:  # pre-flight, or GPU placement before any actor
         _fail("config error", exc, 2)
+    except TrainerLost as exc:
+        _fail("trainer lost", exc, 3)
     except KeyboardInterrupt:
         _fail("interrupted", "stopped every process this run started", 130)
     if summary.get("rollout/completed", 0) == 0 and summary.get("rollout/failed", 0) > 0:

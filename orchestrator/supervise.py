@@ -117,3 +117,50 @@ async def run_watched(main: Awaitable[T], watchers: Sequence[Callable[[], Awaita
         for t in (task, *side):
             t.cancel()
         await asyncio.gather(task, *side, return_exceptions=True)
+
+
+class TrainerLost(RuntimeError):
+    """A trainer rank died and the run stopped; the message names the rank and the checkpoint
+    `trainer.resume_mode=auto` continues from."""
+
+
+PING_TIMEOUT_S = 5.0  # a live rank answers a no-op call within this (s); one busy in a collective may not
+
+
+async def explain_trainer_loss(exc: BaseException, ranks: Sequence[Any], run_dir: Any) -> TrainerLost | None:
+    """The run's error when `exc` came from a dead trainer rank, else None (`exc` stands).
+
+    `exc` is a TrainerRankLost (a TrainerGroup names the rank), or any dead-actor error, in which
+    case each rank gets a no-op call and the first whose call fails with its death is named
+    (ranks that do not answer within PING_TIMEOUT_S count as alive). ranks: the rank actor
+    handles in rank order; run_dir: where `checkpoints/latest` names the last checkpoint.
+    """
+    rank = getattr(exc, "rank", None) if type(exc).__name__ == "TrainerRankLost" else None
+    if rank is None and actor_died(exc):
+        rank = await _dead_rank(ranks)
+    if rank is None:
+        return None
+    from orchestrator.checkpoint import LATEST_FILENAME, checkpoints_dir
+
+    pointer = checkpoints_dir(run_dir) / LATEST_FILENAME
+    last = (checkpoints_dir(run_dir) / pointer.read_text(encoding="utf-8").strip()) if pointer.is_file() else None
+    resume = (f"last checkpoint: {last}; rerun with trainer.resume_mode=auto (same run_dir) to continue from it"
+              if last else "no checkpoint was written yet (trainer.save_freq); a rerun starts from step 0")
+    return TrainerLost(f"trainer rank {rank} of {len(ranks)} died ({type(exc).__name__}); the run stopped; {resume}")
+
+
+async def _dead_rank(ranks: Sequence[Any]) -> int | None:
+    pings = [asyncio.ensure_future(call(r, "__ray_call__", _noop)) for r in ranks]
+    try:
+        await asyncio.wait(pings, timeout=PING_TIMEOUT_S)
+        for i, p in enumerate(pings):
+            if p.done() and not p.cancelled() and p.exception() is not None and actor_died(p.exception()):
+                return i
+        return None
+    finally:
+        for p in pings:
+            p.cancel()
+
+
+def _noop(_: Any) -> None:
+    return None

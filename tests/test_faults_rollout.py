@@ -1,4 +1,5 @@
-"""A rollout actor SIGKILLed while its rollouts are in flight (issue 14, item 4).
+"""Faults under the rollout pool: a rollout actor SIGKILLed while its rollouts are in flight
+(issue 14, item 4), the ACR emulator or the S3 server restarted mid-run (item 5).
 
 Real parts: LocalStack (moto S3 + the ACR emulator + `stub_agent` processes), the named limit
 actors, RolloutActor Ray actors with their AsyncAcrClients, and a collector actor with the
@@ -6,7 +7,9 @@ buffer's `put` / `sample_infos`. The victim's process is killed with SIGKILL by 
 every rollout is still waiting for its agent. Checked: `run_all` still returns one outcome per
 request; every request has exactly one stored sample (re-dispatched under a new session id, or
 failed `actor_lost` when no re-dispatch is allowed); the dead actor's ACR sessions are stopped and
-its session-cap slots given back; the pool replaced the actor.
+its session-cap slots given back; the pool replaced the actor. A server restart: rollouts
+dispatched while it is down fail `acr_unavailable` / `s3_unavailable`, those whose agents died
+with the emulator fail `timeout`, the next batch completes once it is back, and no slot stays held.
 """
 
 from __future__ import annotations
@@ -63,14 +66,14 @@ def cluster(stack):
         yield
 
 
-def _pool(stack, redispatch: int):
+def _pool(stack, redispatch: int, timeout_s: float = 30.0):
     sink = ray.remote(num_cpus=0)(Collector).remote()
     limits = start_limit_actors(AcrLimitsConfig(requests_per_s=300.0, max_open_sessions=64),
                                 suffix=f"-{uuid.uuid4().hex[:6]}")
     exp_id = f"lost-{uuid.uuid4().hex[:6]}"
     s = RolloutSettings(exp_id=exp_id, agent_runtime_arn=stack.agent_runtime_arn, qualifier=None,
                         s3_bucket=stack.bucket, gateway_base_url="", model_id="none", max_tokens=8, temperature=1.0,
-                        top_p=1.0, timeout_s=30.0, max_context_tokens=256)
+                        top_p=1.0, timeout_s=timeout_s, max_context_tokens=256)
     opts = PoolOptions(limits=limits, acr=AcrClientConfig(max_attempts=3, retry_initial_s=0.02, retry_max_s=0.2))
     spawn = rollout_actor_spawner(s, None, sink, options=opts, runtime_env={"env_vars": stack.env})
     actors, names = zip(*(spawn() for _ in range(2)))
@@ -90,9 +93,9 @@ async def _kill_while_running(stack, pool, victim, reqs, partition):
     return await asyncio.wait_for(run, TIMEOUT_S)
 
 
-def _reqs(n: int) -> list[RolloutRequest]:
+def _reqs(n: int, delay_s: float = AGENT_DELAY_S) -> list[RolloutRequest]:
     return [RolloutRequest(group_id=i // 2, input_id=f"row-{i // 2}", sample_index=i % 2,
-                           row={"prompt": "p", "delay_s": AGENT_DELAY_S, "reward": 1.0}) for i in range(n)]
+                           row={"prompt": "p", "delay_s": delay_s, "reward": 1.0}) for i in range(n)]
 
 
 async def _settled(stack, limits) -> None:
@@ -131,4 +134,30 @@ async def test_without_redispatch_lost_rollouts_fail_actor_lost(stack, cluster):
     assert all(s.reward is None and not s.rows for s in stored if s.status == "failed")  # never trained
     assert (await pool.rollout_counts())["rollout/failed/actor_lost"] == 2
     await _settled(stack, limits)
+    await pool.shutdown()
+
+
+async def test_server_restarts_fail_in_flight_rollouts_with_a_named_reason_and_the_run_goes_on(stack, cluster):
+    pool, _, _, limits = _pool(stack, redispatch=1, timeout_s=6.0)
+    in_flight = asyncio.ensure_future(pool.run_all(_reqs(2), "r1"))
+    deadline = time.monotonic() + TIMEOUT_S
+    while stack.stats().sessions_open < 2:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    stack.stop_server("emulator")  # its agents and sessions die with it
+    down = await asyncio.wait_for(pool.run_all(_reqs(2, 0.0), "r2"), TIMEOUT_S)
+    assert [o.reason for o in down] == ["acr_unavailable"] * 2
+    stack.start_server("emulator")  # same port: the clients' endpoint is valid again
+    lost = await asyncio.wait_for(in_flight, TIMEOUT_S)
+    assert [(o.status, o.reason) for o in lost] == [("failed", "timeout")] * 2  # their agents are gone
+    back = await asyncio.wait_for(pool.run_all(_reqs(2, 0.0), "r3"), TIMEOUT_S)
+    assert [o.status for o in back] == ["completed"] * 2
+
+    stack.stop_server("moto")
+    down = await asyncio.wait_for(pool.run_all(_reqs(2, 0.0), "r4"), TIMEOUT_S)
+    assert {o.reason for o in down} <= {"s3_unavailable", "agent_error"}, down  # the agent may fail first
+    stack.start_server("moto")
+    back = await asyncio.wait_for(pool.run_all(_reqs(2, 0.0), "r5"), TIMEOUT_S)
+    assert [o.status for o in back] == ["completed"] * 2
+    await _settled(stack, limits)  # the stops that failed while it was down were retried: no slot held
     await pool.shutdown()
