@@ -184,18 +184,19 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     prompts = ResumablePrompts.restore(TASKS[cfg.task.name].rows(cfg.task, "train"), cfg.seed, ckpt.state if ckpt else None,
                                        sampler_settings(cfg.task))
     supervisor = _supervisor(cfg, replicas, spawn_replica, weights, gateway, version)
+    watchers = [w for w in (supervisor, _server_watch(rt)) if w is not None]
     trainer_client = TrainerClient(trainer, pad_id=pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
                                    weights_dir=run_dir / "weights", export_file=backend == FILE_BACKEND)
     parts = LoopParts(
         prompts=prompts, rollouts=pool, store=BufferStore(buffer, cfg.rollout.n, cfg.rollout.timeout_s),
         trainer=_colocated(cfg, trainer_client, replicas), weights=weights, logger=logger,
-        probe=_probes(GatewayProbe(gateway, replicas), *([supervisor.metrics] if supervisor else []),
+        probe=_probes(GatewayProbe(gateway, replicas), *(w.metrics for w in watchers),
                       lambda: _pool_recovery_metrics(pool)),
         checkpoint=RunCheckpointer(run_dir, trainer, prompts, save_freq=cfg.trainer.save_freq,
                                    keep_last=cfg.trainer.max_ckpt_to_keep),
         validator=_validator(cfg, train_settings, gateway, buffer, closing))
     return BuiltRun(parts=parts, start=LoopPosition.of(ckpt.state) if ckpt else None, pool=pool, logger=logger,
-                    replicas=replicas, closing=closing, watchers=[supervisor.run] if supervisor else [],
+                    replicas=replicas, closing=closing, watchers=[w.run for w in watchers],
                     trainer_ranks=list(getattr(trainer, "ranks", [trainer])))
 
 
@@ -223,6 +224,15 @@ def _supervisor(cfg: RunConfig, replicas: list, spawn: Callable[[int], Any], wei
         return None
     return ReplicaSupervisor(replicas, spawn=spawn, weights=weights, gateway=gateway, loaded_version=version,
                              max_restarts=cfg.inference.max_restarts, check_every_s=cfg.inference.health_check_s)
+
+
+def _server_watch(rt: Runtime) -> Any:
+    """`rollout=local`: restart a local server that died (orchestrator/supervise.py ServerWatch)."""
+    if rt.local is None:
+        return None
+    from orchestrator.supervise import ServerWatch
+
+    return ServerWatch(rt.local)
 
 
 def _probes(*probes: Callable[[], Awaitable[dict[str, float]]]) -> Callable[[], Awaitable[dict[str, float]]]:

@@ -119,6 +119,27 @@ async def run_watched(main: Awaitable[T], watchers: Sequence[Callable[[], Awaita
         await asyncio.gather(task, *side, return_exceptions=True)
 
 
+class ServerWatch:
+    """`rollout=local`: a local server (ACR emulator, moto S3) whose process died is started again
+    on its port (`LocalStack.restart_exited`), so the run goes on once it is back; rollouts that
+    needed it meanwhile fail `acr_unavailable` / `s3_unavailable`. Counted: `local/server_restarts`."""
+
+    def __init__(self, local: Any, *, check_every_s: float = 1.0) -> None:
+        self._local = local
+        self._every_s = check_every_s
+        self.restarts = 0
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self._every_s)
+            for name in await asyncio.to_thread(self._local.restart_exited):  # blocks while it starts
+                self.restarts += 1
+                log.warning("local server %s had exited; started again on its port", name)
+
+    async def metrics(self) -> dict[str, float]:
+        return {"local/server_restarts": float(self.restarts)}
+
+
 class TrainerLost(RuntimeError):
     """A trainer rank died and the run stopped; the message names the rank and the checkpoint
     `trainer.resume_mode=auto` continues from."""

@@ -153,10 +153,10 @@ async def test_server_restarts_fail_in_flight_rollouts_with_a_named_reason_and_t
     back = await asyncio.wait_for(pool.run_all(_reqs(2, 0.0), "r3"), TIMEOUT_S)
     assert [o.status for o in back] == ["completed"] * 2
 
-    stack.stop_server("moto")
+    os.kill(stack.pids()["moto"], signal.SIGKILL)  # a crash: what the run's ServerWatch restarts
     down = await asyncio.wait_for(pool.run_all(_reqs(2, 0.0), "r4"), TIMEOUT_S)
     assert {o.reason for o in down} <= {"s3_unavailable", "agent_error"}, down  # the agent may fail first
-    stack.start_server("moto")
+    assert stack.restart_exited() == ["moto"]  # on its old port, with its bucket
     back = await asyncio.wait_for(pool.run_all(_reqs(2, 0.0), "r5"), TIMEOUT_S)
     assert [o.status for o in back] == ["completed"] * 2
     await _settled(stack, limits)  # the stops that failed while it was down were retried: no slot held

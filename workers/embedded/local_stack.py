@@ -204,6 +204,15 @@ class LocalStack:
             boto3.client("s3", endpoint_url=self.s3_endpoint, region_name=self.region, **_creds()).create_bucket(
                 Bucket=self.bucket, CreateBucketConfiguration={"LocationConstraint": self.region})
 
+    def restart_exited(self) -> list[str]:
+        """Start again, each on its port, the servers whose process has exited (crashed, killed);
+        returns their names. The driver calls it periodically (orchestrator/supervise.py ServerWatch)."""
+        exited = [name for name, proc, _ in self._procs if proc.poll() is not None]
+        for name in exited:
+            self._procs = [p for p in self._procs if p[0] != name]
+            self.start_server(name)
+        return exited
+
     # ------------------------------------------------------------------ queries
 
     @property
