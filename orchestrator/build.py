@@ -139,6 +139,7 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     from orchestrator.clients import BufferStore, GatewayProbe, TrainerClient
     from orchestrator.metrics import build_sinks
     from orchestrator.run_checkpoint import ResumablePrompts, RunCheckpointer
+    from orchestrator.supervise import ActorDirectory
     from workers.buffer.store import TrajectoryBuffer
     from workers.placement_groups import place
     from workers.trainer.group import start_trainer_ranks
@@ -185,19 +186,24 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
                                        sampler_settings(cfg.task))
     supervisor = _supervisor(cfg, replicas, spawn_replica, weights, gateway, version)
     watchers = [w for w in (supervisor, _server_watch(rt)) if w is not None]
+    ranks = list(getattr(trainer, "ranks", [trainer]))
+    directory = ActorDirectory(run_dir / "actors.json", lambda: {
+        **{f"inference-{i}": r for i, r in enumerate(replicas)}, **{f"trainer-rank-{i}": r for i, r in enumerate(ranks)},
+        **pool.named_actors()})
+    await directory.refresh()
     trainer_client = TrainerClient(trainer, pad_id=pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
                                    weights_dir=run_dir / "weights", export_file=backend == FILE_BACKEND)
     parts = LoopParts(
         prompts=prompts, rollouts=pool, store=BufferStore(buffer, cfg.rollout.n, cfg.rollout.timeout_s),
         trainer=_colocated(cfg, trainer_client, replicas), weights=weights, logger=logger,
         probe=_probes(GatewayProbe(gateway, replicas), *(w.metrics for w in watchers),
-                      lambda: _pool_recovery_metrics(pool)),
+                      lambda: _pool_recovery_metrics(pool), directory.refresh),
         checkpoint=RunCheckpointer(run_dir, trainer, prompts, save_freq=cfg.trainer.save_freq,
                                    keep_last=cfg.trainer.max_ckpt_to_keep),
         validator=_validator(cfg, train_settings, gateway, buffer, closing))
     return BuiltRun(parts=parts, start=LoopPosition.of(ckpt.state) if ckpt else None, pool=pool, logger=logger,
                     replicas=replicas, closing=closing, watchers=[w.run for w in watchers],
-                    trainer_ranks=list(getattr(trainer, "ranks", [trainer])))
+                    trainer_ranks=ranks)
 
 
 def _replica_spawner(cfg: RunConfig, placed: Any, model_path: str, version: int) -> Callable[[int], Any]:

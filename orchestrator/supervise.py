@@ -10,9 +10,8 @@ holds them until the replacement comes (`inference.replica_wait_s`), or fails th
 (workers/gateway/turns.py). Replacements are counted (`inference/restarts`, logged every step);
 past `inference.max_restarts` the supervisor raises `ReplicasExhausted`, which stops the run.
 
-To kill a replica from outside (scripts/chaos.py): the actors are of class `InferenceWorker`
-(`ray.util.state.list_actors(filters=[("class_name", "=", "InferenceWorker"), ("state", "=",
-"ALIVE")])`); kill the process of its `pid` with SIGKILL.
+To kill a replica from outside (scripts/chaos.py): `run_dir/actors.json` (`ActorDirectory`)
+maps `inference-{i}` to its PID; kill it with SIGKILL.
 
 `run_watched(main, watchers)` runs the loop next to such watchers: a watcher that raises cancels
 the loop and its error propagates; the loop's end cancels the watchers.
@@ -138,6 +137,40 @@ class ServerWatch:
 
     async def metrics(self) -> dict[str, float]:
         return {"local/server_restarts": float(self.restarts)}
+
+
+class ActorDirectory:
+    """Keeps `run_dir/actors.json` = {name: pid} of the run's actors (`inference-{i}`,
+    `trainer-rank-{r}`, the rollout actors' Ray names), for fault tests and scripts/chaos.py:
+    `os.kill(pid, SIGKILL)` kills one. Rewritten (atomically) whenever the set of actors changed:
+    `refresh` runs after build and as a step probe, so a replacement shows from the next step."""
+
+    def __init__(self, path: Any, actors: Callable[[], dict[str, Any]]) -> None:
+        self._path = path
+        self._actors = actors
+        self._seen: tuple[int, ...] = ()
+
+    async def refresh(self) -> dict[str, float]:
+        """Rewrite the file if the actors changed; returns no metrics (a probe)."""
+        import json
+        import os
+
+        named = self._actors()
+        key = tuple(id(h) for h in named.values())
+        if key == self._seen:
+            return {}
+        pids = await asyncio.gather(*(call(h, "__ray_call__", _pid) for h in named.values()), return_exceptions=True)
+        tmp = self._path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({n: p for n, p in zip(named, pids) if isinstance(p, int)}, indent=2) + "\n")
+        os.replace(tmp, self._path)
+        self._seen = key
+        return {}
+
+
+def _pid(_: Any) -> int:
+    import os
+
+    return os.getpid()
 
 
 class TrainerLost(RuntimeError):

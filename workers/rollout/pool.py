@@ -11,16 +11,13 @@ rollouts still running; each stops its ACR session on the way out.
 
 Losing an actor (its process died: SIGKILL, OOM, node loss). Without `PoolRecovery` the call
 raises. With it, the pool gives every attempt its ACR session id before dispatch, and when an
-actor dies: a new actor replaces it (`rollout/actors_restarted`), the session-cap slots it held
+actor dies: a new actor replaces it (`rollout/actors_lost`), the session-cap slots it held
 are given back (`release_owner`), the buffer says which of its attempts stored a sample, and
 workers/rollout/recovery.py decides the rest: re-dispatch once under a new session id
 (`rollout/redispatched`) or store a failed sample with reason `actor_lost`; the ACR and gateway
 sessions of every lost attempt are stopped through a live actor. Every request still ends with
 exactly one stored sample and one outcome. To kill one for a chaos test: the actors are named
-`rollout-{i}-{6 hex}` (`ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])`, class
-`RolloutActor`); kill the process of its `pid` with SIGKILL.
-
-Callers: orchestrator/build.py builds the pool (`start_rollout_pool`); the loops call `run_all`.
+`rollout-{i}-{6 hex}`; the driver lists their PIDs in `run_dir/actors.json`; SIGKILL one.
 """
 
 from __future__ import annotations
@@ -225,6 +222,7 @@ class RolloutPool:
         self._actors = list(actors)
         self._names = list(names) or [""] * len(actors)
         self._recovery = recovery
+        self._dead: dict[int, str] = {}  # id of a replaced actor handle -> its name (for later messages)
         self._next = 0
         self.counts: Counter[str] = Counter()  # rollout/actors_lost, rollout/redispatched, rollout/failed/actor_lost
 
@@ -296,9 +294,10 @@ class RolloutPool:
         rec = self._recovery
         assert rec is not None
         if not any(a is dead for a in self._actors):
-            return "(already replaced)"
+            return self._dead.get(id(dead), "(replaced)")
         i = next(i for i, a in enumerate(self._actors) if a is dead)
         name = self._names[i]
+        self._dead[id(dead)] = name
         self._actors[i], self._names[i] = rec.spawn()  # no await before this: one replacement per death
         self.counts["rollout/actors_lost"] += 1
         if rec.sessions_cap is not None and name:
@@ -314,6 +313,10 @@ class RolloutPool:
         except Exception as exc:  # noqa: BLE001 - visible; the sessions end at ACR's idle timeout
             log.warning("stopping %d sessions of a lost rollout actor failed: %s", len(session_ids), exc)
             self.counts["acr/stop_failed"] += len(session_ids)
+
+    def named_actors(self) -> dict[str, Any]:
+        """The live rollout actors by Ray name (replacements included)."""
+        return dict(zip(self._names, self._actors))
 
     async def acr_stats(self) -> dict[str, int]:
         return _sum(await self._each("acr_stats"))
