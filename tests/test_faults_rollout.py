@@ -56,7 +56,7 @@ class Collector:
 
 @pytest.fixture(scope="module")
 def stack(local_stack):
-    return local_stack(STUB_AGENT, num_agents=2, session_rate_per_s=1e6, session_burst=10**6)
+    return local_stack(STUB_AGENT, num_agents=2, session_rate_per_s=1e6, session_burst=10**6, startup_timeout_s=180)
 
 
 @pytest.fixture(scope="module")
