@@ -22,7 +22,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -63,6 +63,8 @@ class BuiltRun:
     logger: MetricLogger
     replicas: list
     closing: contextlib.AsyncExitStack
+    watchers: list = field(default_factory=list)  # run beside the loop (orchestrator/supervise.py run_watched)
+    trainer_ranks: list = field(default_factory=list)  # rank actors in rank order (to name a dead one)
 
 
 def agent_command(cfg: RunConfig) -> list[str]:
@@ -174,6 +176,7 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     from orchestrator.clients import BufferStore, GatewayProbe, TrainerClient
     from orchestrator.metrics import build_sinks
     from orchestrator.run_checkpoint import ResumablePrompts, RunCheckpointer
+    from orchestrator.supervise import ActorDirectory
     from workers.buffer.store import TrajectoryBuffer
     from workers.placement_groups import place
     from workers.trainer.group import start_trainer_ranks
@@ -188,7 +191,8 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     placed = place(cfg.cluster)  # GPUs checked and reserved before any actor starts (errors name the numbers)
     stack.callback(placed.remove)
     phase(f"starting {cfg.inference.replicas} inference replica(s) (vLLM) and the trainer")
-    replicas = _start_replicas(cfg, placed, model_path, version)
+    spawn_replica = _replica_spawner(cfg, placed, model_path, version)
+    replicas = [spawn_replica(i) for i in range(cfg.inference.replicas)]
     threads = {"env_vars": {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads)}}
     trainer = await start_trainer_ranks(  # one actor, or N data-parallel ranks behind the same .remote surface
         ray.remote(num_cpus=0)(trainer_cls),
@@ -220,30 +224,76 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     closing.callback(logger.close)
     prompts = ResumablePrompts.restore(TASKS[cfg.task.name].rows(cfg.task, "train"), cfg.seed, ckpt.state if ckpt else None,
                                        sampler_settings(cfg.task))
+    supervisor = _supervisor(cfg, replicas, spawn_replica, weights, gateway, version)
+    watchers = [w for w in (supervisor, _server_watch(rt)) if w is not None]
+    ranks = list(getattr(trainer, "ranks", [trainer]))
+    directory = ActorDirectory(run_dir / "actors.json", lambda: {
+        **{f"inference-{i}": r for i, r in enumerate(replicas)}, **{f"trainer-rank-{i}": r for i, r in enumerate(ranks)},
+        **pool.named_actors()})
+    await directory.refresh()
     trainer_client = TrainerClient(trainer, pad_id=pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
                                    weights_dir=run_dir / "weights", export_file=backend == FILE_BACKEND)
     parts = LoopParts(
         prompts=prompts, rollouts=pool, store=BufferStore(buffer, cfg.rollout.n, cfg.rollout.timeout_s),
         trainer=_colocated(cfg, trainer_client, replicas), weights=weights, logger=logger,
-        probe=GatewayProbe(gateway, replicas),
+        probe=_probes(GatewayProbe(gateway, replicas), *(w.metrics for w in watchers),
+                      lambda: _pool_recovery_metrics(pool), directory.refresh),
         checkpoint=RunCheckpointer(run_dir, trainer, prompts, save_freq=cfg.trainer.save_freq,
                                    keep_last=cfg.trainer.max_ckpt_to_keep),
         validator=_validator(cfg, train_settings, gateway, buffer, closing))
     return BuiltRun(parts=parts, start=LoopPosition.of(ckpt.state) if ckpt else None, pool=pool, logger=logger,
-                    replicas=replicas, closing=closing)
+                    replicas=replicas, closing=closing, watchers=[w.run for w in watchers],
+                    trainer_ranks=ranks)
 
 
-def _start_replicas(cfg: RunConfig, placed: Any, model_path: str, version: int) -> list:
-    """The inference replicas (Ray actors, not started yet), placed by `placed`."""
+def _replica_spawner(cfg: RunConfig, placed: Any, model_path: str, version: int) -> Callable[[int], Any]:
+    """`spawn(i)`: inference replica i (a Ray actor, not started yet) on the weights of `model_path`
+    (policy `version`), placed by `placed`; also how a dead replica's replacement is made."""
     import ray
 
     from workers.inference.worker import InferenceWorker
 
     inference_cls = ray.remote(num_cpus=0, max_concurrency=1000)(InferenceWorker)
-    return [inference_cls.options(runtime_env=QUIET_VLLM, **placed.inference_options(i)).remote(
+    return lambda i: inference_cls.options(runtime_env=QUIET_VLLM, **placed.inference_options(i)).remote(
         inference_settings(cfg.inference, mode=cfg.mode, async_=cfg.async_, cluster=cfg.cluster, seed=cfg.seed,
                            model_path=model_path, replica=i, initial_policy_version=version))
-        for i in range(cfg.inference.replicas)]
+
+
+def _supervisor(cfg: RunConfig, replicas: list, spawn: Callable[[int], Any], weights: Any, gateway: Any,
+                version: int) -> Any:
+    """The replica supervisor (orchestrator/supervise.py), on the file weight sync only: a broadcast
+    group cannot take a new member, so there a dead replica fails the next push and stops the run."""
+    from orchestrator.supervise import ReplicaSupervisor
+    from workers.weight_sync.file import CpuWeightSync
+
+    if not isinstance(weights, CpuWeightSync) or cfg.cluster.name == "colocated":
+        return None
+    return ReplicaSupervisor(replicas, spawn=spawn, weights=weights, gateway=gateway, loaded_version=version,
+                             max_restarts=cfg.inference.max_restarts, check_every_s=cfg.inference.health_check_s)
+
+
+def _server_watch(rt: Runtime) -> Any:
+    """`rollout=local`: restart a local server that died (orchestrator/supervise.py ServerWatch)."""
+    if rt.local is None:
+        return None
+    from orchestrator.supervise import ServerWatch
+
+    return ServerWatch(rt.local)
+
+
+def _probes(*probes: Callable[[], Awaitable[dict[str, float]]]) -> Callable[[], Awaitable[dict[str, float]]]:
+    async def merged() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for p in probes:
+            out.update(await p())
+        return out
+
+    return merged
+
+
+async def _pool_recovery_metrics(pool: Any) -> dict[str, float]:
+    """`rollout/actors_lost`, `rollout/redispatched` of the training pool so far (step metrics)."""
+    return {f"rollout/{k}": float(pool.counts[f"rollout/{k}"]) for k in ("actors_lost", "redispatched")}
 
 
 def _gateway_actor(cfg: RunConfig, model_path: str) -> Any:
@@ -252,7 +302,8 @@ def _gateway_actor(cfg: RunConfig, model_path: str) -> Any:
     from workers.gateway.server import GatewayServer
 
     return ray.remote(num_cpus=0, max_concurrency=1000)(GatewayServer).remote(
-        gateway_config(cfg.model, rollout=cfg.rollout, model_path=model_path, net=cfg.gateway))
+        gateway_config(cfg.model, rollout=cfg.rollout, model_path=model_path, net=cfg.gateway,
+                       replica_wait_s=cfg.inference.replica_wait_s))
 
 
 def _rollout_settings(cfg: RunConfig, rt: Runtime, base_url: str) -> Any:
@@ -267,7 +318,8 @@ def _pool(cfg: RunConfig, settings: Any, gateway: Any, buffer: Any, closing: con
 
     pool = start_rollout_pool(settings, num_workers=cfg.rollout.num_workers, limits=cfg.rollout.acr.limits.typed(),
                               acr=acr_client_config(cfg.rollout), result_host=cfg.rollout.result_host,
-                              gateway=gateway, buffer_handle=buffer.handle)
+                              gateway=gateway, buffer_handle=buffer.handle, store=buffer,
+                              redispatch_lost=cfg.rollout.redispatch_lost)
     _close_quietly(closing, pool.shutdown)
     return pool
 
@@ -314,8 +366,9 @@ async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -
 
             placed = place(cfg.cluster)
             stack.callback(placed.remove)
-            replicas = _start_replicas(cfg, placed, rt.model_path, rt.checkpoint.state.policy_version
-                                       if rt.checkpoint else 0)
+            spawn = _replica_spawner(cfg, placed, rt.model_path, rt.checkpoint.state.policy_version
+                                     if rt.checkpoint else 0)
+            replicas = [spawn(i) for i in range(cfg.inference.replicas)]
             _close_quietly(closing, lambda: asyncio.gather(*(r.shutdown.remote() for r in replicas)))
             gateway = _gateway_actor(cfg, rt.model_path)
             _close_quietly(closing, lambda: gateway.stop.remote())

@@ -15,6 +15,7 @@ import torch
 
 from workers.core.algorithms.advantages import grpo_outcome_advantages
 from workers.core.algorithms.batch import SampleTable, TrainBatch
+from workers.core.calls import actor_died
 from orchestrator.batching import Group
 
 
@@ -104,7 +105,7 @@ class GatewayProbe:
         import time
 
         self._gateway = gateway
-        self._replicas = list(replicas)
+        self._replicas = replicas  # the run's list: the supervisor replaces dead replicas in place
         self._clock = clock or time.monotonic
         self._last_t = self._clock()
         self._last_busy = 0.0
@@ -116,7 +117,11 @@ class GatewayProbe:
         self._last_t, self._last_busy = now, m.engine_busy_s
         out = {"perf/inference_concurrency": busy / dt if dt > 0 else 0.0,
                "gateway/turns_served": float(m.turns_served)}
-        if self._replicas:
-            usage = await asyncio.gather(*(r.kv_cache_usage.remote() for r in self._replicas))
+        got = await asyncio.gather(*(r.kv_cache_usage.remote() for r in self._replicas), return_exceptions=True)
+        for u in got:
+            if isinstance(u, BaseException) and not actor_died(u):
+                raise u
+        usage = [u for u in got if not isinstance(u, BaseException)]  # a replica that just died: left out
+        if usage:
             out["perf/kv_cache_usage"] = sum(usage) / len(usage)
         return out

@@ -9,9 +9,10 @@ builds no trainer and evaluates instead (orchestrator/evaluate.py: `RUN_DIR/eval
 
 `dry_run=true` prints the plan (orchestrator/plan.py) and starts nothing.
 
-Exit status: 0 done (or a dry run that fits), 1 nothing trained (no rollout completed, or every group was filtered), 2 config / checkpoint /
-GPU-placement error (or a dry run that does not fit),
-130 interrupted (Ctrl-C or SIGTERM).
+Exit status: 0 done (or a dry run that fits), 1 nothing trained (no rollout completed, or every
+group was filtered), 2 config / checkpoint / GPU-placement error (or a dry run that does not fit),
+3 a trainer rank died (the message names it and the checkpoint to resume from), 130 interrupted
+(Ctrl-C or SIGTERM).
 
 Invariant: everything this process starts is stopped on every exit path (normal end, error,
 Ctrl-C, SIGTERM), servers by PID and actors through Ray; nothing is stopped by name.
@@ -50,6 +51,7 @@ def run(cfg: RunConfig) -> dict:
     Raises ConfigError / CheckpointError from pre-flight, before anything starts."""
     from orchestrator.build import build_parts, start_runtime
     from orchestrator.preflight import preflight
+    from orchestrator.supervise import explain_trainer_loss, run_watched
 
     t_start = time.monotonic()
     pre = preflight(cfg)
@@ -73,7 +75,13 @@ def run(cfg: RunConfig) -> dict:
             built = await build_parts(cfg, rt, stack)
             phase(f"training: {cfg.trainer.total_steps} steps; the first one waits for its first batch")
             async with built.closing:
-                report = await _run_loop(cfg, built)
+                try:
+                    report = await run_watched(_run_loop(cfg, built), built.watchers)  # a dead replica is replaced
+                except Exception as exc:
+                    lost = await explain_trainer_loss(exc, built.trainer_ranks, run_dir)
+                    if lost is None:
+                        raise
+                    raise lost from exc
             summary = await _summary(report, built, rt.local)
             with contextlib.suppress(Exception):
                 await asyncio.gather(*(r.shutdown.remote() for r in built.replicas))
@@ -179,6 +187,7 @@ def main(dcfg: DictConfig) -> None:
 
 def _run_and_exit(cfg: RunConfig) -> None:
     from orchestrator.checkpoint import CheckpointError
+    from orchestrator.supervise import TrainerLost
     from workers.core.placement import InsufficientGpusError
 
     if cfg.dry_run:  # the plan only: nothing starts (orchestrator/plan.py)
@@ -193,6 +202,8 @@ def _run_and_exit(cfg: RunConfig) -> None:
         _fail("checkpoint error", exc, 2)
     except (ConfigError, InsufficientGpusError) as exc:  # pre-flight, or GPU placement before any actor
         _fail("config error", exc, 2)
+    except TrainerLost as exc:
+        _fail("trainer lost", exc, 3)
     except KeyboardInterrupt:
         _fail("interrupted", "stopped every process this run started", 130)
     if cfg.mode.name == "eval":

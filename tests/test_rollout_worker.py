@@ -208,6 +208,16 @@ async def test_each_agent_behaviour_ends_in_one_terminal_sample(rig: Rig, behavi
     assert echo["reply"] == REPLY
 
 
+async def test_a_turn_no_replica_could_serve_fails_the_rollout_engine_lost(rig: Rig):
+    """Issue 14: the only replica died under a turn (the gateway answered 503 and marked the
+    session); whatever the agent then reports, the rollout fails `engine_lost`, never trained."""
+    rig.engine.fail = True  # every generate raises: the gateway takes the replica out, none is left
+    out = await asyncio.wait_for(rig.worker(TIMEOUT_S).run(req("ok", "row-lost", group_id=8), "p-lost"), TIMEOUT_S)
+    assert (out.status, out.reason, out.reward) == ("failed", "engine_lost", None)
+    assert rig.sink.samples[-1].reward is None and "engine_lost" in rig.sink.samples[-1].error
+    assert rig.gateway.metrics().turns_engine_lost >= 1  # the crashed agent is re-invoked (424): each try 503s
+
+
 async def test_reserved_key_in_row_raises_contract_error_and_closes_gateway_session(rig: Rig):
     worker = rig.worker(TIMEOUT_S)
     before = await rig.emulator_stats()

@@ -36,6 +36,9 @@ class InferenceConfig:
     max_num_batched_tokens: Optional[int] = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = True
+    max_restarts: int = 3  # dead replicas replaced over the run (file weight sync); then the run stops
+    health_check_s: float = 2.0  # seconds between the supervisor's liveness checks of the replicas
+    replica_wait_s: float = 300.0  # a turn with no healthy replica waits this long for a replacement
 
     def __post_init__(self) -> None:
         one_of(self.name, "inference.name", INFERENCE_ENGINES)
@@ -51,6 +54,9 @@ class InferenceConfig:
         check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 16, "inference.max_num_batched_tokens", "must be null or >= 16",
               self.max_num_batched_tokens)
         one_of(self.dtype, "inference.dtype", INFERENCE_DTYPES)
+        check(self.max_restarts >= 0, "inference.max_restarts", "must be >= 0", self.max_restarts)
+        check(self.health_check_s > 0, "inference.health_check_s", "must be > 0", self.health_check_s)
+        check(self.replica_wait_s >= 0, "inference.replica_wait_s", "must be >= 0", self.replica_wait_s)
 
 
 def inference_settings(inf: InferenceConfig, *, mode: ModeConfig, async_: AsyncConfig, cluster: ClusterConfig,

@@ -43,13 +43,14 @@ class ModelConfig:
 
 
 def gateway_config(model: ModelConfig, *, rollout: RolloutConfig, model_path: str,
-                   net: GatewayGroupConfig | None = None) -> GatewayConfig:
-    """The gateway's settings: the model it renders for, the rollouts' sampling and budgets, and
-    where it listens / what URL agents get (the `gateway` group, defaults by `rollout.name`)."""
+                   net: GatewayGroupConfig | None = None, replica_wait_s: float = 0.0) -> GatewayConfig:
+    """The gateway's settings: the model it renders for, the rollouts' sampling and budgets, where
+    it listens / what URL agents get (the `gateway` group, defaults by `rollout.name`), and how long
+    a turn waits for a replacement replica (`inference.replica_wait_s`)."""
     from workers.gateway.config import GatewayConfig
 
     host, port, advertise_url = gateway_net(net or GatewayGroupConfig(), rollout_name=rollout.name)
     return GatewayConfig(model_path=model_path, host=host, port=port, advertise_url=advertise_url, served_model_name=model.served_name,
                          chat_template=model.chat_template, tool_call_parser=model.tool_call_parser,
                          max_context_tokens=rollout.max_context_tokens, max_tokens=rollout.max_tokens,
-                         temperature=rollout.temperature, top_p=rollout.top_p)
+                         temperature=rollout.temperature, top_p=rollout.top_p, replica_wait_s=replica_wait_s)

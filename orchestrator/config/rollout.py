@@ -98,6 +98,7 @@ class RolloutConfig:
     # interface, tell agents this node's routable address; rollout=aws) or "" (S3 polling only)
     result_host: str = "127.0.0.1"
     max_consecutive_bad_results: int = 32  # agent results in a row without a usable reward: stop the run
+    redispatch_lost: int = 1  # times a rollout whose actor died runs again (new session id), then failed actor_lost
 
     def __post_init__(self) -> None:
         one_of(self.name, "rollout.name", ROLLOUT_BACKENDS)
@@ -112,6 +113,7 @@ class RolloutConfig:
         check(self.push_grace_s >= 0, "rollout.push_grace_s", "must be >= 0", self.push_grace_s)
         check(self.max_consecutive_bad_results >= 1, "rollout.max_consecutive_bad_results", "must be >= 1",
               self.max_consecutive_bad_results)
+        check(self.redispatch_lost >= 0, "rollout.redispatch_lost", "must be >= 0", self.redispatch_lost)
         one_of(self.acr.retry_mode, "rollout.acr.retry_mode", RETRY_MODES)
         check(self.acr.max_attempts >= 1, "rollout.acr.max_attempts", "must be >= 1", self.acr.max_attempts)
         check(self.acr.runtime_error_attempts >= 1, "rollout.acr.runtime_error_attempts", "must be >= 1",

@@ -92,6 +92,7 @@ class TrainerConfig:
     max_tokens_per_micro_batch: Optional[int] = None
     mixed_precision: Optional[str] = None
     activation_checkpointing: bool = False
+    collective_timeout_s: float = 600.0  # gloo / NCCL collective timeout: a rank whose peer died fails after this long
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     verl: VerlEngineConfig = field(default_factory=VerlEngineConfig)  # trainer.name=verl only
 
@@ -107,6 +108,7 @@ class TrainerConfig:
         check((self.resume_mode == "resume_path") == bool(self.resume_from_path), "trainer.resume_from_path",
               "must be set exactly when trainer.resume_mode=resume_path", self.resume_from_path)
         check(self.total_steps >= 1, "trainer.total_steps", "must be >= 1", self.total_steps)
+        check(self.collective_timeout_s > 0, "trainer.collective_timeout_s", "must be > 0", self.collective_timeout_s)
         check(self.lr > 0, "trainer.lr", "must be > 0", self.lr)
         check(self.grad_clip > 0, "trainer.grad_clip", "must be > 0", self.grad_clip)
         check(self.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1", self.micro_batch_size)
@@ -126,7 +128,8 @@ def trainer_settings(t: TrainerConfig, *, algorithm: AlgorithmConfig, inference:
         rollout_correction=alg.rollout_correction.typed(), seed=t.seed, micro_batch_size=t.micro_batch_size,
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, mixed_precision=t.mixed_precision,  # type: ignore[arg-type]
         activation_checkpointing=t.activation_checkpointing, weight_sync_dtype=inference.dtype,
-        weight_sync_bucket_mb=t.weight_sync.bucket_mb, sampling_temperature=sampling[0], sampling_top_p=sampling[1])
+        weight_sync_bucket_mb=t.weight_sync.bucket_mb, sampling_temperature=sampling[0], sampling_top_p=sampling[1],
+        collective_timeout_s=t.collective_timeout_s)
 
 
 def verl_settings(v: VerlEngineConfig) -> VerlSettings:

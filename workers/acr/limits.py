@@ -179,12 +179,15 @@ class RateLimiterService:
 
 
 class SessionCapService:
-    """The open-session cap: `acquire(n)` waits until a slot is free and returns how many
-    (1..n) it granted; `release(n)` gives slots back."""
+    """The open-session cap: `acquire(n, owner)` waits until a slot is free and returns how many
+    (1..n) it granted; `release(n, owner)` gives slots back. Slots are counted per owner (a
+    rollout actor's name), so `release_owner` can give back every slot of an actor that died
+    holding them (workers/rollout/pool.py)."""
 
     def __init__(self, max_open: int) -> None:
         self._pool = SlotPool(max_open)
         self._granted = 0
+        self._held: dict[str, int] = {}
         self._cond: asyncio.Condition | None = None
 
     def _condition(self) -> asyncio.Condition:
@@ -192,19 +195,31 @@ class SessionCapService:
             self._cond = asyncio.Condition()
         return self._cond
 
-    async def acquire(self, n: int) -> int:
+    async def acquire(self, n: int, owner: str = "") -> int:
         cond = self._condition()
         async with cond:
             await cond.wait_for(lambda: self._pool.free > 0)
             got = self._pool.take(min(n, MAX_BATCH))
             self._granted += got
+            self._held[owner] = self._held.get(owner, 0) + got
             return got
 
-    async def release(self, n: int) -> None:
+    async def release(self, n: int, owner: str = "") -> None:
         cond = self._condition()
         async with cond:
+            n = min(n, self._held.get(owner, 0))  # an owner released by release_owner gives back nothing twice
+            self._held[owner] = self._held.get(owner, 0) - n
             self._pool.give(n)
             cond.notify_all()
+
+    async def release_owner(self, owner: str) -> int:
+        """Give back every slot `owner` holds (its process died); returns how many."""
+        cond = self._condition()
+        async with cond:
+            n = self._held.pop(owner, 0)
+            self._pool.give(n)
+            cond.notify_all()
+            return n
 
     def stats(self) -> LimitStats:
         p = self._pool
@@ -408,13 +423,15 @@ def start_limit_actors(cfg: AcrLimitsConfig, *, suffix: str = "") -> LimitHandle
     return LimitHandles(rate, sessions)
 
 
-def limit_clients(handles: LimitHandles) -> LimitClients:
+def limit_clients(handles: LimitHandles, owner: str = "") -> LimitClients:
     """Per-process clients over `handles` (actor handles or local services). Call inside the
-    event loop that will use them."""
+    event loop that will use them. owner: the name the session cap counts this process's slots
+    under (a rollout actor's name: `release_owner` frees them if it dies)."""
     rate, cap = handles.rate, handles.sessions
     return LimitClients(
         Coalescer(functools.partial(call, rate, "acquire")),
-        SessionSlots(functools.partial(call, cap, "acquire"), functools.partial(call, cap, "release")),
+        SessionSlots(functools.partial(call, cap, "acquire", owner=owner),
+                     functools.partial(call, cap, "release", owner=owner)),
     )
 
 

@@ -3,7 +3,8 @@
 Parts are handed either actor handles (production) or plain objects (tests, benchmarks, one
 process). `call(obj, "method", *args)` awaits `obj.method.remote(*args)` for an actor (a Ray
 ObjectRef is awaitable, so no Ray import is needed here) and `obj.method(*args)` otherwise,
-awaiting the result when the method is a coroutine function. `is_actor_method` tells the two apart.
+awaiting the result when the method is a coroutine function. `is_actor_method` tells the two apart;
+`actor_died` tells a dead actor from an error its method raised.
 
 Invariant: the method is called exactly once, and its result (or exception) is returned as is.
 """
@@ -12,6 +13,13 @@ from __future__ import annotations
 
 import inspect
 from typing import Any
+
+
+def actor_died(exc: BaseException) -> bool:
+    """True when `exc` says the Ray actor behind a call is gone: its process died (SIGKILL, OOM,
+    node loss). Ray raises `ray.exceptions.RayActorError` (or a subclass: ActorDiedError,
+    ActorUnavailableError); recognised by class name, so no Ray import is needed here."""
+    return any(c.__name__ == "RayActorError" for c in type(exc).__mro__)
 
 
 def is_actor_method(fn: Any) -> bool:

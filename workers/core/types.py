@@ -126,12 +126,16 @@ class SessionCapture:
     """Everything the gateway recorded for one session, returned when the session closes.
 
     num_ill_formed_turns: turns whose output opened a tool call the gateway could not parse.
+    engine_lost: a turn of this session failed because no inference replica could serve it (the
+    agent got a 503 and may have gone on with a wrong answer): the rollout must fail
+    (`engine_lost`), whatever reward the agent reports.
     """
 
     session_id: str
     rows: tuple[TrajectoryRow, ...]
     num_turns: int
     num_ill_formed_turns: int = 0
+    engine_lost: bool = False
 
 
 @dataclass(frozen=True)
@@ -171,9 +175,14 @@ class Sample:
 
 @dataclass(frozen=True)
 class RolloutRequest:
-    """One rollout to dispatch: a dataset row for one sample of one group."""
+    """One rollout to dispatch: a dataset row for one sample of one group.
+
+    session_id: the ACR session id to use (the rollout pool assigns it, so that it can stop the
+    session and find the sample if the actor running it dies); None: the worker makes one.
+    """
 
     group_id: int
     input_id: str
     sample_index: int
     row: dict = field(default_factory=dict)
+    session_id: str | None = None

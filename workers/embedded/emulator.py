@@ -87,6 +87,7 @@ async def serve(cfg: EmulatorConfig, port: int, stop: asyncio.Event, ready_file:
     to `ready_file`. Raises OSError when `port` is taken.
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart on its old port (TIME_WAIT left)
     sock.bind(("127.0.0.1", port))
     sock.listen(LISTEN_BACKLOG)
     host, bound_port = sock.getsockname()[:2]

@@ -103,6 +103,7 @@ class LocalStack:
         self.acr_endpoint: str | None = None
         self._procs: list[tuple[str, subprocess.Popen, Path]] = []
         self._history: dict[str, int] = {}
+        self._commands: dict[str, tuple[list[str], dict[str, str] | None]] = {}  # for restart_server
         self._started = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -174,6 +175,44 @@ class LocalStack:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def stop_server(self, name: str) -> None:
+        """Stop server `name` ("emulator": its agents and sessions go with it; "moto": its objects
+        and bucket go) by PID, as an outage would; `start_server` brings it back on the same port.
+        For fault tests and scripts/chaos.py (issue 14)."""
+        i = next((i for i, p in enumerate(self._procs) if p[0] == name), None)
+        if i is None:
+            raise ValueError(f"no running server {name!r} (running: {[p[0] for p in self._procs]})")
+        _, proc, _ = self._procs.pop(i)
+        proc.terminate()
+        try:
+            proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def start_server(self, name: str) -> None:
+        """Start a server stopped by `stop_server` again, on the port it had (the clients' endpoint
+        stays valid); moto gets its bucket back (empty). Raises LocalStackError if it is not healthy."""
+        if any(p[0] == name for p in self._procs):
+            raise ValueError(f"server {name!r} is running")
+        cmd, extra_env = self._commands[name]
+        endpoint = self.acr_endpoint if name == "emulator" else self.s3_endpoint
+        ready = self._ready_path(name)
+        self._spawn(name, [*cmd, "--port", str(endpoint).rsplit(":", 1)[1]], extra_env)
+        self._wait_ready(name, ready)
+        if name == "moto":
+            boto3.client("s3", endpoint_url=self.s3_endpoint, region_name=self.region, **_creds()).create_bucket(
+                Bucket=self.bucket, CreateBucketConfiguration={"LocationConstraint": self.region})
+
+    def restart_exited(self) -> list[str]:
+        """Start again, each on its port, the servers whose process has exited (crashed, killed);
+        returns their names. The driver calls it periodically (orchestrator/supervise.py ServerWatch)."""
+        exited = [name for name, proc, _ in self._procs if proc.poll() is not None]
+        for name in exited:
+            self._procs = [p for p in self._procs if p[0] != name]
+            self.start_server(name)
+        return exited
+
     # ------------------------------------------------------------------ queries
 
     @property
@@ -213,6 +252,7 @@ class LocalStack:
         log_path = self.log_dir / f"{name}.log"
         env = {**os.environ, **(extra_env or {})}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        self._commands.setdefault(name, (list(cmd), extra_env))
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         self._procs.append((name, proc, log_path))

@@ -1,6 +1,6 @@
 """moto's S3 server on 127.0.0.1, on a port it binds itself and reports through a ready file.
 
-`python -m workers.embedded.moto_s3 --ready-file PATH [--host 127.0.0.1]` runs moto's
+`python -m workers.embedded.moto_s3 --ready-file PATH [--host 127.0.0.1] [--port 0]` runs moto's
 `ThreadedMotoServer` on port 0 (the kernel picks a free port at bind time, so no other process can
 take it between picking and binding), writes `{"endpoint": "http://HOST:PORT", "pid": PID}` to PATH
 (workers.embedded.ready_file) once it listens, and serves until SIGTERM or SIGINT, then shuts the
@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="moto S3 server on a port it binds itself")
     p.add_argument("--ready-file", required=True, help="where to write the bound endpoint as JSON")
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 (default): a free port; a restart asks for its old one")
     args = p.parse_args(argv)
 
     # Block the stop signals before the server thread starts (threads inherit the mask), so that
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     from moto.server import ThreadedMotoServer
 
-    server = ThreadedMotoServer(ip_address=args.host, port=0, verbose=False)
+    server = ThreadedMotoServer(ip_address=args.host, port=args.port, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     os.environ["MOTO_PORT"] = str(port)  # what moto's own services read as "my port"

@@ -137,7 +137,8 @@ def create_app(
     app = web.Application(middlewares=[api_errors], client_max_size=cfg.max_body_bytes)
     counters = Counters()
     app[COUNTERS_KEY] = counters
-    runner = TurnRunner(capture, router, renderer, counters, continuity=cfg.token_continuity)
+    runner = TurnRunner(capture, router, renderer, counters, continuity=cfg.token_continuity,
+                        replica_wait_s=cfg.replica_wait_s)
     started_s = int(time.time())
 
     def logprobs_of(req: ChatRequest, out: TurnOutcome) -> dict[str, Any] | None:

@@ -174,7 +174,7 @@ class _Row:
 
 
 class _SessionState:
-    __slots__ = ("view", "digest", "rows", "turns", "started", "memos")
+    __slots__ = ("view", "digest", "rows", "turns", "started", "memos", "engine_lost")
 
     def __init__(self, view: Session, digest: bytes) -> None:
         self.view = view
@@ -183,6 +183,7 @@ class _SessionState:
         self.turns: list[TurnRecord] = []
         self.started = 0  # turns admitted by begin_turn
         self.memos: list = []  # the turn runner's notes on this session (continuity.TurnMemo)
+        self.engine_lost = False  # a turn found no replica to serve it (mark_engine_lost)
 
 
 def _digest(token: str) -> bytes:
@@ -269,6 +270,13 @@ class CaptureStore:
         state.started += 1
         return state.started
 
+    def mark_engine_lost(self, session_id: str) -> None:
+        """Record that a turn of this session could not be served (its replica died and none was
+        left): the session's capture says `engine_lost`. No-op for a session that is not open."""
+        state = self._sessions.get(session_id)
+        if state is not None:
+            state.engine_lost = True
+
     def close(self, session_id: str) -> SessionCapture:
         """Close the session, revoke its token and return its rows (creation order).
 
@@ -286,6 +294,7 @@ class CaptureStore:
             rows=tuple(r.freeze() for r in state.rows),
             num_turns=len(state.turns),
             num_ill_formed_turns=sum(t.ill_formed for t in state.turns),
+            engine_lost=state.engine_lost,
         )
 
     # -- recording -------------------------------------------------------------------------

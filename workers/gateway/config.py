@@ -32,6 +32,9 @@ class GatewayConfig:
     max_turns: turns a session may run (429 past it).
     token_continuity: build a turn's prompt on the recorded tokens when the client's history
         matches the recorded turns (workers/gateway/continuity.py); False always re-renders.
+    replica_wait_s: when a replica died under a turn and no healthy one is left, how long the turn
+        waits for a replacement (`set_engines`) before it fails (503 `engine_failed`, the session
+        marked `engine_lost`); 0: fail at once. Seconds.
     """
 
     model_path: str
@@ -50,6 +53,7 @@ class GatewayConfig:
     tool_call_parser: str = "auto"
     max_turns: int = 256
     token_continuity: bool = True
+    replica_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -66,6 +70,8 @@ class GatewayConfig:
             raise ValueError(f"gateway.top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"gateway.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.replica_wait_s < 0:
+            raise ValueError(f"gateway.replica_wait_s must be >= 0, got {self.replica_wait_s}")
         if self.max_turns < 1:
             raise ValueError(f"gateway.max_turns must be >= 1, got {self.max_turns}")
         from workers.gateway.tool_parsers import TOOL_CALL_PARSERS

@@ -24,6 +24,7 @@ class GatewayMetrics:
     turns_ill_formed: int = 0  # outputs that opened a tool call the parser could not read
     tool_calls: int = 0
     replica_failures: int = 0  # generate calls that raised; the replica was taken out
+    turns_engine_lost: int = 0  # 503: no replica could serve the turn; its session is marked engine_lost
     unauthorized: int = 0
     closed_session_requests: int = 0  # 409: token of a closed session
     turn_limit_refused: int = 0  # 429: session past its turn cap

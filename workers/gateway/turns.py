@@ -10,8 +10,12 @@
    recorded tokens plus the rendered new text;
 3. admit the turn against the session's turn cap (capture.begin_turn: 429 past it);
 4. send it to the replica the router picks; a replica whose generate raises (anything but
-   cancellation or a ValueError about the request) is taken out of rotation and the turn is tried
-   on the next healthy replica (503 `engine_failed` when none is left); a cancelled handler (the
+   cancellation or a ValueError about the request; e.g. its process died) is taken out of
+   rotation and the turn is tried on the next healthy replica: nothing of this turn was recorded,
+   so running it again is exact. When none is left the turn waits up to `replica_wait_s` for a
+   replacement (the driver's supervisor brings one up with the current weights and version), then
+   fails: 503 `engine_failed`, and the session is marked `engine_lost`, so its rollout fails with
+   that reason whatever the agent reports (workers/rollout/worker.py). A cancelled handler (the
    client disconnected) cancels the engine call, which aborts the request in the engine;
 5. parse tool calls in the template's format (a call it cannot read: raw text, turn ill_formed;
    tool_choice "required" or a named function that the output does not honour: ill_formed too,
@@ -41,6 +45,7 @@ from workers.gateway.openai_api import ApiError, ChatRequest, bad_request
 from workers.gateway.router import ReplicaRouter
 from workers.gateway.tool_parsers import ParsedOutput, parse_tool_calls
 
+REPLICA_POLL_S = 0.1  # how often a turn waiting for a replacement replica looks again (seconds)
 _KIND_COUNTER = {TurnKind.FIRST: "turns_first", TurnKind.CLEAN: "turns_clean", TurnKind.FORK: "turns_fork"}
 
 
@@ -119,20 +124,14 @@ def truncate_result(result: GenerateResult, n_keep: int) -> GenerateResult:
 class TurnRunner:
     """Runs turns for the routes of one app (see the module docstring)."""
 
-    def __init__(
-        self,
-        capture: CaptureStore,
-        router: ReplicaRouter,
-        renderer: ChatRenderer,
-        counters: Counters,
-        *,
-        continuity: bool = True,
-    ) -> None:
+    def __init__(self, capture: CaptureStore, router: ReplicaRouter, renderer: ChatRenderer, counters: Counters,
+                 *, continuity: bool = True, replica_wait_s: float = 0.0) -> None:
         self.capture = capture
         self.router = router
         self.renderer = renderer
         self.counters = counters
         self.continuity = continuity
+        self.replica_wait_s = replica_wait_s  # wait this long for a replacement when no replica is healthy
 
     def check_template(self) -> None:
         """Raise ApiError(400, template_unsupported) when the gateway cannot serve the template."""
@@ -254,24 +253,45 @@ class TurnRunner:
         return parsed if honoured else ParsedOutput(content=text, tool_calls=parsed.tool_calls, ill_formed=True)
 
     async def _generate(self, session_id: str, gen: GenerateRequest) -> GenerateResult:
-        attempts = max(1, self.router.num_healthy())
+        deadline = time.monotonic() + self.replica_wait_s
         last: Exception | None = None
-        for _ in range(attempts):
-            t0 = time.perf_counter()
-            with self.router.lease(session_id) as engine:
+        while True:
+            if self.router.num_healthy() > 0 or self.router.num_replicas() == 0:  # none at all: NoReplicas
                 try:
-                    return await engine.generate(gen)
-                except asyncio.CancelledError:
-                    self.counters.add("turns_cancelled")
-                    raise
-                except ValueError as e:  # the engine refused this request; the replica is fine
-                    raise bad_request(f"the inference engine rejected the request: {e}") from e
-                except Exception as e:  # noqa: BLE001 - a failed replica is data: take it out, go on
-                    self.counters.add("replica_failures")
-                    self.router.mark_failed(engine)
-                    last = e
-                finally:
-                    self.counters.add("engine_busy_s", time.perf_counter() - t0)
+                    return await self._generate_once(session_id, gen)
+                except _ReplicaFailed as e:  # taken out of rotation: try the next healthy one
+                    last = e.cause
+                    continue
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(REPLICA_POLL_S)  # a replacement comes through set_engines
+        self.capture.mark_engine_lost(session_id)  # the agent gets a 503: its reward must not be trained
+        self.counters.add("turns_engine_lost")
         raise ApiError(
             503, f"inference replica failed: {type(last).__name__}: {last}", type="server_error", code="engine_failed"
         )
+
+    async def _generate_once(self, session_id: str, gen: GenerateRequest) -> GenerateResult:
+        t0 = time.perf_counter()
+        with self.router.lease(session_id) as engine:
+            try:
+                return await engine.generate(gen)
+            except asyncio.CancelledError:
+                self.counters.add("turns_cancelled")
+                raise
+            except ValueError as e:  # the engine refused this request; the replica is fine
+                raise bad_request(f"the inference engine rejected the request: {e}") from e
+            except Exception as e:  # noqa: BLE001 - a failed replica is data: take it out, go on
+                self.counters.add("replica_failures")
+                self.router.mark_failed(engine)
+                raise _ReplicaFailed(e) from e
+            finally:
+                self.counters.add("engine_busy_s", time.perf_counter() - t0)
+
+
+class _ReplicaFailed(Exception):
+    """A replica's generate raised (it was taken out of rotation); `cause` is what it raised."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause

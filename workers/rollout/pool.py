@@ -9,22 +9,36 @@ Invariant: `RolloutPool.run_all` returns one outcome per request, or raises (a C
 any actor stops the run; Ray re-raises it as an instance of ContractError). `shutdown` cancels
 rollouts still running; each stops its ACR session on the way out.
 
-Callers: orchestrator/build.py builds the pool (`start_rollout_pool`); the loops call `run_all`.
+Losing an actor (its process died: SIGKILL, OOM, node loss). Without `PoolRecovery` the call
+raises. With it, the pool gives every attempt its ACR session id before dispatch, and when an
+actor dies: a new actor replaces it (`rollout/actors_lost`), the session-cap slots it held
+are given back (`release_owner`), the buffer says which of its attempts stored a sample, and
+workers/rollout/recovery.py decides the rest: re-dispatch once under a new session id
+(`rollout/redispatched`) or store a failed sample with reason `actor_lost`; the ACR and gateway
+sessions of every lost attempt are stopped through a live actor. Every request still ends with
+exactly one stored sample and one outcome. To kill one for a chaos test: the actors are named
+`rollout-{i}-{6 hex}`; the driver lists their PIDs in `run_dir/actors.json`; SIGKILL one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
-from workers.core.calls import call, is_actor_method
+from workers.core.calls import actor_died, call, is_actor_method
 from workers.core.netaddr import listen_and_advertise
 from workers.core.types import RolloutRequest, Sample, SessionCapture
+from workers.rollout.contract import new_session_id
+from workers.rollout.recovery import ACTOR_LOST, Attempt, plan_lost
 from workers.rollout.worker import NoGateway, RolloutOutcome, RolloutSettings, RolloutWorker
 from workers.rollout.results import ResultBoard, ResultServer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -73,7 +87,7 @@ class RolloutActor:
         from workers.acr.limits import limit_clients
 
         opts = self._options
-        clients = limit_clients(opts.limits) if opts.limits is not None else None
+        clients = limit_clients(opts.limits, owner=_own_actor_name()) if opts.limits is not None else None
         self._acr = await AsyncAcrClient(opts.acr or AcrClientConfig(),
                                          request_gate=clients.requests if clients else None).start()
         board, url = None, None
@@ -104,6 +118,12 @@ class RolloutActor:
             raise
         finally:
             self._tasks.difference_update(tasks)
+
+    async def stop_lost_sessions(self, session_ids: list[str]) -> int:
+        """Stop the ACR sessions and close the gateway sessions of rollouts whose actor died;
+        returns how many ACR sessions were still open and are now stopped."""
+        worker = await self._ensure()
+        return sum(await asyncio.gather(*(worker.stop_lost_session(s) for s in session_ids)))
 
     def acr_stats(self) -> dict[str, int]:
         """ACR call counters of this actor (invocations, stops, retries, throttled, requests,
@@ -151,6 +171,9 @@ class _ActorSink:
     async def put(self, samples: list[Sample], partition: str) -> None:
         await call(self._h, "put", samples, partition)
 
+    async def sample_infos(self, partition: str) -> list:
+        return await call(self._h, "sample_infos", partition)
+
 
 def _sink_for(handle: Any):
     """The trajectory buffer for a BufferHandle; an actor with a `put` actor method is used as is."""
@@ -161,39 +184,165 @@ def _sink_for(handle: Any):
     return TrajectoryBuffer.connect(handle)
 
 
+def _own_actor_name() -> str:
+    """This actor's Ray name (the session cap counts its slots under it), "" outside an actor."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_actor_name() or ""
+    except Exception:  # noqa: BLE001 - not in a Ray actor (tests run RolloutActor in one process)
+        return ""
+
+
+@dataclass(frozen=True)
+class PoolRecovery:
+    """How a pool survives the death of a rollout actor (see the module docstring).
+
+    spawn(): a new rollout actor, as (handle, name); store: the trajectory buffer's `put(samples,
+    partition)` and `sample_infos(partition)` (an object or actor handle); sessions_cap: the
+    session-cap service (`release_owner(name)`), or None; exp_id: prefix of new session ids;
+    max_redispatch: re-dispatches of one request after losses (`rollout.redispatch_lost`).
+    """
+
+    spawn: Callable[[], tuple[Any, str]]
+    store: Any
+    exp_id: str
+    sessions_cap: Any = None
+    max_redispatch: int = 1
+
+
 class RolloutPool:
     """Driver-side handle on the rollout actors (Ray handles, or RolloutActor objects in one
-    process): spreads requests over them round-robin."""
+    process): spreads requests over them round-robin; with `recovery`, replaces a dead actor and
+    settles its rollouts (names: the actors' Ray names, in order)."""
 
-    def __init__(self, actors: list[Any]) -> None:
+    def __init__(self, actors: list[Any], *, recovery: PoolRecovery | None = None, names: Sequence[str] = ()) -> None:
         if not actors:
             raise ValueError("RolloutPool needs at least one rollout actor")
-        self._actors = actors
+        if recovery is not None and len(names) != len(actors):
+            raise ValueError(f"a recovering pool needs one name per actor: {len(names)} names, {len(actors)} actors")
+        self._actors = list(actors)
+        self._names = list(names) or [""] * len(actors)
+        self._recovery = recovery
+        self._dead: dict[int, str] = {}  # id of a replaced actor handle -> its name (for later messages)
         self._next = 0
+        self.counts: Counter[str] = Counter()  # rollout/actors_lost, rollout/redispatched, rollout/failed/actor_lost
 
     async def run_all(self, reqs: list[RolloutRequest], partition: str) -> list[RolloutOutcome]:
-        """Run every request; outcomes in request order. Raises what an actor raised."""
+        """Run every request; outcomes in request order. Raises what an actor raised (a lost actor
+        too, unless the pool recovers)."""
+        rec = self._recovery
+        attempts = [Attempt(r, r.session_id or (new_session_id(rec.exp_id, r.group_id, r.sample_index) if rec else ""))
+                    for r in reqs]
+        return await self._dispatch(attempts, partition)
+
+    async def _dispatch(self, attempts: list[Attempt], partition: str) -> list[RolloutOutcome]:
         shards: list[list[int]] = [[] for _ in self._actors]
-        for i in range(len(reqs)):
+        for i in range(len(attempts)):
             shards[(self._next + i) % len(shards)].append(i)
-        self._next = (self._next + len(reqs)) % len(self._actors)
+        self._next = (self._next + len(attempts)) % len(self._actors)
         used = [(a, idx) for a, idx in zip(self._actors, shards) if idx]
-        results = await asyncio.gather(*(call(a, "run_many", [reqs[i] for i in idx], partition) for a, idx in used))
-        out: list[RolloutOutcome | None] = [None] * len(reqs)
+        results = await asyncio.gather(*(self._run_shard(a, [attempts[i] for i in idx], partition) for a, idx in used))
+        out: list[RolloutOutcome | None] = [None] * len(attempts)
         for (_, idx), outcomes in zip(used, results):
             for i, o in zip(idx, outcomes):
                 out[i] = o
         return out  # type: ignore[return-value]
 
+    async def _run_shard(self, actor: Any, attempts: list[Attempt], partition: str) -> list[RolloutOutcome]:
+        reqs = [replace(a.req, session_id=a.session_id or None) for a in attempts]
+        try:
+            return await call(actor, "run_many", reqs, partition)
+        except Exception as exc:
+            if self._recovery is None or not actor_died(exc):
+                raise
+            return await self._recover(actor, attempts, partition, exc)
+
+    async def _recover(self, dead: Any, attempts: list[Attempt], partition: str,
+                       exc: BaseException) -> list[RolloutOutcome]:
+        rec = self._recovery
+        assert rec is not None
+        name = await self._replace(dead)
+        log.warning("rollout actor %s died (%s); settling its %d rollouts", name, type(exc).__name__, len(attempts))
+        infos = {i.session_id: i for i in await call(rec.store, "sample_infos", partition)}
+        plan = plan_lost(attempts, infos.keys(), max_redispatch=rec.max_redispatch,
+                         new_session_id=lambda r: new_session_id(rec.exp_id, r.group_id, r.sample_index))
+        await self._stop_lost(list(plan.to_stop))
+        if plan.failed:
+            error = f"{ACTOR_LOST}: rollout actor {name} died running this rollout"
+            await call(rec.store, "put", [Sample(session_id=a.session_id, group_id=a.req.group_id,
+                                                 input_id=a.req.input_id, sample_index=a.req.sample_index, rows=(),
+                                                 reward=None, status="failed", latency_s=0.0, error=error)
+                                          for a in plan.failed], partition)
+            self.counts["rollout/failed"] += len(plan.failed)
+            self.counts[f"rollout/failed/{ACTOR_LOST}"] += len(plan.failed)
+        self.counts["rollout/redispatched"] += len(plan.redispatch)
+        again = iter(await self._dispatch(list(plan.redispatch), partition) if plan.redispatch else [])
+        settled, failed = {a.session_id for a in plan.settled}, {a.session_id for a in plan.failed}
+        out = []
+        for a in attempts:  # plan_lost keeps the order: the re-dispatched ones come back in turn
+            if a.session_id in settled:
+                out.append(_outcome_of(infos[a.session_id]))
+            elif a.session_id in failed:
+                out.append(RolloutOutcome(a.session_id, a.req.group_id, a.req.sample_index, "failed", None, 0, 0.0,
+                                          f"{ACTOR_LOST}: rollout actor {name} died", ACTOR_LOST))
+            else:
+                out.append(next(again))
+        return out
+
+    async def _replace(self, dead: Any) -> str:
+        """Swap a new actor in for `dead` (once, however many shards saw it die) and give back the
+        session slots it held; returns the dead actor's name."""
+        rec = self._recovery
+        assert rec is not None
+        if not any(a is dead for a in self._actors):
+            return self._dead.get(id(dead), "(replaced)")
+        i = next(i for i, a in enumerate(self._actors) if a is dead)
+        name = self._names[i]
+        self._dead[id(dead)] = name
+        self._actors[i], self._names[i] = rec.spawn()  # no await before this: one replacement per death
+        self.counts["rollout/actors_lost"] += 1
+        if rec.sessions_cap is not None and name:
+            self.counts["rollout/slots_released"] += await call(rec.sessions_cap, "release_owner", name)
+        return name
+
+    async def _stop_lost(self, session_ids: list[str]) -> None:
+        if not session_ids:
+            return
+        try:
+            self.counts["rollout/lost_sessions_stopped"] += await call(self._actors[0], "stop_lost_sessions",
+                                                                       session_ids)
+        except Exception as exc:  # noqa: BLE001 - visible; the sessions end at ACR's idle timeout
+            log.warning("stopping %d sessions of a lost rollout actor failed: %s", len(session_ids), exc)
+            self.counts["acr/stop_failed"] += len(session_ids)
+
+    def named_actors(self) -> dict[str, Any]:
+        """The live rollout actors by Ray name (replacements included)."""
+        return dict(zip(self._names, self._actors))
+
     async def acr_stats(self) -> dict[str, int]:
-        return _sum(await asyncio.gather(*(call(a, "acr_stats") for a in self._actors)))
+        return _sum(await self._each("acr_stats"))
 
     async def rollout_counts(self) -> dict[str, int]:
-        """Summed `rollout/...` counts of every actor (terminal states and failure reasons)."""
-        return _sum(await asyncio.gather(*(call(a, "rollout_counts") for a in self._actors)))
+        """Summed `rollout/...` counts of every live actor (terminal states and failure reasons),
+        plus the pool's own: actors lost, rollouts re-dispatched or failed `actor_lost`."""
+        return _sum([*await self._each("rollout_counts"), dict(self.counts)])
+
+    async def _each(self, method: str) -> list[dict[str, int]]:
+        got = await asyncio.gather(*(call(a, method) for a in self._actors), return_exceptions=True)
+        for g in got:
+            if isinstance(g, BaseException) and not actor_died(g):
+                raise g
+        return [g for g in got if not isinstance(g, BaseException)]  # a dead actor, not replaced yet: nothing
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(call(a, "shutdown") for a in self._actors), return_exceptions=True)
+
+
+def _outcome_of(info: Any) -> RolloutOutcome:
+    """The outcome of an attempt whose sample is in the buffer (a `SampleInfo`)."""
+    return RolloutOutcome(info.session_id, info.group_id, info.sample_index, info.status, info.reward,
+                          info.num_generated_tokens, 0.0, None, policy_version=info.min_version)
 
 
 def _sum(dicts: list[dict[str, int]]) -> dict[str, int]:
@@ -203,25 +352,47 @@ def _sum(dicts: list[dict[str, int]]) -> dict[str, int]:
     return dict(total)
 
 
-def start_rollout_actors(num: int, settings: RolloutSettings, gateway_handle: Any, buffer_handle: Any,
-                         max_concurrency: int = 1000, options: PoolOptions | None = None,
-                         runtime_env: dict | None = None) -> list[Any]:
-    """Create `num` async Ray actors running RolloutActor (`runtime_env`: e.g. the AWS env vars)."""
+def rollout_actor_spawner(settings: RolloutSettings, gateway_handle: Any, buffer_handle: Any,
+                          max_concurrency: int = 1000, options: PoolOptions | None = None,
+                          runtime_env: dict | None = None) -> Callable[[], tuple[Any, str]]:
+    """A function that starts one more async Ray actor running RolloutActor, named
+    `rollout-{i}-{6 hex}` (i counts the actors it started), and returns (handle, name)."""
+    import itertools
+
     import ray
 
     cls = ray.remote(num_cpus=0, max_concurrency=max_concurrency)(RolloutActor)
     extra = {"runtime_env": runtime_env} if runtime_env else {}
-    return [cls.options(name=f"rollout-{i}-{uuid.uuid4().hex[:6]}", **extra).remote(
-                settings, gateway_handle, buffer_handle, options)
-            for i in range(num)]
+    counter = itertools.count()
+
+    def spawn() -> tuple[Any, str]:
+        name = f"rollout-{next(counter)}-{uuid.uuid4().hex[:6]}"
+        return cls.options(name=name, **extra).remote(settings, gateway_handle, buffer_handle, options), name
+
+    return spawn
+
+
+def start_rollout_actors(num: int, settings: RolloutSettings, gateway_handle: Any, buffer_handle: Any,
+                         max_concurrency: int = 1000, options: PoolOptions | None = None,
+                         runtime_env: dict | None = None) -> list[Any]:
+    """Create `num` async Ray actors running RolloutActor (`runtime_env`: e.g. the AWS env vars)."""
+    spawn = rollout_actor_spawner(settings, gateway_handle, buffer_handle, max_concurrency, options, runtime_env)
+    return [spawn()[0] for _ in range(num)]
 
 
 def start_rollout_pool(settings: RolloutSettings, *, num_workers: int, limits: Any, acr: Any, result_host: str,
-                       gateway: Any, buffer_handle: Any) -> RolloutPool:
+                       gateway: Any, buffer_handle: Any, store: Any = None, redispatch_lost: int = 1) -> RolloutPool:
     """Start the named cluster-wide limit actors (`limits`: workers.acr.limits.AcrLimitsConfig)
     and `num_workers` rollout actors whose ACR clients use `acr` (workers.acr.client.AcrClientConfig);
-    return the pool. The driver maps its `rollout` config group to these typed settings."""
+    return the pool, which replaces a dead actor and re-dispatches its rollouts `redispatch_lost`
+    times (`store`: the caller's TrajectoryBuffer, else one connected to `buffer_handle`). The
+    driver maps its `rollout` config group to these typed settings."""
     from workers.acr.limits import start_limit_actors
 
-    options = PoolOptions(limits=start_limit_actors(limits), result_host=result_host, acr=acr)
-    return RolloutPool(start_rollout_actors(num_workers, settings, gateway, buffer_handle, options=options))
+    handles = start_limit_actors(limits)
+    options = PoolOptions(limits=handles, result_host=result_host, acr=acr)
+    spawn = rollout_actor_spawner(settings, gateway, buffer_handle, options=options)
+    actors, names = zip(*(spawn() for _ in range(num_workers)))
+    recovery = PoolRecovery(spawn=spawn, store=store if store is not None else _sink_for(buffer_handle), exp_id=settings.exp_id,
+                            sessions_cap=handles.sessions, max_redispatch=redispatch_lost)
+    return RolloutPool(list(actors), recovery=recovery, names=names)

@@ -5,8 +5,12 @@ terminal status ("completed" or "failed", with a `reason` from `FailReason`) aft
 exactly one sample, or raises (ContractError: the run must stop; CancelledError) after storing
 nothing. On every exit path (success, agent error, bad result, timeout, cancellation, shutdown)
 the ACR session is stopped (shielded from cancellation), the gateway session closed and the
-session slot of the cluster-wide cap released. A sample with captured tokens but no usable reward
-is stored with status "failed" and reward None, so it can never be trained as if it had one.
+session slot of the cluster-wide cap released (a stop that fails, e.g. while the endpoint
+restarts, is tried again in the background and frees the slot once it succeeds; reasons and the
+unreachable-endpoint rule: workers/rollout/failures.py). A sample with captured tokens but no
+usable reward is stored with status "failed" and reward None, so it can never be trained as if it had one; so is
+a session whose turn found no inference replica (`engine_lost`, marked by the gateway), whatever
+reward its agent then reported.
 
 Which bad data stops the run and which fails one rollout: see `workers.rollout.contract`.
 
@@ -31,13 +35,10 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import tenacity
-from botocore.exceptions import ClientError
 
 from workers.core.types import RolloutRequest, Sample, SessionCapture
-from workers.acr.client import AgentBodyError
 from workers.rollout.contract import (
     RESERVED_KEYS,
-    AgentFailed,
     BadResult,
     BadResultStreak,
     Contract,
@@ -53,13 +54,14 @@ from workers.rollout.contract import (
     result_key,
     s3_payload,
 )
+from workers.rollout.failures import (STOP_RETRY_EVERY_S, STOP_RETRY_FOR_S, FailReason, fail_reason,
+                                      reaching as _reaching)
 from workers.rollout.results import ResultBoard
 
 __all__ = ["RESERVED_KEYS", "ContractError", "BadResult", "NoGateway", "RolloutSettings", "RolloutOutcome", "RolloutWorker",
            "build_payload", "new_session_id", "parse_reward", "result_key", "FailReason"]
 
 log = logging.getLogger(__name__)
-FailReason = Literal["timeout", "bad_result", "agent_error", "throttled", "acr_error", "transport"]
 
 
 @dataclass(frozen=True)
@@ -186,20 +188,6 @@ def model_endpoint(s: RolloutSettings, api_key: str) -> dict:
     return {"base_url": s.gateway_base_url, "model_id": s.model_id, "api_key": api_key}
 
 
-def fail_reason(exc: BaseException) -> FailReason:
-    """The reason a rollout failed with `exc` (see FailReason)."""
-    if isinstance(exc, (BadResult, AgentBodyError)):
-        return "bad_result"
-    if isinstance(exc, AgentFailed):
-        return "agent_error"
-    if isinstance(exc, ClientError):
-        code = exc.response.get("Error", {}).get("Code")
-        if code == "ThrottlingException":
-            return "throttled"
-        return "agent_error" if code == "RuntimeClientError" else "acr_error"
-    return "transport"
-
-
 def _consume(task: asyncio.Future) -> None:
     """Done callback of a task nobody awaits: retrieve its outcome so asyncio does not log it."""
     if not task.cancelled():
@@ -236,6 +224,7 @@ class RolloutWorker:
         self._result_url = result_url if results is not None else None
         self._sessions_open = 0
         self._streak = BadResultStreak(settings.max_consecutive_bad_results)
+        self._retries: set[asyncio.Future] = set()  # stops tried again after a failure (_retry_stop)
         self.counts: Counter[str] = Counter()
 
     @property
@@ -253,7 +242,7 @@ class RolloutWorker:
         Raises ContractError (reserved key in the row, or a streak of bad results): stop the run.
         """
         check_row(req.row, req.input_id)
-        sid = new_session_id(self._s.exp_id, req.group_id, req.sample_index)
+        sid = req.session_id or new_session_id(self._s.exp_id, req.group_id, req.sample_index)
         if self._slots is not None:
             await self._slots.acquire()
         t0 = self._clock()  # latency_s: the session's life, not the wait for a slot
@@ -274,6 +263,9 @@ class RolloutWorker:
                 if self._results is not None:
                     self._results.forget(sid)
                 capture = await self._gateway.close_session(sid)  # no task: not on the completion path
+            if capture.engine_lost:  # a turn got a 503: whatever the agent did next, the root cause is the engine
+                v = _Verdict(None, "engine_lost", "engine_lost: an inference replica died under a turn of this "
+                             "session and no other could serve it", v.result_s)
             if v.reason is None:
                 self._streak.on_good()
             elif v.reason == "bad_result":
@@ -299,6 +291,8 @@ class RolloutWorker:
                 stopped = await self._stop_acr_session(sid)
             if self._slots is not None and stopped:
                 self._slots.release_held()  # a session whose stop failed keeps its slot: never over the cap
+            elif not stopped:
+                self._retry_stop(sid)  # the endpoint may be restarting: stop it (and free the slot) once back
 
     async def _attempt(self, req: RolloutRequest, sid: str, api_key: str) -> _Verdict:
         """Invoke and wait for the result under the rollout timeout; failures become data."""
@@ -334,7 +328,8 @@ class RolloutWorker:
     async def _s3_rollout(self, req: RolloutRequest, sid: str, api_key: str) -> tuple[float, float]:
         s = self._s
         payload = build_payload(req, s, sid, api_key, self._result_url_of(sid))
-        await self._acr.invoke(s.agent_runtime_arn, sid, payload, s.qualifier)
+        with _reaching("acr_unavailable"):
+            await self._acr.invoke(s.agent_runtime_arn, sid, payload, s.qualifier)
         key = result_key(s.exp_id, req.input_id, sid)
         where = f"s3://{s.s3_bucket}/{key}"
         poll = asyncio.ensure_future(self._poll_s3(key))
@@ -359,7 +354,8 @@ class RolloutWorker:
     async def _poll_s3(self, key: str) -> dict | None:
         if self._results is not None and self._push_seen and self._s.push_grace_s > 0:
             await asyncio.sleep(self._s.push_grace_s)
-        return await self._acr.wait_for_result(self._s.s3_bucket, key, math.inf)  # the rollout timeout decides
+        with _reaching("s3_unavailable"):
+            return await self._acr.wait_for_result(self._s.s3_bucket, key, math.inf)  # the rollout timeout decides
 
     # -- HTTP contract ----------------------------------------------------------------------
 
@@ -375,7 +371,9 @@ class RolloutWorker:
 
         async def call(operation: Literal["start", "get"]):
             payload = http_payload(req.row, req.input_id, config, operation, inv, s.http_background)
-            return parse_record(await self._acr.invoke(s.agent_runtime_arn, sid, payload, s.qualifier), inv, where)
+            with _reaching("acr_unavailable"):
+                answer = await self._acr.invoke(s.agent_runtime_arn, sid, payload, s.qualifier)
+            return parse_record(answer, inv, where)
 
         record = await call("start")
         if record.status == "in_progress":  # background start: poll `get` with bounded backoff
@@ -389,6 +387,41 @@ class RolloutWorker:
         return http_reward(record, where), self._clock()
 
     # -- cleanup ----------------------------------------------------------------------------
+
+    def _retry_stop(self, session_id: str) -> None:
+        async def retry() -> None:
+            deadline = self._clock() + STOP_RETRY_FOR_S
+            while self._clock() < deadline:
+                await asyncio.sleep(STOP_RETRY_EVERY_S)
+                try:
+                    await self._acr.stop_session(self._s.agent_runtime_arn, session_id, self._s.qualifier)
+                except Exception:  # noqa: BLE001 - still down: try again
+                    continue
+                self._sessions_open -= 1
+                self.counts["acr/stop_recovered"] += 1
+                if self._slots is not None:
+                    self._slots.release_held()
+                return
+
+        task = asyncio.ensure_future(retry())
+        self._retries.add(task)
+        task.add_done_callback(self._retries.discard)
+
+    async def stop_lost_session(self, session_id: str) -> bool:
+        """Close the gateway session and stop the ACR session of a rollout whose actor died (the
+        pool asks a live actor). True when ACR stopped it; False when it was not open (or the stop
+        failed: counted in `acr/stop_failed`). Never raises for a session that is already gone."""
+        try:
+            await self._gateway.close_session(session_id)
+        except Exception:  # noqa: BLE001 - not open at the gateway (closed before the death, or never opened)
+            pass
+        try:
+            return await asyncio.shield(self._acr.stop_session(self._s.agent_runtime_arn, session_id,
+                                                               self._s.qualifier))
+        except Exception as exc:  # noqa: BLE001 - counted and visible; the rollout's fate is already decided
+            log.warning("StopRuntimeSession failed for lost session %s: %s", session_id, exc)
+            self.counts["acr/stop_failed"] += 1
+            return False
 
     async def _stop_acr_session(self, session_id: str) -> bool:
         """Stop the ACR session; shielded so a cancelled rollout still releases its session.

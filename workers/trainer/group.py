@@ -31,9 +31,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from workers.core.algorithms.batch import TrainBatch
-from workers.core.calls import call, is_actor_method
+from workers.core.calls import actor_died, call, is_actor_method
 from workers.trainer.shard import merge_rank_metrics, shard_batch
 from workers.weight_sync.rendezvous import StoreAddress, host_store, release_store
+
+
+class TrainerRankLost(RuntimeError):
+    """A trainer rank's actor died (its process is gone: SIGKILL, OOM, preemption); `rank` names
+    it. The other ranks may be blocked in a collective until `trainer.collective_timeout_s`; the
+    driver does not wait for them (the call fails as soon as the dead rank's does)."""
+
+    def __init__(self, rank: int, cause: BaseException) -> None:
+        super().__init__(f"trainer rank {rank} died ({type(cause).__name__}: {str(cause).splitlines()[0][:200]})")
+        self.rank = rank
 
 
 class _Method:
@@ -85,7 +95,17 @@ class TrainerGroup:
         return len(self.ranks)
 
     async def _all(self, method: str, *args: Any) -> list[Any]:
-        return list(await asyncio.gather(*(call(r, method, *args) for r in self.ranks)))
+        return list(await asyncio.gather(*(self._on(r, method, *args) for r in range(self.world_size))))
+
+    async def _on(self, rank: int, method: str, *args: Any) -> Any:
+        """`method` on one rank; its death raises TrainerRankLost naming the rank at once (asyncio.gather
+        passes the first error on without waiting for the other ranks)."""
+        try:
+            return await call(self.ranks[rank], method, *args)
+        except Exception as e:
+            if actor_died(e):
+                raise TrainerRankLost(rank, e) from e
+            raise
 
     @_remote_method
     async def update(self, batch: TrainBatch) -> dict[str, float]:
@@ -95,7 +115,7 @@ class TrainerGroup:
         the batch cannot be sharded (fewer trained rows than ranks)."""
         shards = shard_batch(batch, self.world_size, micro_batch_size=self._mbs,
                              max_tokens_per_micro_batch=self._max_tokens)
-        results = await asyncio.gather(*(call(r, "update", s) for r, s in zip(self.ranks, shards)))
+        results = await asyncio.gather(*(self._on(r, "update", s) for r, s in enumerate(shards)))
         return merge_rank_metrics(results, [float(s.num_loss_tokens) for s in shards])
 
     @_remote_method

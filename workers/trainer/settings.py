@@ -60,6 +60,7 @@ class TrainerSettings:
     activation_checkpointing: bool = False
     weight_sync_dtype: str = "float32"
     weight_sync_bucket_mb: float = 512.0
+    collective_timeout_s: float = 600.0  # gloo / NCCL: a collective whose peer died fails after this long
     loss_agg_mode: LossAggMode = "token-mean"
     attn_implementation: str = "sdpa"
     compute_entropy: bool = True

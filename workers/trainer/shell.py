@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import datetime
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -105,6 +106,7 @@ class TrainerShell:
             backend="nccl" if self.device.type == "cuda" else "gloo",
             store=join_store(address, timeout_s=RENDEZVOUS_TIMEOUT_S),
             rank=self.rank, world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=self.cfg.collective_timeout_s),  # a dead peer cannot hang a rank
         )
 
     def _global_sum(self, value: float) -> float:

@@ -16,6 +16,13 @@ replica raises too). If any replica fails, `push` raises RuntimeError naming the
 and the sync's version stays where it was: the replicas may then disagree, and the caller must
 treat the run as broken (or push a newer version again), never continue silently.
 
+A replica that DIED (its Ray actor is gone: `workers.core.calls.actor_died`) is not a failed
+load: `CpuWeightSync` marks it lost, leaves it out of later pushes and confirms the version with
+the live ones (possibly none). `admit(i, replica)` puts a replacement in its place under the same
+lock as `push`: the newcomer first loads the current version's file, so it never serves older
+weights than the others and no push can slip between its load and its entry (the driver's
+supervisor, orchestrator/supervise.py, calls it; the trainer keeps the newest file).
+
 Replicas are either local objects with `async update_weights(path, version)` or Ray actor handles
 of such a class (detected by `.remote`); this module does not import Ray.
 
@@ -38,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from workers.core.calls import call
+from workers.core.calls import actor_died, call
 
 
 @dataclass(frozen=True)
@@ -75,29 +82,60 @@ class CpuWeightSync:
             raise ValueError(f"initial_version must be >= 0, got {initial_version}")
         self._replicas = list(replicas)
         self._version = initial_version
+        self._source: str | None = None  # the file of `_version`; None: the weights the replicas started from
+        self._lost: set[int] = set()  # indices of replicas that died, until admit() replaces them
+        self._lock: asyncio.Lock | None = None  # push and admit, one at a time (made in the running loop)
 
     def version(self) -> int:
-        """Version every replica confirmed last (initial_version before the first push)."""
+        """Version every live replica confirmed last (initial_version before the first push)."""
         return self._version
 
-    async def push(self, source: str, version: int) -> WeightSyncReport:
-        """Make every replica load the weights file `source` as policy version `version`.
+    def lost(self) -> frozenset[int]:
+        """Indices of replicas found dead and not replaced yet."""
+        return frozenset(self._lost)
 
+    def _guard(self) -> asyncio.Lock:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+    async def push(self, source: str, version: int) -> WeightSyncReport:
+        """Make every live replica load the weights file `source` as policy version `version`.
+
+        A replica whose actor died is marked lost (see the module docstring), not an error.
         Raises ValueError if `version` does not increase, RuntimeError (chained to the first error)
-        if any replica failed; in both cases the sync's version is unchanged.
+        if a live replica failed to load; in both cases the sync's version is unchanged.
         """
         if version <= self._version:
             raise ValueError(f"policy version must increase: current {self._version}, got {version}")
-        t0 = time.perf_counter()
-        results = await asyncio.gather(
-            *(call(replica, "update_weights", source, version) for replica in self._replicas), return_exceptions=True
-        )
-        failed = [(i, r) for i, r in enumerate(results) if isinstance(r, BaseException)]
-        if failed:
-            detail = "; ".join(f"replica {i}: {type(e).__name__}: {e}" for i, e in failed)
-            raise RuntimeError(
-                f"weight sync to version {version} failed on {len(failed)}/{len(self._replicas)} "
-                f"replicas ({detail}); replicas may now serve different versions"
-            ) from failed[0][1]
-        self._version = version
-        return WeightSyncReport(version=version, num_replicas=len(self._replicas), elapsed_s=time.perf_counter() - t0)
+        async with self._guard():
+            t0 = time.perf_counter()
+            live = [i for i in range(len(self._replicas)) if i not in self._lost]
+            results = await asyncio.gather(
+                *(call(self._replicas[i], "update_weights", source, version) for i in live), return_exceptions=True
+            )
+            self._lost.update(i for i, r in zip(live, results) if isinstance(r, BaseException) and actor_died(r))
+            failed = [(i, r) for i, r in zip(live, results) if isinstance(r, BaseException) and i not in self._lost]
+            if failed:
+                detail = "; ".join(f"replica {i}: {type(e).__name__}: {e}" for i, e in failed)
+                raise RuntimeError(
+                    f"weight sync to version {version} failed on {len(failed)}/{len(self._replicas)} "
+                    f"replicas ({detail}); replicas may now serve different versions"
+                ) from failed[0][1]
+            self._version, self._source = version, source
+            return WeightSyncReport(version=version, num_replicas=len(self._replicas) - len(self._lost),
+                                    elapsed_s=time.perf_counter() - t0)
+
+    async def admit(self, index: int, replica: Any, *, loaded_version: int) -> None:
+        """Replace replica `index` by `replica` (started, serving the weights of `loaded_version`):
+        it loads the current version's file first when that is newer. Raises IndexError for a bad
+        index, RuntimeError when the current weights are not in a file, what the load raised."""
+        if not 0 <= index < len(self._replicas):
+            raise IndexError(f"replica index {index} out of range (0..{len(self._replicas) - 1})")
+        async with self._guard():
+            if self._version > loaded_version:
+                if self._source is None:
+                    raise RuntimeError(f"no weights file of version {self._version} to load into replica {index}")
+                await call(replica, "update_weights", self._source, self._version)
+            self._replicas[index] = replica
+            self._lost.discard(index)

@@ -1,0 +1,61 @@
+"""Why a rollout failed: the closed set of reasons and the rule from an exception to its reason.
+
+Reasons (`rollout/failed/{reason}` counters, `RolloutOutcome.reason`): `timeout`, `bad_result`,
+`agent_error`, `throttled`, `acr_error`, `transport`, and the faults of our own parts and servers:
+`engine_lost` (a turn found no inference replica: the gateway marked the session),
+`actor_lost` (the rollout actor died: workers/rollout/recovery.py), `acr_unavailable` /
+`s3_unavailable` (the ACR endpoint or the result store refused or dropped the connection after
+botocore's retries, e.g. the local emulator or moto restarting: later rollouts succeed once it is
+back, and a StopRuntimeSession that failed meanwhile is retried by the worker for
+STOP_RETRY_FOR_S). Callers: workers/rollout/worker.py, pool.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Literal
+
+from botocore.exceptions import ClientError, ConnectionError as BotoConnectionError, HTTPClientError
+
+from workers.acr.client import AgentBodyError
+from workers.rollout.contract import AgentFailed, BadResult
+
+FailReason = Literal["timeout", "bad_result", "agent_error", "throttled", "acr_error", "transport", "engine_lost",
+                     "actor_lost", "acr_unavailable", "s3_unavailable"]
+UNREACHABLE = (BotoConnectionError, HTTPClientError)  # the endpoint is down or restarting (botocore's retries spent)
+STOP_RETRY_EVERY_S = 2.0  # a StopRuntimeSession that failed is tried again this often (seconds) ...
+STOP_RETRY_FOR_S = 300.0  # ... for this long: the emulator / ACR may come back; then its slot is freed
+
+
+class EndpointDown(Exception):
+    """The ACR endpoint (`acr_unavailable`) or the result store (`s3_unavailable`) could not be
+    reached: refused, reset or timed out after botocore's retries (a server restarting)."""
+
+    def __init__(self, reason: FailReason, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.reason = reason
+
+
+@contextlib.contextmanager
+def reaching(reason: FailReason) -> Iterator[None]:
+    """Turn an unreachable endpoint inside the block into EndpointDown(reason)."""
+    try:
+        yield
+    except UNREACHABLE as e:
+        raise EndpointDown(reason, e) from e
+
+
+def fail_reason(exc: BaseException) -> FailReason:
+    """The reason a rollout failed with `exc` (see FailReason)."""
+    if isinstance(exc, EndpointDown):
+        return exc.reason
+    if isinstance(exc, (BadResult, AgentBodyError)):
+        return "bad_result"
+    if isinstance(exc, AgentFailed):
+        return "agent_error"
+    if isinstance(exc, ClientError):
+        code = exc.response.get("Error", {}).get("Code")
+        if code == "ThrottlingException":
+            return "throttled"
+        return "agent_error" if code == "RuntimeClientError" else "acr_error"
+    return "transport"
