@@ -35,9 +35,11 @@ class ModelConfig:
     tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
-        check(self.name == "tiny" or bool(self.path), "model.path",
+        from workers.embedded.qwen3_random import EMBEDDED_MODELS  # torch-free: names only
+
+        check(self.name in EMBEDDED_MODELS or bool(self.path), "model.path",
               f"must be set for model={self.name} (a local Hugging Face model directory, e.g. "
-              "model.path=/models/Qwen3-8B); only model=tiny builds its own", self.path)
+              f"model.path=/models/Qwen3-8B); only {', '.join(EMBEDDED_MODELS)} are built without one", self.path)
         check(self.tool_call_parser in TOOL_CALL_PARSERS, "model.tool_call_parser",
               f"must be one of {', '.join(TOOL_CALL_PARSERS)}", self.tool_call_parser)
 
