@@ -188,7 +188,7 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
         probe=GatewayProbe(gateway, replicas),
         checkpoint=RunCheckpointer(run_dir, trainer, prompts, save_freq=cfg.trainer.save_freq,
                                    keep_last=cfg.trainer.max_ckpt_to_keep),
-        validator=_validator(cfg, train_settings, gateway, buffer, closing))
+        validator=_validator(cfg, train_settings, gateway, buffer, closing), concurrency=_concurrency(cfg, replicas))
     return BuiltRun(parts=parts, start=LoopPosition.of(ckpt.state) if ckpt else None, pool=pool, logger=logger,
                     replicas=replicas, closing=closing)
 
@@ -291,6 +291,18 @@ async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -
     except BaseException:
         await closing.aclose()
         raise
+
+
+def _concurrency(cfg: RunConfig, replicas: list) -> Any:
+    """`rollout.concurrency=adaptive`: the group limit from the replicas' vLLM stats
+    (orchestrator/concurrency.py, the same gate the simulator runs); None when fixed."""
+    if cfg.rollout.concurrency != "adaptive":
+        return None
+    from orchestrator.clients import EngineLoads
+    from orchestrator.concurrency import ConcurrencyGate
+    from orchestrator.config.rollout import concurrency_policy
+
+    return ConcurrencyGate(concurrency_policy(cfg.rollout), EngineLoads(replicas), clock=time.monotonic)
 
 
 def _colocated(cfg: RunConfig, trainer_client: Any, replicas: list) -> Any:

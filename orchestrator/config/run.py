@@ -72,6 +72,8 @@ class RunConfig:
               or bool(self.task.val_data_path), "task.val_data_path",
               f"must be set to validate task={self.task.name} on its test split (trainer.test_freq)",
               self.task.val_data_path)
+        check(self.rollout.concurrency == "fixed" or self.mode.name == "async", "rollout.concurrency",
+              "adaptive needs mode=async (the sync loop dispatches whole batches)", self.rollout.concurrency)
         check(self.eval.serve_model or self.mode.name == "eval", "eval.serve_model",
               "can be false only with mode=eval (training needs the served policy)", self.eval.serve_model)
 
