@@ -88,6 +88,8 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
     ap.add_argument("--timeout-s", type=float, default=600.0, help="bound on one configuration's run")
     ap.add_argument("--out", type=Path, help="write the figures as JSON")
+    ap.add_argument("--keep-runs", type=Path, help="keep each configuration's run directory here (for "
+                    "scripts/workload_from_run.py); default: a temporary directory")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every configuration")
     args = ap.parse_args()
     names = [c for c in args.configs.split(",") if c]
@@ -96,9 +98,11 @@ def main() -> None:
         ap.error(f"unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-modes-") as tmp:
+        work = args.keep_runs or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         for name in names:
             print(f"running {name} ...", flush=True)
-            rows.append(run_config(name, args, Path(tmp)))
+            rows.append(run_config(name, args, work))
     base = next((r for r in rows if r["config"] == "sync_1"), rows[0])
     for r in rows:
         r["speedup"] = r["trained_tokens_per_min"] / base["trained_tokens_per_min"] if base["trained_tokens_per_min"] else math.nan

@@ -89,6 +89,15 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         self._woken = True
         return super().call_soon(callback, *args, context=context)
 
+    def drain(self) -> None:
+        """Run scheduled events in time order until none is left, outside `run_until_complete`
+        (for parts that use no asyncio: a replica driven by plain events)."""
+        while self._heap:
+            try:
+                self._advance()
+            except SimDeadlock:
+                return
+
     def _advance(self) -> None:
         """Run heap events in time order until one makes asyncio work ready."""
         heap, pop = self._heap, heapq.heappop

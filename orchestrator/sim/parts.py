@@ -48,7 +48,8 @@ class SimReplicaHandle:
 
 
 class SimTrainer:
-    """The loops' Trainer: time linear in trained tokens per GPU plus a fixed part."""
+    """The loops' Trainer: time linear in trained tokens per GPU plus a fixed part.
+    `trained_tokens`: trajectory tokens (prompt, tool and generated) of every trained sample."""
 
     def __init__(self, agents: SimAgents, *, gpus: int, tokens_per_s_per_gpu: float, fixed_s: float,
                  masked_base: float, masked_per_staleness: float) -> None:
@@ -60,11 +61,13 @@ class SimTrainer:
         self.busy_s = 0.0
 
     async def update(self, groups: tuple[Group, ...]) -> dict[str, float]:
-        tokens, staleness, n = 0, 0.0, 0
+        tokens, generated, staleness, n = 0, 0, 0.0, 0
         for g in groups:
             for s in g.samples:
                 if any(m for r in s.rows for m in r.loss_mask):  # a loss-masked (stale) sample trains nothing
-                    tokens += self._agents.tokens[s.session_id][0]
+                    total, gen = self._agents.tokens[s.session_id]
+                    tokens += total
+                    generated += gen
                     lo = s.version_range()
                     staleness += self.version - lo[0] if lo else 0
                     n += 1
@@ -73,7 +76,9 @@ class SimTrainer:
         self.trained_tokens += tokens
         self.busy_s += dt
         mean_st = staleness / n if n else 0.0
-        return {"actor/num_tokens": float(tokens),
+        # actor/num_tokens: loss-mask (generated) tokens, as the product's trainer counts them;
+        # perf/trajectory_tokens: every token of the trained trajectories (the report's measure)
+        return {"actor/num_tokens": float(generated), "perf/trajectory_tokens": float(tokens),
                 "rollout_corr/rollout_rs_masked_fraction": min(1.0, self._masked_base + self._masked_per_st * mean_st)}
 
     async def export_weights(self, version: int) -> str:

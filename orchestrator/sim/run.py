@@ -59,6 +59,7 @@ class Scenario:
     on_stale: str = "drop"
     policy: str = "fixed"
     kv_target: float = 0.8
+    sleeps: bool = True  # colocated engines sleep during updates (False: cluster=local, one CPU machine)
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async") or self.policy not in ("fixed", "adaptive"):
@@ -191,7 +192,7 @@ def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_s
         sinks = [recorder, JsonlSink(out_dir / "metrics.jsonl")]
     logger = MetricLogger(sinks)
     loop_trainer = (SleepingTrainer(trainer, [SimReplicaHandle(r, ws["sleep_s"], ws["wake_s"]) for r in replicas],
-                                    clock=loop.time) if sc.colocated else trainer)
+                                    clock=loop.time) if sc.colocated and sc.sleeps else trainer)
     parts = LoopParts(prompts=ResumablePrompts.restore(rows, seed, None), rollouts=pool, store=store,
                       trainer=loop_trainer, weights=push, logger=logger, clock=loop.time,
                       probe=SimProbe(replicas, gate), concurrency=gate)
@@ -247,6 +248,7 @@ def _figures(w: Workload, sc: Scenario, lay: Layout, rec: _Recorder, agents: Sim
         "replicas": lay.replicas, "inference_gpus": lay.inference_gpus, "trainer_gpus": lay.trainer_gpus,
         "groups_per_update": lay.groups_per_update, "n": int(w.batch["n"]),
         "sim_hours": rec.loop.now / 3600.0, "steps": len(rec.records),
+        # trajectory tokens (prompt, tool and generated) trained per minute per GPU: the report's measure
         "tokens_per_min_per_gpu": (b["tokens"] - a["tokens"]) / dt * 60.0 / sc.gpus,
         "inference_concurrency": (b["busy"] - a["busy"]) / awake if awake > 0 else math.nan,
         "kv_usage_mean": (b["kv"] - a["kv"]) / awake if awake > 0 else math.nan,

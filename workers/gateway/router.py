@@ -5,8 +5,11 @@ in that replica's KV/prefix cache); a new session goes to the replica with the f
 sessions, then the fewest requests in flight (ties: lowest index). Counting sessions, not only
 requests, matters for agents: a session in a tool call has no request in flight but will come
 back with a longer context, so choosing by requests alone piles new sessions onto a replica whose
-sessions happen to be in their tools (the simulator, orchestrator/sim/, showed one replica at a
-full KV cache with a queue while the others idled). A replica whose generate call failed is marked failed (`mark_failed`):
+sessions happen to be in their tools. A sticky session spills to the least-loaded replica when
+its own has far more requests in flight (`SPILL_FACTOR`, `SPILL_SLACK`): a replica that congested
+is evicting its prefix cache anyway, and stickiness would keep it congested while the others idle
+(the simulator, orchestrator/sim/, showed exactly that: one replica at a full KV cache with a
+queue, the others empty). A replica whose generate call failed is marked failed (`mark_failed`):
 it gets no new turns, and sessions stuck to it move to the least-loaded healthy one (their prefix
 cache is lost, their tokens are not: the gateway recorded them). Pure bookkeeping, no asyncio or Ray: the caller holds a lease for the
 duration of one generate call.
@@ -25,6 +28,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from workers.core.types import InferenceEngine
+
+
+SPILL_FACTOR = 2  # a sticky session moves when its replica has more than 2x the least-loaded's requests
+SPILL_SLACK = 16  # ... plus 16 in flight (small queues are normal; only a congested replica spills)
 
 
 class NoReplicas(RuntimeError):
@@ -89,6 +96,10 @@ class ReplicaRouter:
         if not self._engines:
             raise NoReplicas("no inference replica registered with the gateway (call set_engines first)")
         idx = self._sticky.get(session_id)
+        if idx is not None and idx not in self._failed and self._congested(idx):
+            self._sessions[idx] -= 1  # spill: its cache is being evicted on a replica this loaded anyway
+            del self._sticky[session_id]
+            idx = None
         if idx is None or idx in self._failed:
             healthy = [i for i in range(len(self._engines)) if i not in self._failed]
             if not healthy:
@@ -99,6 +110,12 @@ class ReplicaRouter:
             self._sticky[session_id] = idx
             self._sessions[idx] += 1
         return idx
+
+    def _congested(self, idx: int) -> bool:
+        """True when replica `idx` has more than SPILL_FACTOR x (+ SPILL_SLACK) the requests in
+        flight of the least-loaded healthy replica."""
+        least = min(n for i, n in enumerate(self._in_flight) if i not in self._failed)
+        return self._in_flight[idx] > SPILL_FACTOR * least + SPILL_SLACK
 
     @contextmanager
     def lease(self, session_id: str) -> Iterator[InferenceEngine]:
