@@ -5,7 +5,7 @@ in that replica's KV/prefix cache); a new session goes to the replica with the f
 sessions, then the fewest requests in flight (ties: lowest index). Counting sessions, not only
 requests, matters for agents: a session in a tool call has no request in flight but will come
 back with a longer context, so choosing by requests alone piles new sessions onto a replica whose
-sessions happen to be in their tools. A sticky session spills to the least-loaded replica when
+sessions happen to be in their tools. A sticky session spills to the replica with the fewest requests in flight when
 its own has far more requests in flight (`SPILL_FACTOR`, `SPILL_SLACK`): a replica that congested
 is evicting its prefix cache anyway, and stickiness would keep it congested while the others idle
 (the simulator, orchestrator/sim/, showed exactly that: one replica at a full KV cache with a
@@ -96,7 +96,8 @@ class ReplicaRouter:
         if not self._engines:
             raise NoReplicas("no inference replica registered with the gateway (call set_engines first)")
         idx = self._sticky.get(session_id)
-        if idx is not None and idx not in self._failed and self._congested(idx):
+        spill = idx is not None and idx not in self._failed and self._congested(idx)
+        if spill:
             self._sessions[idx] -= 1  # spill: its cache is being evicted on a replica this loaded anyway
             del self._sticky[session_id]
             idx = None
@@ -106,7 +107,8 @@ class ReplicaRouter:
                 raise NoReplicas(f"all {len(self._engines)} inference replicas failed; none left to serve")
             if idx is not None:
                 self._sessions[idx] -= 1  # moved off a failed replica
-            idx = min(healthy, key=lambda i: (self._sessions[i], self._in_flight[i], i))
+            load = self._in_flight
+            idx = min(healthy, key=(lambda i: (load[i], i)) if spill else (lambda i: (self._sessions[i], load[i], i)))
             self._sticky[session_id] = idx
             self._sessions[idx] += 1
         return idx
