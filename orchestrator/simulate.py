@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trainer-gpus", type=int)
     ap.add_argument("--eta", type=int, help="async.max_staleness")
     ap.add_argument("--sync-every", type=int)
+    ap.add_argument("--local", action="store_true",
+                    help="cluster=local: trainer and engines share one machine, nothing sleeps (validation runs)")
+    ap.add_argument("--warmup-steps", type=int, default=1, help="first steps left out of the figures")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--calibrate", action="store_true", help="refit the two free parameters to sync_1")
     ap.add_argument("--baseline", choices=("run", "stored"), default="run",
@@ -152,17 +155,19 @@ def main(argv: list[str] | None = None) -> int:
         else:
             sc = plan_scenario(w, gpus, policy=args.policy or "adaptive", trainer_gpus=args.trainer_gpus,
                                eta=args.eta, sync_every=args.sync_every)
-        f = simulate(w, sc, hours=hours, seed=seed, out_dir=run_dir)
+        if args.local:
+            sc = replace(sc, colocated=True, sleeps=False)
+        f = simulate(w, sc, hours=hours, seed=seed, out_dir=run_dir, warmup_steps=args.warmup_steps)
     except ValueError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    base_sc = replace(CONFIGS["sync_1"], gpus=gpus)
+    base_sc = replace(CONFIGS["sync_1"], gpus=gpus, sleeps=not args.local)
     if sc == base_sc:
         base = f["tokens_per_min_per_gpu"]
     elif args.baseline == "stored" and "measured" in w.calibration:
         base = float(w.calibration["measured"]["tokens_per_min_per_gpu"])
     else:
-        base = simulate(w, base_sc, hours=hours, seed=seed)["tokens_per_min_per_gpu"]
+        base = simulate(w, base_sc, hours=hours, seed=seed, warmup_steps=args.warmup_steps)["tokens_per_min_per_gpu"]
     f["sync1_tokens_per_min_per_gpu"] = base
     f["throughput_ratio_vs_sync1"] = f["tokens_per_min_per_gpu"] / base if base else math.nan
     f["overrides"] = overrides(w, sc, f)

@@ -58,6 +58,7 @@ class SimTrainer:
         self._masked_base, self._masked_per_st = masked_base, masked_per_staleness
         self.version = 0
         self.trained_tokens = 0
+        self.generated_tokens = 0
         self.busy_s = 0.0
 
     async def update(self, groups: tuple[Group, ...]) -> dict[str, float]:
@@ -74,6 +75,7 @@ class SimTrainer:
         dt = self.fixed_s + tokens / (self.rate * self.gpus)
         await asyncio.sleep(dt)
         self.trained_tokens += tokens
+        self.generated_tokens += generated
         self.busy_s += dt
         mean_st = staleness / n if n else 0.0
         # actor/num_tokens: loss-mask (generated) tokens, as the product's trainer counts them;

@@ -152,7 +152,7 @@ class _Recorder:
     def _mark(self) -> dict:
         for r in self.replicas:
             r.load()
-        return {"t_s": self.loop.now, "tokens": self.trainer.trained_tokens,
+        return {"t_s": self.loop.now, "tokens": self.trainer.trained_tokens, "generated": self.trainer.generated_tokens,
                 "busy": sum(r.busy_integral for r in self.replicas), "kv": sum(r.kv_integral for r in self.replicas),
                 "awake": sum(r.awake_s for r in self.replicas),
                 "preempted": sum(r.preemptions for r in self.replicas)}
@@ -250,6 +250,7 @@ def _figures(w: Workload, sc: Scenario, lay: Layout, rec: _Recorder, agents: Sim
         "sim_hours": rec.loop.now / 3600.0, "steps": len(rec.records),
         # trajectory tokens (prompt, tool and generated) trained per minute per GPU: the report's measure
         "tokens_per_min_per_gpu": (b["tokens"] - a["tokens"]) / dt * 60.0 / sc.gpus,
+        "generated_tokens_per_min": (b["generated"] - a["generated"]) / dt * 60.0,  # the product's perf/trained_tokens
         "inference_concurrency": (b["busy"] - a["busy"]) / awake if awake > 0 else math.nan,
         "kv_usage_mean": (b["kv"] - a["kv"]) / awake if awake > 0 else math.nan,
         "preemptions": b["preempted"] - a["preempted"],
