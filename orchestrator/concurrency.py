@@ -97,10 +97,12 @@ class ConcurrencyGate:
                  poll_s: float = POLL_S) -> None:
         self.policy, self._loads, self._clock, self._poll_s = policy, loads, clock, poll_s
         self.running = 0
+        self._last: Sequence[EngineLoad] = ()
 
     async def acquire(self) -> None:
         while True:
-            self.policy.observe(await self._loads(), self._clock(), self.running)
+            self._last = await self._loads()
+            self.policy.observe(self._last, self._clock(), self.running)
             if self.policy.may_admit(self.running):
                 self.running += 1
                 return
@@ -112,5 +114,9 @@ class ConcurrencyGate:
         self.running -= 1
 
     def metrics(self) -> dict[str, float]:
+        """`rollout/concurrency_limit`, `rollout/running_groups`, and from the engines' last
+        stats `rollout/engine_preempted` (summed since start) and `rollout/engine_waiting`."""
         return {"rollout/concurrency_limit": float(self.policy.limit),
-                "rollout/running_groups": float(self.running)}
+                "rollout/running_groups": float(self.running),
+                "rollout/engine_preempted": float(sum(ld.num_preempted for ld in self._last)),
+                "rollout/engine_waiting": float(sum(ld.num_waiting for ld in self._last))}
