@@ -43,17 +43,25 @@ def plan_scenario(w: Workload, gpus: int, *, policy: str = "adaptive", trainer_g
                     max_staleness=int(eta if eta is not None else plan.get("max_staleness", 1)), policy=policy)
 
 
-def sweep_grid(w: Workload, gpus: int) -> dict[str, Scenario]:
+GRIDS = {  # trainer shares, η, sync_every, policies
+    "full": ((0.375, 0.5, 0.625), (1, 2), (1, 2, 4, 8), ("fixed", "adaptive")),
+    "small": ((0.5, 0.625), (1, 2), (2, 4, 8), ("adaptive",)),
+}
+
+
+def sweep_grid(w: Workload, gpus: int, grid_name: str = "full") -> dict[str, Scenario]:
     """Sync modes (colocated) plus async (disaggregated) over split × η × sync_every × policy."""
     gpr = int(w.engine["gpus_per_replica"])
-    grid = {f"sync_{k}": Scenario("sync", k, True, gpus=gpus) for k in (1, 2, 4)}
-    for share in (0.375, 0.5, 0.625):
+    shares, etas, ks, policies = GRIDS[grid_name]
+    grid = {f"sync_{k}": Scenario("sync", k, True, gpus=gpus) for k in (1, 2)}
+    grid |= {f"async_{k}": Scenario("async", k, False, gpus=gpus) for k in (1, 2)}
+    for share in shares:
         inf = max(gpr, int(round(gpus * (1 - share) / gpr)) * gpr)
         if inf >= gpus:
             continue
-        for eta in (1, 2):
-            for k in (1, 2, 4, 8):
-                for pol in ("fixed", "adaptive"):
+        for eta in etas:
+            for k in ks:
+                for pol in policies:
                     grid[f"async_t{gpus - inf}_eta{eta}_k{k}_{pol}"] = Scenario(
                         "async", k, False, gpus=gpus, trainer_gpus=gpus - inf, max_staleness=eta, policy=pol)
     return grid
@@ -61,7 +69,7 @@ def sweep_grid(w: Workload, gpus: int) -> dict[str, Scenario]:
 
 def feasible(f: dict, staleness_bound: float) -> bool:
     """Trained staleness within η (nothing dropped as too stale) and mean within the bound."""
-    return f["staleness_max"] <= max(f["eta"], 0) and f["staleness_mean"] <= staleness_bound
+    return "error" not in f and f["staleness_max"] <= max(f["eta"], 0) and f["staleness_mean"] <= staleness_bound
 
 
 def _row(name: str, f: dict, base: float) -> str:
@@ -81,16 +89,31 @@ def overrides(w: Workload, sc: Scenario, f: dict) -> list[str]:
     return out
 
 
-def run_sweep(w: Workload, gpus: int, hours: float, seed: int, bound: float, out: Path | None) -> dict:
-    rows: dict[str, dict] = {}
-    grid = sweep_grid(w, gpus)
+def _one(args: tuple) -> dict:
+    w, sc, hours, seed = args
+    try:
+        return simulate(w, sc, hours=hours, seed=seed)
+    except RuntimeError as exc:  # too few steps in the horizon: reported, not fatal to the sweep
+        return {"error": str(exc)}
+
+
+def run_sweep(w: Workload, gpus: int, hours: float, seed: int, bound: float, out: Path | None,
+              grid_name: str = "full", jobs: int = 1) -> dict:
+    """Simulate every configuration of the grid (`jobs` processes); print the table and the best."""
+    grid = sweep_grid(w, gpus, grid_name)
+    work = [(w, sc, hours, seed) for sc in grid.values()]
+    if jobs > 1:
+        from multiprocessing import Pool
+
+        with Pool(jobs) as pool:
+            results = pool.map(_one, work)
+    else:
+        results = [_one(x) for x in work]
+    rows = dict(zip(grid, results))
+    base = rows["sync_1"]["tokens_per_min_per_gpu"]
     print(" | ".join(f"{c:>12}" for c in COLUMNS), flush=True)
-    base = None
-    for name, sc in grid.items():
-        f = simulate(w, sc, hours=hours, seed=seed)
-        rows[name] = f
-        base = base or f["tokens_per_min_per_gpu"]
-        print(_row(name, f, base), flush=True)
+    for name, f in rows.items():
+        print(_row(name, f, base) if "error" not in f else f"{name:>12} | {f['error']}", flush=True)
     ok = {k: f for k, f in rows.items() if feasible(f, bound)}
     best = max(ok, key=lambda k: ok[k]["tokens_per_min_per_gpu"]) if ok else None
     result = {"gpus": gpus, "hours": hours, "staleness_bound": bound, "results": rows, "best": best}
@@ -122,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate", action="store_true", help="refit the two free parameters to sync_1")
     ap.add_argument("--baseline", choices=("run", "stored"), default="run",
                     help="sync_1 for the ratio: simulated now, or the calibration's stored figure")
+    ap.add_argument("--grid", choices=sorted(GRIDS), default="full", help="--sweep: the grid")
+    ap.add_argument("--jobs", type=int, default=1, help="--sweep: simulations run in parallel")
     ap.add_argument("--staleness-bound", type=float, default=1.0, help="largest mean staleness the sweep accepts")
     ap.add_argument("--out", type=Path, help="write the figures as JSON")
     args = ap.parse_args(argv)
@@ -145,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(record, indent=2))
         return 0
     if args.sweep:
-        run_sweep(w, gpus, hours, seed, args.staleness_bound, args.out)
+        run_sweep(w, gpus, hours, seed, args.staleness_bound, args.out, args.grid, args.jobs)
         return 0
     try:
         if args.config:
