@@ -143,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-steps", type=int, default=1, help="first steps left out of the figures")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--calibrate", action="store_true", help="refit the two free parameters to sync_1")
-    ap.add_argument("--baseline", choices=("run", "stored"), default="run",
-                    help="sync_1 for the ratio: simulated now, or the calibration's stored figure")
+    ap.add_argument("--baseline", choices=("auto", "run", "stored"), default="auto",
+                    help="sync_1 for the ratio: simulated now, or the calibration's stored figure "
+                         "(auto: stored when the workload has one for this cluster size, else run)")
     ap.add_argument("--grid", choices=sorted(GRIDS), default="full", help="--sweep: the grid")
     ap.add_argument("--jobs", type=int, default=1, help="--sweep: simulations run in parallel")
     ap.add_argument("--staleness-bound", type=float, default=1.0, help="largest mean staleness the sweep accepts")
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     base_sc = replace(CONFIGS["sync_1"], gpus=gpus, sleeps=not args.local)
     if sc == base_sc:
         base = f["tokens_per_min_per_gpu"]
-    elif args.baseline == "stored" and "measured" in w.calibration:
+    elif args.baseline != "run" and "measured" in w.calibration and (
+            args.baseline == "stored" or int(w.calibration.get("gpus", -1)) == gpus):
         base = float(w.calibration["measured"]["tokens_per_min_per_gpu"])
     else:
         base = simulate(w, base_sc, hours=hours, seed=seed, warmup_steps=args.warmup_steps)["tokens_per_min_per_gpu"]

@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -253,3 +254,28 @@ def test_planner_refuses_a_bad_setting(capsys):
     assert "config error" in capsys.readouterr().err
     with pytest.raises(ValueError, match="adaptive needs mode=async"):
         Scenario("sync", policy="adaptive")
+
+
+def test_workload_from_run_fits_turns_tokens_and_trainer_from_a_runs_files(tmp_path):
+    """A run of 6 steps, 8 rollouts each, 2 turns per rollout, 5 generated tokens per turn,
+    updates of 0.5 s + 0.01 s per sample: the fitted workload loads and holds those figures."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from workload_from_run import fit
+
+    (tmp_path / "config.yaml").write_text(
+        "mode: {name: sync, sync_every: 1}\nrollout: {batch_size: 2, n: 4, max_context_tokens: 512,"
+        " acr: {session_rate_per_s: 25.0}}\nalgorithm: {filter_zero_variance: true}\ninference: {max_num_seqs: 64}\n")
+    rows = []
+    for step in range(1, 7):
+        done = 8 if step % 2 else 6
+        rows.append({"step": step, "timing_s/step": 2.0, "timing_s/gen": 1.5, "timing_s/update_actor": 0.5 + 0.01 * done,
+                     "timing_s/update_weights": 0.1, "rollout/dispatched": 8.0 * step, "rollout/completed": 8.0 * step,
+                     "rollout/step_completed": float(done), "gateway/turns_served": 16.0 * step,
+                     "actor/num_tokens": 80.0, "rollout/latency_s_p50": 1.0, "rollout/latency_s_max": 1.4,
+                     "perf/inference_concurrency": 2.0, "reward/mean": 0.4})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    raw = fit(tmp_path, prompt_tokens=40, kv_tokens=100_000, warmup_steps=2)
+    w = parse_workload(raw)
+    assert w.agent.turns.value == 2.0 and w.agent.agent_tokens_per_turn.value == 5.0  # 16 turns / 8; 80 / 8 / 2
+    assert w.trainer["fixed_s"] == pytest.approx(0.5) and w.batch == {"prompts_per_mini_batch": 2, "n": 4,
+                                                                        "reference_gpus": 1}
