@@ -279,3 +279,23 @@ def test_workload_from_run_fits_turns_tokens_and_trainer_from_a_runs_files(tmp_p
     assert w.agent.turns.value == 2.0 and w.agent.agent_tokens_per_turn.value == 5.0  # 16 turns / 8; 80 / 8 / 2
     assert w.trainer["fixed_s"] == pytest.approx(0.5) and w.batch == {"prompts_per_mini_batch": 2, "n": 4,
                                                                         "reference_gpus": 1}
+
+
+@pytest.mark.parametrize("overrides,key", [(["rollout.concurrency=adaptive"], "rollout.concurrency"),
+                                           (["mode=async", "rollout.concurrency=sometimes"], "rollout.concurrency"),
+                                           (["mode=async", "rollout.concurrency=adaptive",
+                                             "rollout.adaptive.kv_target=1.5"], "rollout.adaptive.kv_target")])
+def test_rollout_concurrency_config_errors_name_the_key(overrides, key):
+    from orchestrator.config import ConfigError
+    from stand_ins import compose_config
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        compose_config(overrides)
+
+
+def test_adaptive_concurrency_config_builds_the_policy():
+    from orchestrator.config.rollout import concurrency_policy
+    from stand_ins import compose_config
+
+    cfg = compose_config(["mode=async", "rollout.concurrency=adaptive", "rollout.adaptive.kv_target=0.6"])
+    assert cfg.rollout.concurrency == "adaptive" and concurrency_policy(cfg.rollout).kv_target == 0.6
