@@ -8,6 +8,7 @@ concurrency) and `summary.json`. What it fits, and from what:
 
 - turns per rollout: gateway turns served / rollouts dispatched (a constant);
 - agent tokens per turn: trained (loss-mask) tokens / trained samples / turns (a constant);
+  (trained samples: `rollout/step_completed`, filtered groups excluded)
 - environment time per rollout: a log-normal whose median is the rollout latency p50 minus the
   rollout's engine time, and whose shape puts the step's slowest rollout at its expected rank
   (max / p50 = exp(σ·z), z the normal quantile of 1 - 1/(n+1)); spread over the turns' gaps, or
@@ -17,7 +18,7 @@ concurrency) and `summary.json`. What it fits, and from what:
   (a batch of 16 doubles a CPU step, assumed, not fitted);
 - trainer: update seconds = fixed + per-sample slope (least squares over steps);
 - weight sync: its mean seconds (model_bytes / bandwidth gives exactly that);
-- reward: Beta(2p, 2(1-p)) with p the run's initial mean reward.
+- reward: Beta(2p, 2(1-p)) with p the run's mean reward (the share of groups filtered follows).
 
 Not in a run's files, so given as flags: prompt tokens (`--prompt-tokens`) and KV capacity
 (`--kv-tokens`; the tiny model never binds it). The first `--warmup-steps` steps are skipped.
@@ -64,7 +65,8 @@ def fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: in
     completed = use[-1]["rollout/completed"] - prev.get("rollout/completed", 0.0)
     turns_total = use[-1]["gateway/turns_served"] - prev.get("gateway/turns_served", 0.0)  # cumulative count
     turns = max(1.0, turns_total / max(1.0, dispatched))
-    gen_per_turn = max(1.0, sum(r.get("actor/num_tokens", 0.0) for r in use) / max(1.0, completed) / turns)
+    trained = sum(r.get("rollout/step_completed", 0.0) for r in use) or completed  # samples trained (sync)
+    gen_per_turn = max(1.0, sum(r.get("actor/num_tokens", 0.0) for r in use) / max(1.0, trained) / turns)
     gen_s = sum(r.get("timing_s/wait_for_batch", r.get("timing_s/gen", 0.0)) for r in use)
     conc = statistics.fmean(r["perf/inference_concurrency"] for r in use)
     turn_s = conc * gen_s / max(1.0, turns_total)  # seconds a turn spends at the engine
@@ -87,8 +89,7 @@ def fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: in
     traj = prompt_tokens + turns * gen_per_turn + (turns - 1) * env_tokens
     sync_s = statistics.fmean(r.get("timing_s/update_weights", 0.0) for r in use)
     roll, mode = cfg["rollout"], cfg["mode"]
-    reward = statistics.fmean(r["reward/mean"] for r in rows[:max(1, len(rows) // 10)]
-                              if not math.isnan(r.get("reward/mean", math.nan)))
+    reward = statistics.fmean(r["reward/mean"] for r in use if not math.isnan(r.get("reward/mean", math.nan)))
     p = min(0.95, max(0.05, reward))
     one_turn = turns <= 1.5
     env = {"dist": "lognormal", "median": env_median / (1 if one_turn else turns - 1), "sigma": round(sigma, 4)}

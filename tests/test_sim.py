@@ -271,12 +271,12 @@ def test_workload_from_run_fits_turns_tokens_and_trainer_from_a_runs_files(tmp_p
         rows.append({"step": step, "timing_s/step": 2.0, "timing_s/gen": 1.5, "timing_s/update_actor": 0.5 + 0.01 * done,
                      "timing_s/update_weights": 0.1, "rollout/dispatched": 8.0 * step, "rollout/completed": 8.0 * step,
                      "rollout/step_completed": float(done), "gateway/turns_served": 16.0 * step,
-                     "actor/num_tokens": 80.0, "rollout/latency_s_p50": 1.0, "rollout/latency_s_max": 1.4,
+                     "actor/num_tokens": 10.0 * done, "rollout/latency_s_p50": 1.0, "rollout/latency_s_max": 1.4,
                      "perf/inference_concurrency": 2.0, "reward/mean": 0.4})
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     raw = fit(tmp_path, prompt_tokens=40, kv_tokens=100_000, warmup_steps=2)
     w = parse_workload(raw)
-    assert w.agent.turns.value == 2.0 and w.agent.agent_tokens_per_turn.value == 5.0  # 16 turns / 8; 80 / 8 / 2
+    assert w.agent.turns.value == 2.0 and w.agent.agent_tokens_per_turn.value == 5.0  # 16 turns / 8; 10 per trained sample / 2
     assert w.trainer["fixed_s"] == pytest.approx(0.5) and w.batch == {"prompts_per_mini_batch": 2, "n": 4,
                                                                         "reference_gpus": 1}
 
