@@ -233,14 +233,15 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     await directory.refresh()
     trainer_client = TrainerClient(trainer, pad_id=pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
                                    weights_dir=run_dir / "weights", export_file=backend == FILE_BACKEND)
+    concurrency = _concurrency(cfg, replicas)  # rollout.concurrency=adaptive, else None
     parts = LoopParts(
         prompts=prompts, rollouts=pool, store=BufferStore(buffer, cfg.rollout.n, cfg.rollout.timeout_s),
         trainer=_colocated(cfg, trainer_client, replicas), weights=weights, logger=logger,
-        probe=_probes(GatewayProbe(gateway, replicas), *(w.metrics for w in watchers),
+        probe=_probes(_with_gate(GatewayProbe(gateway, replicas), concurrency), *(w.metrics for w in watchers),
                       lambda: _pool_recovery_metrics(pool), directory.refresh),
         checkpoint=RunCheckpointer(run_dir, trainer, prompts, save_freq=cfg.trainer.save_freq,
                                    keep_last=cfg.trainer.max_ckpt_to_keep),
-        validator=_validator(cfg, train_settings, gateway, buffer, closing))
+        validator=_validator(cfg, train_settings, gateway, buffer, closing), concurrency=concurrency)
     return BuiltRun(parts=parts, start=LoopPosition.of(ckpt.state) if ckpt else None, pool=pool, logger=logger,
                     replicas=replicas, closing=closing, watchers=[w.run for w in watchers],
                     trainer_ranks=ranks)
@@ -384,6 +385,29 @@ async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -
     except BaseException:
         await closing.aclose()
         raise
+
+
+def _concurrency(cfg: RunConfig, replicas: list) -> Any:
+    """`rollout.concurrency=adaptive`: the group limit from the replicas' vLLM stats
+    (orchestrator/concurrency.py, the same gate the simulator runs); None when fixed."""
+    if cfg.rollout.concurrency != "adaptive":
+        return None
+    from orchestrator.clients import EngineLoads
+    from orchestrator.concurrency import ConcurrencyGate
+    from orchestrator.config.rollout import concurrency_policy
+
+    return ConcurrencyGate(concurrency_policy(cfg.rollout), EngineLoads(replicas), clock=time.monotonic)
+
+
+def _with_gate(probe: Callable[[], Awaitable[dict]], gate: Any) -> Callable[[], Awaitable[dict]]:
+    """The per-step probe, plus the adaptive gate's metrics when there is one."""
+    if gate is None:
+        return probe
+
+    async def both() -> dict:
+        return {**await probe(), **gate.metrics()}
+
+    return both
 
 
 def _colocated(cfg: RunConfig, trainer_client: Any, replicas: list) -> Any:

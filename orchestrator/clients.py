@@ -125,3 +125,16 @@ class GatewayProbe:
         if usage:
             out["perf/kv_cache_usage"] = sum(usage) / len(usage)
         return out
+
+
+class EngineLoads:
+    """The replicas' vLLM scheduler stats (`InferenceWorker.engine_load`), for the adaptive
+    concurrency gate (orchestrator/concurrency.py)."""
+
+    def __init__(self, replicas: list[Any]) -> None:
+        self._replicas = list(replicas)
+
+    async def __call__(self) -> list:
+        from workers.core.calls import call
+
+        return list(await asyncio.gather(*(call(r, "engine_load") for r in self._replicas)))

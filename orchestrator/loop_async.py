@@ -154,18 +154,29 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
 async def _produce(parts: LoopParts, cfg: AsyncLoopSettings, gate: AdmissionGate, ready: asyncio.Queue,
                    running: set[asyncio.Task], stop: asyncio.Event, inflight: "_InFlight") -> None:
     """Admit groups while capacity lasts; each group runs as its own task and queues its id when done."""
+    limit = parts.concurrency  # rollout.concurrency=adaptive: engine load decides too (None: staleness only)
     while not stop.is_set():
+        if limit is not None:
+            await limit.acquire()
         if not await gate.acquire(timeout_s=GROUP_WAIT_S):
+            if limit is not None:
+                limit.release()
             continue
         if stop.is_set():
             gate.release()
+            if limit is not None:
+                limit.release()
             return
         row = parts.prompts.next_rows(1)[0]
         gid = inflight.admit(row)
         reqs = dispatch_group(parts.ledger, row, gid, cfg.n)
 
         async def run_group(gid: int = gid, reqs: list[RolloutRequest] = reqs) -> None:
-            await parts.rollouts.run_all(reqs, PARTITION)
+            try:
+                await parts.rollouts.run_all(reqs, PARTITION)
+            finally:
+                if limit is not None:
+                    limit.release()
             ready.put_nowait(gid)
 
         task = asyncio.create_task(run_group(), name=f"group-{gid}")

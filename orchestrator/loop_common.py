@@ -57,7 +57,9 @@ class StepLogger(Protocol):
 class LoopParts:
     """Everything a loop talks to. `clock`: seconds (monotonic); `probe`: extra per-step metrics
     (gateway, engines); `checkpoint`: called after every step with the loop's position;
-    `validator`: validation on the held-out split (orchestrator/validation.py Validator), or None."""
+    `validator`: validation on the held-out split (orchestrator/validation.py Validator), or None;
+    `concurrency`: the async producer's group limit (`rollout.concurrency=adaptive`:
+    orchestrator/concurrency.py ConcurrencyGate), or None for no limit beyond staleness."""
 
     prompts: PromptSource
     rollouts: Rollouts
@@ -70,6 +72,7 @@ class LoopParts:
     probe: Callable[[], Awaitable[dict[str, float]]] | None = None
     checkpoint: Callable[[LoopPosition], Awaitable[None]] | None = None
     validator: Any = None
+    concurrency: Any = None
 
 
 @dataclass(frozen=True)

@@ -99,8 +99,8 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
     ap.add_argument("--timeout-s", type=float, default=600.0, help="bound on one configuration's run")
     ap.add_argument("--out", type=Path, help="write the figures as JSON")
-    ap.add_argument("--runs-dir", type=Path, help="keep each configuration's run dir here (default: a temporary "
-                    "dir); a configuration whose run dir there holds a summary.json is not run again")
+    ap.add_argument("--runs-dir", "--keep-runs", type=Path, help="keep each configuration's run dir here (for "
+                    "scripts/workload_from_run.py; default: a temporary dir); a configuration whose run dir there holds a summary.json is not run again")
     ap.add_argument("--report", type=Path, help="write the comparison report (PNG plots + report.html) here")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every configuration")
     args = ap.parse_args()

@@ -286,3 +286,27 @@ def test_turn_cap_and_ill_formed_count():
     assert s.close(SID).num_ill_formed_turns == 1
     with pytest.raises(ValueError, match="max_turns"):
         s.open("x", max_turns=0)
+
+
+def test_router_sends_new_sessions_to_the_replica_with_fewest_sessions_and_spills_a_congested_one():
+    """Regression (found by the simulator, orchestrator/sim/): choosing by requests in flight alone
+    piled new agent sessions onto a replica whose sessions were in their tools, and stickiness
+    then kept that replica at a full KV cache while the others idled."""
+    from workers.gateway.router import SPILL_FACTOR, SPILL_SLACK
+
+    a, b = object(), object()
+    r = ReplicaRouter([a, b])
+    with r.lease("s1"):
+        pass
+    with r.lease("s2") as e:
+        assert e is b  # nothing in flight anywhere, but a already holds a session
+    assert r.sessions() == (1, 1)
+    busy = [r.lease(f"x{i}") for i in range(2 * (SPILL_SLACK + 1))]  # new sessions alternate a / b
+    for cm in busy:
+        cm.__enter__()
+    for cm in busy[1::2]:  # b's requests end: a is congested, b idle
+        cm.__exit__(None, None, None)
+    assert r.in_flight()[0] > SPILL_FACTOR * r.in_flight()[1] + SPILL_SLACK
+    with r.lease("s1") as e:
+        assert e is b  # s1 was stuck to a: it spills to b and sticks there
+    assert r.assigned("s1") == 1

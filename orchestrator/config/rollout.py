@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, get_args
 
+from orchestrator.concurrency import CONCURRENCY_CHOICES, AdaptiveConcurrency
 from orchestrator.config.errors import ConfigError, check, one_of
 from workers.acr.arn import check_bucket_name, parse_runtime_arn
 from workers.acr.limits import AcrLimitsConfig
@@ -75,6 +76,18 @@ class AcrConfig:
 
 
 @dataclass
+class AdaptiveConcurrencyConfig:
+    """`rollout.concurrency=adaptive` (orchestrator/concurrency.py): admit groups while the
+    engines' mean KV-cache usage is below `kv_target` (0..1) and no request waits or was
+    preempted; the group limit moves at most once per `interval_s` seconds (one group up, or
+    down to `decrease` x the running groups)."""
+
+    kv_target: float = 0.8
+    interval_s: float = 2.0
+    decrease: float = 0.9
+
+
+@dataclass
 class RolloutConfig:
     """Rollout pool. `n`: samples per prompt (group size); `batch_size`: prompts per step;
     `timeout_s`: per-rollout deadline (seconds) after which the rollout is `expired`."""
@@ -99,6 +112,8 @@ class RolloutConfig:
     result_host: str = "127.0.0.1"
     max_consecutive_bad_results: int = 32  # agent results in a row without a usable reward: stop the run
     redispatch_lost: int = 1  # times a rollout whose actor died runs again (new session id), then failed actor_lost
+    concurrency: str = "fixed"  # fixed: staleness admission only | adaptive: also fill the engines' KV cache
+    adaptive: AdaptiveConcurrencyConfig = field(default_factory=AdaptiveConcurrencyConfig)
 
     def __post_init__(self) -> None:
         one_of(self.name, "rollout.name", ROLLOUT_BACKENDS)
@@ -133,6 +148,11 @@ class RolloutConfig:
                 local_fault_rates(self.acr)
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"rollout.acr.faults: {exc}") from None
+        one_of(self.concurrency, "rollout.concurrency", CONCURRENCY_CHOICES)
+        try:
+            concurrency_policy(self)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         check(self.acr.num_agents >= 1, "rollout.acr.num_agents", "must be >= 1", self.acr.num_agents)
         check(self.acr.session_rate_per_s > 0, "rollout.acr.session_rate_per_s", "must be > 0",
               self.acr.session_rate_per_s)
@@ -153,6 +173,11 @@ def _check_aws(acr: AcrConfig) -> None:
     check(acr.region in (None, arn.region), "rollout.acr.region",
           f"must be null or the runtime's region {arn.region!r} (from rollout.acr.agent_runtime_arn)", acr.region)
     acr.region = arn.region
+def concurrency_policy(r: RolloutConfig, min_groups: int = 1) -> AdaptiveConcurrency:
+    """The adaptive policy of `rollout.adaptive` (also validates it; ValueError names the key)."""
+    a = r.adaptive
+    return AdaptiveConcurrency(kv_target=a.kv_target, min_groups=min_groups, interval_s=a.interval_s,
+                               decrease=a.decrease)
 
 
 def rollout_settings(r: RolloutConfig, *, exp_id: str, agent_runtime_arn: str, gateway_base_url: str,

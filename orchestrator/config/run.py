@@ -85,6 +85,8 @@ class RunConfig:
         check(self.rollout.top_p == 1.0 or self.trainer.name != "verl", "rollout.top_p",
               "must be 1 with trainer=verl (verl's actor scores the tempered distribution without top-p "
               "truncation, so its log-probs could not match the engine's); use trainer=fsdp", self.rollout.top_p)
+        check(self.rollout.concurrency == "fixed" or self.mode.name == "async", "rollout.concurrency",
+              "adaptive needs mode=async (the sync loop dispatches whole batches)", self.rollout.concurrency)
         check(self.eval.serve_model or self.mode.name == "eval", "eval.serve_model",
               "can be false only with mode=eval (training needs the served policy)", self.eval.serve_model)
 

@@ -90,6 +90,17 @@ class InferenceEngine(Protocol):
 
 
 @dataclass(frozen=True)
+class EngineLoad:
+    """One engine's scheduler stats at its last step (vLLM `SchedulerStats`, `IterationStats`):
+    KV-cache usage (0..1), requests running and waiting, preemptions since it started (cumulative)."""
+
+    kv_cache_usage: float
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+
+
+@dataclass(frozen=True)
 class TrajectoryRow:
     """One training sequence recorded by the gateway: a prompt plus every turn that extended it.
 

@@ -3,7 +3,7 @@ inference replicas.
 
 Modules (one job each; import the one you need, nothing heavy is imported here):
   capture.py        sessions, secret tokens, turn cap, CLEAN/FORK trajectory recording (pure)
-  router.py         sticky-per-session / least-in-flight replica choice, failed replicas out (pure)
+  router.py         sticky-per-session (spills when congested) / fewest-sessions replica choice, failed replicas out (pure)
   openai_api.py     Chat Completions request parsing, answer, chunk and error shapes (pure)
   anthropic_api.py  Messages request conversion, answer, event and error shapes (pure)
   tool_parsers.py   tool-call parsing in the template's format (hermes JSON, qwen3_coder XML) (pure)

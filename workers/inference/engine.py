@@ -104,16 +104,21 @@ def _make_package_importable_by_engine_processes() -> None:
 
 class KvCacheUsage:
     """Collects `SchedulerStats.kv_cache_usage` from vLLM's stat-logger hook (one record per engine
-    step) and reports the mean since the last read. The hook is vLLM's `StatLoggerBase`; passing it
+    step) and reports the mean since the last read; keeps the last step's usage, running and
+    waiting requests and the preemptions (`IterationStats.num_preempted_reqs`) summed. The hook is vLLM's `StatLoggerBase`; passing it
     enables stats without vLLM's default console/Prometheus loggers."""
 
     def __init__(self) -> None:
         self._sum = 0.0
         self._n = 0
+        self.last = (0.0, 0, 0)  # (kv usage 0..1, requests running, requests waiting) at the last step
+        self.preempted = 0  # requests vLLM preempted since the engine started
 
-    def add(self, usage: float) -> None:
+    def add(self, usage: float, running: int = 0, waiting: int = 0, preempted: int = 0) -> None:
         self._sum += usage
         self._n += 1
+        self.last = (usage, running, waiting)
+        self.preempted += preempted
 
     def take_mean(self) -> float:
         mean = self._sum / self._n if self._n else float("nan")
@@ -131,7 +136,9 @@ class KvCacheUsage:
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
                 if scheduler_stats is not None:
-                    sink.add(float(scheduler_stats.kv_cache_usage))
+                    sink.add(float(scheduler_stats.kv_cache_usage), int(scheduler_stats.num_running_reqs),
+                             int(scheduler_stats.num_waiting_reqs),
+                             int(getattr(iteration_stats, "num_preempted_reqs", 0) or 0))
 
             def log_engine_initialized(self) -> None:
                 pass

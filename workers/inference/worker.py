@@ -53,7 +53,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
-from workers.core.types import GenerateRequest, GenerateResult
+from workers.core.types import EngineLoad, GenerateRequest, GenerateResult
 from workers.inference.engine import EXTENSION_CLS, KvCacheUsage, build_engine
 from workers.inference.segments import SegmentedGeneration
 from workers.inference.settings import (
@@ -117,6 +117,11 @@ class InferenceWorker(WeightSwap):
         """Mean KV-cache usage (fraction of blocks in use, 0..1) over the engine steps since the
         last call; NaN when the engine ran no step in between."""
         return self._kv_usage.take_mean()
+
+    def engine_load(self) -> EngineLoad:
+        """vLLM's scheduler stats at its last step, for `rollout.concurrency=adaptive`."""
+        usage, running, waiting = self._kv_usage.last
+        return EngineLoad(usage, running, waiting, self._kv_usage.preempted)
 
     def num_in_flight(self) -> int:
         """Requests admitted and not finished (generate and prompt_logprobs calls)."""

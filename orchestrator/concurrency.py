@@ -1,0 +1,122 @@
+"""Rollout concurrency policy (`rollout.concurrency`): how many groups may generate at once.
+
+`fixed`: no limit of its own (the async loop's staleness admission, orchestrator/staleness.py,
+is the only bound; the sync loop dispatches whole batches). `adaptive`: admit groups while the
+inference engines' KV cache is below a target and nothing is queued or preempted, so the cache
+fills instead of idling at the 25 % an agent workload leaves it at with a fixed concurrency.
+
+`AdaptiveConcurrency` is pure (no asyncio, no clock of its own): it is told the engines' load
+(vLLM's scheduler stats, `EngineLoad`) and the time, and answers `may_admit(running_groups)`. Its
+rule is additive-increase / multiplicative-decrease on a limit of running groups (TCP's
+congestion control, Chiu & Jain 1989): while the mean KV usage is below `kv_target`, no request
+waits and no new preemption happened, and the limit binds, the limit grows by one group per
+`interval_s`; when the cache is at or over target, a request waits, or a request was preempted,
+the limit drops to `decrease` × the running groups (at most once per `interval_s`). A group's
+KV footprint grows for as long as its agents run, so the limit, not the instantaneous usage,
+is what holds the cache near the target without a preemption storm.
+
+Invariant: `limit` is always >= `min_groups`; `may_admit` is True only while running < limit.
+`ConcurrencyGate` is the thin async wrapper the async loop's producer awaits (one group slot per
+admitted group, released when its rollouts end). Callers: orchestrator/loop_async.py,
+orchestrator/build.py (product), orchestrator/sim/parts.py (simulator): the same code in both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Awaitable, Callable, Literal, Sequence
+
+from workers.core.types import EngineLoad
+
+ConcurrencyPolicy = Literal["fixed", "adaptive"]
+CONCURRENCY_CHOICES: tuple[ConcurrencyPolicy, ...] = ("fixed", "adaptive")
+DEFAULT_KV_TARGET = 0.8  # fraction of the KV cache the adaptive policy fills
+DEFAULT_INTERVAL_S = 2.0  # seconds between two limit changes (one group more, or one decrease)
+DEFAULT_DECREASE = 0.9  # limit := decrease × running groups when congested
+POLL_S = 1.0  # seconds a refused producer waits before it asks the engines again
+
+
+class AdaptiveConcurrency:
+    """AIMD limit on running groups from the engines' load; see the module docstring.
+
+    Args: kv_target in (0, 1]; min_groups >= 1 (the starting limit too); interval_s > 0 seconds;
+    decrease in (0, 1). Raises ValueError naming `rollout.adaptive.<key>` on a bad value.
+    """
+
+    def __init__(self, *, kv_target: float = DEFAULT_KV_TARGET, min_groups: int = 1,
+                 interval_s: float = DEFAULT_INTERVAL_S, decrease: float = DEFAULT_DECREASE) -> None:
+        if not 0 < kv_target <= 1:
+            raise ValueError(f"rollout.adaptive.kv_target must be in (0, 1], got {kv_target}")
+        if min_groups < 1:
+            raise ValueError(f"rollout.adaptive.min_groups must be >= 1, got {min_groups}")
+        if interval_s <= 0:
+            raise ValueError(f"rollout.adaptive.interval_s must be > 0, got {interval_s}")
+        if not 0 < decrease < 1:
+            raise ValueError(f"rollout.adaptive.decrease must be in (0, 1), got {decrease}")
+        self.kv_target, self.min_groups, self.interval_s, self.decrease = kv_target, min_groups, interval_s, decrease
+        self.limit = min_groups
+        self._preempted: int | None = None
+        self._last_change = -math.inf
+        self.increases = self.decreases = 0
+
+    def observe(self, loads: Sequence[EngineLoad], now_s: float, running_groups: int) -> None:
+        """Update the limit from the engines' `loads` at time `now_s` (seconds, any origin) with
+        `running_groups` groups generating."""
+        if not loads:
+            return
+        preempted = sum(ld.num_preempted for ld in loads)
+        new_preemption = self._preempted is not None and preempted > self._preempted
+        self._preempted = preempted
+        usage = sum(ld.kv_cache_usage for ld in loads) / len(loads)
+        congested = new_preemption or any(ld.num_waiting > 0 for ld in loads) or usage >= self.kv_target
+        if now_s - self._last_change < self.interval_s:
+            return
+        if congested:
+            target = max(self.min_groups, int(self.decrease * running_groups))
+            if target < self.limit:
+                self.limit, self._last_change = target, now_s
+                self.decreases += 1
+        elif running_groups >= self.limit:
+            self.limit += 1
+            self._last_change = now_s
+            self.increases += 1
+
+    def may_admit(self, running_groups: int) -> bool:
+        return running_groups < self.limit
+
+
+LoadSource = Callable[[], Awaitable[Sequence[EngineLoad]]]
+
+
+class ConcurrencyGate:
+    """Async wrapper: `await acquire()` before dispatching a group, `release()` when its rollouts
+    end. `clock`: seconds (the loop's clock); `loads`: the engines' stats, asked at each decision."""
+
+    def __init__(self, policy: AdaptiveConcurrency, loads: LoadSource, clock: Callable[[], float],
+                 poll_s: float = POLL_S) -> None:
+        self.policy, self._loads, self._clock, self._poll_s = policy, loads, clock, poll_s
+        self.running = 0
+        self._last: Sequence[EngineLoad] = ()
+
+    async def acquire(self) -> None:
+        while True:
+            self._last = await self._loads()
+            self.policy.observe(self._last, self._clock(), self.running)
+            if self.policy.may_admit(self.running):
+                self.running += 1
+                return
+            await asyncio.sleep(self._poll_s)
+
+    def release(self) -> None:
+        if self.running < 1:
+            raise RuntimeError("ConcurrencyGate.release without a matching acquire")
+        self.running -= 1
+
+    def metrics(self) -> dict[str, float]:
+        """`rollout/concurrency_limit`, `rollout/running_groups`, and from the engines' last
+        stats `rollout/engine_preempted` (summed since start) and `rollout/engine_waiting`."""
+        return {"rollout/concurrency_limit": float(self.policy.limit),
+                "rollout/running_groups": float(self.running),
+                "rollout/engine_preempted": float(sum(ld.num_preempted for ld in self._last)),
+                "rollout/engine_waiting": float(sum(ld.num_waiting for ld in self._last))}

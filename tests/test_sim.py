@@ -1,0 +1,301 @@
+"""The cluster simulator (orchestrator/sim/) and adaptive concurrency (orchestrator/concurrency.py):
+virtual clock, the simulated replica's invariants, the AIMD controller, workload validation, and
+that a simulated run executes the product's own loop code (not a copy)."""
+
+import asyncio
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+import orchestrator.batching as batching
+import orchestrator.loop_async as loop_async
+import orchestrator.loop_common as loop_common
+import orchestrator.loop_sync as loop_sync
+import orchestrator.staleness as staleness
+import orchestrator.staleness_gate as staleness_gate
+from orchestrator.concurrency import AdaptiveConcurrency, ConcurrencyGate
+from orchestrator.sim.clock import SimDeadlock, VirtualLoop, run_virtual
+from orchestrator.sim.engine import CacheOwner, EngineSpec, Request, SimReplica
+from orchestrator.sim.run import CONFIGS, Scenario, simulate
+from orchestrator.sim.workload import WorkloadError, load_workload, parse_workload
+from orchestrator.simulate import main as planner
+from workers.core.types import EngineLoad
+from workers.gateway.router import ReplicaRouter
+from workers.rollout.pool import RolloutPool
+
+# --- virtual clock -----------------------------------------------------------------------------
+
+
+def test_virtual_loop_jumps_to_the_next_timer_in_order():
+    seen = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        loop.schedule(7.0, seen.append, "hw@7")
+        await asyncio.sleep(3600)  # an hour of virtual time costs nothing
+        seen.append(("sleep", loop.time()))
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(5):
+                await asyncio.sleep(10)
+        fut = loop.create_future()
+        loop.schedule(loop.time() + 2, fut.set_result, "done")
+        return await fut, loop.time()
+
+    (value, t), loop = run_virtual(main)
+    assert value == "done" and t == pytest.approx(3607.0)  # 3600 + 5 (timeout) + 2
+    assert seen == ["hw@7", ("sleep", 3600.0)]  # the hardware event at t=7 ran first, in time order
+
+
+def test_virtual_loop_reports_a_deadlock_instead_of_hanging():
+    async def main():
+        await asyncio.get_running_loop().create_future()  # nothing will ever set it
+
+    with pytest.raises(SimDeadlock):
+        run_virtual(main)
+
+
+# --- simulated replica -------------------------------------------------------------------------
+
+SPEC = EngineSpec(kv_tokens=20_000, max_num_seqs=16, step_base_s=0.01, step_per_seq_s=0.001,
+                  prefill_s_per_token=1e-5, gpus=1)
+
+
+def _drive(replica_fn):
+    loop = VirtualLoop()
+    out = replica_fn(loop)
+    loop.drain()
+    loop.close()
+    return out
+
+
+def test_replica_finishes_every_request_once_with_its_tokens_and_never_overfills_the_cache():
+    """Randomized: 300 requests whose contexts together need ~10x the KV capacity, so requests
+    wait and decoding preempts; every request still ends exactly once with all its tokens."""
+    rng = random.Random(3)
+    done: dict[int, int] = {}
+    state = {}
+
+    def setup(loop):
+        r = SimReplica(loop, SPEC)
+        state["r"] = r
+
+        def submit(i):
+            req = Request(rng.randint(100, 4000), rng.randint(1, 3000), CacheOwner(), lambda q, i=i: finish(i, q))
+            state.setdefault("need", {})[i] = req.ctx + req.need
+            r.submit(req)
+            r.check()
+
+        def finish(i, q):
+            assert i not in done, f"request {i} finished twice"
+            done[i] = q.ctx + q.need  # a preempted request resumes with its decoded tokens in its context
+            r.check()
+
+        for i in range(300):
+            loop.schedule(rng.uniform(0, 50), submit, i)
+        return r
+
+    r = _drive(setup)
+    assert sorted(done) == list(range(300))
+    assert done == state["need"]  # every request generated exactly what it asked for
+    assert r.preemptions > 0  # the cache was the binding limit: vLLM-style preemption happened
+    assert r.kv_used() == pytest.approx(0, abs=1e-6) and r.num_in_flight() == 0
+
+
+def test_prefix_cache_serves_a_sessions_next_turn_while_the_cache_is_not_overwritten():
+    def setup(loop):
+        r = SimReplica(loop, SPEC)
+        s = CacheOwner()
+        r.submit(Request(1000, 10, s, lambda q: loop.schedule(loop.now + 1, r.submit,
+                                                                 Request(1010 + 50, 10, s, lambda q: None))))
+        return r
+
+    r = _drive(setup)
+    assert r.cached_tokens == 1010  # the second turn prefilled only its 50 new tokens
+    assert r.prefill_tokens == 1000 + 50
+
+
+# --- adaptive concurrency (pure) ---------------------------------------------------------------
+
+
+def _load(usage, waiting=0, preempted=0):
+    return [EngineLoad(kv_cache_usage=usage, num_running=1, num_waiting=waiting, num_preempted=preempted)]
+
+
+def test_adaptive_limit_grows_one_group_per_interval_while_below_target_and_binding():
+    c = AdaptiveConcurrency(kv_target=0.8, min_groups=2, interval_s=2.0)
+    c.observe(_load(0.1), now_s=0.0, running_groups=2)
+    assert c.limit == 3  # binding (2 running of 2) and below target: +1
+    c.observe(_load(0.1), now_s=1.0, running_groups=3)
+    assert c.limit == 3  # within the interval: no change
+    c.observe(_load(0.1), now_s=2.0, running_groups=1)
+    assert c.limit == 3  # not binding (1 of 3 running): no reason to grow
+    assert c.may_admit(2) and not c.may_admit(3)
+
+
+@pytest.mark.parametrize("load", [_load(0.85), _load(0.5, waiting=3)])
+def test_adaptive_limit_drops_when_the_cache_is_full_or_requests_queue(load):
+    c = AdaptiveConcurrency(kv_target=0.8, min_groups=1, interval_s=1.0, decrease=0.5)
+    c.limit = 40
+    c.observe(load, now_s=10.0, running_groups=40)
+    assert c.limit == 20  # 0.5 x running
+    c.observe(load, now_s=10.5, running_groups=40)
+    assert c.limit == 20  # at most one decrease per interval
+
+
+def test_adaptive_limit_drops_on_a_new_preemption_and_never_below_the_minimum():
+    c = AdaptiveConcurrency(kv_target=0.8, min_groups=3, interval_s=1.0, decrease=0.5)
+    c.observe(_load(0.2, preempted=5), now_s=0.0, running_groups=3)  # first sight: a baseline, not news
+    assert c.limit == 4
+    c.observe(_load(0.2, preempted=6), now_s=5.0, running_groups=4)
+    assert c.limit == 3  # max(min_groups, 0.5 x 4)
+
+
+@pytest.mark.parametrize("kw,key", [({"kv_target": 0}, "kv_target"), ({"min_groups": 0}, "min_groups"),
+                                    ({"interval_s": 0}, "interval_s"), ({"decrease": 1.0}, "decrease")])
+def test_adaptive_config_errors_name_the_key(kw, key):
+    with pytest.raises(ValueError, match=f"rollout.adaptive.{key}"):
+        AdaptiveConcurrency(**kw)
+
+
+def test_concurrency_gate_waits_until_the_engines_have_room():
+    usage = {"v": 0.95}
+
+    async def main():
+        loop = asyncio.get_running_loop()
+
+        async def loads():
+            return _load(usage["v"])
+
+        gate = ConcurrencyGate(AdaptiveConcurrency(min_groups=1, interval_s=1.0), loads, clock=loop.time)
+        await gate.acquire()  # the starting limit (min_groups) is always granted
+        waiter = asyncio.ensure_future(gate.acquire())
+        await asyncio.sleep(30)
+        assert not waiter.done()  # cache over target: no second group
+        usage["v"] = 0.3
+        await asyncio.wait_for(waiter, 10)
+        gate.release()
+        return gate.running
+
+    assert run_virtual(main)[0] == 1
+
+
+# --- workloads ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["reference", "gsm8k_tools"])
+def test_shipped_workloads_load(name):
+    w = load_workload(name)
+    assert w.name == name and w.agent.max_context_tokens <= w.engine["kv_tokens_per_replica"]
+
+
+def test_workload_errors_name_the_key():
+    raw = json.loads(json.dumps(load_workload("gsm8k_tools").__dict__, default=lambda o: o.__dict__))
+    raw["agent"]["turns"] = {"dist": "poisson"}
+    with pytest.raises(WorkloadError, match="agent.turns"):
+        parse_workload(raw)
+
+
+# --- the simulator runs the product's loop -----------------------------------------------------
+
+
+def _code_ids(*fns):
+    return {id(getattr(f, "__func__", f).__code__): f.__qualname__ for f in fns}
+
+
+@pytest.mark.parametrize("config", ["sync_1", "async_1"])
+def test_a_simulated_run_executes_the_products_loop_code(config, tmp_path):
+    """The simulator must drive the shipped loop, not a copy: the code objects of the loop, the
+    ledger, batching, staleness admission, the rollout pool's spreading, the router and (async)
+    the adaptive gate must all run, and the run writes the real run's file names."""
+    wanted = _code_ids(loop_common.dispatch_group, loop_common.step_metrics, batching.assemble,
+                       batching.RolloutLedger.on_terminal, RolloutPool.run_all, ReplicaRouter.lease)
+    if config == "sync_1":
+        wanted |= _code_ids(loop_sync.run_sync, batching.split_groups)
+    else:
+        wanted |= _code_ids(loop_async.run_async, loop_async._produce, staleness.Admission.on_admitted,
+                            staleness.judge_samples, staleness_gate.AdmissionGate.acquire, ConcurrencyGate.acquire)
+    ran: set[int] = set()
+
+    def profiler(frame, event, arg):
+        if event == "call":
+            ran.add(id(frame.f_code))
+
+    sc = CONFIGS[config]
+    sc = Scenario(sc.mode, sc.sync_every, sc.colocated, gpus=4,
+                  policy="adaptive" if config == "async_1" else "fixed")
+    sys.setprofile(profiler)
+    try:
+        f = simulate(load_workload("gsm8k_tools"), sc, hours=0.02, out_dir=tmp_path)
+    finally:
+        sys.setprofile(None)
+    missing = [name for cid, name in wanted.items() if cid not in ran]
+    assert not missing, f"the simulator did not run the product's {missing}"
+    assert f["steps"] >= 2 and f["tokens_per_min_per_gpu"] > 0
+    assert {p.name for p in tmp_path.iterdir()} >= {"metrics.jsonl", "summary.json", "timeline.jsonl"}
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert {"perf/throughput", "perf/inference_concurrency", "perf/kv_cache_usage", "rollout/dispatched"} <= set(first)
+
+
+def test_planner_writes_the_acceptance_keys(tmp_path, capsys):
+    out = tmp_path / "f.json"
+    assert planner(["workload=gsm8k_tools", "gpus=4", "hours=0.02", "--policy", "adaptive", "--out", str(out)]) == 0
+    f = json.loads(out.read_text())
+    for key in ("kv_usage_mean", "throughput_ratio_vs_sync1", "staleness_max", "staleness_mean", "eta",
+                "sim_hours", "wall_s"):
+        assert key in f
+    assert f["sim_hours"] >= 0.02 and f["staleness_max"] >= 0
+
+
+def test_planner_refuses_a_bad_setting(capsys):
+    assert planner(["workload=nope"]) == 2
+    assert "config error" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="adaptive needs mode=async"):
+        Scenario("sync", policy="adaptive")
+
+
+def test_workload_from_run_fits_turns_tokens_and_trainer_from_a_runs_files(tmp_path):
+    """A run of 6 steps, 8 rollouts each, 2 turns per rollout, 5 generated tokens per turn,
+    updates of 0.5 s + 0.01 s per sample: the fitted workload loads and holds those figures."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from workload_from_run import fit
+
+    (tmp_path / "config.yaml").write_text(
+        "mode: {name: sync, sync_every: 1}\nrollout: {batch_size: 2, n: 4, max_context_tokens: 512,"
+        " acr: {session_rate_per_s: 25.0}}\nalgorithm: {filter_zero_variance: true}\ninference: {max_num_seqs: 64}\n")
+    rows = []
+    for step in range(1, 7):
+        done = 8 if step % 2 else 6
+        rows.append({"step": step, "timing_s/step": 2.0, "timing_s/gen": 1.5, "timing_s/update_actor": 0.5 + 0.01 * done,
+                     "timing_s/update_weights": 0.1, "rollout/dispatched": 8.0 * step, "rollout/completed": 8.0 * step,
+                     "rollout/step_completed": float(done), "gateway/turns_served": 16.0 * step,
+                     "actor/num_tokens": 10.0 * done, "rollout/latency_s_p50": 1.0, "rollout/latency_s_max": 1.4,
+                     "perf/inference_concurrency": 2.0, "reward/mean": 0.4})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    raw = fit(tmp_path, prompt_tokens=40, kv_tokens=100_000, warmup_steps=2)
+    w = parse_workload(raw)
+    assert w.agent.turns.value == 2.0 and w.agent.agent_tokens_per_turn.value == 5.0  # 16 turns / 8; 10 per trained sample / 2
+    assert w.trainer["fixed_s"] == pytest.approx(0.5) and w.batch == {"prompts_per_mini_batch": 2, "n": 4,
+                                                                        "reference_gpus": 1}
+
+
+@pytest.mark.parametrize("overrides,key", [(["rollout.concurrency=adaptive"], "rollout.concurrency"),
+                                           (["mode=async", "rollout.concurrency=sometimes"], "rollout.concurrency"),
+                                           (["mode=async", "rollout.concurrency=adaptive",
+                                             "rollout.adaptive.kv_target=1.5"], "rollout.adaptive.kv_target")])
+def test_rollout_concurrency_config_errors_name_the_key(overrides, key):
+    from orchestrator.config import ConfigError
+    from stand_ins import compose_config
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        compose_config(overrides)
+
+
+def test_adaptive_concurrency_config_builds_the_policy():
+    from orchestrator.config.rollout import concurrency_policy
+    from stand_ins import compose_config
+
+    cfg = compose_config(["mode=async", "rollout.concurrency=adaptive", "rollout.adaptive.kv_target=0.6"])
+    assert cfg.rollout.concurrency == "adaptive" and concurrency_policy(cfg.rollout).kv_target == 0.6
