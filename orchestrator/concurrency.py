@@ -11,7 +11,9 @@ rule is additive-increase / multiplicative-decrease on a limit of running groups
 congestion control, Chiu & Jain 1989): while the mean KV usage is below `kv_target`, no request
 waits and no new preemption happened, and the limit binds, the limit grows by one group per
 `interval_s`; when the cache is at or over target, a request waits, or a request was preempted,
-the limit drops to `decrease` × the running groups (at most once per `interval_s`). A group's
+the limit drops to `decrease` × itself (at most once per `interval_s`; the window, not the
+groups running at that instant, as TCP cuts its congestion window: on short bursty rollouts the
+running count between bursts is small, and cutting to it collapsed the limit to 1 on this machine). A group's
 KV footprint grows for as long as its agents run, so the limit, not the instantaneous usage,
 is what holds the cache near the target without a preemption storm.
 
@@ -33,7 +35,7 @@ ConcurrencyPolicy = Literal["fixed", "adaptive"]
 CONCURRENCY_CHOICES: tuple[ConcurrencyPolicy, ...] = ("fixed", "adaptive")
 DEFAULT_KV_TARGET = 0.8  # fraction of the KV cache the adaptive policy fills
 DEFAULT_INTERVAL_S = 2.0  # seconds between two limit changes (one group more, or one decrease)
-DEFAULT_DECREASE = 0.9  # limit := decrease × running groups when congested
+DEFAULT_DECREASE = 0.9  # limit := decrease × limit when congested
 POLL_S = 1.0  # seconds a refused producer waits before it asks the engines again
 
 
@@ -73,7 +75,7 @@ class AdaptiveConcurrency:
         if now_s - self._last_change < self.interval_s:
             return
         if congested:
-            target = max(self.min_groups, int(self.decrease * running_groups))
+            target = max(self.min_groups, int(self.decrease * self.limit))
             if target < self.limit:
                 self.limit, self._last_change = target, now_s
                 self.decreases += 1

@@ -140,9 +140,18 @@ def test_adaptive_limit_drops_when_the_cache_is_full_or_requests_queue(load):
     c = AdaptiveConcurrency(kv_target=0.8, min_groups=1, interval_s=1.0, decrease=0.5)
     c.limit = 40
     c.observe(load, now_s=10.0, running_groups=40)
-    assert c.limit == 20  # 0.5 x running
+    assert c.limit == 20  # 0.5 x the limit
     c.observe(load, now_s=10.5, running_groups=40)
     assert c.limit == 20  # at most one decrease per interval
+
+
+def test_adaptive_decrease_cuts_the_window_not_the_groups_running_between_bursts():
+    # Short bursty rollouts: the cache is congested at a moment when few groups run. Cutting to
+    # decrease x running (2 groups here) collapsed the limit to 1 on the real engine; the window is cut.
+    c = AdaptiveConcurrency(kv_target=0.8, min_groups=1, interval_s=1.0, decrease=0.9)
+    c.limit = 20
+    c.observe(_load(0.5, waiting=4), now_s=10.0, running_groups=2)
+    assert c.limit == 18
 
 
 def test_adaptive_limit_drops_on_a_new_preemption_and_never_below_the_minimum():

@@ -80,7 +80,7 @@ class AdaptiveConcurrencyConfig:
     """`rollout.concurrency=adaptive` (orchestrator/concurrency.py): admit groups while the
     engines' mean KV-cache usage is below `kv_target` (0..1) and no request waits or was
     preempted; the group limit moves at most once per `interval_s` seconds (one group up, or
-    down to `decrease` x the running groups)."""
+    down to `decrease` x the limit)."""
 
     kv_target: float = 0.8
     interval_s: float = 2.0
