@@ -3,7 +3,10 @@ local stack, Ray), then the actors and the loop's parts.
 
 `start_runtime` builds the tiny model only when `model.path` is unset and starts the local ACR
 emulator + moto S3 only when `rollout=local` (workers/embedded is imported on those branches
-only), then connects to or starts Ray. `build_parts` places actors, starts the inference
+only), then starts its own local Ray, or joins the cluster `cluster.address` (or `RAY_ADDRESS`,
+set by `ray job submit`) names after checking that something answers there (`ray_address`,
+`check_cluster_reachable`: a dead cluster is a config error, not a silent hang; a cluster merely
+running on the machine is never joined unasked). `build_parts` places actors, starts the inference
 replicas, trainer ranks, gateway, trajectory buffer, weight sync, rollout pool, metric logger and
 checkpointer, and returns the loop's parts.
 
@@ -37,6 +40,8 @@ from orchestrator.preflight import Preflight
 from orchestrator.run_checkpoint import LoopPosition
 from orchestrator.tasks import TASKS
 
+RAY_PROBE_TIMEOUT_S = 5.0  # bound on reaching a joined cluster's GCS port before ray.init (seconds)
+CLOSE_TIMEOUT_S = 5.0  # bound on each part's own shutdown at the end of a run (seconds)
 # AWS settings a joined cluster's actors need from the driver (the local stack's endpoints, credentials)
 AWS_ENV = ("AWS_ENDPOINT_URL_BEDROCK_AGENTCORE", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID",
            "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_REGION")
@@ -87,13 +92,45 @@ def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -
     import ray
 
     os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")  # TQ warns about thread counts on every op
-    joining = bool(cfg.cluster.address or os.environ.get("RAY_ADDRESS"))  # RAY_ADDRESS: under `ray job submit`
-    ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
+    address = ray_address(cfg)
+    joining = address != "local"
+    if joining:
+        check_cluster_reachable(address, "cluster.address" if cfg.cluster.address else "RAY_ADDRESS")
+    ray.init(address=address, num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
              num_gpus=None if joining else cfg.cluster.num_gpus,  # logical GPUs of a cluster we start
              log_to_driver=True, runtime_env={"env_vars": {k: os.environ[k] for k in AWS_ENV if k in os.environ}}
              if joining else None)
     stack.callback(ray.shutdown)
     return Runtime(run_dir=pre.run_dir, model_path=model_path, checkpoint=pre.checkpoint, local=local)
+
+
+def ray_address(cfg: RunConfig) -> str:
+    """The Ray cluster a run uses: `cluster.address`, else `RAY_ADDRESS` (set by `ray job submit`),
+    else "local": a cluster of its own, even when another one runs on the machine (`ray start`
+    leaves /tmp/ray/ray_current_cluster, which a plain `ray.init()` would join silently, without
+    the local stack's endpoints)."""
+    return cfg.cluster.address or os.environ.get("RAY_ADDRESS") or "local"
+
+
+def check_cluster_reachable(address: str, key: str, timeout_s: float = RAY_PROBE_TIMEOUT_S) -> None:
+    """Raise ConfigError naming `key` when no Ray cluster answers at `address` ("auto", "host:port"
+    or "ray://host:port") within `timeout_s`: ray.init would wait for minutes without a word."""
+    import socket
+
+    from orchestrator.config import ConfigError
+
+    target = address.removeprefix("ray://")
+    try:
+        if target == "auto":
+            from ray._private.services import canonicalize_bootstrap_address_or_die
+
+            target = canonicalize_bootstrap_address_or_die("auto")
+        host, _, port = target.rpartition(":")
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as exc:  # ConnectionError is an OSError
+        raise ConfigError(f"{key}: no Ray cluster answers at {address!r} ({exc}); start it (`ray start --head`) "
+                          f"or unset {key} to let the run start its own") from None
 
 
 def _start_local_stack(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack) -> Any:
@@ -122,9 +159,10 @@ async def build_parts(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) 
 
 
 def _close_quietly(closing: contextlib.AsyncExitStack, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
-    async def close() -> None:
+    async def close() -> None:  # bounded: a part that hangs on the way out must not hold the run
         with contextlib.suppress(Exception):
-            await fn(*args)
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                await fn(*args)
 
     closing.push_async_callback(close)
 
@@ -136,7 +174,8 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
 
     from orchestrator.clients import BufferStore, GatewayProbe, TrainerClient
     from orchestrator.metrics import build_sinks
-    from orchestrator.run_checkpoint import ResumablePrompts, RunCheckpointer
+    from orchestrator.batching import RolloutLedger
+    from orchestrator.run_checkpoint import ResumablePrompts, RunCheckpointer, trim_after
     from workers.buffer.store import TrajectoryBuffer
     from workers.placement_groups import place
     from workers.trainer.group import start_trainer_ranks
@@ -175,19 +214,23 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     train_settings = _rollout_settings(cfg, rt, base_url)
     pool = _pool(cfg, train_settings, gateway, buffer, closing)
 
+    history = trim_after(run_dir, ckpt.state.step) if ckpt else []  # steps the dead run logged after its checkpoint
     logger = MetricLogger(build_sinks(cfg.logger.sinks, run_dir, cfg.trainer.total_steps, cfg.logger.wandb_project,
-                                      cfg.logger.wandb_mode, asdict(cfg)))
+                                      cfg.logger.wandb_mode, asdict(cfg)), history)
     closing.callback(logger.close)
     prompts = ResumablePrompts.restore(TASKS[cfg.task.name].rows(cfg.task, "train"), cfg.seed, ckpt.state if ckpt else None,
                                        sampler_settings(cfg.task))
     trainer_client = TrainerClient(trainer, pad_id=pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
                                    weights_dir=run_dir / "weights", export_file=backend == FILE_BACKEND)
+    ledger = RolloutLedger()
+    if ckpt is not None:
+        ledger.restore(ckpt.state.counters)  # cumulative counters go on from the checkpoint's
     parts = LoopParts(
-        prompts=prompts, rollouts=pool, store=BufferStore(buffer, cfg.rollout.n, cfg.rollout.timeout_s),
+        prompts=prompts, rollouts=pool, ledger=ledger, store=BufferStore(buffer, cfg.rollout.n, cfg.rollout.timeout_s),
         trainer=_colocated(cfg, trainer_client, replicas), weights=weights, logger=logger,
         probe=GatewayProbe(gateway, replicas),
         checkpoint=RunCheckpointer(run_dir, trainer, prompts, save_freq=cfg.trainer.save_freq,
-                                   keep_last=cfg.trainer.max_ckpt_to_keep),
+                                   keep_last=cfg.trainer.max_ckpt_to_keep, counters=ledger.settled_counts),
         validator=_validator(cfg, train_settings, gateway, buffer, closing))
     return BuiltRun(parts=parts, start=LoopPosition.of(ckpt.state) if ckpt else None, pool=pool, logger=logger,
                     replicas=replicas, closing=closing)

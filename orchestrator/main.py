@@ -39,13 +39,18 @@ def _raise_interrupt(signum, frame):  # SIGTERM behaves like Ctrl-C: unwind and 
 
 def run(cfg: RunConfig) -> dict:
     """Run the whole job described by `cfg`; return the summary (also written to summary.json).
-    Raises ConfigError / CheckpointError from pre-flight, before anything starts."""
+    Raises ConfigError / CheckpointError from pre-flight, before anything starts. The first SIGINT
+    or SIGTERM ends the run early: the summary then says `interrupted: true`."""
     from orchestrator.build import build_parts, start_runtime
     from orchestrator.preflight import preflight
+    from orchestrator.reaper import start_reaper
+    from orchestrator.stopping import Interrupts, RunInterrupted
 
     t_start = time.monotonic()
     pre = preflight(cfg)
     run_dir = pre.run_dir
+    (run_dir / "logs").mkdir(exist_ok=True)
+    start_reaper(run_dir, run_dir / "logs" / "reaper.log")  # however this process ends, what it started ends too
     if pre.checkpoint is not None:
         state = pre.checkpoint.state
         print(f"resuming from {pre.checkpoint.path} (step {state.step}, policy version {state.policy_version})",
@@ -55,17 +60,21 @@ def run(cfg: RunConfig) -> dict:
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
     print(f"run_dir: {run_dir}", flush=True)
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    interrupts = Interrupts()
     with contextlib.ExitStack() as stack:
         rt = start_runtime(cfg, pre, stack)
         signal.signal(signal.SIGTERM, _raise_interrupt)  # ray.init installed its own; ours unwinds cleanly
 
         async def train() -> dict:
-            built = await build_parts(cfg, rt, stack)
-            async with built.closing:
-                report = await _run_loop(cfg, built)
+            interrupts.install()  # from here on the first signal stops the loop, not the process
+            built = await interrupts.guard(build_parts(cfg, rt, stack))
+            async with built.closing:  # rollouts stop their ACR sessions here, before the emulator stops
+                try:
+                    report = await interrupts.guard(_run_loop(cfg, built))
+                except RunInterrupted:
+                    report = None
             summary = await _summary(report, built, rt.local)
-            with contextlib.suppress(Exception):
-                await asyncio.gather(*(r.shutdown.remote() for r in built.replicas))
+            await _bounded(asyncio.gather(*(r.shutdown.remote() for r in built.replicas)))
             return summary
 
         if cfg.mode.name == "eval":
@@ -73,16 +82,29 @@ def run(cfg: RunConfig) -> dict:
 
             summary = asyncio.run(run_eval(cfg, rt, stack))
         else:
-            summary = asyncio.run(train())
+            try:
+                summary = asyncio.run(train())
+            except RunInterrupted:  # while the parts were being built
+                summary = {"steps": pre.checkpoint.state.step if pre.checkpoint else 0, "interrupted": True}
+        signal.signal(signal.SIGTERM, _raise_interrupt)  # the loop's handler went with the loop
     if cfg.mode.name == "eval":
         print(json.dumps(summary, indent=2, allow_nan=True), flush=True)
         print(f"run_dir: {run_dir} (eval.jsonl, eval_summary.json)", flush=True)
         return {"rollout/completed": summary["completed"], "rollout/failed": summary["failed"]}
+    summary["resumed_from_step"] = pre.checkpoint.state.step if pre.checkpoint else None
     summary["wall_s"] = time.monotonic() - t_start
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
-    print(json.dumps(summary, indent=2, allow_nan=True), flush=True)
-    print(f"run_dir: {run_dir}", flush=True)
+    if not summary["interrupted"]:  # an interrupted run says one line (main), the file has the rest
+        print(json.dumps(summary, indent=2, allow_nan=True), flush=True)
+        print(f"run_dir: {run_dir}", flush=True)
     return summary
+
+
+async def _bounded(aw, timeout_s: float = 5.0) -> None:
+    """Await `aw`, giving up quietly after `timeout_s` seconds or on an error (shutdown calls)."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(timeout_s):
+            await aw
 
 
 async def _run_loop(cfg: RunConfig, built):
@@ -96,16 +118,26 @@ async def _run_loop(cfg: RunConfig, built):
 
 
 async def _summary(report, built, local) -> dict:
-    """The run's totals: steps, rewards, the ledger's terminal counts, ACR calls and sessions."""
+    """The run's totals: steps, rewards, the ledger's terminal counts, ACR calls and sessions.
+    `report` None: the run was interrupted; steps and version are those of the last logged step.
+    After a resume the counts and rewards cover the whole run (the checkpoint's counters and the
+    kept metrics records are the first part); ACR call counts are this process's."""
     from orchestrator.metrics import reward_initial_final
 
     initial, final = reward_initial_final(built.logger.rewards)
-    counts = report.counts
-    acr_stats = await built.pool.acr_stats()
-    pool_counts = await built.pool.rollout_counts()  # rollout/failed/{reason}, acr/stop_failed
+    last = built.logger.last
+    counts = report.counts if report is not None else built.parts.ledger.counts()
+    acr_stats, pool_counts = {}, {}  # rollout/failed/{reason}, acr/stop_failed; bounded: actors may be stuck
+
+    async def pool_stats() -> None:
+        acr_stats.update(await built.pool.acr_stats())
+        pool_counts.update(await built.pool.rollout_counts())
+
+    await _bounded(pool_stats())
     return {
-        "steps": report.steps,
-        "policy_version": report.policy_version,
+        "steps": report.steps if report is not None else int(last.get("step", 0)),
+        "policy_version": report.policy_version if report is not None else int(last.get("policy_version", 0)),
+        "interrupted": report is None,
         "reward/initial": initial,
         "reward/final": final,
         **(built.parts.validator.initial_final() if built.parts.validator is not None else {}),
@@ -143,6 +175,9 @@ def main(dcfg: DictConfig) -> None:
         _fail("config error", exc, 2)
     except KeyboardInterrupt:
         _fail("interrupted", "stopped every process this run started", 130)
+    if summary.get("interrupted"):
+        _fail("interrupted", f"stopped at step {summary['steps']}; stopped every process this run started "
+                             f"(summary.json says interrupted: true)", 130)
     if summary.get("rollout/completed", 0) == 0 and summary.get("rollout/failed", 0) > 0:
         _fail("run failed", f"no rollout completed ({summary['rollout/failed']} failed; see summary.json and logs/)", 1)
 

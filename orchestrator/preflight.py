@@ -3,7 +3,8 @@
 Schema validation (orchestrator/config/) reads values only; `preflight` then checks what the
 values point at, in this order: `model.path` is a Hugging Face model directory, `model.chat_template`
 a file, the task's data file exists (the registry's `check_data`, orchestrator/tasks.py), `run_dir`
-is not a file and holds no earlier run unless resuming, the checkpoint to resume from is complete
+is not a file and holds no earlier run unless resuming, the staging folders of interrupted checkpoint
+writes are removed, the checkpoint to resume from is complete
 and leaves steps to train, and `run_dir` can be created (it is created here).
 
 Raises ConfigError (orchestrator/config/errors.py) or CheckpointError (orchestrator/checkpoint.py),
@@ -15,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.checkpoint import Checkpoint, CheckpointError
+from orchestrator.checkpoint import Checkpoint, CheckpointError, remove_staging
 from orchestrator.config import ConfigError, RunConfig
 from orchestrator.config.errors import check
 from orchestrator.run_checkpoint import find_resume_checkpoint
@@ -86,6 +87,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     check_task_data(cfg)
     check_run_dir(cfg)
     run_dir = Path(cfg.run_dir).resolve()
+    remove_staging(run_dir)  # half-written checkpoints of a run that died are never used
     ckpt = find_checkpoint(cfg, run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
