@@ -4,11 +4,11 @@
 Ctrl-C does not reach it) with a pipe from the driver on its stdin. Until the driver is gone, the
 reaper records, every `SCAN_INTERVAL_S`, the driver's descendants (PID + start time: the local
 stack's servers and agents, Ray's processes and actors, vLLM's engine cores) and the inodes of the
-/dev/shm files they map (named semaphores `sem.mp-*`, weight-sync slots). When the pipe closes (the driver exited,
-however) and the driver's PID is gone, it SIGKILLs every recorded process still alive with the
-same start time, unlinks the /dev/shm entries with a recorded inode, and removes the checkpoint
-staging directories a checkpoint write left behind (orchestrator/checkpoint.py
-`remove_staging`).
+/dev/shm files they map (named semaphores `sem.mp-*`, weight-sync slots). When the driver's PID is
+gone (the pipe closing at the driver's exit, however it happens, wakes it at once), it stops every
+recorded process still alive with the same start time (SIGTERM, SIGKILL after `TERM_GRACE_S`),
+unlinks the /dev/shm entries with a recorded inode, and removes the checkpoint staging directories
+a checkpoint write left behind (orchestrator/checkpoint.py `remove_staging`).
 
 Invariants: only processes descended from the driver (seen while it lived) are killed, each
 matched by PID and start time (a reused PID is never hit); only /dev/shm files those processes
@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 SCAN_INTERVAL_S = 0.5  # between two records of the driver's descendants (seconds)
+TERM_GRACE_S = 2.0  # SIGTERM -> SIGKILL for what outlived the driver: lets it run its own cleanup (seconds)
 EXIT_POLL_S = 0.05  # once the pipe has closed, how often to look for the driver's PID (seconds)
 SHM_DIR = Path("/dev/shm")
 
@@ -110,7 +111,14 @@ class Record:
                 continue
             self.shm |= _shm_mapped(c.pid)
         self.shm |= _shm_mapped(self.parent)
+        seen = {c.pid for c in children}
+        self.rescan([pid for pid in self.alive() if pid not in seen])  # recorded, reparented since
         return True
+
+    def rescan(self, pids: list[int]) -> None:
+        """Record the /dev/shm mappings of `pids` (recorded processes, wherever they now hang)."""
+        for pid in pids:
+            self.shm |= _shm_mapped(pid)
 
     def alive(self) -> list[int]:
         """Recorded processes still running (same PID and start time, not a zombie)."""
@@ -127,14 +135,19 @@ class Record:
 
 
 def reap(record: Record, run_dir: Path | None) -> dict[str, int]:
-    """Kill what is left of the run, unlink its /dev/shm files, remove checkpoint staging dirs;
-    returns how many of each were found."""
+    """Stop what is left of the run (SIGTERM, then SIGKILL after `TERM_GRACE_S`; its /dev/shm
+    mappings are recorded once more first, a process may have made one on its way out), unlink
+    its /dev/shm files, remove checkpoint staging dirs; returns how many of each were found."""
     left = record.alive()
+    record.rescan(left)
     for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + TERM_GRACE_S
+    while (still := record.alive()) and time.monotonic() < deadline:
+        time.sleep(EXIT_POLL_S)
+    record.rescan(still)
+    for pid in still:
+        _signal(pid, signal.SIGKILL)
     unlinked = 0
     try:
         entries = [e for e in os.scandir(SHM_DIR) if e.inode() in record.shm]
@@ -151,7 +164,14 @@ def reap(record: Record, run_dir: Path | None) -> dict[str, int]:
         from orchestrator.checkpoint import remove_staging
 
         staged = len(remove_staging(run_dir))
-    return {"killed": len(left), "shm_unlinked": unlinked, "staging_removed": staged}
+    return {"stopped": len(left), "killed": len(still), "shm_unlinked": unlinked, "staging_removed": staged}
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def watch(parent: int, stdin_fd: int, run_dir: Path | None) -> dict[str, int]:
