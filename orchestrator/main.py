@@ -11,7 +11,10 @@ Exit status: 0 done, 1 no rollout completed, 2 config / checkpoint / GPU-placeme
 130 interrupted (Ctrl-C or SIGTERM).
 
 Invariant: everything this process starts is stopped on every exit path (normal end, error,
-Ctrl-C, SIGTERM), servers by PID and actors through Ray; nothing is stopped by name.
+Ctrl-C, SIGTERM), servers by PID and actors through Ray; nothing is stopped by name. The first
+SIGINT/SIGTERM during the loop cancels it (orchestrator/stopping.py) and the run ends with
+`interrupted: true` in summary.json; a driver killed outright (SIGKILL) leaves the cleanup to the
+run's reaper (orchestrator/reaper.py), started before anything else.
 """
 
 from __future__ import annotations
