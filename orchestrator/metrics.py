@@ -18,6 +18,7 @@ import json
 import math
 import os
 import sys
+import uuid
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -77,7 +78,7 @@ class WandbSink:
         import wandb  # heavy; only when the sink is selected
 
         id_file = run_dir / WANDB_ID_FILENAME
-        run_id = id_file.read_text().strip() if id_file.is_file() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id + "\n")
         self._run = wandb.init(project=project, mode=mode, dir=str(run_dir), config=config, id=run_id,
                                resume="allow", settings=wandb.Settings(silent=True, console="off"))

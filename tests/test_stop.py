@@ -225,3 +225,18 @@ def test_a_dead_cluster_is_a_clear_error_not_a_hang():
     with pytest.raises(ConfigError, match=r"cluster.address: no Ray cluster answers at '127.0.0.1:\d+'"):
         check_cluster_reachable(f"127.0.0.1:{port}", "cluster.address", timeout_s=2)
     assert time.monotonic() - t0 < 3
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+    """Regression (issue 14): a resume created a second wandb run. The sink keeps the run id in
+    run_dir/wandb_run_id and resumes it; offline, both parts are files of the same run id."""
+    from orchestrator.metrics import WANDB_ID_FILENAME, WandbSink
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for step in (1, 2):  # the first run, then the resumed one
+        sink = WandbSink(tmp_path, "p", "offline", {})
+        sink.log(step, {"reward/mean": 0.5})
+        sink.close()
+    run_id = (tmp_path / WANDB_ID_FILENAME).read_text().strip()
+    runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.endswith(f"-{run_id}") for r in runs)
