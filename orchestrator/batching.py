@@ -134,6 +134,23 @@ class RolloutLedger:
     def open_rollouts(self) -> list[str]:
         return sorted(self._open)
 
+    def settled_counts(self) -> dict[str, int]:
+        """`counts()` without the rollouts still open: what a checkpoint keeps (a resumed run
+        dispatches the open ones' rows again, so they are counted then)."""
+        return {**self.counts(), "rollout/dispatched": self.dispatched - len(self._open)}
+
+    def restore(self, counts: dict[str, int]) -> None:
+        """Continue from a checkpoint's `settled_counts()`: the run's counters go on, they do not
+        restart from 0. Raises ValueError on a ledger already in use or counts that do not add up."""
+        if self.dispatched or self._closed or self._open:
+            raise ValueError("restore on a ledger already in use")
+        terminal = {s: int(counts.get(f"rollout/{s}", 0)) for s in TERMINAL_STATES}
+        dispatched = int(counts.get("rollout/dispatched", 0))
+        if dispatched != sum(terminal.values()) or min(terminal.values(), default=0) < 0:
+            raise ValueError(f"restored counts do not add up: dispatched={dispatched}, terminal={terminal}")
+        self._counts, self.dispatched = terminal, dispatched
+        self.trained_groups = int(counts.get("rollout/trained_groups", 0))
+
     def counts(self) -> dict[str, int]:
         """`rollout/{dispatched,completed,failed,expired,filtered,trained_groups}` so far."""
         return {"rollout/dispatched": self.dispatched, **{f"rollout/{k}": v for k, v in self._counts.items()},

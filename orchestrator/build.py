@@ -3,7 +3,10 @@ local stack, Ray), then the actors and the loop's parts.
 
 `start_runtime` builds the tiny model only when `model.path` is unset and starts the local ACR
 emulator + moto S3 only when `rollout=local` (workers/embedded is imported on those branches
-only), then connects to or starts Ray. `build_parts` places actors, starts the inference
+only), then starts its own local Ray, or joins the cluster `cluster.address` (or `RAY_ADDRESS`,
+set by `ray job submit`) names after checking that something answers there (`ray_address`,
+`check_cluster_reachable` in orchestrator/ray_cluster.py: a dead cluster is a config error, not a silent hang; a cluster merely
+running on the machine is never joined unasked). `build_parts` places actors, starts the inference
 replicas, trainer ranks, gateway, trajectory buffer, weight sync, rollout pool, metric logger and
 checkpointer, and returns the loop's parts.
 
@@ -36,9 +39,11 @@ from orchestrator.metrics import MetricLogger
 from orchestrator.preflight import Preflight, check_kv_cache
 from orchestrator.preflight_aws import forwarded_aws_env
 from orchestrator.progress import phase
+from orchestrator.ray_cluster import check_cluster_reachable, ray_address
 from orchestrator.run_checkpoint import LoopPosition
 from orchestrator.tasks import TASKS
 
+CLOSE_TIMEOUT_S = 5.0  # bound on each part's own shutdown at the end of a run (seconds)
 QUIET_VLLM = {"env_vars": {"VLLM_LOGGING_LEVEL": "ERROR"}}  # a reload warns per step about rotary buffers
 
 
@@ -99,8 +104,11 @@ def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -
     import ray
 
     os.environ.setdefault("TQ_LOGGING_LEVEL", "ERROR")  # TQ warns about thread counts on every op
-    joining = bool(cfg.cluster.address or os.environ.get("RAY_ADDRESS"))  # RAY_ADDRESS: under `ray job submit`
-    ray.init(address=cfg.cluster.address, num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
+    address = ray_address(cfg)
+    joining = address != "local"
+    if joining:
+        check_cluster_reachable(address, "cluster.address" if cfg.cluster.address else "RAY_ADDRESS")
+    ray.init(address=address, num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
              num_gpus=None if joining else cfg.cluster.num_gpus,  # logical GPUs of a cluster we start
              runtime_env={"env_vars": forwarded_aws_env(os.environ)} if joining else None,
              **ray_init_options(cfg.logger.console_level))  # actors' output: RUN_DIR/logs/ray unless loud
@@ -161,9 +169,10 @@ async def build_parts(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) 
 
 
 def _close_quietly(closing: contextlib.AsyncExitStack, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
-    async def close() -> None:
+    async def close() -> None:  # bounded: a part that hangs on the way out must not hold the run
         with contextlib.suppress(Exception):
-            await fn(*args)
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                await fn(*args)
 
     closing.push_async_callback(close)
 
@@ -175,7 +184,8 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
 
     from orchestrator.clients import BufferStore, GatewayProbe, TrainerClient
     from orchestrator.metrics import build_sinks
-    from orchestrator.run_checkpoint import ResumablePrompts, RunCheckpointer
+    from orchestrator.batching import RolloutLedger
+    from orchestrator.run_checkpoint import ResumablePrompts, RunCheckpointer, trim_after
     from orchestrator.supervise import ActorDirectory
     from workers.buffer.store import TrajectoryBuffer
     from workers.placement_groups import place
@@ -219,8 +229,9 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     train_settings = _rollout_settings(cfg, rt, base_url)
     pool = _pool(cfg, train_settings, gateway, buffer, closing)
 
+    history = trim_after(run_dir, ckpt.state.step) if ckpt else []  # steps the dead run logged after its checkpoint
     logger = MetricLogger(build_sinks(cfg.logger.sinks, run_dir, cfg.trainer.total_steps, cfg.logger.wandb_project,
-                                      cfg.logger.wandb_mode, asdict(cfg)))
+                                      cfg.logger.wandb_mode, asdict(cfg)), history)
     closing.callback(logger.close)
     prompts = ResumablePrompts.restore(TASKS[cfg.task.name].rows(cfg.task, "train"), cfg.seed, ckpt.state if ckpt else None,
                                        sampler_settings(cfg.task))
@@ -234,13 +245,16 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     trainer_client = TrainerClient(trainer, pad_id=pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
                                    weights_dir=run_dir / "weights", export_file=backend == FILE_BACKEND)
     concurrency = _concurrency(cfg, replicas)  # rollout.concurrency=adaptive, else None
+    ledger = RolloutLedger()
+    if ckpt is not None:
+        ledger.restore(ckpt.state.counters)  # cumulative counters go on from the checkpoint's
     parts = LoopParts(
-        prompts=prompts, rollouts=pool, store=BufferStore(buffer, cfg.rollout.n, cfg.rollout.timeout_s),
+        prompts=prompts, rollouts=pool, ledger=ledger, store=BufferStore(buffer, cfg.rollout.n, cfg.rollout.timeout_s),
         trainer=_colocated(cfg, trainer_client, replicas), weights=weights, logger=logger,
         probe=_probes(_with_gate(GatewayProbe(gateway, replicas), concurrency), *(w.metrics for w in watchers),
                       lambda: _pool_recovery_metrics(pool), directory.refresh),
         checkpoint=RunCheckpointer(run_dir, trainer, prompts, save_freq=cfg.trainer.save_freq,
-                                   keep_last=cfg.trainer.max_ckpt_to_keep),
+                                   keep_last=cfg.trainer.max_ckpt_to_keep, counters=ledger.settled_counts),
         validator=_validator(cfg, train_settings, gateway, buffer, closing), concurrency=concurrency)
     return BuiltRun(parts=parts, start=LoopPosition.of(ckpt.state) if ckpt else None, pool=pool, logger=logger,
                     replicas=replicas, closing=closing, watchers=[w.run for w in watchers],

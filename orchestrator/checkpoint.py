@@ -14,7 +14,9 @@ Invariant: `latest` only ever names a complete checkpoint. A checkpoint is writt
 staging directory, its manifest last, then renamed into place, and only then is `latest`
 replaced (temp file + os.replace). Loading verifies every manifest entry (present, same size,
 same sha256) and refuses a corrupt or partial checkpoint with `CheckpointError`; nothing is
-half-loaded. A crash before the pointer moves leaves the previous checkpoint in charge.
+half-loaded. A crash before the pointer moves leaves the previous checkpoint in charge; what it
+leaves half-written (the hidden staging directory, a pointer's temp file) is removed by
+`remove_staging`, which the run's reaper (orchestrator/reaper.py) and the next start's pre-flight call.
 
 Pure file I/O, no Ray. The trainer writes its own files into the paths a
 `CheckpointStage` hands out. Callers: `orchestrator/loop_async.py`, `orchestrator/main.py`.
@@ -27,7 +29,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
@@ -57,7 +59,8 @@ class RunState:
     DifficultySampler's JSON state (a dict with `kind: difficulty`) under task.sampler=difficulty.
     admission: staleness counters (`Admission.state()`). pending_rows: dataset rows drawn from
     `prompts` whose groups were running or buffered but not trained at save time; a resumed run
-    dispatches them before drawing new rows, so no prompt is lost.
+    dispatches them before drawing new rows, so no prompt is lost. counters: the run's cumulative
+    counters at the checkpoint (the ledger's `settled_counts()`), continued by the resumed run.
     """
 
     step: int
@@ -66,6 +69,7 @@ class RunState:
     prompts: PromptCycleState | dict
     admission: AdmissionState
     pending_rows: tuple[dict, ...] = ()
+    counters: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.step < 0 or self.policy_version < 0 or self.next_group_id < 0:
@@ -85,6 +89,7 @@ class RunState:
             "admission": {"policy_version": self.admission.policy_version,
                           "trained_groups": self.admission.trained_groups},
             "pending_rows": list(self.pending_rows),
+            "counters": dict(self.counters),
         }
 
     @classmethod
@@ -101,6 +106,7 @@ class RunState:
                          else PromptCycleState.from_json(d["prompts"])),
                 admission=AdmissionState(int(d["admission"]["policy_version"]), int(d["admission"]["trained_groups"])),
                 pending_rows=tuple(d["pending_rows"]),
+                counters={str(k): int(v) for k, v in d.get("counters", {}).items()},  # absent before counters
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"run state is malformed: {type(e).__name__}: {e}") from e
@@ -252,6 +258,21 @@ class CheckpointStage:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.abort()
+
+
+def remove_staging(run_dir: Path | str) -> list[Path]:
+    """Remove what interrupted checkpoint writes left under `RUN_DIR/checkpoints/` (hidden staging
+    directories, temp files of the `latest` pointer); returns the paths removed. Never touches a
+    committed checkpoint or `latest`. Call it only when no checkpoint is being written."""
+    root = checkpoints_dir(run_dir)
+    removed = []
+    for p in sorted(root.glob(".step-*-staging-*")) + sorted(root.glob(f".{LATEST_FILENAME}-*.tmp")):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
 
 
 def stage_checkpoint(run_dir: Path | str, step: int, *, keep_last: int = 2) -> CheckpointStage:

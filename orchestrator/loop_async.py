@@ -229,8 +229,9 @@ async def _next_ready(ready: asyncio.Queue, producer: asyncio.Task, inflight: _I
         if producer.done():
             producer.result()  # raises its exception
             raise RuntimeError("the producer stopped before the run finished")
-        try:
-            return await asyncio.wait_for(ready.get(), GROUP_WAIT_S)
+        try:  # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a Ctrl-C's cancellation
+            async with asyncio.timeout(GROUP_WAIT_S):
+                return await ready.get()
         except TimeoutError:
             continue
 

@@ -15,7 +15,10 @@ group was filtered), 2 config / checkpoint / GPU-placement error (or a dry run t
 (Ctrl-C or SIGTERM).
 
 Invariant: everything this process starts is stopped on every exit path (normal end, error,
-Ctrl-C, SIGTERM), servers by PID and actors through Ray; nothing is stopped by name.
+Ctrl-C, SIGTERM), servers by PID and actors through Ray; nothing is stopped by name. The first
+SIGINT/SIGTERM during the loop cancels it (orchestrator/stopping.py) and the run ends with
+`interrupted: true` in summary.json; a driver killed outright (SIGKILL) leaves the cleanup to the
+run's reaper (orchestrator/reaper.py), started before anything else.
 """
 
 from __future__ import annotations
@@ -48,14 +51,19 @@ def _raise_interrupt(signum, frame):  # SIGTERM behaves like Ctrl-C: unwind and 
 
 def run(cfg: RunConfig) -> dict:
     """Run the whole job described by `cfg`; return the summary (also written to summary.json).
-    Raises ConfigError / CheckpointError from pre-flight, before anything starts."""
+    Raises ConfigError / CheckpointError from pre-flight, before anything starts. The first SIGINT
+    or SIGTERM ends the run early: the summary then says `interrupted: true`."""
     from orchestrator.build import build_parts, start_runtime
     from orchestrator.preflight import preflight
     from orchestrator.supervise import explain_trainer_loss, run_watched
+    from orchestrator.reaper import start_reaper
+    from orchestrator.stopping import Interrupts, RunInterrupted
 
     t_start = time.monotonic()
     pre = preflight(cfg)
     run_dir = pre.run_dir
+    (run_dir / "logs").mkdir(exist_ok=True)
+    start_reaper(run_dir, run_dir / "logs" / "reaper.log")  # however this process ends, what it started ends too
     if pre.checkpoint is not None:
         state = pre.checkpoint.state
         print(f"resuming from {pre.checkpoint.path} (step {state.step}, policy version {state.policy_version})",
@@ -67,24 +75,27 @@ def run(cfg: RunConfig) -> dict:
     _STARTED.append(run_dir)  # past pre-flight: this run owns run_dir, its report is ours to write
     quiet_console(run_dir, cfg.logger.console_level)  # library output to RUN_DIR/logs/ from here on
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    interrupts = Interrupts()
     with contextlib.ExitStack() as stack:
         rt = start_runtime(cfg, pre, stack)
         signal.signal(signal.SIGTERM, _raise_interrupt)  # ray.init installed its own; ours unwinds cleanly
 
         async def train() -> dict:
-            built = await build_parts(cfg, rt, stack)
+            interrupts.install()  # from here on the first signal stops the loop, not the process
+            built = await interrupts.guard(build_parts(cfg, rt, stack))
             phase(f"training: {cfg.trainer.total_steps} steps; the first one waits for its first batch")
-            async with built.closing:
-                try:
-                    report = await run_watched(_run_loop(cfg, built), built.watchers)  # a dead replica is replaced
+            async with built.closing:  # rollouts stop their ACR sessions here, before the emulator stops
+                try:  # a dead replica is replaced beside the loop (run_watched)
+                    report = await interrupts.guard(run_watched(_run_loop(cfg, built), built.watchers))
+                except RunInterrupted:
+                    report = None
                 except Exception as exc:
                     lost = await explain_trainer_loss(exc, built.trainer_ranks, run_dir)
                     if lost is None:
                         raise
                     raise lost from exc
             summary = await _summary(report, built, rt.local)
-            with contextlib.suppress(Exception):
-                await asyncio.gather(*(r.shutdown.remote() for r in built.replicas))
+            await _bounded(asyncio.gather(*(r.shutdown.remote() for r in built.replicas)))
             return summary
 
         if cfg.mode.name == "eval":
@@ -92,16 +103,29 @@ def run(cfg: RunConfig) -> dict:
 
             summary = asyncio.run(run_eval(cfg, rt, stack))
         else:
-            summary = asyncio.run(train())
+            try:
+                summary = asyncio.run(train())
+            except RunInterrupted:  # while the parts were being built
+                summary = {"steps": pre.checkpoint.state.step if pre.checkpoint else 0, "interrupted": True}
+        signal.signal(signal.SIGTERM, _raise_interrupt)  # the loop's handler went with the loop
     if cfg.mode.name == "eval":
         print(json.dumps(summary, indent=2, allow_nan=True), flush=True)
         print(f"run_dir: {run_dir} (eval.jsonl, eval_summary.json)", flush=True)
         return {"rollout/completed": summary["completed"], "rollout/failed": summary["failed"]}
+    summary["resumed_from_step"] = pre.checkpoint.state.step if pre.checkpoint else None
     summary["wall_s"] = time.monotonic() - t_start
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
-    print(summary_text(summary), flush=True)
-    print(f"run_dir: {run_dir} (summary.json, metrics.jsonl, logs/)", flush=True)
+    if not summary["interrupted"]:  # an interrupted run says one line (main), the file has the rest
+        print(summary_text(summary), flush=True)
+        print(f"run_dir: {run_dir} (summary.json, metrics.jsonl, logs/)", flush=True)
     return summary
+
+
+async def _bounded(aw, timeout_s: float = 5.0) -> None:
+    """Await `aw`, giving up quietly after `timeout_s` seconds or on an error (shutdown calls)."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(timeout_s):
+            await aw
 
 
 async def _run_loop(cfg: RunConfig, built):
@@ -115,16 +139,26 @@ async def _run_loop(cfg: RunConfig, built):
 
 
 async def _summary(report, built, local) -> dict:
-    """The run's totals: steps, rewards, the ledger's terminal counts, ACR calls and sessions."""
+    """The run's totals: steps, rewards, the ledger's terminal counts, ACR calls and sessions.
+    `report` None: the run was interrupted; steps and version are those of the last logged step.
+    After a resume the counts and rewards cover the whole run (the checkpoint's counters and the
+    kept metrics records are the first part); ACR call counts are this process's."""
     from orchestrator.metrics import reward_initial_final
 
     initial, final = reward_initial_final(built.logger.rewards)
-    counts = report.counts
-    acr_stats = await built.pool.acr_stats()
-    pool_counts = await built.pool.rollout_counts()  # rollout/failed/{reason}, acr/stop_failed
+    last = built.logger.last
+    counts = report.counts if report is not None else built.parts.ledger.counts()
+    acr_stats, pool_counts = {}, {}  # rollout/failed/{reason}, acr/stop_failed; bounded: actors may be stuck
+
+    async def pool_stats() -> None:
+        acr_stats.update(await built.pool.acr_stats())
+        pool_counts.update(await built.pool.rollout_counts())
+
+    await _bounded(pool_stats())
     return {
-        "steps": report.steps,
-        "policy_version": report.policy_version,
+        "steps": report.steps if report is not None else int(last.get("step", 0)),
+        "policy_version": report.policy_version if report is not None else int(last.get("policy_version", 0)),
+        "interrupted": report is None,
         "reward/initial": initial,
         "reward/final": final,
         **(built.parts.validator.initial_final() if built.parts.validator is not None else {}),
@@ -206,6 +240,9 @@ def _run_and_exit(cfg: RunConfig) -> None:
         _fail("trainer lost", exc, 3)
     except KeyboardInterrupt:
         _fail("interrupted", "stopped every process this run started", 130)
+    if summary.get("interrupted"):
+        _fail("interrupted", f"stopped at step {summary['steps']}; stopped every process this run started "
+                             f"(summary.json says interrupted: true)", 130)
     if cfg.mode.name == "eval":
         if summary.get("rollout/completed", 0) == 0 and summary.get("rollout/failed", 0) > 0:
             _fail("run failed", f"no rollout completed ({summary['rollout/failed']} failed; see logs/)", 1)

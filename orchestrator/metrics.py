@@ -4,6 +4,12 @@ Invariant: every sink receives the same step records in step order (non-decreasi
 `RUN_DIR/metrics.jsonl` holds one JSON object per training step, flushed when the step is logged,
 so a crashed run keeps every step it finished, plus the validation records that have no step of
 their own (step 0 before training; in async mode the final weights' validation, at the last step). Metric names follow verl where verl has one.
+
+Resume: a run continued from the checkpoint of step k first drops the records of steps after k
+(`keep_steps_upto`: the dead run logged them, the resumed run logs them again), so metrics.jsonl
+holds each step once, and the logger's reward history starts from the kept records (the summary
+covers the whole run). The wandb sink resumes the same wandb run (its id is kept in
+`RUN_DIR/wandb_run_id`) instead of starting a second one.
 """
 
 from __future__ import annotations
@@ -11,8 +17,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import uuid
 from pathlib import Path
 from typing import Any, Protocol, TextIO
+
+
+METRICS_FILENAME = "metrics.jsonl"
+WANDB_ID_FILENAME = "wandb_run_id"  # RUN_DIR/wandb_run_id: the wandb run a resumed run continues
 
 
 class MetricSink(Protocol):
@@ -73,8 +84,11 @@ class WandbSink:
     def __init__(self, run_dir: Path, project: str, mode: str, config: dict[str, Any]) -> None:
         import wandb  # heavy; only when the sink is selected
 
-        self._run = wandb.init(project=project, mode=mode, dir=str(run_dir), config=config,
-                               settings=wandb.Settings(silent=True, console="off"))
+        id_file = run_dir / WANDB_ID_FILENAME
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
+        id_file.write_text(run_id + "\n")
+        self._run = wandb.init(project=project, mode=mode, dir=str(run_dir), config=config, id=run_id,
+                               resume="allow", settings=wandb.Settings(silent=True, console="off"))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self._run.log(metrics, step=step)
@@ -86,13 +100,16 @@ class WandbSink:
 class MetricLogger:
     """Fans step records out to the selected sinks and keeps the reward history for the summary."""
 
-    def __init__(self, sinks: list[MetricSink]) -> None:
+    def __init__(self, sinks: list[MetricSink], history: list[dict] = ()) -> None:
+        """history: the records of the run before a resume (`keep_steps_upto`), for the summary."""
         self._sinks = sinks
-        self.rewards: list[float] = []
+        self.rewards: list[float] = [float(r["reward/mean"]) for r in history if "reward/mean" in r]
+        self.last: dict[str, float] = next((r for r in reversed(history) if "reward/mean" in r), {})
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        if "reward/mean" in metrics:
+        if "reward/mean" in metrics:  # a training step (validation-only records have none)
             self.rewards.append(float(metrics["reward/mean"]))
+            self.last = {"step": step, **metrics}
         for s in self._sinks:
             s.log(step, metrics)
 
@@ -113,6 +130,25 @@ def reward_initial_final(rewards: list[float], fraction: float = 0.1) -> tuple[f
     return sum(vals[:k]) / k, sum(vals[-k:]) / k
 
 
+def keep_steps_upto(path: Path, step: int) -> list[dict]:
+    """Drop the records of `path` (JSON lines with a "step") after `step`, atomically; return those
+    kept. A missing file keeps nothing; a torn last line (a crash mid-write) is dropped."""
+    if not path.is_file():
+        return []
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and int(record.get("step", -1)) <= step:
+            kept.append(record)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return kept
+
+
 def build_sinks(names: list[str], run_dir: Path, total_steps: int, wandb_project: str,
                 wandb_mode: str, config: dict[str, Any]) -> list[MetricSink]:
     """Create the sinks named in `logger.sinks` (`wandb_mode` resolved by `resolve_wandb_mode`)."""
@@ -123,7 +159,7 @@ def build_sinks(names: list[str], run_dir: Path, total_steps: int, wandb_project
         if name == "console":
             sinks.append(ProgressSink(total_steps))
         elif name == "jsonl":
-            sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+            sinks.append(JsonlSink(run_dir / METRICS_FILENAME))
         elif name == "tensorboard":
             sinks.append(TensorBoardSink(run_dir / "tensorboard"))
         elif name == "wandb" and (mode := resolve_wandb_mode(wandb_mode, os.environ)) != "disabled":

@@ -3,9 +3,10 @@
 Schema validation (orchestrator/config/) reads values only; `preflight` then checks what the
 values point at, in this order: `model.path` is a Hugging Face model directory, `model.chat_template`
 a file, every row of the task's data files parses (the registry's row loader, orchestrator/tasks.py), `run_dir`
-is not a file and holds no earlier run unless resuming, the checkpoint to resume from is complete
-and leaves steps to train, with `rollout=aws` the AWS credentials and bucket
-(orchestrator/preflight_aws.py), and `run_dir` can be created (it is created here).
+is not a file and holds no earlier run unless resuming, the staging folders of interrupted checkpoint
+writes are removed, the checkpoint to resume from is complete and leaves steps to train, with
+`rollout=aws` the AWS credentials and bucket (orchestrator/preflight_aws.py), and `run_dir` can be
+created (it is created here).
 
 Raises ConfigError (orchestrator/config/errors.py) or CheckpointError (orchestrator/checkpoint.py),
 each message naming the config key or the file. Callers: orchestrator/main.py after `to_run_config`;
@@ -20,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.checkpoint import Checkpoint, CheckpointError
+from orchestrator.checkpoint import Checkpoint, CheckpointError, remove_staging
 from orchestrator.config import ConfigError, RunConfig
 from orchestrator.config.errors import check
 from orchestrator.run_checkpoint import find_resume_checkpoint
@@ -131,6 +132,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     check_task_data(cfg)
     check_run_dir(cfg)
     run_dir = Path(cfg.run_dir).resolve()
+    remove_staging(run_dir)  # half-written checkpoints of a run that died are never used
     ckpt = find_checkpoint(cfg, run_dir)
     if cfg.rollout.name == "aws":  # credentials, bucket, reachability (orchestrator/preflight_aws.py)
         from orchestrator.preflight_aws import check_aws

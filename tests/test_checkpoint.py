@@ -233,9 +233,9 @@ def test_trainer_resumes_weights_and_optimizer_exactly(tmp_path, checkpoint_tiny
     assert b.num_updates == 2
     fresh = checkpoint_trainers(ckpt.model_dir)  # weights only
 
-    a.update(batch(3))
-    b.update(batch(3))
+    ma, mb = a.update(batch(3)), b.update(batch(3))
     fresh.update(batch(3))
+    assert mb["actor/pg_loss"] == ma["actor/pg_loss"] and mb["actor/grad_norm"] == ma["actor/grad_norm"]  # the next step's loss
     wa, wb, wf = a.full_state_dict(), b.full_state_dict(), fresh.full_state_dict()
     for name in wa:
         torch.testing.assert_close(wb[name], wa[name], atol=1e-6, rtol=0, msg=name)

@@ -11,9 +11,7 @@ itself die without cleaning up, gets SIGTERM from the kernel (PR_SET_PDEATHSIG, 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
-import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -21,9 +19,10 @@ from typing import Mapping, Sequence
 
 import aiohttp
 
+from workers.embedded.pdeathsig import die_with_parent
+
 AGENT_STOP_GRACE_S = 5.0  # SIGTERM -> SIGKILL grace per agent process
 PING_TIMEOUT_S = 2.0  # one /ping probe
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def free_port() -> int:
@@ -38,14 +37,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Child-side: ask the kernel to SIGTERM us if the emulator dies (Linux only)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 @dataclass
@@ -92,7 +83,7 @@ async def start_agents(
             port = free_port()
             argv = [a.replace("{port}", str(port)) for a in agent_cmd]
             env = {**os.environ, **agent_env, "PORT": str(port)}
-            proc = await asyncio.create_subprocess_exec(*argv, env=env, preexec_fn=_die_with_parent)
+            proc = await asyncio.create_subprocess_exec(*argv, env=env, preexec_fn=die_with_parent)
             agents.append(AgentProcess(index=i, port=port, proc=proc))
         deadline = time.monotonic() + start_timeout_s
         for a in agents:

@@ -19,6 +19,11 @@ Invariant: every process this class started is gone after `stop()`, which runs o
 interpreter exit (atexit), and on any failure during `start()`; it is idempotent. Processes are
 stopped by PID: SIGTERM, then SIGKILL after `STOP_GRACE_S`. The emulator stops its own agents
 on SIGTERM, and its agents die with it if it is SIGKILLed (PR_SET_PDEATHSIG).
+
+Process lifetime: each server runs in its own session (a terminal's Ctrl-C reaches the driver
+only, which then stops rollouts and their ACR sessions while the servers still answer, and stops
+the servers last), and gets SIGTERM from the kernel when the process that started it dies, even
+by SIGKILL (PR_SET_PDEATHSIG, workers/embedded/pdeathsig.py); the emulator then stops its agents.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import boto3
 from workers.embedded.emulator_config import DEFAULT_RUNTIME_ARN, STATS_PATH
 from workers.embedded.emulator_sessions import EmulatorStats
 from workers.embedded.faults import FaultRates
+from workers.embedded.pdeathsig import die_with_parent
 from workers.embedded.ready_file import ServerNotReady, wait_ready_file
 
 STOP_GRACE_S = 10.0  # SIGTERM -> SIGKILL wait per process; the emulator needs it to stop agents
@@ -254,7 +260,8 @@ class LocalStack:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         self._commands.setdefault(name, (list(cmd), extra_env))
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True, preexec_fn=die_with_parent)
         self._procs.append((name, proc, log_path))
         self._history[name] = proc.pid
 

@@ -1,0 +1,242 @@
+"""Surviving the driver's death and stopping fast: the reaper, the interrupt guard, resume
+bookkeeping (metrics.jsonl, consumed prompts, cumulative counters, checkpoint staging) and the
+choice of Ray cluster. Pure logic and small real processes; the end-to-end checks are in
+tests/test_e2e.py (Ctrl-C) and tests/test_driver_kill.py (SIGKILL + resume)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from orchestrator.batching import RolloutLedger
+from orchestrator.checkpoint import RunState, load_latest, remove_staging, stage_checkpoint
+from orchestrator.config import ConfigError
+from orchestrator.metrics import MetricLogger, keep_steps_upto
+from orchestrator.prompts import PromptCycle
+from orchestrator.run_checkpoint import CONSUMED_FILENAME, LoopPosition, ResumablePrompts, RunCheckpointer, trim_after
+from orchestrator.staleness import AdmissionState
+from orchestrator.stopping import CANCEL_GRACE_S, Interrupts, RunInterrupted
+from stand_ins import FileTrainer, wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+ROWS = [{"input_id": f"p{i}", "prompt": "x"} for i in range(10)]
+
+# A stand-in driver: starts a server in its own session (as LocalStack does) whose child holds a
+# named semaphore (spawn-context multiprocessing leaves /dev/shm/sem.mp-* until finalized), leaves
+# a checkpoint staging folder, starts the real reaper, reports, then waits to be killed.
+FAKE_DRIVER = textwrap.dedent("""
+    import json, os, subprocess, sys, time
+    from pathlib import Path
+    from orchestrator.reaper import start_reaper
+    run_dir = Path(sys.argv[1])
+    (run_dir / "checkpoints" / ".step-00000002-staging-abc" / "model").mkdir(parents=True)
+    reaper = start_reaper(run_dir)
+    holder = ("import multiprocessing as mp, subprocess, sys, time; lock = mp.get_context('spawn').Lock(); "
+              "sub = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+              "print(lock._semlock.name, sub.pid, flush=True); time.sleep(600)")
+    server = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    sem, grandchild = server.stdout.readline().split()
+    print(json.dumps({"reaper": reaper.pid, "server": server.pid, "grandchild": int(grandchild), "sem": sem}),
+          flush=True)
+    time.sleep(600)
+""")
+
+
+def test_driver_killed_with_sigkill_takes_everything_it_started_with_it(tmp_path):
+    """Regression (issue 14): after `kill -9` of the driver, moto, the emulator and its agents kept
+    running and a /dev/shm/sem.mp-* stayed. The reaper kills every descendant it saw (a server in
+    its own session and that server's child included), unlinks the semaphore they mapped and
+    removes the checkpoint staging folder."""
+    driver = subprocess.Popen([sys.executable, "-c", FAKE_DRIVER, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        info = json.loads(driver.stdout.readline())
+        sem_path = Path("/dev/shm") / f"sem.{info['sem'].lstrip('/')}"
+        assert sem_path.exists()
+        time.sleep(1.5)  # let the reaper see the tree at least once (it scans every 0.5 s)
+        driver.kill()
+        driver.wait()
+        reaper = psutil.Process(info["reaper"])
+        reaper.wait(timeout=15)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    for name in ("server", "grandchild"):
+        assert wait_until(lambda: not _alive(info[name]), timeout_s=5), name
+    assert not sem_path.exists()
+    assert not list((tmp_path / "checkpoints").glob(".step-*"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+async def test_interrupt_stops_a_task_that_swallows_its_cancellation():
+    """Regression (issue 14): in async mode Ctrl-C was ignored in 3 of 5 tries: `asyncio.wait_for`
+    on Python 3.11 swallows a cancellation when the awaited future completes in the same turn, and
+    the loop ran to its last step. The guard cancels again when the first one did not end the task."""
+    interrupts = Interrupts()
+    interrupts.install()
+    swallowed = []
+
+    async def stubborn_loop():
+        while True:
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed.append(True)  # what wait_for did: the loop goes on
+
+    guarded = asyncio.ensure_future(interrupts.guard(stubborn_loop()))
+    await asyncio.sleep(0.05)
+    t0 = time.monotonic()
+    os.kill(os.getpid(), signal.SIGINT)
+    with pytest.raises(RunInterrupted, match="SIGINT"):
+        await asyncio.wait_for(guarded, 3 * CANCEL_GRACE_S)
+    assert swallowed and time.monotonic() - t0 < 2 * CANCEL_GRACE_S
+    assert interrupts.interrupted
+
+
+async def test_guard_returns_the_result_or_the_error_without_a_signal():
+    interrupts = Interrupts()
+    interrupts.install()
+    assert await interrupts.guard(asyncio.sleep(0, result=7)) == 7
+
+    async def boom():
+        raise ValueError("x")
+
+    with pytest.raises(ValueError):
+        await interrupts.guard(boom())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().remove_signal_handler(sig)
+
+
+def test_metrics_after_a_resume_hold_each_step_once(tmp_path):
+    """Regression (issue 14): after a resume metrics.jsonl had duplicate step lines and the
+    summary's rewards restarted. The records after the checkpoint's step are dropped (a torn last
+    line too) and the kept ones seed the logger's reward history."""
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": 0, "val/reward/mean": 0.1}] + [{"step": s, "reward/mean": s / 10} for s in (1, 2, 3, 4)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 5, "rew')
+    kept = keep_steps_upto(path, 2)
+    assert [r["step"] for r in kept] == [0, 1, 2]
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 1, 2]
+    logger = MetricLogger([], kept)
+    logger.log(3, {"reward/mean": 0.9, "policy_version": 3.0})
+    assert logger.rewards == [0.1, 0.2, 0.9] and logger.last["step"] == 3
+
+
+def test_cumulative_counters_continue_after_a_resume():
+    """The ledger's counters at a checkpoint exclude rollouts still open (their rows are dispatched
+    again on resume); a restored ledger continues from them."""
+    ledger = RolloutLedger()
+    for k in ("g0/s0", "g0/s1", "g1/s0"):
+        ledger.on_dispatched(k)
+    ledger.on_terminal("g0/s0", "completed")
+    ledger.on_terminal("g0/s1", "failed")
+    saved = ledger.settled_counts()
+    assert saved["rollout/dispatched"] == 2
+    resumed = RolloutLedger()
+    resumed.restore(saved)
+    resumed.on_dispatched("g5/s0")
+    resumed.on_terminal("g5/s0", "completed")
+    assert resumed.counts()["rollout/dispatched"] == 3 and resumed.counts()["rollout/completed"] == 2
+    with pytest.raises(ValueError, match="do not add up"):
+        RolloutLedger().restore({**saved, "rollout/dispatched": 3})
+
+
+async def test_checkpointer_records_consumed_prompts_and_counters(tmp_path):
+    prompts = ResumablePrompts(PromptCycle(ROWS, seed=1))
+    ledger = RolloutLedger()
+    ckpt = RunCheckpointer(tmp_path, FileTrainer(), prompts, save_freq=2, keep_last=2, counters=ledger.settled_counts)
+    for step in (1, 2, 3):
+        for row in prompts.next_rows(2):
+            prompts.on_group_rewards(row["input_id"], [1.0, 0.0])
+        await ckpt(LoopPosition(step, step, 2 * step, 2 * step))
+    records = [json.loads(x) for x in (tmp_path / CONSUMED_FILENAME).read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3] and all(len(r["input_ids"]) == 2 for r in records)
+    assert load_latest(tmp_path).state.counters == ledger.settled_counts()
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
+    assert [r["step"] for r in trim_after(tmp_path, 2)] == [1, 2]
+    assert [json.loads(x)["step"] for x in (tmp_path / CONSUMED_FILENAME).read_text().splitlines()] == [1, 2]
+
+
+def test_run_state_counters_round_trip_and_old_states_read():
+    state = RunState(step=1, policy_version=1, next_group_id=2, prompts=PromptCycle(ROWS, seed=0).state(),
+                     admission=AdmissionState(1, 2), counters={"rollout/dispatched": 8})
+    d = state.to_json()
+    assert RunState.from_json(d).counters == {"rollout/dispatched": 8}
+    assert RunState.from_json({k: v for k, v in d.items() if k != "counters"}).counters == {}
+
+
+def test_interrupted_checkpoint_writes_leave_no_staging_folder(tmp_path):
+    """Regression (issue 14): an interrupted checkpoint left a hidden staging folder with a full
+    model copy. `remove_staging` (reaper, next start's pre-flight) removes it; committed ones stay."""
+    with stage_checkpoint(tmp_path, 1) as stage:
+        stage.model_dir.mkdir()
+        (stage.model_dir / "config.json").write_text("{}")
+        stage.optimizer_path.write_bytes(b"x")
+        stage.commit(RunState(step=1, policy_version=1, next_group_id=0, prompts=PromptCycle(ROWS, seed=0).state(),
+                              admission=AdmissionState(1, 0)))
+    orphan = stage_checkpoint(tmp_path, 2)  # a driver killed mid-write never leaves the block
+    (orphan.model_dir).mkdir()
+    assert [p.name for p in remove_staging(tmp_path)] == [orphan.staging_dir.name]
+    assert not orphan.staging_dir.exists() and load_latest(tmp_path).state.step == 1
+
+
+def test_a_run_starts_its_own_ray_unless_told_to_join(monkeypatch):
+    """Regression (issue 14): with a `ray start` cluster on the machine, `make run` joined it
+    silently (and its rollouts failed). Only `cluster.address` or RAY_ADDRESS make a run join."""
+    from orchestrator.ray_cluster import ray_address
+    from stand_ins import compose_config
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert ray_address(compose_config()) == "local"
+    assert ray_address(compose_config(["cluster.address=10.0.0.1:6379"])) == "10.0.0.1:6379"
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    assert ray_address(compose_config()) == "10.0.0.2:6379"
+
+
+def test_a_dead_cluster_is_a_clear_error_not_a_hang():
+    """Regression (issue 14): a cluster that died without `ray stop` made ray.init hang for 10
+    minutes without a word. Nothing answering at the address is a config error naming the key."""
+    from orchestrator.ray_cluster import check_cluster_reachable
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"cluster.address: no Ray cluster answers at '127.0.0.1:\d+'"):
+        check_cluster_reachable(f"127.0.0.1:{port}", "cluster.address", timeout_s=2)
+    assert time.monotonic() - t0 < 3
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
+    """Regression (issue 14): a resume created a second wandb run. The sink keeps the run id in
+    run_dir/wandb_run_id and resumes it; offline, both parts are files of the same run id."""
+    from orchestrator.metrics import WANDB_ID_FILENAME, WandbSink
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for step in (1, 2):  # the first run, then the resumed one
+        sink = WandbSink(tmp_path, "p", "offline", {})
+        sink.log(step, {"reward/mean": 0.5})
+        sink.close()
+    run_id = (tmp_path / WANDB_ID_FILENAME).read_text().strip()
+    runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.endswith(f"-{run_id}") for r in runs)
