@@ -83,10 +83,30 @@ def check_run_dir(cfg: RunConfig) -> None:
     `trainer.resume_mode=auto` finds a checkpoint there to continue."""
     run_dir = Path(cfg.run_dir)
     check(not run_dir.exists() or run_dir.is_dir(), "run_dir", "exists and is not a directory", cfg.run_dir)
-    resuming = cfg.trainer.resume_mode == "auto" and (run_dir / "checkpoints" / "latest").is_file()
+    # resume_mode=auto continues from the checkpoint, or, when the run died before its first one,
+    # starts again from step 0 with the dead attempt's step files set aside (set_aside_attempt)
+    resuming = cfg.trainer.resume_mode == "auto"
     check(resuming or not (run_dir / "metrics.jsonl").exists(), "run_dir",
           "already holds a run (metrics.jsonl) and no checkpoint to resume from; choose a new run_dir "
           "(or resume one saved with trainer.save_freq > 0 using trainer.resume_mode=auto)", cfg.run_dir)
+
+
+ATTEMPT_FILES = ("metrics.jsonl", "consumed_prompts.jsonl", "summary.json", "report")
+
+
+def set_aside_attempt(run_dir: Path) -> Path | None:
+    """A run that died before its first checkpoint left step files but no weights to continue from:
+    move them to `run_dir/attempts/<n>/` (nothing is deleted) so the resumed run starts again from
+    step 0 with clean bookkeeping. Returns the folder, or None when there was nothing to set aside."""
+    present = [run_dir / name for name in ATTEMPT_FILES if (run_dir / name).exists()]
+    if not present or (run_dir / "checkpoints" / "latest").is_file():
+        return None
+    attempts = run_dir / "attempts"
+    dest = attempts / str(sum(1 for _ in attempts.iterdir()) if attempts.is_dir() else 0)
+    dest.mkdir(parents=True)
+    for path in present:
+        path.rename(dest / path.name)
+    return dest
 
 
 def find_checkpoint(cfg: RunConfig, run_dir: Path) -> Checkpoint | None:
@@ -134,6 +154,9 @@ def preflight(cfg: RunConfig) -> Preflight:
     run_dir = Path(cfg.run_dir).resolve()
     remove_staging(run_dir)  # half-written checkpoints of a run that died are never used
     ckpt = find_checkpoint(cfg, run_dir)
+    if ckpt is None and cfg.trainer.resume_mode == "auto" and (aside := set_aside_attempt(run_dir)) is not None:
+        print(f"run_dir held a run with no checkpoint to continue from (it died before its first one, or "
+              f"saved none): its step files are in {aside}; starting again from step 0", file=sys.stderr, flush=True)
     if cfg.rollout.name == "aws":  # credentials, bucket, reachability (orchestrator/preflight_aws.py)
         from orchestrator.preflight_aws import check_aws
 

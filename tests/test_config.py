@@ -102,6 +102,20 @@ def test_run_dir_of_an_earlier_run_or_a_file_is_refused(tmp_path):
         preflight(compose_config(run_dir=a_file))
 
 
+def test_auto_resume_of_a_run_that_died_before_its_first_checkpoint_starts_again_keeping_its_files(tmp_path):
+    """Regression (chaos run): a driver killed before its first checkpoint left metrics.jsonl and
+    no checkpoint, and `resume_mode=auto` was refused as "already holds a run"."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "consumed_prompts.jsonl").write_text('{"step": 1, "input_ids": ["a"]}\n')
+    pre = preflight(compose_config(["trainer.resume_mode=auto"], run_dir=tmp_path))
+    assert pre.checkpoint is None
+    assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "consumed_prompts.jsonl").exists()
+    assert (tmp_path / "attempts" / "0" / "metrics.jsonl").read_text() == '{"step": 1}\n'  # set aside, not lost
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')  # the second attempt died too
+    preflight(compose_config(["trainer.resume_mode=auto"], run_dir=tmp_path))
+    assert (tmp_path / "attempts" / "1" / "metrics.jsonl").is_file()
+
+
 # --- pre-flight: file-system checks after the (pure) schema validation ------------------------------
 
 @pytest.mark.parametrize(
