@@ -277,7 +277,8 @@ async def test_settings_module_imports_without_vllm_or_torch():
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(0.5, 1.0), (0.7, 1.0), (1.0, 1.0), (0.7, 0.9)])
-async def test_trainer_scores_the_distribution_the_engine_sampled_from(worker, tiny_model_dir, temperature, top_p):
+async def test_trainer_scores_the_distribution_the_engine_sampled_from(worker, tiny_model_dir, tmp_path, temperature,
+                                                                      top_p):
     """Regression (issue 12, item 9): at rollout.temperature=0.5 the engine's log-probs were of the
     tempered distribution and the trainer's of the untempered one (on-policy KL ~0.12, is_mean
     ~0.93). The trainer's scoring (workers/trainer/helpers.token_logprobs with the rollout's
@@ -285,6 +286,10 @@ async def test_trainer_scores_the_distribution_the_engine_sampled_from(worker, t
     from workers.core.algorithms.rollout_correction import offpolicy_metrics
     from workers.trainer.helpers import token_logprobs
 
+    # the module's engine may hold perturbed weights from an earlier test: load the tiny model's again
+    path = tmp_path / "tiny.safetensors"
+    save_file({k: v.contiguous() for k, v in _hf_model(tiny_model_dir).state_dict().items()}, str(path))
+    await asyncio.wait_for(worker.update_weights(str(path), worker.policy_version() + 1), T_TIMEOUT_S)
     prompts = [[1, 50 + i, 60, 70 + i] for i in range(8)]
     results = await asyncio.wait_for(asyncio.gather(*(
         worker.generate(_req(p, 32, temperature=temperature, top_p=top_p, seed=i)) for i, p in enumerate(prompts))),

@@ -121,7 +121,9 @@ def test_main_dry_run_exit_status(tmp_path, overrides, code, needle):
     assert not run_dir.exists()
 
 
-GPU_EXPERIMENTS = [n for n in EXPERIMENTS if not n.startswith("blog_")]  # the blog ones run on cluster=local
+# the experiments that name a GPU cluster (the blog ones and qwen3_random_gsm8k run on cluster=local)
+GPU_EXPERIMENTS = [n for n in EXPERIMENTS if "override /cluster:" in (CONFIGS / "experiment" / f"{n}.yaml").read_text()
+                   and "override /cluster: local" not in (CONFIGS / "experiment" / f"{n}.yaml").read_text()]
 
 
 @pytest.mark.parametrize("name", GPU_EXPERIMENTS)
