@@ -53,9 +53,11 @@ def quiet_console(run_dir: Path, console_level: str) -> Path:
 
 
 def quiet_library_loggers(level: int, to_file: logging.Handler | None = None) -> None:
-    """Loggers that keep their own console handlers (Ray's): console from `level`, all to the file."""
-    for name in ("ray",):
+    """Loggers that keep their own console handlers and levels (Ray's, vLLM's once imported):
+    console from `level`, everything from INFO to the file."""
+    for name in ("ray", "vllm"):
         lib = logging.getLogger(name)
+        lib.setLevel(min(lib.level or logging.INFO, logging.INFO))
         for h in lib.handlers:
             if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
                 h.setLevel(level)

@@ -36,6 +36,13 @@ from workers.trainer.shard import merge_rank_metrics, shard_batch
 from workers.weight_sync.rendezvous import StoreAddress, host_store, release_store
 
 
+PING_TIMEOUT_S = 5.0  # a rank that does not answer a no-op within this many seconds counts as alive
+
+
+def _noop(_self: Any) -> None:
+    return None
+
+
 class TrainerRankLost(RuntimeError):
     """A trainer rank's actor died (its process is gone: SIGKILL, OOM, preemption); `rank` names
     it. The other ranks may be blocked in a collective until `trainer.collective_timeout_s`; the
@@ -105,7 +112,24 @@ class TrainerGroup:
         except Exception as e:
             if actor_died(e):
                 raise TrainerRankLost(rank, e) from e
+            # a peer's death often reaches the survivors first, as a broken collective (gloo:
+            # "Connection reset by peer"): name the dead rank when there is one
+            if (dead := await self._dead_rank()) is not None:
+                raise TrainerRankLost(dead, e) from e
             raise
+
+    async def _dead_rank(self) -> int | None:
+        """The first rank whose no-op call fails with its actor's death within PING_TIMEOUT_S, else None."""
+        actors = [r for r in self.ranks if is_actor_method(getattr(r, "__ray_call__", None))]
+        if len(actors) != self.world_size:
+            return None
+        pings = [asyncio.ensure_future(call(r, "__ray_call__", _noop)) for r in self.ranks]
+        await asyncio.wait(pings, timeout=PING_TIMEOUT_S)
+        dead = next((i for i, p in enumerate(pings) if p.done() and not p.cancelled() and p.exception() is not None
+                     and actor_died(p.exception())), None)
+        for p in pings:
+            p.cancel()
+        return dead
 
     @_remote_method
     async def update(self, batch: TrainBatch) -> dict[str, float]:
