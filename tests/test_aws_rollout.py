@@ -73,7 +73,9 @@ def test_main_job_runs_with_rollout_aws_through_a_profile_and_endpoints(tmp_path
     import boto3
 
     run_dir = tmp_path / "run"
-    out = main(stack, run_dir, aws_env(tmp_path, stack), timeout_s=570)
+    # zero-variance groups kept: with 2 groups of 2 a tied group would be filtered (and a run that
+    # trains nothing exits 1), which made this test depend on the sampled rewards
+    out = main(stack, run_dir, aws_env(tmp_path, stack), "algorithm.filter_zero_variance=false", timeout_s=570)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rollout/completed"] == 4 and summary["rollout/failed"] == 0
