@@ -122,16 +122,23 @@ class Record:
 
     def alive(self) -> list[int]:
         """Recorded processes still running (same PID and start time, not a zombie)."""
-        ps = self._psutil
-        out = []
-        for pid, created in self.procs.items():
-            try:
-                p = ps.Process(pid)
-                if p.create_time() == created and p.status() != ps.STATUS_ZOMBIE:
-                    out.append(pid)
-            except ps.NoSuchProcess:
-                continue
-        return out
+        return still_running(self.procs.items())
+
+
+def still_running(procs) -> list[int]:
+    """PIDs of `procs` ((pid, create_time) pairs, create_time as psutil gives it) that still run the
+    same process (a reused PID has another start time) and are not zombies."""
+    import psutil
+
+    out = []
+    for pid, created in procs:
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return out
 
 
 def reap(record: Record, run_dir: Path | None) -> dict[str, int]:

@@ -47,6 +47,8 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from orchestrator.reaper import still_running  # noqa: E402  (the repo on sys.path first)
+
 KINDS = ("inference", "trainer", "rollout", "driver", "acr")
 ACTOR_TITLES = {"inference": "ray::InferenceWorker", "trainer": "ray::TrainerWorker", "rollout": "ray::RolloutActor"}
 LEFTOVER_WAIT_S = 15.0  # a killed driver's processes must be gone by then (seconds)
@@ -159,16 +161,6 @@ def checkpointed_step(run_dir: Path) -> int:
     return int(latest.read_text().strip().removeprefix("step-")) if latest.is_file() else 0
 
 
-def left_alive(tree: list[tuple[int, float]]) -> list[int]:
-    alive = []
-    for pid, created in tree:
-        try:
-            p = psutil.Process(pid)
-            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 def prompt_accounting(run_dir: Path, mode: str, num_prompts: int, seed: int) -> dict:
@@ -226,9 +218,9 @@ def one_run(i: int, kind: str, mode: str, args: argparse.Namespace, rng: random.
             rec["injected"] = killed["pid"] is not None
             if kind == "driver":
                 deadline = time.monotonic() + LEFTOVER_WAIT_S
-                while left_alive(killed["tree"]) and time.monotonic() < deadline:
+                while still_running(killed["tree"]) and time.monotonic() < deadline:
                     time.sleep(0.2)
-                rec["processes_left"] = len(left_alive(killed["tree"]))
+                rec["processes_left"] = len(still_running(killed["tree"]))
                 rec["staging_left"] = len(list((run_dir / "checkpoints").glob(".step-*")))
             code = job.wait_exit(args.run_timeout_s) if kind != "driver" else -9
             while code != 0 and resumed < 2:

@@ -81,16 +81,10 @@ def _snapshot(pid: int) -> tuple[list[tuple[int, float]], set[int]]:
 
 def _left_behind(tree: list[tuple[int, float]], shm: set[int], timeout_s: float) -> tuple[list[int], list[str]]:
     """Processes of `tree` still alive and /dev/shm entries with an inode of `shm` after `timeout_s`."""
+    from orchestrator.reaper import still_running
+
     def alive() -> list[int]:
-        out = []
-        for pid, created in tree:
-            try:
-                p = psutil.Process(pid)
-                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        return out
+        return still_running(tree)
 
     deadline = time.monotonic() + timeout_s
     while alive() and time.monotonic() < deadline:
