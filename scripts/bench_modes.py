@@ -19,6 +19,12 @@ session-creation rate and the cluster-wide limiter), which a user asks AWS for a
 
 `--report` overlays the four runs in one set of plots (orchestrator/report.py) with a table of
 their headline figures; README shows the images of the committed run.
+
+`--validate` checks the simulator (orchestrator/sim/) against this run of the bench: it fits a
+workload from ONE of its runs (`--fit-from`, default sync_1) with scripts/workload_from_run.py,
+simulates the four configurations on that workload (one shared CPU machine, `cluster=local`, the
+same steps left out) without refitting, and prints measured against predicted throughput, trained
+(generated) tokens and trained samples per minute, with the error of each.
 """
 
 from __future__ import annotations
@@ -67,11 +73,16 @@ def _figures(name: str, args: argparse.Namespace, run_dir: Path, wall_s: float) 
     summary = json.loads((run_dir / "summary.json").read_text())
     loop_s = sum(s["timing_s/step"] for s in steps)
     tokens = sum(s.get("perf/trained_tokens", 0.0) for s in steps)
+    n = _group_size(run_dir)
+    base = all_steps[args.warmup_steps - 1] if args.warmup_steps else {}
+    samples = n * (all_steps[-1].get("rollout/trained_groups", 0.0) - base.get("rollout/trained_groups", 0.0))
     masked = [s.get("rollout_corr/rollout_rs_masked_fraction", 0.0) for s in steps]
     return {
         "config": name,
         "trained_tokens_per_min": 60.0 * tokens / loop_s if loop_s > 0 else 0.0,
         "steps_per_min": 60.0 * len(steps) / loop_s if loop_s > 0 else 0.0,
+        "trained_samples_per_min": 60.0 * samples / loop_s if loop_s > 0 else 0.0,
+        "tokens_per_sample": tokens / samples if samples else math.nan,
         "step_s_mean": loop_s / len(steps) if steps else math.nan,
         "wait_for_batch_s_mean": _mean([s.get("timing_s/wait_for_batch", s.get("timing_s/gen", math.nan)) for s in steps]),
         "update_s_mean": _mean([s.get("timing_s/update_actor", math.nan) for s in steps]),
@@ -85,6 +96,57 @@ def _figures(name: str, args: argparse.Namespace, run_dir: Path, wall_s: float) 
         "wall_s": wall_s,
         "rollouts": summary["rollout/dispatched"],
     }
+
+
+def _group_size(run_dir: Path) -> int:
+    import yaml
+
+    return int(yaml.safe_load((run_dir / "config.yaml").read_text())["rollout"]["n"])
+
+
+def validate(rows: list[dict], work: Path, args: argparse.Namespace) -> list[dict]:
+    """Fit a workload from the `--fit-from` run, simulate every configuration of `rows` on it (one
+    shared CPU machine, as cluster=local), return measured vs predicted per configuration."""
+    sys.path[:0] = [str(REPO), str(REPO / "scripts")]
+    import yaml
+    from dataclasses import replace
+
+    from orchestrator.sim.run import CONFIGS as SIM_CONFIGS, simulate
+    from orchestrator.sim.workload import parse_workload
+    from workload_from_run import fit
+
+    raw = fit(work / args.fit_from, prompt_tokens=args.prompt_tokens, kv_tokens=1_000_000,
+              warmup_steps=args.warmup_steps)
+    (work / "fitted_workload.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    w = parse_workload(raw, str(work / "fitted_workload.yaml"))
+    out = []
+    for r in rows:
+        sc = replace(SIM_CONFIGS[r["config"]], gpus=1, colocated=True, sleeps=False)
+        f = simulate(w, sc, hours=args.sim_hours, seed=args.seed, warmup_steps=args.warmup_steps)
+        row = {"config": r["config"], "fitted_from": args.fit_from}
+        for key, sim_key in (("trained_tokens_per_min", "generated_tokens_per_min"),
+                             ("trained_samples_per_min", "trained_samples_per_min")):
+            row[f"measured_{key}"], row[f"predicted_{key}"] = r[key], f[sim_key]
+            row[f"error_{key}"] = f[sim_key] / r[key] - 1 if r[key] else math.nan
+        row |= {"measured_step_s": r["step_s_mean"], "predicted_step_s": f["step_s_mean"],
+                "measured_concurrency": r["inference_concurrency"], "predicted_concurrency": f["inference_concurrency"],
+                "measured_tokens_per_sample": r["tokens_per_sample"]}
+        out.append(row)
+    return out
+
+
+def print_validation(out: list[dict], args: argparse.Namespace) -> None:
+    print(f"\nvalidation: workload fitted from the {args.fit_from} run (fitted_workload.yaml in the runs dir), "
+          f"simulated {args.sim_hours} h per configuration")
+    head = ("config", "tok/min meas", "tok/min sim", "error", "samp/min meas", "samp/min sim", "error",
+            "step_s meas", "step_s sim")
+    print(" | ".join(f"{h:>13}" for h in head))
+    for v in out:
+        cells = (v["config"], f"{v['measured_trained_tokens_per_min']:.0f}", f"{v['predicted_trained_tokens_per_min']:.0f}",
+                 f"{100 * v['error_trained_tokens_per_min']:+.1f} %", f"{v['measured_trained_samples_per_min']:.0f}",
+                 f"{v['predicted_trained_samples_per_min']:.0f}", f"{100 * v['error_trained_samples_per_min']:+.1f} %",
+                 f"{v['measured_step_s']:.2f}", f"{v['predicted_step_s']:.2f}")
+        print(" | ".join(f"{c:>13}" for c in cells))
 
 
 def main() -> None:
@@ -102,13 +164,20 @@ def main() -> None:
     ap.add_argument("--runs-dir", "--keep-runs", type=Path, help="keep each configuration's run dir here (for "
                     "scripts/workload_from_run.py; default: a temporary dir); a configuration whose run dir there holds a summary.json is not run again")
     ap.add_argument("--report", type=Path, help="write the comparison report (PNG plots + report.html) here")
+    ap.add_argument("--validate", action="store_true",
+                    help="fit a workload from one run and compare the simulator's predictions with all four")
+    ap.add_argument("--fit-from", default="sync_1", choices=CONFIGS, help="--validate: the run the workload is fitted from")
+    ap.add_argument("--prompt-tokens", type=float, default=40.0, help="--validate: prompt tokens per rollout (not logged)")
+    ap.add_argument("--sim-hours", type=float, default=0.1, help="--validate: simulated hours per configuration")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every configuration")
     args = ap.parse_args()
     names = [c for c in args.configs.split(",") if c]
     unknown = sorted(set(names) - set(CONFIGS))
     if unknown:
         ap.error(f"unknown configuration(s) {unknown}; choose from {list(CONFIGS)}")
-    rows = []
+    if args.validate and args.fit_from not in names:
+        ap.error(f"--fit-from {args.fit_from} is not among --configs {names}")
+    rows, checks = [], []
     with tempfile.TemporaryDirectory(prefix="bench-modes-") as tmp:
         work = args.runs_dir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -121,6 +190,8 @@ def main() -> None:
 
             html, plots = build_report([work / n for n in names], args.report, warmup_steps=args.warmup_steps)
             print(f"report: {html} ({len(plots)} plots)")
+        if args.validate:
+            checks = validate(rows, work, args)
     base = next((r for r in rows if r["config"] == "sync_1"), rows[0])
     for r in rows:
         r["speedup"] = r["trained_tokens_per_min"] / base["trained_tokens_per_min"] if base["trained_tokens_per_min"] else math.nan
@@ -135,9 +206,12 @@ def main() -> None:
                  f"{r['reward_initial']:.2f}->{r['reward_final']:.2f}", f"{r['speedup']:.2f}x",
                  f"{r['speedup_steps']:.2f}x")
         print(" | ".join(f"{c:>12}" for c in cells))
+    if checks:
+        print_validation(checks, args)
     if args.out:
         args.out.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k != "out"}
-                                        | {"out": str(args.out)}, "results": rows}, indent=2, default=str) + "\n")
+                                        | {"out": str(args.out)}, "results": rows, "validation": checks},
+                                       indent=2, default=str) + "\n")
         print(f"wrote {args.out}")
 
 

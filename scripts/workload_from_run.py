@@ -4,24 +4,36 @@
 
 Reads `config.yaml` (batch, group size, sync_every, ACR session rate, filtering), `metrics.jsonl`
 (per step: rollouts, gateway turns, generated tokens, timings, latency p50/max, inference
-concurrency) and `summary.json`. What it fits, and from what:
+concurrency) and the ACR task records (`logs/emulator.log`, when the run used the emulator).
+Best fitted from a sync run: its phases do not overlap, so each time below is seen alone. What it
+fits, and from what (the first `--warmup-steps` steps, engine warm-up, are skipped):
 
 - turns per rollout: gateway turns served / rollouts dispatched (a constant);
-- agent tokens per turn: trained (loss-mask) tokens / trained samples / turns (a constant);
-  (trained samples: `rollout/step_completed`, filtered groups excluded)
-- environment time per rollout: a log-normal whose median is the rollout latency p50 minus the
-  rollout's engine time, and whose shape puts the step's slowest rollout at its expected rank
-  (max / p50 = exp(σ·z), z the normal quantile of 1 - 1/(n+1)); spread over the turns' gaps, or
-  all at the end for one-turn agents;
+- agent tokens per turn: trained (loss-mask) tokens / trained samples / turns, drawn uniform on
+  [g, g + 1) so that whole tokens average g;
 - engine step time: Little's law at the gateway (concurrency × generation time / turns = seconds a
-  turn spends at the engine), divided by its tokens; per-sequence growth set to 1/16 of it
+  turn spends at the gateway), divided by its tokens; per-sequence growth set to 1/16 of it
   (a batch of 16 doubles a CPU step, assumed, not fitted);
-- trainer: update seconds = fixed + per-sample slope (least squares over steps);
+- a constant time per rollout (one-turn agents): the rollout latency p50 less the agent's task
+  time p50 (ACR's invoke and result pickup), plus the agent's own time outside its model call
+  (its 5 % fastest tasks less their gateway time);
+- environment time: a log-normal whose median is the latency p50 less the engine and constant
+  times, and whose shape puts a step's slowest rollout (mean over steps) at the expected maximum
+  of its n rollouts (Blom's z); before the model call for one-turn agents, between turns else;
+- trainer: update seconds = fixed + per-token slope (least squares over updates; all fixed
+  when the slope is not significant);
 - weight sync: its mean seconds (model_bytes / bandwidth gives exactly that);
-- reward: Beta(2p, 2(1-p)) with p the run's mean reward (the share of groups filtered follows).
+- filtering: the share of zero-variance groups (`agent.constant_reward_fraction`), as measured;
+- the machine (`machine:`): its cores (`cluster.num_cpus`, else this machine's), the inference
+  side taken to keep all of them busy while it decodes (assumed: vLLM's CPU engine threads, the
+  gateway and the agents), so a trainer update overlapping decoding slows both by
+  cores / (cores + 1) (orchestrator/sim/machine.py); the sample store's round trip (a sync step's
+  time outside generation, update and weight sync) and its read time per sample (a sync step's
+  generation after its slowest rollout).
 
 Not in a run's files, so given as flags: prompt tokens (`--prompt-tokens`) and KV capacity
-(`--kv-tokens`; the tiny model never binds it). The first `--warmup-steps` steps are skipped.
+(`--kv-tokens`; the tiny model never binds it). `batch.prompts_per_step` keeps the run's
+`rollout.batch_size` per weight sync for every `sync_every`, as the product's configurations do.
 The result is a workload with no calibration (scales 1).
 """
 
@@ -30,6 +42,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -47,6 +61,62 @@ def _normal_quantile(p: float) -> float:
     return statistics.NormalDist().inv_cdf(p)
 
 
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))]
+
+
+def agent_durations(run_dir: Path) -> dict[str, tuple[int, float]]:
+    """session id -> (group id, seconds the agent's task ran), from the ACR emulator's log
+    (`logs/emulator.log`: the runtime's "Async task completed ... Duration: Xs" records). Empty
+    when the run has no such log (a run on AWS)."""
+    log = run_dir / "logs" / "emulator.log"
+    out: dict[str, tuple[int, float]] = {}
+    if not log.is_file():
+        return out
+    for line in log.read_text(errors="replace").splitlines():
+        if not line.startswith("{") or "Async task completed" not in line:
+            continue
+        try:
+            rec = json.loads(line)
+            sid = rec["sessionId"]
+            dur = float(re.search(r"Duration: ([0-9.]+)s", rec["message"]).group(1))  # type: ignore[union-attr]
+            gid = int(re.search(r"-g(\d+)-s\d+-", sid).group(1))  # type: ignore[union-attr]
+        except (ValueError, KeyError, AttributeError):
+            continue
+        out[sid] = (gid, dur)
+    return out
+
+
+def fit_env(p50: float, mx: float, n: float, engine_s: float, const_s: float) -> tuple[float, float]:
+    """(median, sigma) of the log-normal environment time of rollouts whose latency is
+    `const_s + engine_s + env`: the median rollout's latency is `p50`, and the slowest of the `n`
+    rollouts of a step (mean latency `mx` over steps) sits at the expected maximum of n normal
+    draws, z = Φ⁻¹((n - 0.375) / (n + 0.25)) (Blom): mx - const - engine = median · exp(σ·z)."""
+    median = max(1e-3, p50 - engine_s - const_s)
+    z = _normal_quantile((n - 0.375) / (n + 0.25))
+    return median, max(0.0, math.log(max(mx - engine_s - const_s, median) / median) / z) if z > 0 else 0.0
+
+
+def fit_update(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(fixed_s, seconds per trained token) of update time = fixed + slope · tokens, by least
+    squares over updates. A per-token part only where the data show one: when the slope is not
+    significant (below 2 standard errors, or not positive) the time is all fixed (its mean);
+    when the intercept comes out negative the line goes through 0."""
+    mean_y = statistics.fmean(ys)
+    if len(set(xs)) < 2 or len(xs) < 3:
+        return mean_y, 0.0
+    slope, fixed = statistics.linear_regression(xs, ys)
+    mx = statistics.fmean(xs)
+    resid = sum((y - fixed - slope * x) ** 2 for x, y in zip(xs, ys)) / (len(xs) - 2)
+    se = math.sqrt(resid / sum((x - mx) ** 2 for x in xs))
+    if slope <= 2 * se:
+        return mean_y, 0.0
+    if fixed < 0:
+        return 0.0, mean_y / mx
+    return fixed, slope
+
+
 def fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: int) -> dict:
     """The workload mapping fitted from `run_dir` (see the module docstring). Raises ValueError
     when the run has too few steps or lacks a metric the fit needs (the message names it)."""
@@ -59,40 +129,64 @@ def fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: in
                 "perf/inference_concurrency"):
         if not any(key in r for r in rows):
             raise ValueError(f"{run_dir}/metrics.jsonl: no {key!r} (a run of this product logs it)")
+    roll, mode = cfg["rollout"], cfg["mode"]
+    sync = mode.get("name") == "sync"
     use = rows[warmup_steps:]
     prev = rows[warmup_steps - 1] if warmup_steps else {}
-    dispatched = use[-1]["rollout/dispatched"] - prev.get("rollout/dispatched", 0.0)
-    completed = use[-1]["rollout/completed"] - prev.get("rollout/completed", 0.0)
-    turns_total = use[-1]["gateway/turns_served"] - prev.get("gateway/turns_served", 0.0)  # cumulative count
+
+    def grown(key: str) -> float:  # a cumulative counter's growth over the steps used
+        return use[-1].get(key, 0.0) - prev.get(key, 0.0)
+
+    dispatched, completed, filtered = grown("rollout/dispatched"), grown("rollout/completed"), grown("rollout/filtered")
+    turns_total = grown("gateway/turns_served")
     turns = max(1.0, turns_total / max(1.0, dispatched))
-    trained = sum(r.get("rollout/step_completed", 0.0) for r in use) or completed  # samples trained (sync)
+    n = int(roll["n"])
+    trained = (sum(r.get("rollout/step_completed", 0.0) for r in use)  # samples trained (sync logs it)
+               or n * grown("rollout/trained_groups") or completed)
     gen_per_turn = max(1.0, sum(r.get("actor/num_tokens", 0.0) for r in use) / max(1.0, trained) / turns)
     gen_s = sum(r.get("timing_s/wait_for_batch", r.get("timing_s/gen", 0.0)) for r in use)
     conc = statistics.fmean(r["perf/inference_concurrency"] for r in use)
-    turn_s = conc * gen_s / max(1.0, turns_total)  # seconds a turn spends at the engine
+    turn_s = conc * gen_s / max(1.0, turns_total)  # seconds a turn spends at the gateway (Little's law)
     step_base = turn_s / gen_per_turn / (1 + conc / CPU_BATCH_DOUBLING)
-    per_rollout = max(1.0, dispatched / len(use))
     p50 = statistics.median(r["rollout/latency_s_p50"] for r in use if "rollout/latency_s_p50" in r)
-    mx = statistics.median(r["rollout/latency_s_max"] for r in use if "rollout/latency_s_max" in r)
-    env_median = max(1e-3, p50 - turns * turn_s)
-    z = _normal_quantile(1 - 1 / (per_rollout + 1))
-    sigma = max(0.0, math.log(max(mx - turns * turn_s, env_median) / env_median) / z) if z > 0 else 0.0
-    upd = [(r.get("rollout/step_completed", completed / len(use)), r["timing_s/update_actor"]) for r in use
-           if "timing_s/update_actor" in r]
-    xs, ys = [u[0] for u in upd], [u[1] for u in upd]
-    if len(set(xs)) > 1:
-        slope, fixed = statistics.linear_regression(xs, ys)
+    mx = statistics.fmean(r["rollout/latency_s_max"] for r in use if "rollout/latency_s_max" in r)
+    one_turn = turns <= 1.5
+    # constant per rollout: ACR's invoke and result pickup (latency outside the agent's task, from
+    # the ACR records) and the agent's own work besides its model call (its fastest tasks, the 5th
+    # percentile, less their time at the gateway); the rest of the latency is the environment
+    first_gid = warmup_steps * int(roll["batch_size"]) if sync else 0
+    durations = sorted(d for g, d in agent_durations(run_dir).values() if g >= first_gid)
+    const_s = 0.0
+    if one_turn and len(durations) >= 20:
+        const_s = max(0.0, p50 - statistics.median(durations)) + max(0.0, _quantile(durations, 0.05) - turn_s)
+        env_source = f"rollout latency p50 / max per step; constant part from {len(durations)} ACR task records"
     else:
-        slope, fixed = statistics.fmean(ys) / max(1.0, statistics.fmean(xs)), 0.0
-    slope, fixed = max(slope, 1e-6), max(fixed, 0.0)
-    env_tokens = 0.0
-    traj = prompt_tokens + turns * gen_per_turn + (turns - 1) * env_tokens
+        env_source = "rollout latency p50 / max per step"
+    env_median, sigma = fit_env(p50, mx, max(1.0, dispatched / len(use)), turns * turn_s, const_s)
+    traj_per_sample = prompt_tokens + turns * gen_per_turn
+    k = int(mode.get("sync_every", 1))  # optimizer updates per step, each of 1 / k of its samples
+    samples_per_step = trained / len(use)
+    upd = [((r.get("rollout/step_completed", samples_per_step) * prompt_tokens + r["actor/num_tokens"]) / k,
+            r["timing_s/update_actor"] / k) for r in use if "timing_s/update_actor" in r and "actor/num_tokens" in r]
+    fixed, per_token = fit_update([u[0] for u in upd], [u[1] for u in upd])
     sync_s = statistics.fmean(r.get("timing_s/update_weights", 0.0) for r in use)
-    roll, mode = cfg["rollout"], cfg["mode"]
+    # the sample store (a Ray actor): a sync step's time outside generation, update and weight sync
+    # is one `clear` (a round trip); its generation ends with one read of the step's samples after
+    # the slowest rollout (read time less a round trip, per sample)
+    rpc_s = sample_s = 0.0
+    if sync:
+        rpc_s = max(0.0, statistics.median(r["timing_s/step"] - r.get("timing_s/gen", 0.0)
+                                           - r.get("timing_s/update_actor", 0.0)
+                                           - r.get("timing_s/update_weights", 0.0) for r in use))
+        per_step = dispatched / len(use)
+        sample_s = max(0.0, statistics.median(r.get("timing_s/gen", 0.0) - r["rollout/latency_s_max"] - rpc_s
+                                              for r in use if "rollout/latency_s_max" in r) / per_step)
+    constant = filtered / max(1.0, completed + filtered)  # zero-variance groups' share
     reward = statistics.fmean(r["reward/mean"] for r in use if not math.isnan(r.get("reward/mean", math.nan)))
     p = min(0.95, max(0.05, reward))
-    one_turn = turns <= 1.5
     env = {"dist": "lognormal", "median": env_median / (1 if one_turn else turns - 1), "sigma": round(sigma, 4)}
+    const0 = {"dist": "const", "value": 0.0}
+    cores = float(cfg.get("cluster", {}).get("num_cpus") or os.cpu_count() or 1)
     return {
         "name": f"fitted_{run_dir.name}",
         "engine": {"kv_tokens_per_replica": kv_tokens, "gpus_per_replica": 1,
@@ -101,23 +195,32 @@ def fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: in
                    "prefill_s_per_token": 0.0},
         "agent": {"prompt_tokens": {"dist": "const", "value": prompt_tokens},
                   "turns": {"dist": "const", "value": round(turns, 3)},
-                  "agent_tokens_per_turn": {"dist": "const", "value": round(gen_per_turn, 3)},
-                  "env_tokens_per_turn": {"dist": "const", "value": env_tokens},
-                  "env_time_s": {"dist": "const", "value": 0.0} if one_turn else env,
-                  "final_time_s": env if one_turn else {"dist": "const", "value": 0.0},
-                  "cold_start_s": {"dist": "const", "value": 0.0},
+                  # the agent truncates a draw to whole tokens: uniform on [g, g + 1) has mean g after it
+                  "agent_tokens_per_turn": {"dist": "uniform", "low": round(gen_per_turn, 3),
+                                            "high": round(gen_per_turn + 1, 3)},
+                  "env_tokens_per_turn": {"dist": "const", "value": 0.0},
+                  # one turn: the environment before the model call (as the cold start), the ACR
+                  # round trip after it; more turns: the environment between them
+                  "env_time_s": const0 if one_turn else env,
+                  "final_time_s": {"dist": "const", "value": const_s} if one_turn else const0,
+                  "cold_start_s": env if one_turn else const0,
                   "max_context_tokens": int(roll.get("max_context_tokens", 512)),
                   "session_rate_per_s": float(roll.get("acr", {}).get("session_rate_per_s", 25.0)),
-                  "reward_beta": [2 * p, 2 * (1 - p)]},
-        "trainer": {"tokens_per_s_per_gpu": traj / slope, "fixed_s": fixed},
+                  "reward_beta": [2 * p, 2 * (1 - p)],
+                  "constant_reward_fraction": round(constant, 4)},
+        "trainer": {"tokens_per_s_per_gpu": 1.0 / per_token if per_token > 0 else 1e12, "fixed_s": fixed},
         "weight_sync": {"model_bytes": 1.0, "bandwidth_bytes_per_s": 1.0 / max(sync_s, 1e-6), "reload_s": 0.0,
                         "sleep_s": 0.0, "wake_s": 0.0},
         "batch": {"prompts_per_mini_batch": int(roll["batch_size"]) // int(mode.get("sync_every", 1)),
-                  "n": int(roll["n"]), "reference_gpus": 1},
+                  "prompts_per_step": int(roll["batch_size"]),  # rollout.batch_size: per weight sync
+                  "n": n, "reference_gpus": 1},
         "algorithm": {"filter_zero_variance": bool(cfg.get("algorithm", {}).get("filter_zero_variance", True))},
+        "machine": {"cores": cores, "rollout_cores": cores, "store_rpc_s": rpc_s, "store_sample_s": sample_s},
         "calibration": {"engine_time_scale": 1.0, "env_time_scale": 1.0, "fitted_from": str(run_dir),
+                        "env_source": env_source,
                         "measured": {"inference_concurrency": conc, "rollout_latency_p50_s": p50,
-                                     "turns_per_rollout": turns}},
+                                     "turns_per_rollout": turns, "gateway_s_per_turn": turn_s,
+                                     "trajectory_tokens_per_sample": traj_per_sample}},
     }
 
 

@@ -4,7 +4,9 @@ that a simulated run executes the product's own loop code (not a copy)."""
 
 import asyncio
 import json
+import math
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -277,7 +279,7 @@ def test_workload_from_run_fits_turns_tokens_and_trainer_from_a_runs_files(tmp_p
     rows = []
     for step in range(1, 7):
         done = 8 if step % 2 else 6
-        rows.append({"step": step, "timing_s/step": 2.0, "timing_s/gen": 1.5, "timing_s/update_actor": 0.5 + 0.01 * done,
+        rows.append({"step": step, "timing_s/step": 2.3, "timing_s/gen": 1.5, "timing_s/update_actor": 0.5 + 0.01 * done,
                      "timing_s/update_weights": 0.1, "rollout/dispatched": 8.0 * step, "rollout/completed": 8.0 * step,
                      "rollout/step_completed": float(done), "gateway/turns_served": 16.0 * step,
                      "actor/num_tokens": 10.0 * done, "rollout/latency_s_p50": 1.0, "rollout/latency_s_max": 1.4,
@@ -285,9 +287,12 @@ def test_workload_from_run_fits_turns_tokens_and_trainer_from_a_runs_files(tmp_p
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     raw = fit(tmp_path, prompt_tokens=40, kv_tokens=100_000, warmup_steps=2)
     w = parse_workload(raw)
-    assert w.agent.turns.value == 2.0 and w.agent.agent_tokens_per_turn.value == 5.0  # 16 turns / 8; 10 per trained sample / 2
-    assert w.trainer["fixed_s"] == pytest.approx(0.5) and w.batch == {"prompts_per_mini_batch": 2, "n": 4,
-                                                                        "reference_gpus": 1}
+    assert w.agent.turns.value == 2.0  # 16 turns / 8
+    assert w.agent.agent_tokens_per_turn.mean() == 5.5  # uniform on [5, 6): 5 whole tokens on average
+    assert w.trainer["fixed_s"] == pytest.approx(0.5) and w.batch == {"prompts_per_mini_batch": 2, "prompts_per_step": 2,
+                                                                        "n": 4, "reference_gpus": 1}
+    # the store's round trip: a step's 2.3 s less generation, update (0.56 or 0.58 s) and weight sync
+    assert w.machine["store_rpc_s"] == pytest.approx(2.3 - 1.5 - 0.1 - 0.57, abs=0.011)
 
 
 @pytest.mark.parametrize("overrides,key", [(["rollout.concurrency=adaptive"], "rollout.concurrency"),
@@ -308,3 +313,86 @@ def test_adaptive_concurrency_config_builds_the_policy():
 
     cfg = compose_config(["mode=async", "rollout.concurrency=adaptive", "rollout.adaptive.kv_target=0.6"])
     assert cfg.rollout.concurrency == "adaptive" and concurrency_policy(cfg.rollout).kv_target == 0.6
+
+
+# --- one shared CPU machine (cluster=local) -----------------------------------------------------
+
+
+def test_share_speed_slows_jobs_only_when_they_want_more_cores_than_there_are():
+    from orchestrator.sim.machine import share_speed
+
+    assert share_speed(2, [1.0]) == 1.0 and share_speed(2, [1.0, 1.0]) == 1.0
+    assert share_speed(2, [1.0, 2.0]) == pytest.approx(2 / 3)
+
+
+def test_a_trainer_update_and_decoding_slow_each_other_on_a_shared_machine():
+    """2 cores, the engine wants 2: an update overlapping decoding runs at 2/3 speed, and so does
+    the engine; alone, each runs at full speed."""
+    from orchestrator.sim.machine import MachineSpec, SharedCpu
+
+    spec = EngineSpec(kv_tokens=100_000, max_num_seqs=16, step_base_s=0.01, step_per_seq_s=0.0,
+                      prefill_s_per_token=0.0, gpus=1)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        r = SimReplica(loop, spec)
+        cpu = SharedCpu(loop, MachineSpec(cores=2, rollout_cores=2), [r])
+        r.on_busy_change = cpu.engine_changed
+        alone = await cpu.run(1.0)
+        done = []
+        r.submit(Request(10, 300, CacheOwner(), lambda q: done.append(loop.time())))  # 3 s of decoding alone
+        t0 = loop.time()
+        overlapped = await cpu.run(1.0)
+        while not done:
+            await asyncio.sleep(0.01)
+        return alone, overlapped, done[0] - t0
+
+    (alone, overlapped, decode_s), _ = run_virtual(main)
+    assert alone == pytest.approx(1.0)
+    assert overlapped == pytest.approx(1.5)  # 1 s of work at 2/3 speed
+    assert decode_s == pytest.approx(1.5 + (3.0 - 1.0), abs=0.02)  # 1 s of decoding done while slowed
+
+
+def test_fit_update_keeps_a_per_token_part_only_where_the_data_show_one():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from workload_from_run import fit_env, fit_update
+
+    xs = [100.0, 200.0, 300.0, 400.0, 500.0]
+    assert fit_update(xs, [0.5 + 0.001 * x for x in xs]) == pytest.approx((0.5, 0.001))
+    fixed, slope = fit_update(xs, [0.5, 0.4, 0.6, 0.45, 0.55])  # noise, no trend
+    assert slope == 0.0 and fixed == pytest.approx(0.5)
+    median, sigma = fit_env(p50=1.0, mx=0.5 + 0.5 * math.e, n=32, engine_s=0.2, const_s=0.3)
+    z = statistics.NormalDist().inv_cdf((32 - 0.375) / (32 + 0.25))
+    assert median == pytest.approx(0.5) and sigma == pytest.approx(1 / z)
+
+
+def test_agent_durations_read_the_acr_task_records(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from workload_from_run import agent_durations
+
+    (tmp_path / "logs").mkdir()
+    rec = {"message": "Async task completed: letters_rollout (ID: 1, Duration: 0.42s)",
+           "sessionId": "exp-sync_1-g7-s3-abc"}
+    (tmp_path / "logs" / "emulator.log").write_text(
+        "ACR emulator ready\n" + json.dumps(rec) + "\n2026-12-01 plain line Duration: 9s\n")
+    assert agent_durations(tmp_path) == {"exp-sync_1-g7-s3-abc": (7, 0.42)}
+
+
+def test_a_fixed_batch_per_step_is_split_into_sync_every_mini_batches_and_filtering_follows_the_fit():
+    """`batch.prompts_per_step` (a fitted run's rollout.batch_size) keeps the groups per weight
+    sync, as the product does; `constant_reward_fraction` sets the share of filtered groups."""
+    from orchestrator.sim.run import layout
+
+    raw = json.loads(json.dumps(load_workload("gsm8k_tools").__dict__, default=lambda o: o.__dict__))
+    raw["batch"] |= {"prompts_per_step": 8, "reference_gpus": 1}
+    raw["agent"]["constant_reward_fraction"] = 0.25
+    raw["machine"] = {"cores": 2, "rollout_cores": 2, "store_rpc_s": 0.01}
+    w = parse_workload(raw)
+    assert layout(w, Scenario("sync", 2, True, gpus=1)).groups_per_update == 4
+    assert layout(w, Scenario("async", 1, True, gpus=1)).groups_per_update == 8
+    f = simulate(w, Scenario("sync", 1, True, gpus=1, sleeps=False), hours=0.3)
+    filtered, dispatched = f["rollout/filtered"], f["rollout/dispatched"]
+    assert 0.15 < filtered / dispatched < 0.35
+    raw["machine"]["cores"] = 0
+    with pytest.raises(WorkloadError, match="machine.cores"):
+        parse_workload(raw)

@@ -70,7 +70,10 @@ class SimAgents:
         s.turns_left = max(1, int(round(sp.turns.draw(rng))))
         s.ctx = max(1, int(sp.prompt_tokens.draw(rng)))
         p = float(req.row.get("p_success", 0.5))
-        s.reward = 1.0 if rng.random() < p else 0.0
+        if sp.constant_reward_fraction is None:
+            s.reward = 1.0 if rng.random() < p else 0.0
+        else:  # a constant prompt rewards every sample alike; the others draw distinct rewards
+            s.reward = p if req.row.get("constant") else rng.random()
         self.episodes += 1
         self.loop.schedule(t_create + sp.cold_start_s.draw(rng), self._turn, s)
 
@@ -115,10 +118,18 @@ class SimAgents:
 
 
 class SimStore:
-    """The loop's SampleStore in memory: partition -> group id -> samples."""
+    """The loop's SampleStore in memory: partition -> group id -> samples. Every call the loops
+    make costs `rpc_s` seconds (the product's store is a Ray actor: one round trip each), and a
+    read `sample_s` more per sample it returns."""
 
-    def __init__(self) -> None:
+    def __init__(self, rpc_s: float = 0.0, sample_s: float = 0.0) -> None:
         self._parts: dict[str, dict[int, list[Sample]]] = defaultdict(lambda: defaultdict(list))
+        self.rpc_s, self.sample_s = rpc_s, sample_s
+
+    async def _rpc(self, samples: int = 0) -> None:
+        dt = self.rpc_s + self.sample_s * samples
+        if dt > 0:
+            await asyncio.sleep(dt)
 
     def put(self, samples: list[Sample], partition: str) -> None:
         part = self._parts[partition]
@@ -127,12 +138,16 @@ class SimStore:
 
     async def get_groups(self, partition: str, group_ids: list[int]) -> list[Sample]:
         part = self._parts[partition]
-        return [s for g in group_ids for s in part.get(g, ())]
+        out = [s for g in group_ids for s in part.get(g, ())]
+        await self._rpc(len(out))
+        return out
 
     async def clear(self, partition: str) -> None:
+        await self._rpc()
         self._parts.pop(partition, None)
 
     async def clear_groups(self, partition: str, group_ids: list[int]) -> None:
+        await self._rpc()
         part = self._parts.get(partition, {})
         for g in group_ids:
             part.pop(g, None)

@@ -89,6 +89,9 @@ class SimReplica:
         self.loop, self.spec, self.index = loop, spec, index
         self.version = 0
         self.asleep = False
+        self.speed = 1.0  # fraction of its own speed (a shared CPU machine: orchestrator/sim/machine.py)
+        self.on_busy_change: Callable[[], None] | None = None  # called when it starts or stops decoding
+        self._was_busy = False
         self._v = 0.0  # steps every running sequence has decoded since the origin
         self._t = 0.0  # time `_v` and the integrals were brought up to
         self._stall_until = 0.0  # prefill / weight reload: no decoding before this time
@@ -125,6 +128,17 @@ class SimReplica:
         self._advance(self.loop.now)
         return EngineLoad(kv_cache_usage=self.kv_used() / self.spec.kv_tokens, num_running=self._n,
                           num_waiting=len(self.waiting), num_preempted=self.preemptions)
+
+    def busy(self) -> bool:
+        """Sequences are running (the engine decodes)."""
+        return self._n > 0
+
+    def set_speed(self, speed: float) -> None:
+        """Run at `speed` (0 < speed <= 1) of the spec's step time from now on."""
+        if speed != self.speed:
+            self._advance(self.loop.now)
+            self.speed = speed
+            self._reschedule()
 
     def check(self) -> None:
         kv = self.kv_used()
@@ -172,7 +186,7 @@ class SimReplica:
     # --- the scheduler ------------------------------------------------------------------------
 
     def _step_s(self) -> float:
-        return self.spec.step_base_s + self.spec.step_per_seq_s * self._n
+        return (self.spec.step_base_s + self.spec.step_per_seq_s * self._n) / self.speed
 
     def _advance(self, now: float) -> None:
         t = self._t
@@ -188,7 +202,7 @@ class SimReplica:
         if n:
             dec = now - (t if t > self._stall_until else self._stall_until)
             if dec > 0:
-                dv = dec / (self.spec.step_base_s + self.spec.step_per_seq_s * n)
+                dv = dec * self.speed / (self.spec.step_base_s + self.spec.step_per_seq_s * n)
                 self._v += dv
         self.busy_integral += (n + len(self.waiting)) * dt
         self.kv_integral += (kv0 + 0.5 * n * dv) * dt / self.spec.kv_tokens
@@ -274,6 +288,9 @@ class SimReplica:
 
     def _reschedule(self) -> None:
         self._event_gen += 1
+        if self.on_busy_change is not None and self._was_busy != (self._n > 0):
+            self._was_busy = self._n > 0
+            self.on_busy_change()
         if self.asleep or not self._n:
             return
         heap = self._heap

@@ -3,7 +3,7 @@ weight push, the replicas' sleep/wake (for the real `SleepingTrainer`), the per-
 engines' load (for the real `ConcurrencyGate`) and a timeline sampler.
 
 Trainer: an update of T trained tokens takes `fixed_s + T / (tokens_per_s_per_gpu · gpus)`
-seconds. Weight push: `model_bytes / bandwidth_bytes_per_s` seconds of transfer, then every
+seconds (longer on a shared CPU machine while the engines decode: orchestrator/sim/machine.py). Weight push: `model_bytes / bandwidth_bytes_per_s` seconds of transfer, then every
 replica loads the new version (pausing `reload_s`). Colocated replicas sleep `sleep_s` and wake
 `wake_s` around each update. Invariant: simulated time only ever passes through `asyncio.sleep`
 on the virtual loop; these parts hold no clock of their own.
@@ -20,6 +20,7 @@ from workers.core.types import EngineLoad
 from orchestrator.sim.agent import SimAgents
 from orchestrator.sim.clock import VirtualLoop
 from orchestrator.sim.engine import SimReplica
+from orchestrator.sim.machine import SharedCpu
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,14 @@ class SimTrainer:
     `trained_tokens`: trajectory tokens (prompt, tool and generated) of every trained sample."""
 
     def __init__(self, agents: SimAgents, *, gpus: int, tokens_per_s_per_gpu: float, fixed_s: float,
-                 masked_base: float, masked_per_staleness: float) -> None:
-        self._agents, self.gpus = agents, gpus
+                 masked_base: float, masked_per_staleness: float, cpu: SharedCpu | None = None) -> None:
+        self._agents, self.gpus, self._cpu = agents, gpus, cpu
         self.rate, self.fixed_s = tokens_per_s_per_gpu, fixed_s
         self._masked_base, self._masked_per_st = masked_base, masked_per_staleness
         self.version = 0
         self.trained_tokens = 0
         self.generated_tokens = 0
+        self.trained_samples = 0
         self.busy_s = 0.0
 
     async def update(self, groups: tuple[Group, ...]) -> dict[str, float]:
@@ -73,7 +75,11 @@ class SimTrainer:
                     staleness += self.version - lo[0] if lo else 0
                     n += 1
         dt = self.fixed_s + tokens / (self.rate * self.gpus)
-        await asyncio.sleep(dt)
+        if self._cpu is None:
+            await asyncio.sleep(dt)
+        else:
+            dt = await self._cpu.run(dt)
+        self.trained_samples += n
         self.trained_tokens += tokens
         self.generated_tokens += generated
         self.busy_s += dt

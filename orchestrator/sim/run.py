@@ -32,6 +32,7 @@ from orchestrator.run_checkpoint import ResumablePrompts
 from orchestrator.sim.agent import SimAgents, SimRolloutActor, SimStore
 from orchestrator.sim.clock import VirtualLoop
 from orchestrator.sim.engine import EngineSpec, SimReplica
+from orchestrator.sim.machine import MachineSpec, SharedCpu
 from orchestrator.sim.parts import SimProbe, SimReplicaHandle, SimTrainer, SimWeightPush, Timeline, engine_loads
 from orchestrator.sim.workload import Workload
 from workers.rollout.pool import RolloutPool
@@ -94,7 +95,9 @@ class Layout:
 
 def layout(w: Workload, sc: Scenario) -> Layout:
     """GPUs per part and the mini-batch in groups (weak scaling: `batch.prompts_per_mini_batch`
-    per `batch.reference_gpus`). Raises ValueError when the split leaves a part without GPUs."""
+    per `batch.reference_gpus`; or, with `batch.prompts_per_step`, the product's own rule for a
+    fixed `rollout.batch_size`: that many groups per weight sync, split into `sync_every`
+    mini-batches). Raises ValueError when the split leaves a part without GPUs."""
     gpr = int(w.engine["gpus_per_replica"])
     if sc.colocated:
         inf, trn = sc.gpus, sc.gpus
@@ -103,7 +106,10 @@ def layout(w: Workload, sc: Scenario) -> Layout:
         inf = sc.gpus - trn
     if inf < gpr or trn < 1:
         raise ValueError(f"{sc.gpus} GPUs with {trn} for the trainer leave no inference replica of {gpr} GPUs")
-    b = max(1, round(w.batch["prompts_per_mini_batch"] * sc.gpus / w.batch["reference_gpus"]))
+    if "prompts_per_step" in w.batch:  # orchestrator/config/run.py: batch_size // sync_every
+        b = max(1, round(w.batch["prompts_per_step"] * sc.gpus / w.batch["reference_gpus"]) // sc.sync_every)
+    else:
+        b = max(1, round(w.batch["prompts_per_mini_batch"] * sc.gpus / w.batch["reference_gpus"]))
     return Layout(inf // gpr, (inf // gpr) * gpr, trn, b)
 
 
@@ -153,6 +159,7 @@ class _Recorder:
         for r in self.replicas:
             r.load()
         return {"t_s": self.loop.now, "tokens": self.trainer.trained_tokens, "generated": self.trainer.generated_tokens,
+                "samples": self.trainer.trained_samples,
                 "busy": sum(r.busy_integral for r in self.replicas), "kv": sum(r.kv_integral for r in self.replicas),
                 "awake": sum(r.awake_s for r in self.replicas),
                 "preempted": sum(r.preemptions for r in self.replicas)}
@@ -170,12 +177,19 @@ def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_s
     loop = VirtualLoop()
     replicas = [SimReplica(loop, engine_spec(w), i) for i in range(lay.replicas)]
     agents = SimAgents(loop, replicas, w.agent, seed=seed, env_scale=w.env_time_scale)
-    store = SimStore()
+    cpu = None
+    if w.machine is not None:  # one shared CPU machine: trainer and engines slow each other
+        m = MachineSpec(float(w.machine["cores"]), float(w.machine["rollout_cores"]),
+                        float(w.machine.get("store_rpc_s", 0.0)), float(w.machine.get("store_sample_s", 0.0)))
+        cpu = SharedCpu(loop, m, replicas)
+        for r in replicas:
+            r.on_busy_change = cpu.engine_changed
+    store = SimStore(cpu.spec.store_rpc_s, cpu.spec.store_sample_s) if cpu else SimStore()
     pool = RolloutPool([SimRolloutActor(agents, store) for _ in range(NUM_ROLLOUT_ACTORS)])
     alg, ws = w.algorithm, w.weight_sync
     trainer = SimTrainer(agents, gpus=lay.trainer_gpus, tokens_per_s_per_gpu=trainer_tokens_per_s_per_gpu(w),
                          fixed_s=float(w.trainer["fixed_s"]), masked_base=float(alg.get("masked_fraction_base", 0.0)),
-                         masked_per_staleness=float(alg.get("masked_fraction_per_staleness", 0.0)))
+                         masked_per_staleness=float(alg.get("masked_fraction_per_staleness", 0.0)), cpu=cpu)
     push = SimWeightPush(replicas, transfer_s=ws["model_bytes"] / ws["bandwidth_bytes_per_s"], reload_s=ws["reload_s"])
     gate = None
     if sc.policy == "adaptive":
@@ -184,6 +198,10 @@ def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_s
     rng = random.Random(seed + 1)
     a_, b_ = w.agent.reward_beta
     rows = [{"input_id": f"p{i}", "p_success": rng.betavariate(a_, b_)} for i in range(NUM_PROMPTS)]
+    if w.agent.constant_reward_fraction is not None:
+        crng = random.Random(seed + 2)
+        for row in rows:
+            row["constant"] = crng.random() < w.agent.constant_reward_fraction
     recorder = _Recorder(loop, hours * 3600.0, replicas, trainer, warmup_steps)
     sinks = [recorder] + ([JsonlSink(out_dir / "metrics.jsonl")] if out_dir else [])
     if out_dir:
@@ -251,6 +269,7 @@ def _figures(w: Workload, sc: Scenario, lay: Layout, rec: _Recorder, agents: Sim
         # trajectory tokens (prompt, tool and generated) trained per minute per GPU: the report's measure
         "tokens_per_min_per_gpu": (b["tokens"] - a["tokens"]) / dt * 60.0 / sc.gpus,
         "generated_tokens_per_min": (b["generated"] - a["generated"]) / dt * 60.0,  # the product's perf/trained_tokens
+        "trained_samples_per_min": (b["samples"] - a["samples"]) / dt * 60.0,
         "inference_concurrency": (b["busy"] - a["busy"]) / awake if awake > 0 else math.nan,
         "kv_usage_mean": (b["kv"] - a["kv"]) / awake if awake > 0 else math.nan,
         "preemptions": b["preempted"] - a["preempted"],

@@ -3,7 +3,8 @@
 A workload file (orchestrator/sim/workloads/*.yaml, or any path) has the sections `engine`
 (one replica's hardware), `agent` (episode shape: turns, tokens, environment time, ACR limits),
 `trainer`, `weight_sync`, `batch` and `algorithm`, plus `calibration` (the fitted free
-parameters and the row they were fitted to). Every distribution is a mapping with `dist`:
+parameters and the row they were fitted to) and, for one shared CPU machine rather than a GPU
+cluster, `machine` (`cores`, `rollout_cores`, `store_rpc_s`, `store_sample_s`: orchestrator/sim/machine.py). Every distribution is a mapping with `dist`:
 
     {dist: const, value: X}
     {dist: lognormal, median: M, sigma: S, min: A, max: B}   # min/max optional clamps
@@ -94,6 +95,8 @@ class AgentSpec:
     max_context_tokens: int = 65536
     session_rate_per_s: float = 25.0
     reward_beta: tuple[float, float] = (1.0, 1.0)
+    constant_reward_fraction: float | None = None  # set: that share of prompts rewards every sample
+    # alike (its groups are zero-variance), the others draw continuous rewards; None: Bernoulli(p)
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,7 @@ class Workload:
     algorithm: dict
     calibration: dict = field(default_factory=dict)
     path: str = ""
+    machine: dict | None = None  # None: a GPU cluster (trainer and engines never share hardware)
 
     @property
     def engine_time_scale(self) -> float:
@@ -157,9 +161,13 @@ def parse_workload(raw: dict, path: str = "") -> Workload:
     beta = tuple(float(x) for x in a.get("reward_beta", (1.0, 1.0)))
     if len(beta) != 2 or min(beta) <= 0:
         raise WorkloadError(f"agent.reward_beta: two numbers > 0, got {a.get('reward_beta')!r}")
+    crf = a.get("constant_reward_fraction")
+    if crf is not None and not (isinstance(crf, (int, float)) and 0 <= crf <= 1):
+        raise WorkloadError(f"agent.constant_reward_fraction: a number in [0, 1], got {crf!r}")
     agent = AgentSpec(**{k: _dist(f"agent.{k}", a[k]) for k in _AGENT_DISTS},
                       max_context_tokens=int(a.get("max_context_tokens", 65536)),
-                      session_rate_per_s=float(a.get("session_rate_per_s", 25.0)), reward_beta=beta)  # type: ignore[arg-type]
+                      session_rate_per_s=float(a.get("session_rate_per_s", 25.0)), reward_beta=beta,  # type: ignore[arg-type]
+                      constant_reward_fraction=None if crf is None else float(crf))
     if agent.session_rate_per_s <= 0 or agent.max_context_tokens < 2:
         raise WorkloadError("agent.session_rate_per_s must be > 0 and agent.max_context_tokens >= 2")
     if raw["engine"]["kv_tokens_per_replica"] < agent.max_context_tokens:
@@ -168,9 +176,21 @@ def parse_workload(raw: dict, path: str = "") -> Workload:
     for k in ("engine_time_scale", "env_time_scale"):
         if k in cal and not (isinstance(cal[k], (int, float)) and cal[k] > 0):
             raise WorkloadError(f"calibration.{k}: must be a number > 0, got {cal[k]!r}")
+    machine = raw.get("machine")
+    if machine is not None:
+        known = {"cores", "rollout_cores", "store_rpc_s", "store_sample_s"}
+        if not isinstance(machine, dict) or set(machine) - known:
+            raise WorkloadError(f"machine: a mapping of {sorted(known)}, got {machine!r}")
+        for k in ("cores", "rollout_cores"):
+            if not (isinstance(machine.get(k), (int, float)) and machine[k] > 0):
+                raise WorkloadError(f"machine.{k}: must be a number > 0, got {machine.get(k)!r}")
+        for k in ("store_rpc_s", "store_sample_s"):
+            if not (isinstance(machine.get(k, 0.0), (int, float)) and machine.get(k, 0.0) >= 0):
+                raise WorkloadError(f"machine.{k}: must be a number >= 0, got {machine.get(k)!r}")
     return Workload(name=str(raw.get("name", Path(path).stem or "workload")), engine=dict(raw["engine"]), agent=agent,
                     trainer=dict(raw["trainer"]), weight_sync=dict(raw["weight_sync"]), batch=dict(raw["batch"]),
-                    algorithm=dict(raw["algorithm"]), calibration=dict(cal), path=path)
+                    algorithm=dict(raw["algorithm"]), calibration=dict(cal), path=path,
+                    machine=None if machine is None else dict(machine))
 
 
 def load_workload(name_or_path: str) -> Workload:

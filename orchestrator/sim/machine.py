@@ -1,0 +1,93 @@
+"""One shared CPU machine (`machine:` in a workload): the trainer and the inference side share its cores.
+
+On a GPU cluster the trainer and the engines run on separate GPUs and never slow each other
+(no `machine` section: nothing here runs). On one CPU machine (`cluster=local`, this project's
+development machine) they share `cores` by processor sharing: the trainer's update wants 1 core
+(`cluster.torch_threads=1`), the inference side (engine, gateway, agents) wants `rollout_cores`
+while the engine has running sequences; when both run and the demand exceeds the cores, both
+progress at `cores / demand` of their own speed (`share_speed`). Invariant: a job's work
+(seconds at full speed) is done exactly once, at the speed in force over each interval; the
+engines' speed is set at every change of the trainer's state (orchestrator/sim/engine.py scales
+its step time by 1 / speed).
+
+`store_rpc_s` is the sample store's round trip (a Ray actor in the product): every store call
+of the loops costs it, and reading samples `store_sample_s` more per sample (deserialising
+them; orchestrator/sim/agent.py `SimStore`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from orchestrator.sim.clock import VirtualLoop
+
+
+@dataclass(frozen=True)
+class MachineSpec:
+    """`cores`: CPU cores of the machine; `rollout_cores`: cores the inference side keeps busy
+    while the engine decodes; `store_rpc_s`: seconds per sample-store call, `store_sample_s`:
+    seconds per sample read."""
+
+    cores: float
+    rollout_cores: float
+    store_rpc_s: float = 0.0
+    store_sample_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.cores <= 0 or self.rollout_cores <= 0 or min(self.store_rpc_s, self.store_sample_s) < 0:
+            raise ValueError(f"machine: cores and rollout_cores must be > 0, store times >= 0, got {self}")
+
+
+def share_speed(cores: float, demands: list[float]) -> float:
+    """Processor sharing: the speed (fraction of its own) of every job when jobs wanting `demands`
+    cores run together on `cores` cores: 1 while the total fits, else cores / total."""
+    total = sum(demands)
+    return 1.0 if total <= cores else cores / total
+
+
+class SharedCpu:
+    """The trainer's side of the shared machine. `engines`: objects with `busy()` (sequences
+    running) and `set_speed(s)`; the engines call `engine_changed()` when they turn busy or idle."""
+
+    def __init__(self, loop: VirtualLoop, spec: MachineSpec, engines: list) -> None:
+        self.loop, self.spec, self.engines = loop, spec, engines
+        self.trainer_busy = False
+        self._changed = asyncio.Event()
+        self.overlap_s = 0.0  # time the trainer ran slowed by the engines
+
+    def _contended(self) -> float:
+        return share_speed(self.spec.cores, [1.0, self.spec.rollout_cores])
+
+    def engine_changed(self) -> None:
+        if self.trainer_busy:
+            self._changed.set()
+
+    def _set_engines(self, busy: bool) -> None:
+        s = self._contended() if busy else 1.0
+        for e in self.engines:
+            e.set_speed(s)
+
+    async def run(self, work_s: float) -> float:
+        """Run `work_s` seconds (at full speed) of trainer work; returns the time it took."""
+        t0 = self.loop.now
+        self.trainer_busy = True
+        self._set_engines(True)
+        try:
+            left = work_s
+            while left > 1e-12:
+                speed = self._contended() if any(e.busy() for e in self.engines) else 1.0
+                self._changed.clear()
+                start = self.loop.now
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=left / speed)
+                except asyncio.TimeoutError:
+                    pass
+                dt = self.loop.now - start
+                left -= dt * speed
+                if speed < 1.0:
+                    self.overlap_s += dt
+        finally:
+            self.trainer_busy = False
+            self._set_engines(False)
+        return self.loop.now - t0
