@@ -337,7 +337,7 @@ def test_a_trainer_update_and_decoding_slow_each_other_on_a_shared_machine():
         loop = asyncio.get_running_loop()
         r = SimReplica(loop, spec)
         cpu = SharedCpu(loop, MachineSpec(cores=2, rollout_cores=2), [r])
-        r.on_busy_change = cpu.engine_changed
+        r.on_busy_change = cpu.rollout_changed
         alone = await cpu.run(1.0)
         done = []
         r.submit(Request(10, 300, CacheOwner(), lambda q: done.append(loop.time())))  # 3 s of decoding alone

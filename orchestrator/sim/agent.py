@@ -60,6 +60,12 @@ class SimAgents:
         self._next_session_t = 0.0
         self._ids = itertools.count()
         self.episodes = self.turns = self.context_capped = 0
+        self.cpu = None  # a shared CPU machine (orchestrator/sim/machine.py): slows the overhead
+        self.in_overhead = 0  # rollouts in their own CPU time (`agent.overhead_s`)
+
+    def busy(self) -> bool:
+        """Some rollout is in its own CPU time (for the shared machine)."""
+        return self.in_overhead > 0
 
     def start(self, req: RolloutRequest, on_done: Callable[[Sample], None]) -> None:
         now = self.loop.now
@@ -101,10 +107,28 @@ class SimAgents:
         s.turns_left -= 1
         rng, sp = self.rng, self.spec
         if s.turns_left <= 0:
-            self.loop.schedule(self.loop.now + self.env_scale * sp.final_time_s.draw(rng), self._finish, s)
+            self.loop.schedule(self.loop.now + self.env_scale * sp.final_time_s.draw(rng), self._overhead, s)
             return
         s.ctx = min(sp.max_context_tokens, s.ctx + max(0, int(sp.env_tokens_per_turn.draw(rng))))
         self.loop.schedule(self.loop.now + self.env_scale * sp.env_time_s.draw(rng), self._turn, s)
+
+    def _overhead(self, s: Session) -> None:
+        """The rollout's own CPU time, at the shared machine's speed when it starts."""
+        dt = self.spec.overhead_s.draw(self.rng)
+        if dt <= 0:
+            self._finish(s)
+            return
+        self.in_overhead += 1
+        if self.in_overhead == 1 and self.cpu is not None:
+            self.cpu.rollout_changed()
+        speed = self.cpu.rollout_speed() if self.cpu is not None else 1.0
+        self.loop.schedule(self.loop.now + dt / speed, self._overhead_done, s)
+
+    def _overhead_done(self, s: Session) -> None:
+        self.in_overhead -= 1
+        if self.in_overhead == 0 and self.cpu is not None:
+            self.cpu.rollout_changed()
+        self._finish(s)
 
     def _finish(self, s: Session) -> None:
         k = max(1, len(s.versions))
@@ -122,14 +146,14 @@ class SimStore:
     make costs `rpc_s` seconds (the product's store is a Ray actor: one round trip each), and a
     read `sample_s` more per sample it returns."""
 
-    def __init__(self, rpc_s: float = 0.0, sample_s: float = 0.0) -> None:
+    def __init__(self, rpc_s: float = 0.0, sample_s: float = 0.0, speed: Callable[[], float] | None = None) -> None:
         self._parts: dict[str, dict[int, list[Sample]]] = defaultdict(lambda: defaultdict(list))
-        self.rpc_s, self.sample_s = rpc_s, sample_s
+        self.rpc_s, self.sample_s, self._speed = rpc_s, sample_s, speed
 
     async def _rpc(self, samples: int = 0) -> None:
         dt = self.rpc_s + self.sample_s * samples
         if dt > 0:
-            await asyncio.sleep(dt)
+            await asyncio.sleep(dt / (self._speed() if self._speed is not None else 1.0))
 
     def put(self, samples: list[Sample], partition: str) -> None:
         part = self._parts[partition]

@@ -2,7 +2,8 @@
 
 The model is vLLM's scheduler at the granularity of events, not of steps. Every running sequence
 gains one token per engine step, and a step takes `step_base_s + step_per_seq_s · running`
-seconds; admitting a request first spends `prefill_s_per_token` per uncached prompt token, during
+seconds (divided by `speed`, below 1 while a trainer on the same CPU machine slows it:
+orchestrator/sim/machine.py); admitting a request first spends `prefill_s_per_token` per uncached prompt token, during
 which no sequence decodes (a prefill lengthens the steps it joins). Between two events the batch
 does not change, so every running sequence has decoded the same number of steps `V` since
 an event-independent origin: a sequence admitted at `V0` with `need` tokens to generate finishes at

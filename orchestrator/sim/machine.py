@@ -2,13 +2,15 @@
 
 On a GPU cluster the trainer and the engines run on separate GPUs and never slow each other
 (no `machine` section: nothing here runs). On one CPU machine (`cluster=local`, this project's
-development machine) they share `cores` by processor sharing: the trainer's update wants 1 core
-(`cluster.torch_threads=1`), the inference side (engine, gateway, agents) wants `rollout_cores`
-while the engine has running sequences; when both run and the demand exceeds the cores, both
-progress at `cores / demand` of their own speed (`share_speed`). Invariant: a job's work
-(seconds at full speed) is done exactly once, at the speed in force over each interval; the
-engines' speed is set at every change of the trainer's state (orchestrator/sim/engine.py scales
-its step time by 1 / speed).
+development machine) they share `cores` by processor sharing: the trainer's side (its update,
+the driver's sample-store calls) wants 1 core (`cluster.torch_threads=1`), the rollout side
+wants `rollout_cores` while it works: the engine decoding, or a rollout in its own CPU time
+(`agent.overhead_s`: ACR invoke, the agent's HTTP and S3 calls, the result's way back). When
+both work and the demand exceeds the cores, both progress at `cores / demand` of their own
+speed (`share_speed`). Invariant: a trainer update's work (seconds at full speed) is done
+exactly once, at the speed in force over each interval; the engines' speed is set at every
+change of the trainer's state (orchestrator/sim/engine.py scales its step time by 1 / speed).
+Shorter jobs (a rollout's overhead, a store call) take the speed in force when they start.
 
 `store_rpc_s` is the sample store's round trip (a Ray actor in the product): every store call
 of the loops costs it, and reading samples `store_sample_s` more per sample (deserialising
@@ -47,19 +49,32 @@ def share_speed(cores: float, demands: list[float]) -> float:
 
 
 class SharedCpu:
-    """The trainer's side of the shared machine. `engines`: objects with `busy()` (sequences
-    running) and `set_speed(s)`; the engines call `engine_changed()` when they turn busy or idle."""
+    """The shared machine. `engines`: objects with `busy()` (sequences running) and
+    `set_speed(s)`; `others`: more of the rollout side, with `busy()`. Each calls
+    `rollout_changed()` when it turns busy or idle."""
 
-    def __init__(self, loop: VirtualLoop, spec: MachineSpec, engines: list) -> None:
+    def __init__(self, loop: VirtualLoop, spec: MachineSpec, engines: list, others: list | None = None) -> None:
         self.loop, self.spec, self.engines = loop, spec, engines
+        self.rollout_parts = [*engines, *(others or [])]
         self.trainer_busy = False
         self._changed = asyncio.Event()
-        self.overlap_s = 0.0  # time the trainer ran slowed by the engines
+        self.overlap_s = 0.0  # time the trainer ran slowed by the rollout side
 
     def _contended(self) -> float:
         return share_speed(self.spec.cores, [1.0, self.spec.rollout_cores])
 
-    def engine_changed(self) -> None:
+    def rollout_busy(self) -> bool:
+        return any(p.busy() for p in self.rollout_parts)
+
+    def rollout_speed(self) -> float:
+        """The rollout side's speed now: slowed while the trainer updates."""
+        return self._contended() if self.trainer_busy else 1.0
+
+    def trainer_side_speed(self) -> float:
+        """The trainer side's speed now: slowed while the rollout side works."""
+        return self._contended() if self.rollout_busy() else 1.0
+
+    def rollout_changed(self) -> None:
         if self.trainer_busy:
             self._changed.set()
 
@@ -76,7 +91,7 @@ class SharedCpu:
         try:
             left = work_s
             while left > 1e-12:
-                speed = self._contended() if any(e.busy() for e in self.engines) else 1.0
+                speed = self.trainer_side_speed()
                 self._changed.clear()
                 start = self.loop.now
                 try:

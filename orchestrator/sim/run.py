@@ -181,10 +181,11 @@ def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_s
     if w.machine is not None:  # one shared CPU machine: trainer and engines slow each other
         m = MachineSpec(float(w.machine["cores"]), float(w.machine["rollout_cores"]),
                         float(w.machine.get("store_rpc_s", 0.0)), float(w.machine.get("store_sample_s", 0.0)))
-        cpu = SharedCpu(loop, m, replicas)
+        cpu = SharedCpu(loop, m, replicas, [agents])
+        agents.cpu = cpu
         for r in replicas:
-            r.on_busy_change = cpu.engine_changed
-    store = SimStore(cpu.spec.store_rpc_s, cpu.spec.store_sample_s) if cpu else SimStore()
+            r.on_busy_change = cpu.rollout_changed
+    store = SimStore(cpu.spec.store_rpc_s, cpu.spec.store_sample_s, cpu.trainer_side_speed) if cpu else SimStore()
     pool = RolloutPool([SimRolloutActor(agents, store) for _ in range(NUM_ROLLOUT_ACTORS)])
     alg, ws = w.algorithm, w.weight_sync
     trainer = SimTrainer(agents, gpus=lay.trainer_gpus, tokens_per_s_per_gpu=trainer_tokens_per_s_per_gpu(w),

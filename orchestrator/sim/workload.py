@@ -92,6 +92,7 @@ class AgentSpec:
     env_time_s: Dist
     final_time_s: Dist
     cold_start_s: Dist
+    overhead_s: Dist = Dist("const")  # the rollout's own CPU time after its last turn (a shared machine)
     max_context_tokens: int = 65536
     session_rate_per_s: float = 25.0
     reward_beta: tuple[float, float] = (1.0, 1.0)
@@ -165,6 +166,7 @@ def parse_workload(raw: dict, path: str = "") -> Workload:
     if crf is not None and not (isinstance(crf, (int, float)) and 0 <= crf <= 1):
         raise WorkloadError(f"agent.constant_reward_fraction: a number in [0, 1], got {crf!r}")
     agent = AgentSpec(**{k: _dist(f"agent.{k}", a[k]) for k in _AGENT_DISTS},
+                      overhead_s=_dist("agent.overhead_s", a.get("overhead_s", 0.0)),
                       max_context_tokens=int(a.get("max_context_tokens", 65536)),
                       session_rate_per_s=float(a.get("session_rate_per_s", 25.0)), reward_beta=beta,  # type: ignore[arg-type]
                       constant_reward_fraction=None if crf is None else float(crf))
