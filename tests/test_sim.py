@@ -319,10 +319,12 @@ def test_adaptive_concurrency_config_builds_the_policy():
 
 
 def test_share_speed_slows_jobs_only_when_they_want_more_cores_than_there_are():
-    from orchestrator.sim.machine import share_speed
+    from orchestrator.sim.machine import share_speeds
 
-    assert share_speed(2, [1.0]) == 1.0 and share_speed(2, [1.0, 1.0]) == 1.0
-    assert share_speed(2, [1.0, 2.0]) == pytest.approx(2 / 3)
+    assert share_speeds(2, [1.0]) == [1.0] and share_speeds(2, [1.0, 1.0]) == [1.0, 1.0]
+    assert share_speeds(2, [1.0, 2.0]) == pytest.approx([2 / 3, 2 / 3])
+    # a side wanting 4 cores has only 2 alone: with a 1-core job beside it, it keeps 8/5 of them
+    assert share_speeds(2, [1.0, 4.0]) == pytest.approx([2 / 5, 0.8])
 
 
 def test_a_trainer_update_and_decoding_slow_each_other_on_a_shared_machine():

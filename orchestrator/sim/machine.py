@@ -1,4 +1,4 @@
-"""One shared CPU machine (`machine:` in a workload): the trainer and the inference side share its cores.
+"""One shared CPU machine (`machine:` in a workload): trainer and rollout side share its cores.
 
 On a GPU cluster the trainer and the engines run on separate GPUs and never slow each other
 (no `machine` section: nothing here runs). On one CPU machine (`cluster=local`, this project's
@@ -6,9 +6,9 @@ development machine) they share `cores` by processor sharing: the trainer's side
 the driver's sample-store calls) wants 1 core (`cluster.torch_threads=1`), the rollout side
 wants `rollout_cores` while it works: the engine decoding, or a rollout in its own CPU time
 (`agent.overhead_s`: ACR invoke, the agent's HTTP and S3 calls, the result's way back). When
-both work and the demand exceeds the cores, both progress at `cores / demand` of their own
-speed (`share_speed`). Invariant: a trainer update's work (seconds at full speed) is done
-exactly once, at the speed in force over each interval; the engines' speed is set at every
+both work and the demand exceeds the cores, each gets its demand's share of the cores and
+progresses at that over what it gets alone (`share_speeds`). Invariant: a trainer update's
+work (seconds at full speed) is done exactly once, at the speed in force over each interval; the engines' speed is set at every
 change of the trainer's state (orchestrator/sim/engine.py scales its step time by 1 / speed).
 Shorter jobs (a rollout's overhead, a store call) take the speed in force when they start.
 
@@ -41,11 +41,15 @@ class MachineSpec:
             raise ValueError(f"machine: cores and rollout_cores must be > 0, store times >= 0, got {self}")
 
 
-def share_speed(cores: float, demands: list[float]) -> float:
-    """Processor sharing: the speed (fraction of its own) of every job when jobs wanting `demands`
-    cores run together on `cores` cores: 1 while the total fits, else cores / total."""
+def share_speeds(cores: float, demands: list[float]) -> list[float]:
+    """Processor sharing: each job's speed, as a fraction of its speed alone, when jobs wanting
+    `demands` cores run together on `cores` cores. A job gets d · cores / total cores once the
+    total exceeds the cores, and alone min(d, cores): speed = d · cores / (total · min(d, cores)),
+    1 while the total fits."""
     total = sum(demands)
-    return 1.0 if total <= cores else cores / total
+    if total <= cores:
+        return [1.0] * len(demands)
+    return [d * cores / (total * min(d, cores)) for d in demands]
 
 
 class SharedCpu:
@@ -60,26 +64,28 @@ class SharedCpu:
         self._changed = asyncio.Event()
         self.overlap_s = 0.0  # time the trainer ran slowed by the rollout side
 
-    def _contended(self) -> float:
-        return share_speed(self.spec.cores, [1.0, self.spec.rollout_cores])
+    def _contended(self) -> tuple[float, float]:
+        """(trainer side, rollout side) speeds while both work."""
+        t, r = share_speeds(self.spec.cores, [1.0, self.spec.rollout_cores])
+        return t, r
 
     def rollout_busy(self) -> bool:
         return any(p.busy() for p in self.rollout_parts)
 
     def rollout_speed(self) -> float:
         """The rollout side's speed now: slowed while the trainer updates."""
-        return self._contended() if self.trainer_busy else 1.0
+        return self._contended()[1] if self.trainer_busy else 1.0
 
     def trainer_side_speed(self) -> float:
         """The trainer side's speed now: slowed while the rollout side works."""
-        return self._contended() if self.rollout_busy() else 1.0
+        return self._contended()[0] if self.rollout_busy() else 1.0
 
     def rollout_changed(self) -> None:
         if self.trainer_busy:
             self._changed.set()
 
     def _set_engines(self, busy: bool) -> None:
-        s = self._contended() if busy else 1.0
+        s = self._contended()[1] if busy else 1.0
         for e in self.engines:
             e.set_speed(s)
 
