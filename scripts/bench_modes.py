@@ -142,7 +142,8 @@ def print_validation(out: list[dict], args: argparse.Namespace) -> None:
             "step_s meas", "step_s sim")
     print(" | ".join(f"{h:>13}" for h in head))
     for v in out:
-        cells = (v["config"], f"{v['measured_trained_tokens_per_min']:.0f}", f"{v['predicted_trained_tokens_per_min']:.0f}",
+        cells = (v["config"], f"{v['measured_trained_tokens_per_min']:.0f}",
+                 f"{v['predicted_trained_tokens_per_min']:.0f}",
                  f"{100 * v['error_trained_tokens_per_min']:+.1f} %", f"{v['measured_trained_samples_per_min']:.0f}",
                  f"{v['predicted_trained_samples_per_min']:.0f}", f"{100 * v['error_trained_samples_per_min']:+.1f} %",
                  f"{v['measured_step_s']:.2f}", f"{v['predicted_step_s']:.2f}")
@@ -166,8 +167,10 @@ def main() -> None:
     ap.add_argument("--report", type=Path, help="write the comparison report (PNG plots + report.html) here")
     ap.add_argument("--validate", action="store_true",
                     help="fit a workload from one run and compare the simulator's predictions with all four")
-    ap.add_argument("--fit-from", default="sync_1", choices=CONFIGS, help="--validate: the run the workload is fitted from")
-    ap.add_argument("--prompt-tokens", type=float, default=40.0, help="--validate: prompt tokens per rollout (not logged)")
+    ap.add_argument("--fit-from", default="sync_1", choices=CONFIGS,
+                    help="--validate: the run the workload is fitted from")
+    ap.add_argument("--prompt-tokens", type=float, default=40.0,
+                    help="--validate: prompt tokens per rollout (not logged)")
     ap.add_argument("--sim-hours", type=float, default=0.1, help="--validate: simulated hours per configuration")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every configuration")
     args = ap.parse_args()

@@ -279,7 +279,8 @@ def test_workload_from_run_fits_turns_tokens_and_trainer_from_a_runs_files(tmp_p
     rows = []
     for step in range(1, 7):
         done = 8 if step % 2 else 6
-        rows.append({"step": step, "timing_s/step": 2.3, "timing_s/gen": 1.5, "timing_s/update_actor": 0.5 + 0.01 * done,
+        rows.append({"step": step, "timing_s/step": 2.3, "timing_s/gen": 1.5,
+                     "timing_s/update_actor": 0.5 + 0.01 * done,
                      "timing_s/update_weights": 0.1, "rollout/dispatched": 8.0 * step, "rollout/completed": 8.0 * step,
                      "rollout/step_completed": float(done), "gateway/turns_served": 16.0 * step,
                      "actor/num_tokens": 10.0 * done, "rollout/latency_s_p50": 1.0, "rollout/latency_s_max": 1.4,
@@ -289,8 +290,8 @@ def test_workload_from_run_fits_turns_tokens_and_trainer_from_a_runs_files(tmp_p
     w = parse_workload(raw)
     assert w.agent.turns.value == 2.0  # 16 turns / 8
     assert w.agent.agent_tokens_per_turn.mean() == 5.5  # uniform on [5, 6): 5 whole tokens on average
-    assert w.trainer["fixed_s"] == pytest.approx(0.5) and w.batch == {"prompts_per_mini_batch": 2, "prompts_per_step": 2,
-                                                                        "n": 4, "reference_gpus": 1}
+    assert w.trainer["fixed_s"] == pytest.approx(0.5)
+    assert w.batch == {"prompts_per_mini_batch": 2, "prompts_per_step": 2, "n": 4, "reference_gpus": 1}
     # the store's round trip: a step's 2.3 s less generation, update (0.56 or 0.58 s) and weight sync
     assert w.machine["store_rpc_s"] == pytest.approx(2.3 - 1.5 - 0.1 - 0.57, abs=0.011)
 

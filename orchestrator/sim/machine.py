@@ -8,8 +8,8 @@ wants `rollout_cores` while it works: the engine decoding, or a rollout in its o
 (`agent.overhead_s`: ACR invoke, the agent's HTTP and S3 calls, the result's way back). When
 both work and the demand exceeds the cores, each gets its demand's share of the cores and
 progresses at that over what it gets alone (`share_speeds`). Invariant: a trainer update's
-work (seconds at full speed) is done exactly once, at the speed in force over each interval; the engines' speed is set at every
-change of the trainer's state (orchestrator/sim/engine.py scales its step time by 1 / speed).
+work (seconds at full speed) is done exactly once, at the speed in force over each interval;
+the engines' speed is set at every change of the trainer's state (orchestrator/sim/engine.py scales its step time by 1 / speed).
 Shorter jobs (a rollout's overhead, a store call) take the speed in force when they start.
 
 `store_rpc_s` is the sample store's round trip (a Ray actor in the product): every store call

@@ -4,7 +4,8 @@ A workload file (orchestrator/sim/workloads/*.yaml, or any path) has the section
 (one replica's hardware), `agent` (episode shape: turns, tokens, environment time, ACR limits),
 `trainer`, `weight_sync`, `batch` and `algorithm`, plus `calibration` (the fitted free
 parameters and the row they were fitted to) and, for one shared CPU machine rather than a GPU
-cluster, `machine` (`cores`, `rollout_cores`, `store_rpc_s`, `store_sample_s`: orchestrator/sim/machine.py). Every distribution is a mapping with `dist`:
+cluster, `machine` (`cores`, `rollout_cores`, `store_rpc_s`, `store_sample_s`:
+orchestrator/sim/machine.py). Every distribution is a mapping with `dist`:
 
     {dist: const, value: X}
     {dist: lognormal, median: M, sigma: S, min: A, max: B}   # min/max optional clamps
@@ -168,7 +169,8 @@ def parse_workload(raw: dict, path: str = "") -> Workload:
     agent = AgentSpec(**{k: _dist(f"agent.{k}", a[k]) for k in _AGENT_DISTS},
                       overhead_s=_dist("agent.overhead_s", a.get("overhead_s", 0.0)),
                       max_context_tokens=int(a.get("max_context_tokens", 65536)),
-                      session_rate_per_s=float(a.get("session_rate_per_s", 25.0)), reward_beta=beta,  # type: ignore[arg-type]
+                      session_rate_per_s=float(a.get("session_rate_per_s", 25.0)),
+                      reward_beta=beta,  # type: ignore[arg-type]
                       constant_reward_fraction=None if crf is None else float(crf))
     if agent.session_rate_per_s <= 0 or agent.max_context_tokens < 2:
         raise WorkloadError("agent.session_rate_per_s must be > 0 and agent.max_context_tokens >= 2")
