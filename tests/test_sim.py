@@ -393,7 +393,7 @@ def test_a_fixed_batch_per_step_is_split_into_sync_every_mini_batches_and_filter
     w = parse_workload(raw)
     assert layout(w, Scenario("sync", 2, True, gpus=1)).groups_per_update == 4
     assert layout(w, Scenario("async", 1, True, gpus=1)).groups_per_update == 8
-    f = simulate(w, Scenario("sync", 1, True, gpus=1, sleeps=False), hours=0.3)
+    f = simulate(w, Scenario("sync", 1, True, gpus=1, sleeps=False), hours=0.1)
     filtered, dispatched = f["rollout/filtered"], f["rollout/dispatched"]
     assert 0.15 < filtered / dispatched < 0.35
     raw["machine"]["cores"] = 0
