@@ -6,10 +6,12 @@ the engine's KV cache the binding limit of the letters task, whose rollout is on
 (19 prompt tokens, ~5 generated) inside ~1 s of agent, ACR and S3 work, so an engine holds only
 a few requests at a time on average:
 
-- `inference.kv_cache_gib=0.00025` (8 blocks of 16 tokens, 128 tokens: about 5 rollouts at once;
-  the default 1 GiB holds 32 K tokens and is never 0.1 % used) with `inference.max_model_len=64`
-  and `rollout.max_context_tokens=64` (the cache must hold one max_model_len sequence; a letters
-  prompt and answer take < 40 tokens);
+- `inference.kv_cache_gib=0.0015`: vLLM's CPU backend allocates blocks of 128 tokens (256 KiB of
+  the tiny model's KV), and a letters rollout (< 40 tokens) takes one, so this cache of 6 blocks
+  holds 6 requests at once and its usage is the requests running / 6 (the default 1 GiB holds
+  4 096 blocks and is never 0.1 % used); `inference.max_model_len=128` and
+  `rollout.max_context_tokens=128` let a cache of under 8 blocks start (it must hold one
+  max_model_len sequence);
 - `async.max_staleness=4`: at η = 2 the staleness budget ((η + 1) × 8 groups, less the 8 accepted
   for the next update: 64 rollouts) held the producer before the cache filled;
 - a raised ACR quota (`--acr-rate`: the emulator's session rate, the limiter gets twice it), as
@@ -40,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 POLICIES = ("fixed", "adaptive")
 FINISHED = ("rollout/completed", "rollout/failed", "rollout/expired", "rollout/filtered")
-KV_BINDING = ("inference.kv_cache_gib=0.00025", "inference.max_model_len=64", "rollout.max_context_tokens=64")
+KV_BINDING = ("inference.kv_cache_gib=0.0015", "inference.max_model_len=128", "rollout.max_context_tokens=128")
 
 
 def _num(v: object) -> bool:
