@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 POLICIES = ("fixed", "adaptive")
 FINISHED = ("rollout/completed", "rollout/failed", "rollout/expired", "rollout/filtered")
-KV_BINDING = ("inference.kv_cache_gib=0.0015", "inference.max_model_len=128", "rollout.max_context_tokens=128")
+KV_BINDING = ("inference.max_model_len=128", "rollout.max_context_tokens=128")
 
 
 def _num(v: object) -> bool:
@@ -99,7 +99,8 @@ def run_policy(policy: str, args: argparse.Namespace, work: Path) -> dict:
            f"async.max_staleness={args.max_staleness}", f"trainer.total_steps={args.steps}", f"seed={args.seed}",
            "logger=console", f"run_dir={run_dir}", f"rollout.acr.session_rate_per_s={args.acr_rate}",
            f"rollout.acr.limits.requests_per_s={2 * args.acr_rate}", f"rollout.adaptive.kv_target={args.kv_target}",
-           *(() if args.no_kv_binding else KV_BINDING), *args.overrides]
+           *(() if args.no_kv_binding else (f"inference.kv_cache_gib={args.kv_cache_gib}", *KV_BINDING)),
+           *args.overrides]
     wall_s = math.nan
     if (run_dir / "summary.json").is_file():
         print(f"{policy}: reusing {run_dir}", flush=True)
@@ -139,8 +140,10 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the figures")
     ap.add_argument("--acr-rate", type=float, default=200.0,
                     help="ACR session creations per second (emulator); the limiter gets twice this (invoke + stop)")
+    ap.add_argument("--kv-cache-gib", type=float, default=0.0015,
+                    help="inference.kv_cache_gib: 256 KiB (0.000244 GiB) per 128-token block of the tiny model")
     ap.add_argument("--no-kv-binding", action="store_true", help="leave out the small-cache overrides "
-                    + " ".join(KV_BINDING))
+                    "(--kv-cache-gib, " + " ".join(KV_BINDING) + ")")
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES))
     ap.add_argument("--timeout-s", type=float, default=900.0, help="bound on one policy's run")
     ap.add_argument("--out", type=Path, help="write the figures as JSON")
