@@ -132,16 +132,10 @@ class ConcurrencyGate:
         self.running = 0
         self.blocked_s = 0.0  # seconds producers spent refused, summed since start
         self._last: Sequence[EngineLoad] = ()
-        self._released = asyncio.Event()  # a group ended since the refused producer last asked
 
     async def acquire(self) -> None:
-        """Wait for a group slot: asks the engines' load now, then again when a group ends
-        (`release`) or after `poll_s` seconds, whichever comes first (the limit also grows
-        without a group ending). Short rollouts end well within a poll: a producer that waited
-        out the poll left the engines idle between the window's groups."""
         t0 = None
         while True:
-            self._released.clear()
             self._last = await self._loads()
             now = self._clock()
             self.policy.observe(self._last, now, self.running)
@@ -151,17 +145,12 @@ class ConcurrencyGate:
                     self.blocked_s += now - t0
                 return
             t0 = now if t0 is None else t0
-            try:
-                async with asyncio.timeout(self._poll_s):
-                    await self._released.wait()
-            except TimeoutError:
-                pass
+            await asyncio.sleep(self._poll_s)
 
     def release(self) -> None:
         if self.running < 1:
             raise RuntimeError("ConcurrencyGate.release without a matching acquire")
         self.running -= 1
-        self._released.set()
 
     def metrics(self) -> dict[str, float]:
         """`rollout/concurrency_limit`, `rollout/running_groups`, `rollout/concurrency_blocked_s`
