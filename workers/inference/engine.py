@@ -107,6 +107,9 @@ class KvCacheUsage:
     step) as a time integral: between two steps the usage is the last step's (vLLM computes it
     after freeing the step's finished requests, so an idle engine holds 0), and the integral
     ∫ usage dt (seconds) runs on `clock` over every second since creation, idle ones included.
+    The sample point biases it low for very short requests: a step's stats come after it frees
+    its finished requests and before the next step admits waiting ones, so the held value
+    under-counts a step that refills those blocks (negligible once requests live many steps).
     `take_mean` is the time average since its last call; `integral` lets any number of other
     readers (the adaptive concurrency gate) average over their own windows. Keeps the last step's
     usage, running and waiting requests, and the preemptions (`IterationStats.num_preempted_reqs`)
