@@ -419,7 +419,7 @@ def _with_gate(probe: Callable[[], Awaitable[dict]], gate: Any) -> Callable[[], 
         return probe
 
     async def both() -> dict:
-        return {**await probe(), **gate.metrics()}
+        return {**gate.metrics(), **await probe()}  # the probe's engine stats are the fresher
 
     return both
 

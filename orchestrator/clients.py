@@ -98,8 +98,11 @@ class BufferStore:
 
 class GatewayProbe:
     """Per-step `perf/inference_concurrency`: the time-average number of requests at the engines
-    over the last interval, by Little's law (engine busy seconds summed over turns ÷ wall seconds),
-    and `perf/kv_cache_usage`: the replicas' mean KV-cache usage (0..1) over the interval."""
+    over the last interval, by Little's law (engine busy seconds summed over turns ÷ wall seconds);
+    `perf/kv_cache_usage`: the replicas' mean KV-cache usage (0..1), time-averaged over the
+    interval (idle time counts; workers/inference/engine.py KvCacheUsage); from vLLM's scheduler
+    stats at the last engine step, summed over replicas: `rollout/engine_running`,
+    `rollout/engine_waiting` requests and `rollout/engine_preempted` (cumulative since start)."""
 
     def __init__(self, gateway: Any, replicas: list[Any] = (), clock=None) -> None:
         import time
@@ -117,14 +120,23 @@ class GatewayProbe:
         self._last_t, self._last_busy = now, m.engine_busy_s
         out = {"perf/inference_concurrency": busy / dt if dt > 0 else 0.0,
                "gateway/turns_served": float(m.turns_served)}
-        got = await asyncio.gather(*(r.kv_cache_usage.remote() for r in self._replicas), return_exceptions=True)
+        usage = await self._ask("kv_cache_usage")
+        if usage:
+            out["perf/kv_cache_usage"] = sum(usage) / len(usage)
+        loads = await self._ask("engine_load")
+        if loads:
+            out.update({"rollout/engine_running": float(sum(ld.num_running for ld in loads)),
+                        "rollout/engine_waiting": float(sum(ld.num_waiting for ld in loads)),
+                        "rollout/engine_preempted": float(sum(ld.num_preempted for ld in loads))})
+        return out
+
+    async def _ask(self, method: str) -> list:
+        """Every replica's answer to `method`; a replica that just died is left out."""
+        got = await asyncio.gather(*(getattr(r, method).remote() for r in self._replicas), return_exceptions=True)
         for u in got:
             if isinstance(u, BaseException) and not actor_died(u):
                 raise u
-        usage = [u for u in got if not isinstance(u, BaseException)]  # a replica that just died: left out
-        if usage:
-            out["perf/kv_cache_usage"] = sum(usage) / len(usage)
-        return out
+        return [u for u in got if not isinstance(u, BaseException)]
 
 
 class EngineLoads:

@@ -15,7 +15,16 @@ the limit drops to `decrease` × itself (at most once per `interval_s`; the wind
 groups running at that instant, as TCP cuts its congestion window: on short bursty rollouts the
 running count between bursts is small, and cutting to it collapsed the limit to 1 on this machine). A group's
 KV footprint grows for as long as its agents run, so the limit, not the instantaneous usage,
-is what holds the cache near the target without a preemption storm.
+is what holds the cache near the target without a preemption storm. The usage it decides on is
+the time average over the last window of >= `interval_s` when the engines report their usage
+integral (a real vLLM replica, workers/inference/engine.py KvCacheUsage: short rollouts fill and
+empty the cache within a second, so one step's snapshot is noise), else the snapshot (the
+simulator's replica, exact at every instant).
+
+The window sits under the async loop's staleness budget: the producer takes its staleness slot
+first, then asks this gate, so a producer held by the staleness budget never makes the window
+look full (it grows only while it binds). `ConcurrencyGate.blocked_s` (seconds refused) says
+which bound holds: ~0 while the staleness budget does.
 
 Invariant: `limit` is always >= `min_groups`; `may_admit` is True only while running < limit.
 `ConcurrencyGate` is the thin async wrapper the async loop's producer awaits (one group slot per
@@ -60,7 +69,10 @@ class AdaptiveConcurrency:
         self.limit = min_groups
         self._preempted: int | None = None
         self._last_change = -math.inf
+        self._window: list[tuple[float, float]] | None = None  # each engine's (usage integral, clock) at the window's start
+        self._window_usage: float | None = None  # mean usage over the last full window
         self.increases = self.decreases = 0
+        self.usage = math.nan  # the mean KV usage of the last observation (the signal, 0..1)
 
     def observe(self, loads: Sequence[EngineLoad], now_s: float, running_groups: int) -> None:
         """Update the limit from the engines' `loads` at time `now_s` (seconds, any origin) with
@@ -70,7 +82,7 @@ class AdaptiveConcurrency:
         preempted = sum(ld.num_preempted for ld in loads)
         new_preemption = self._preempted is not None and preempted > self._preempted
         self._preempted = preempted
-        usage = sum(ld.kv_cache_usage for ld in loads) / len(loads)
+        usage = self.usage = self._usage(loads)
         congested = new_preemption or any(ld.num_waiting > 0 for ld in loads) or usage >= self.kv_target
         if now_s - self._last_change < self.interval_s:
             return
@@ -87,6 +99,25 @@ class AdaptiveConcurrency:
     def may_admit(self, running_groups: int) -> bool:
         return running_groups < self.limit
 
+    def _usage(self, loads: Sequence[EngineLoad]) -> float:
+        """The engines' mean KV usage: the time average over the last window of >= `interval_s`
+        on each engine's clock when every engine reports its usage integral (a real vLLM
+        replica: short rollouts fill and empty the cache within a second, so a snapshot is
+        noise), else the snapshot (the simulator's replica). The window restarts when the
+        engines change (a replaced replica's integral restarts)."""
+        refs = [(ld.kv_usage_integral_s, ld.clock_s) for ld in loads]
+        if any(i is None or t is None for i, t in refs):
+            return sum(ld.kv_cache_usage for ld in loads) / len(loads)
+        if self._window is None or len(self._window) != len(refs) or any(
+                i < i0 or t < t0 for (i, t), (i0, t0) in zip(refs, self._window)):
+            self._window, self._window_usage = refs, None
+        elif all(t - t0 >= self.interval_s for (_, t), (_, t0) in zip(refs, self._window)):
+            self._window_usage = sum((i - i0) / (t - t0) for (i, t), (i0, t0) in zip(refs, self._window)) / len(refs)
+            self._window = refs
+        if self._window_usage is None:  # no full window yet: the snapshot
+            return sum(ld.kv_cache_usage for ld in loads) / len(loads)
+        return self._window_usage
+
 
 LoadSource = Callable[[], Awaitable[Sequence[EngineLoad]]]
 
@@ -99,15 +130,21 @@ class ConcurrencyGate:
                  poll_s: float = POLL_S) -> None:
         self.policy, self._loads, self._clock, self._poll_s = policy, loads, clock, poll_s
         self.running = 0
+        self.blocked_s = 0.0  # seconds producers spent refused, summed since start
         self._last: Sequence[EngineLoad] = ()
 
     async def acquire(self) -> None:
+        t0 = None
         while True:
             self._last = await self._loads()
-            self.policy.observe(self._last, self._clock(), self.running)
+            now = self._clock()
+            self.policy.observe(self._last, now, self.running)
             if self.policy.may_admit(self.running):
                 self.running += 1
+                if t0 is not None:
+                    self.blocked_s += now - t0
                 return
+            t0 = now if t0 is None else t0
             await asyncio.sleep(self._poll_s)
 
     def release(self) -> None:
@@ -116,9 +153,14 @@ class ConcurrencyGate:
         self.running -= 1
 
     def metrics(self) -> dict[str, float]:
-        """`rollout/concurrency_limit`, `rollout/running_groups`, and from the engines' last
-        stats `rollout/engine_preempted` (summed since start) and `rollout/engine_waiting`."""
+        """`rollout/concurrency_limit`, `rollout/running_groups`, `rollout/concurrency_blocked_s`
+        (seconds refused, summed since start: ~0 while another bound, e.g. the staleness budget,
+        holds the producer), `rollout/kv_usage_signal` (the usage the policy last decided on), and
+        from the engines' last stats `rollout/engine_preempted` (summed since start) and
+        `rollout/engine_waiting`."""
         return {"rollout/concurrency_limit": float(self.policy.limit),
                 "rollout/running_groups": float(self.running),
+                "rollout/concurrency_blocked_s": self.blocked_s,
+                "rollout/kv_usage_signal": self.policy.usage,
                 "rollout/engine_preempted": float(sum(ld.num_preempted for ld in self._last)),
                 "rollout/engine_waiting": float(sum(ld.num_waiting for ld in self._last))}

@@ -156,12 +156,14 @@ async def _produce(parts: LoopParts, cfg: AsyncLoopSettings, gate: AdmissionGate
     """Admit groups while capacity lasts; each group runs as its own task and queues its id when done."""
     limit = parts.concurrency  # rollout.concurrency=adaptive: engine load decides too (None: staleness only)
     while not stop.is_set():
-        if limit is not None:
-            await limit.acquire()
         if not await gate.acquire(timeout_s=GROUP_WAIT_S):
-            if limit is not None:
-                limit.release()
             continue
+        if limit is not None:  # after the staleness slot: a producer held by the staleness budget never looks
+            try:  # like a full concurrency window (which would grow it for nothing)
+                await limit.acquire()
+            except BaseException:  # cancelled (the run stops): the staleness slot goes back
+                gate.release()
+                raise
         if stop.is_set():
             gate.release()
             if limit is not None:

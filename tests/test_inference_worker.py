@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from stand_ins import hf_token_logprobs, until
 from workers.core.types import GenerateRequest
+from workers.inference.engine import KvCacheUsage
 from workers.inference.worker import InferenceSettings, InferenceWorker, WeightsGate
 from workers.weight_sync.file import CpuWeightSync
 
@@ -258,7 +259,29 @@ async def test_kv_cache_usage_is_reported_per_interval(worker):
                            T_TIMEOUT_S)
     usage = worker.kv_cache_usage()
     assert 0.0 < usage < 1.0  # blocks were in use during decoding, fraction of the explicit cache
-    assert math.isnan(worker.kv_cache_usage())  # no engine step since the last read
+    await asyncio.sleep(0.5)
+    worker.kv_cache_usage()  # the last step's record (0 after freeing) may land just after generate returns
+    await asyncio.sleep(0.2)
+    assert worker.kv_cache_usage() == 0.0  # an idle engine holds no blocks: idle time averages in as 0
+    load = worker.engine_load()
+    assert load.kv_usage_integral_s > 0 and load.clock_s is not None
+
+
+async def test_kv_cache_usage_is_a_time_average_not_a_mean_over_steps():
+    t = [100.0]
+    kv = KvCacheUsage(clock=lambda: t[0])
+    t[0] = 101.0
+    kv.add(0.8)  # step at 101: 0.8 held from here
+    t[0] = 104.0
+    kv.add(0.0)  # the last request freed at 104
+    t[0] = 111.0  # 7 idle seconds, no step
+    # ∫ = 0 x 1 + 0.8 x 3 + 0 x 7 = 2.4 over 11 s (a mean over the two steps would say 0.4)
+    assert kv.take_mean() == pytest.approx(2.4 / 11)
+    assert kv.integral() == (pytest.approx(2.4), 111.0)
+    kv.add(0.5)
+    t[0] = 113.0
+    assert kv.take_mean() == pytest.approx(0.5)  # a new window from the last read
+    assert math.isnan(kv.take_mean())  # no time passed
 
 
 async def test_settings_module_imports_without_vllm_or_torch():

@@ -164,6 +164,39 @@ def test_adaptive_limit_drops_on_a_new_preemption_and_never_below_the_minimum():
     assert c.limit == 3  # max(min_groups, 0.5 x 4)
 
 
+def _timed(*usage_integral_clock, waiting=0):
+    return [EngineLoad(kv_cache_usage=u, num_running=1, num_waiting=waiting, num_preempted=0, kv_usage_integral_s=i,
+                       clock_s=t) for u, i, t in usage_integral_clock]
+
+
+def test_adaptive_decides_on_the_time_average_over_a_full_window_not_the_snapshot():
+    # A real engine's usage swings between bursts; with its usage integral the policy decides on the
+    # time average over >= interval_s of the engine's clock (the mean over engines).
+    c = AdaptiveConcurrency(kv_target=0.8, min_groups=1, interval_s=2.0, decrease=0.5)
+    c.limit = 10
+    c.observe(_timed((0.95, 0.0, 100.0), (0.95, 0.0, 500.0)), now_s=0.0, running_groups=10)
+    assert c.limit == 5 and c.usage == 0.95  # no window yet: the snapshot (over target) decides
+    c.observe(_timed((0.95, 0.6, 101.0), (0.95, 0.6, 501.0)), now_s=1.0, running_groups=5)
+    assert c.usage == 0.95  # 1 s of the engines' clocks < interval_s: still no full window
+    # 2 s in: engine 0 averaged 0.3, engine 1 0.5 (each on its own clock); the snapshot says 0.95
+    c.observe(_timed((0.95, 0.6, 102.0), (0.95, 1.0, 502.0)), now_s=2.0, running_groups=5)
+    assert c.usage == pytest.approx(0.4) and c.limit == 6  # below target on average, binding: +1
+    c.observe(_timed((0.1, 0.6, 103.0), (0.1, 1.0, 503.0)), now_s=4.0, running_groups=6)
+    assert c.usage == pytest.approx(0.4) and c.limit == 7  # the last full window's average until the next
+    # a replica replaced (its integral restarts): the window restarts, the snapshot decides meanwhile
+    c.observe(_timed((0.2, 0.6, 104.0), (0.2, 0.1, 10.0)), now_s=6.0, running_groups=7)
+    assert c.usage == pytest.approx(0.2) and c.limit == 8
+
+
+def test_a_bounded_producer_never_grows_the_window():
+    # The gate counts only granted groups: a producer that never asks (held by the staleness
+    # budget) leaves the limit where it is however long the engines stay below target.
+    c = AdaptiveConcurrency(kv_target=0.8, min_groups=4, interval_s=1.0)
+    for t in range(10):
+        c.observe(_load(0.1), now_s=float(t), running_groups=3)
+    assert c.limit == 4 and c.increases == 0
+
+
 @pytest.mark.parametrize("kw,key", [({"kv_target": 0}, "kv_target"), ({"min_groups": 0}, "min_groups"),
                                     ({"interval_s": 0}, "interval_s"), ({"decrease": 1.0}, "decrease")])
 def test_adaptive_config_errors_name_the_key(kw, key):
@@ -187,6 +220,8 @@ def test_concurrency_gate_waits_until_the_engines_have_room():
         assert not waiter.done()  # cache over target: no second group
         usage["v"] = 0.3
         await asyncio.wait_for(waiter, 10)
+        assert 30 <= gate.blocked_s <= 31  # refused from t=0 until the poll after the cache emptied
+        assert gate.metrics()["rollout/concurrency_blocked_s"] == gate.blocked_s
         gate.release()
         return gate.running
 

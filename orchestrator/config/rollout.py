@@ -78,9 +78,10 @@ class AcrConfig:
 @dataclass
 class AdaptiveConcurrencyConfig:
     """`rollout.concurrency=adaptive` (orchestrator/concurrency.py): admit groups while the
-    engines' mean KV-cache usage is below `kv_target` (0..1) and no request waits or was
-    preempted; the group limit moves at most once per `interval_s` seconds (one group up, or
-    down to `decrease` x the limit)."""
+    engines' mean KV-cache usage (time-averaged over >= `interval_s`) is below `kv_target` (0..1)
+    and no request waits or was preempted; the group limit moves at most once per `interval_s`
+    seconds (one group up, or down to `decrease` x the limit). The limit sits under the staleness
+    budget (`async.max_staleness`): if that binds first the cache cannot fill (configs/rollout/)."""
 
     kv_target: float = 0.8
     interval_s: float = 2.0

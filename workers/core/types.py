@@ -92,12 +92,18 @@ class InferenceEngine(Protocol):
 @dataclass(frozen=True)
 class EngineLoad:
     """One engine's scheduler stats at its last step (vLLM `SchedulerStats`, `IterationStats`):
-    KV-cache usage (0..1), requests running and waiting, preemptions since it started (cumulative)."""
+    KV-cache usage (0..1), requests running and waiting, preemptions since it started (cumulative).
+    `kv_usage_integral_s`: ∫ usage dt since the engine started (usage-seconds, cumulative) read at
+    `clock_s` (seconds on the engine's own clock), so a reader averages usage over any window
+    (Δintegral / Δclock); None where the engine gives only the snapshot (the simulator's replica,
+    whose usage is exact at every instant)."""
 
     kv_cache_usage: float
     num_running: int
     num_waiting: int
     num_preempted: int
+    kv_usage_integral_s: float | None = None
+    clock_s: float | None = None
 
 
 @dataclass(frozen=True)

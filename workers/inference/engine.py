@@ -104,26 +104,45 @@ def _make_package_importable_by_engine_processes() -> None:
 
 class KvCacheUsage:
     """Collects `SchedulerStats.kv_cache_usage` from vLLM's stat-logger hook (one record per engine
-    step) and reports the mean since the last read; keeps the last step's usage, running and
-    waiting requests and the preemptions (`IterationStats.num_preempted_reqs`) summed. The hook is vLLM's `StatLoggerBase`; passing it
-    enables stats without vLLM's default console/Prometheus loggers."""
+    step) as a time integral: between two steps the usage is the last step's (vLLM computes it
+    after freeing the step's finished requests, so an idle engine holds 0), and the integral
+    ∫ usage dt (seconds) runs on `clock` over every second since creation, idle ones included.
+    The sample point biases it low for very short requests: a step's stats come after it frees
+    its finished requests and before the next step admits waiting ones, so the held value
+    under-counts a step that refills those blocks (negligible once requests live many steps).
+    `take_mean` is the time average since its last call; `integral` lets any number of other
+    readers (the adaptive concurrency gate) average over their own windows. Keeps the last step's
+    usage, running and waiting requests, and the preemptions (`IterationStats.num_preempted_reqs`)
+    summed. The hook is vLLM's `StatLoggerBase`; passing it enables stats without vLLM's default
+    console/Prometheus loggers."""
 
-    def __init__(self) -> None:
-        self._sum = 0.0
-        self._n = 0
+    def __init__(self, clock=time.monotonic) -> None:
+        self._clock = clock
+        self._t = clock()  # time of the last record (or creation)
+        self._integral = 0.0  # ∫ usage dt up to self._t, usage-seconds
+        self._taken = (self._integral, self._t)  # (integral, time) at the last take_mean
         self.last = (0.0, 0, 0)  # (kv usage 0..1, requests running, requests waiting) at the last step
         self.preempted = 0  # requests vLLM preempted since the engine started
 
     def add(self, usage: float, running: int = 0, waiting: int = 0, preempted: int = 0) -> None:
-        self._sum += usage
-        self._n += 1
+        now = self._clock()
+        self._integral += self.last[0] * max(0.0, now - self._t)
+        self._t = now
         self.last = (usage, running, waiting)
         self.preempted += preempted
 
+    def integral(self) -> tuple[float, float]:
+        """(∫ usage dt in usage-seconds since creation, now in seconds on `clock`): the last
+        step's usage is held up to now."""
+        now = self._clock()
+        return self._integral + self.last[0] * max(0.0, now - self._t), now
+
     def take_mean(self) -> float:
-        mean = self._sum / self._n if self._n else float("nan")
-        self._sum, self._n = 0.0, 0
-        return mean
+        """Time-average usage (0..1) since the last call (or creation); NaN if no time passed."""
+        integral, now = self.integral()
+        i0, t0 = self._taken
+        self._taken = (integral, now)
+        return (integral - i0) / (now - t0) if now > t0 else float("nan")
 
     def logger_factory(self):
         from vllm.v1.metrics.loggers import StatLoggerBase

@@ -104,6 +104,7 @@ class InferenceWorker(WeightSwap):
         if self._engine is not None:
             raise RuntimeError("InferenceWorker.start() called twice")
         self._engine, info = build_engine(self._settings, kv_usage=self._kv_usage)
+        self._kv_usage.take_mean()  # the time averages start now, not at construction (startup is not idle time)
         await self._engine.update_weight_version(str(self._version))  # the label of every output
         self._sleep_level = info.sleep_level
         logger.info("vLLM engine for %s started in %.1f s", self._settings.model_path, info.startup_s)
@@ -114,14 +115,17 @@ class InferenceWorker(WeightSwap):
         return self._version
 
     def kv_cache_usage(self) -> float:
-        """Mean KV-cache usage (fraction of blocks in use, 0..1) over the engine steps since the
-        last call; NaN when the engine ran no step in between."""
+        """Time-average KV-cache usage (fraction of blocks in use, 0..1) since the last call,
+        idle time included (an idle engine holds no blocks); NaN when no time passed."""
         return self._kv_usage.take_mean()
 
     def engine_load(self) -> EngineLoad:
-        """vLLM's scheduler stats at its last step, for `rollout.concurrency=adaptive`."""
+        """vLLM's scheduler stats at its last step and the usage's time integral up to now, for
+        `rollout.concurrency=adaptive`."""
         usage, running, waiting = self._kv_usage.last
-        return EngineLoad(usage, running, waiting, self._kv_usage.preempted)
+        integral, now = self._kv_usage.integral()
+        return EngineLoad(usage, running, waiting, self._kv_usage.preempted, kv_usage_integral_s=integral,
+                          clock_s=now)
 
     def num_in_flight(self) -> int:
         """Requests admitted and not finished (generate and prompt_logprobs calls)."""
