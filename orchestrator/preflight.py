@@ -121,7 +121,10 @@ def find_checkpoint(cfg: RunConfig, run_dir: Path) -> Checkpoint | None:
 
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-KV_BLOCK_TOKENS = 16  # vLLM allocates the KV cache in blocks of this many tokens (its default block size)
+# vLLM allocates the KV cache in blocks of this many tokens: vLLM's CPU platform defaults to 128
+# (vllm/platforms/cpu.py, check_and_update_config; 16 on CUDA). `inference.kv_cache_gib` exists only
+# for `inference.name=vllm_cpu`, so the check uses the CPU block.
+KV_BLOCK_TOKENS = 128
 
 
 def kv_cache_min_bytes(model_dir: Path, max_model_len: int, dtype: str) -> int:
