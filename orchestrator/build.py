@@ -203,6 +203,7 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     phase(f"starting {cfg.inference.replicas} inference replica(s) (vLLM) and the trainer")
     spawn_replica = _replica_spawner(cfg, placed, model_path, version)
     replicas = [spawn_replica(i) for i in range(cfg.inference.replicas)]
+    engines_up = [r.start.remote() for r in replicas]  # the longest start (vLLM import, engine build): first
     threads = {"env_vars": {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads)}}
     trainer = await start_trainer_ranks(  # one actor, or N data-parallel ranks behind the same .remote surface
         ray.remote(num_cpus=0)(trainer_cls),
@@ -214,7 +215,7 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     buffer = TrajectoryBuffer.start(buffer_config())
     stack.callback(buffer.stop)
 
-    await asyncio.gather(*(r.start.remote() for r in replicas))
+    await asyncio.gather(*engines_up)
     phase("engines ready; starting the gateway, weight sync and rollout pool")
     if ckpt is not None:
         await trainer.load_optimizer.remote(str(ckpt.optimizer_path))
@@ -384,14 +385,16 @@ async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -
             spawn = _replica_spawner(cfg, placed, rt.model_path, rt.checkpoint.state.policy_version
                                      if rt.checkpoint else 0)
             replicas = [spawn(i) for i in range(cfg.inference.replicas)]
+            engines_up = [r.start.remote() for r in replicas]  # the longest start: first, the buffer meanwhile
             _close_quietly(closing, lambda: asyncio.gather(*(r.shutdown.remote() for r in replicas)))
             gateway = _gateway_actor(cfg, rt.model_path)
             _close_quietly(closing, lambda: gateway.stop.remote())
-            await asyncio.gather(*(r.start.remote() for r in replicas))
-            await gateway.set_engines.remote(replicas)
-            base_url = await gateway.start.remote()
         buffer = TrajectoryBuffer.start(buffer_config())
         stack.callback(buffer.stop)
+        if gateway is not None:
+            await asyncio.gather(*engines_up)
+            await gateway.set_engines.remote(replicas)
+            base_url = await gateway.start.remote()
         pool = _pool(cfg, eval_rollout_settings(cfg.eval, _rollout_settings(cfg, rt, base_url)), gateway, buffer,
                      closing)
         return BuiltEval(pool=pool, store=BufferStore(buffer, cfg.eval.n, cfg.rollout.timeout_s), replicas=replicas,
