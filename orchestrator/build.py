@@ -7,8 +7,10 @@ only), then starts its own local Ray, or joins the cluster `cluster.address` (or
 set by `ray job submit`) names after checking that something answers there (`ray_address`,
 `check_cluster_reachable` in orchestrator/ray_cluster.py: a dead cluster is a config error, not a silent hang; a cluster merely
 running on the machine is never joined unasked). `build_parts` places actors, starts the inference
-replicas, trainer ranks, gateway, trajectory buffer, weight sync, rollout pool, metric logger and
-checkpointer, and returns the loop's parts.
+replicas, trainer ranks, gateway, trajectory buffer, rollout pool, weight sync, metric logger and
+checkpointer, and returns the loop's parts. What does not need a running engine (the trainer, the
+gateway's tokenizer, the buffer, the rollout actors) starts while the engines start, the longest
+part of a start on a small machine.
 
 Invariant: everything started here is registered for stopping as soon as it starts: processes
 and Ray itself on the caller's ExitStack (by PID / handle), actors' own shutdowns on the returned
@@ -212,11 +214,15 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
         world_size=len(placed.plan.trainer) if placed.plan.groups else 1,
         rank_options=lambda r: {"runtime_env": threads, **placed.trainer_options(r)}, **trainer_kw)
     gateway = _gateway_actor(cfg, model_path)
+    _close_quietly(closing, lambda: gateway.stop.remote())
+    gateway_up = gateway.start.remote()  # loads the tokenizer and chat template while the engines start
     buffer = TrajectoryBuffer.start(buffer_config())
     stack.callback(buffer.stop)
+    train_settings = _rollout_settings(cfg, rt, await gateway_up)
+    pool = _pool(cfg, train_settings, gateway, buffer, closing)  # its actors start while the engines do
 
     await asyncio.gather(*engines_up)
-    phase("engines ready; starting the gateway, weight sync and rollout pool")
+    phase("engines ready; starting the weight sync")
     if ckpt is not None:
         await trainer.load_optimizer.remote(str(ckpt.optimizer_path))
     backend = cfg.trainer.weight_sync.backend  # file, or a bucketed broadcast group formed here
@@ -224,11 +230,7 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
                                      ranks_per_replica=cfg.cluster.inference.tensor_parallel_size,
                                      initial_version=version)
     _close_quietly(closing, close_weight_sync, weights, trainer)  # the sender's /dev/shm slots, process groups
-    _close_quietly(closing, lambda: gateway.stop.remote())
-    await gateway.set_engines.remote(replicas)
-    base_url = await gateway.start.remote()
-    train_settings = _rollout_settings(cfg, rt, base_url)
-    pool = _pool(cfg, train_settings, gateway, buffer, closing)
+    await gateway.set_engines.remote(replicas)  # no turn reaches the gateway before the loop starts
 
     history = trim_after(run_dir, ckpt.state.step) if ckpt else []  # steps the dead run logged after its checkpoint
     logger = MetricLogger(build_sinks(cfg.logger.sinks, run_dir, cfg.trainer.total_steps, cfg.logger.wandb_project,
