@@ -221,7 +221,7 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     train_settings = _rollout_settings(cfg, rt, await gateway_up)
     pool = _pool(cfg, train_settings, gateway, buffer, closing)  # its actors start while the engines do
 
-    await asyncio.gather(*engines_up)
+    await asyncio.gather(*engines_up, pool.prepare())  # the rollout actors build their clients meanwhile
     phase("engines ready; starting the weight sync")
     if ckpt is not None:
         await trainer.load_optimizer.remote(str(ckpt.optimizer_path))
