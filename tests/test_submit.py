@@ -113,7 +113,8 @@ def test_submit_runs_two_colocated_steps_and_succeeds(ray_head, tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
     proc = _submit(ray_head, "cluster=colocated", "trainer.total_steps=2", "rollout.batch_size=2", "rollout.n=2",
-                   "logger=console", "algorithm.filter_zero_variance=false", f"run_dir={run_dir}")  # every step trains: sleeps once
+                   "logger=console", "algorithm.filter_zero_variance=false",  # every step trains: sleeps once
+                   f"run_dir={run_dir}")
     print(f"\nsubmitted 2-step job ran in {time.monotonic() - t0:.0f} s")
     log = proc.stdout[-5000:] + proc.stderr[-5000:]
     assert proc.returncode == 0, log
