@@ -7,8 +7,10 @@ only), then starts its own local Ray, or joins the cluster `cluster.address` (or
 set by `ray job submit`) names after checking that something answers there (`ray_address`,
 `check_cluster_reachable` in orchestrator/ray_cluster.py: a dead cluster is a config error, not a silent hang; a cluster merely
 running on the machine is never joined unasked). `build_parts` places actors, starts the inference
-replicas, trainer ranks, gateway, trajectory buffer, weight sync, rollout pool, metric logger and
-checkpointer, and returns the loop's parts.
+replicas, trainer ranks, gateway, trajectory buffer, rollout pool, weight sync, metric logger and
+checkpointer, and returns the loop's parts. What does not need a running engine (the trainer, the
+gateway's tokenizer, the buffer, the rollout actors) starts while the engines start, the longest
+part of a start on a small machine.
 
 Invariant: everything started here is registered for stopping as soon as it starts: processes
 and Ray itself on the caller's ExitStack (by PID / handle), actors' own shutdowns on the returned
@@ -203,6 +205,7 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     phase(f"starting {cfg.inference.replicas} inference replica(s) (vLLM) and the trainer")
     spawn_replica = _replica_spawner(cfg, placed, model_path, version)
     replicas = [spawn_replica(i) for i in range(cfg.inference.replicas)]
+    engines_up = [r.start.remote() for r in replicas]  # the longest start (vLLM import, engine build): first
     threads = {"env_vars": {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads)}}
     trainer = await start_trainer_ranks(  # one actor, or N data-parallel ranks behind the same .remote surface
         ray.remote(num_cpus=0)(trainer_cls),
@@ -211,11 +214,15 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
         world_size=len(placed.plan.trainer) if placed.plan.groups else 1,
         rank_options=lambda r: {"runtime_env": threads, **placed.trainer_options(r)}, **trainer_kw)
     gateway = _gateway_actor(cfg, model_path)
+    _close_quietly(closing, lambda: gateway.stop.remote())
+    gateway_up = gateway.start.remote()  # loads the tokenizer and chat template while the engines start
     buffer = TrajectoryBuffer.start(buffer_config())
     stack.callback(buffer.stop)
+    train_settings = _rollout_settings(cfg, rt, await gateway_up)
+    pool = _pool(cfg, train_settings, gateway, buffer, closing)  # its actors start while the engines do
 
-    await asyncio.gather(*(r.start.remote() for r in replicas))
-    phase("engines ready; starting the gateway, weight sync and rollout pool")
+    await asyncio.gather(*engines_up, pool.prepare())  # the rollout actors build their clients meanwhile
+    phase("engines ready; starting the weight sync")
     if ckpt is not None:
         await trainer.load_optimizer.remote(str(ckpt.optimizer_path))
     backend = cfg.trainer.weight_sync.backend  # file, or a bucketed broadcast group formed here
@@ -223,11 +230,7 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
                                      ranks_per_replica=cfg.cluster.inference.tensor_parallel_size,
                                      initial_version=version)
     _close_quietly(closing, close_weight_sync, weights, trainer)  # the sender's /dev/shm slots, process groups
-    _close_quietly(closing, lambda: gateway.stop.remote())
-    await gateway.set_engines.remote(replicas)
-    base_url = await gateway.start.remote()
-    train_settings = _rollout_settings(cfg, rt, base_url)
-    pool = _pool(cfg, train_settings, gateway, buffer, closing)
+    await gateway.set_engines.remote(replicas)  # no turn reaches the gateway before the loop starts
 
     history = trim_after(run_dir, ckpt.state.step) if ckpt else []  # steps the dead run logged after its checkpoint
     logger = MetricLogger(build_sinks(cfg.logger.sinks, run_dir, cfg.trainer.total_steps, cfg.logger.wandb_project,
@@ -384,14 +387,16 @@ async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -
             spawn = _replica_spawner(cfg, placed, rt.model_path, rt.checkpoint.state.policy_version
                                      if rt.checkpoint else 0)
             replicas = [spawn(i) for i in range(cfg.inference.replicas)]
+            engines_up = [r.start.remote() for r in replicas]  # the longest start: first, the buffer meanwhile
             _close_quietly(closing, lambda: asyncio.gather(*(r.shutdown.remote() for r in replicas)))
             gateway = _gateway_actor(cfg, rt.model_path)
             _close_quietly(closing, lambda: gateway.stop.remote())
-            await asyncio.gather(*(r.start.remote() for r in replicas))
-            await gateway.set_engines.remote(replicas)
-            base_url = await gateway.start.remote()
         buffer = TrajectoryBuffer.start(buffer_config())
         stack.callback(buffer.stop)
+        if gateway is not None:
+            await asyncio.gather(*engines_up)
+            await gateway.set_engines.remote(replicas)
+            base_url = await gateway.start.remote()
         pool = _pool(cfg, eval_rollout_settings(cfg.eval, _rollout_settings(cfg, rt, base_url)), gateway, buffer,
                      closing)
         return BuiltEval(pool=pool, store=BufferStore(buffer, cfg.eval.n, cfg.rollout.timeout_s), replicas=replicas,

@@ -18,10 +18,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.timeout(900)
 def test_main_job_runs_end_to_end_on_real_parts(tmp_path):
+    """The embedded default's sync run, its report, its quiet console and its cleanup; the weights
+    go by the bucketed gloo broadcast (trainer.weight_sync.backend=gloo, 1 MB buckets: several per
+    push), the file sync being run end to end by the other e2e tests (gsm8k, own agent, rollout=aws)."""
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "orchestrator.main", "trainer.total_steps=3", "rollout.batch_size=4",
-         "rollout.n=4", "mode.sync_every=1", "logger=console", f"run_dir={run_dir}"],
+         "rollout.n=4", "mode.sync_every=1", "trainer.weight_sync.backend=gloo", "trainer.weight_sync.bucket_mb=1",
+         "logger=console", f"run_dir={run_dir}"],
         cwd=REPO, capture_output=True, text=True, timeout=840, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -30,6 +34,8 @@ def test_main_job_runs_end_to_end_on_real_parts(tmp_path):
     steps = [json.loads(line) for line in lines]
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert [s["policy_version"] for s in steps] == [1, 2, 3]
+    assert not list(run_dir.glob("weights/*.safetensors"))  # the broadcast path writes no file
+    assert all(s["timing_s/update_weights"] > 0 for s in steps)
     for s in steps:
         for key in ("reward/mean", "perf/throughput", "timing_s/gen", "timing_s/update_actor",
                     "timing_s/update_weights", "rollout/completed", "rollout/failed", "rollout_corr/is_mean"):
@@ -42,7 +48,8 @@ def test_main_job_runs_end_to_end_on_real_parts(tmp_path):
     assert summary["acr/sessions_open_at_exit"] == 0
     assert summary["rollout/completed"] > 0  # some groups had reward variance and were trained
     # sync mode is on-policy: the gateway's recorded log-probs must match the trainer's recompute,
-    # which only holds if tokens and log-probs were captured exactly and aligned
+    # which only holds if tokens and log-probs were captured exactly and aligned, and if the engine
+    # got exactly the trainer's weights of each version through the broadcast
     trained = [s for s in steps if s["rollout/step_completed"] > 0]
     assert trained and all(abs(s["rollout_corr/log_ppl_abs_diff"]) < 1e-3 for s in trained)
     assert all(abs(s["rollout_corr/is_mean"] - 1.0) < 1e-3 for s in trained)

@@ -44,7 +44,7 @@ def test_eval_scores_the_served_tiny_model_on_held_out_prompts(tmp_path):
 @pytest.mark.timeout(600)
 def test_eval_without_a_served_model_accounts_for_every_rollout_under_faults(tmp_path):
     run_dir = tmp_path / "own-model"
-    run_eval(run_dir, "eval.serve_model=false", "eval.n=4", "eval.max_prompts=25", "rollout.timeout_s=15",
+    run_eval(run_dir, "eval.serve_model=false", "eval.n=4", "eval.max_prompts=25", "rollout.timeout_s=6",
              f"rollout.acr.agent_cmd='{sys.executable} -m workers.embedded.stub_agent'",
              "+rollout.acr.faults={crash: 0.05, no_result: 0.05, malformed_result: 0.05, throttle: 0.05, seed: 3}")
     records, s = outputs(run_dir)

@@ -58,11 +58,14 @@ class _gone:
         return exc_type is not None and issubclass(exc_type, (psutil.NoSuchProcess, psutil.ZombieProcess))
 
 
+STOP_GRACE_S = 3.0  # SIGTERM -> SIGKILL; a throwaway head keeps nothing worth a graceful stop
+
+
 def _stop(procs: list[psutil.Process]) -> None:
     for p in procs:
         with _gone():
             p.send_signal(signal.SIGTERM)
-    _, alive = psutil.wait_procs(procs, timeout=15)
+    _, alive = psutil.wait_procs(procs, timeout=STOP_GRACE_S)
     for p in alive:
         with _gone():
             p.kill()
@@ -109,8 +112,9 @@ def _submit(env: dict, *overrides: str) -> subprocess.CompletedProcess:
 def test_submit_runs_two_colocated_steps_and_succeeds(ray_head, tmp_path):
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
-    proc = _submit(ray_head, "cluster=colocated", "trainer.total_steps=2", "rollout.batch_size=4", "logger=console",
-                   "algorithm.filter_zero_variance=false", f"run_dir={run_dir}")  # every step trains: sleeps once
+    proc = _submit(ray_head, "cluster=colocated", "trainer.total_steps=2", "rollout.batch_size=2", "rollout.n=2",
+                   "logger=console", "algorithm.filter_zero_variance=false",  # every step trains: sleeps once
+                   f"run_dir={run_dir}")
     print(f"\nsubmitted 2-step job ran in {time.monotonic() - t0:.0f} s")
     log = proc.stdout[-5000:] + proc.stderr[-5000:]
     assert proc.returncode == 0, log

@@ -103,6 +103,11 @@ class RolloutActor:
                              _sink_for(self._buffer_handle), slots=clients.sessions if clients else None,
                              results=board, result_url=url)
 
+    async def prepare(self) -> None:
+        """Build the worker now (ACR clients, result endpoint, buffer connection) rather than at the
+        first rollout, so that this cost overlaps the engines' start."""
+        await self._ensure()
+
     async def run_many(self, reqs: list[RolloutRequest], partition: str) -> list[RolloutOutcome]:
         """Run `reqs` concurrently; outcomes in request order. A ContractError cancels the rest
         (each stops its session) and propagates."""
@@ -227,6 +232,10 @@ class RolloutPool:
         self._dead: dict[int, str] = {}  # id of a replaced actor handle -> its name (for later messages)
         self._next = 0
         self.counts: Counter[str] = Counter()  # rollout/actors_lost, rollout/redispatched, rollout/failed/actor_lost
+
+    async def prepare(self) -> None:
+        """Have every actor build its worker now (`RolloutActor.prepare`); optional."""
+        await asyncio.gather(*(call(a, "prepare") for a in self._actors))
 
     async def run_all(self, reqs: list[RolloutRequest], partition: str) -> list[RolloutOutcome]:
         """Run every request; outcomes in request order. Raises what an actor raised (a lost actor

@@ -21,9 +21,11 @@ This module imports only boto3, aiohttp, openai and the standard library, so age
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
@@ -39,7 +41,8 @@ REQUIRED_FIELDS = ("exp_id", "input_id", "s3_bucket")
 MODEL_FIELDS_ENV = {"base_url": "AGENT_MODEL_BASE_URL", "model_id": "AGENT_MODEL_ID", "api_key": "AGENT_MODEL_API_KEY"}
 
 logger = logging.getLogger("agent_common")
-_s3 = None  # boto3 clients are thread-safe; created on first use so env vars set before start apply
+_s3 = None  # boto3 clients are thread-safe; created at start (serve) or first use, after env vars are set
+_s3_lock = threading.Lock()
 _background: set[asyncio.Task] = set()  # strong refs: asyncio keeps only weak refs to tasks
 _openai_clients: dict[str, Any] = {}  # base_url -> shared AsyncOpenAI (see openai_client)
 
@@ -100,8 +103,9 @@ def dataset_row(payload: dict[str, Any]) -> dict[str, Any]:
 
 def _s3_client():
     global _s3
-    if _s3 is None:
-        _s3 = boto3.client("s3")
+    with _s3_lock:  # boto3's default session is not thread-safe to build clients from
+        if _s3 is None:
+            _s3 = boto3.client("s3")
     return _s3
 
 
@@ -176,7 +180,18 @@ def serve(app: Any, description: str, default_port: int = 8080) -> None:
     p.add_argument("--host", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    threading.Thread(target=_warm_up, name="warm-up", daemon=True).start()
     app.run(port=args.port, host=args.host)
+
+
+def _warm_up() -> None:
+    """Import openai and build the S3 client beside the server: done on the event loop by the first
+    rollout, they stall every rollout of this process for seconds on a busy machine."""
+    try:
+        importlib.import_module("openai")
+        _s3_client()
+    except Exception:  # noqa: BLE001  the first rollout then pays (and reports) it
+        logger.warning("warm-up failed; the first rollout will import and connect", exc_info=True)
 
 
 def run_in_background(app: Any, name: str, session_id: str, work: Awaitable[None]) -> None:
