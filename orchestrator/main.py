@@ -57,7 +57,7 @@ def run(cfg: RunConfig) -> dict:
     from orchestrator.preflight import preflight
     from orchestrator.supervise import explain_trainer_loss, run_watched
     from orchestrator.reaper import start_reaper
-    from orchestrator.stopping import Interrupts, RunInterrupted
+    from orchestrator.stopping import Interrupts, RunInterrupted, mark
 
     t_start = time.monotonic()
     pre = preflight(cfg)
@@ -77,6 +77,7 @@ def run(cfg: RunConfig) -> dict:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     interrupts = Interrupts()
     with contextlib.ExitStack() as stack:
+        stack.callback(mark, "local stack stopped")  # runs last: the stack unwinds last in, first out
         rt = start_runtime(cfg, pre, stack)
         signal.signal(signal.SIGTERM, _raise_interrupt)  # ray.init installed its own; ours unwinds cleanly
 
@@ -95,7 +96,9 @@ def run(cfg: RunConfig) -> dict:
                         raise
                     raise lost from exc
             summary = await _summary(report, built, rt.local)
+            mark("summary")
             await _bounded(asyncio.gather(*(r.shutdown.remote() for r in built.replicas)))
+            mark("inference replicas shut down")
             return summary
 
         if cfg.mode.name == "eval":
@@ -115,6 +118,7 @@ def run(cfg: RunConfig) -> dict:
     summary["resumed_from_step"] = pre.checkpoint.state.step if pre.checkpoint else None
     summary["wall_s"] = time.monotonic() - t_start
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
+    mark("summary.json written")
     if not summary["interrupted"]:  # an interrupted run says one line (main), the file has the rest
         print(summary_text(summary), flush=True)
         print(f"run_dir: {run_dir} (summary.json, metrics.jsonl, logs/)", flush=True)
