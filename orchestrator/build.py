@@ -115,6 +115,8 @@ def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -
              **ray_init_options(cfg.logger.console_level))  # actors' output: RUN_DIR/logs/ray unless loud
     stack.callback(mark, "ray shut down")
     stack.callback(ray.shutdown)
+    if local is not None:  # on the way out its servers stop while Ray shuts down (ACR sessions are stopped by then)
+        stack.callback(local.terminate)
     link_ray_logs(pre.run_dir)
     return Runtime(run_dir=pre.run_dir, model_path=model_path, checkpoint=pre.checkpoint, local=local)
 

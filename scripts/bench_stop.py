@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -46,6 +48,7 @@ JOB = ["trainer.total_steps=50", "rollout.batch_size=2", "rollout.n=2", "logger=
 
 def one_try(mode: str, run_dir: Path, overrides: list[str]) -> dict:
     sig = SIGNAL_OF[mode]
+    t_start = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "orchestrator.main", f"mode={mode}", *JOB, *overrides, f"run_dir={run_dir}"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -64,10 +67,13 @@ def one_try(mode: str, run_dir: Path, overrides: list[str]) -> dict:
         record = Record(proc.pid)
         record.scan()
         tree, shm = list(record.procs.items()), set(record.shm)
+        names = {pid: _name(pid) for pid, _ in tree}
         t0 = time.monotonic()
+        step1_s = t0 - t_start
         os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
         rest, _ = proc.communicate(timeout=STOP_TIMEOUT_S)
         stop_s = time.monotonic() - t0
+        at_exit = sorted(names[pid] for pid in still_running(tree))  # the reaper's work, if any
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -83,13 +89,21 @@ def one_try(mode: str, run_dir: Path, overrides: list[str]) -> dict:
     reaper = run_dir / "logs" / "reaper.log"
     console = [ln for ln in rest.splitlines() if ln.strip() and not ln.startswith("[step ")]
     return {
-        "mode": mode, "signal": signal.Signals(sig).name, "stop_s": round(stop_s, 2), "exit": proc.returncode,
+        "mode": mode, "signal": signal.Signals(sig).name, "step1_s": round(step1_s, 1), "stop_s": round(stop_s, 2), "exit": proc.returncode,
         "interrupted": summary.get("interrupted"), "sessions_open": summary.get("acr/sessions_open_at_exit"),
-        "processes_left": len(still_running(tree)), "processes": len(tree),
+        "processes_left": len(still_running(tree)), "processes": len(tree), "alive_at_exit": at_exit,
         "shm_left": [e.name for e in os.scandir("/dev/shm") if e.inode() in shm],
         "reaper": reaper.read_text().strip().splitlines()[-1:] if reaper.exists() else [],
         "console_lines": len(console), "traceback": "Traceback" in rest, "timeline": timeline,
     }
+
+
+def _name(pid: int) -> str:
+    try:
+        p = psutil.Process(pid)
+        return " ".join(p.cmdline()[:3])[:80] or p.name()
+    except psutil.Error:
+        return "?"
 
 
 def clean(r: dict) -> bool:
@@ -102,12 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="async,sync")
     p.add_argument("--tries", type=int, default=3)
     p.add_argument("--out", default=None, help="write every try as JSON here")
+    p.add_argument("--keep", default=None, help="keep the run dirs under this folder (default: a temporary one)")
     p.add_argument("overrides", nargs="*", help="key=value overrides for the job")
     args = p.parse_args(argv)
     print(f"load: {os.getloadavg()[0]:.1f} {os.getloadavg()[1]:.1f} {os.getloadavg()[2]:.1f} "
           f"on {os.cpu_count()} cores", flush=True)
     runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_stop-") as tmp:
+        tmp = args.keep or tmp
         for i in range(args.tries):
             for mode in args.modes.split(","):
                 r = one_try(mode, Path(tmp) / f"{mode}-{i}", args.overrides)

@@ -144,10 +144,6 @@ def test_first_ctrl_c_stops_the_run_fast_and_leaves_nothing_behind(tmp_path, mod
     assert summary["interrupted"] is True and summary["steps"] >= 1
     alive, shm_left = _left_behind(tree, shm, timeout_s=15)
     assert not alive and not shm_left, (alive, shm_left)
-    if mode == "sync" and summary["acr/sessions_open_at_exit"] > 0:
-        # known bug since the fault-recovery merge (issue 14, open): in sync mode SIGTERM leaves one
-        # or two ACR sessions open at exit; every other assertion above still holds
-        pytest.xfail("sync SIGTERM leaves ACR sessions open at exit (issue 14)")
     assert summary["acr/sessions_open_at_exit"] == 0  # stopped before the emulator went
 
 
