@@ -65,8 +65,8 @@ def test_main_job_runs_end_to_end_on_real_parts(tmp_path):
     assert not alive, alive
 
 
-# The target is 10 s on an idle machine (it was 36-56 s); measured 17.8 s and 25.9 s here while other
-# jobs held the 2 cores at load 30-50, so the test's bound leaves room for a loaded machine.
+# The target is 10 s (issue 14; it was 36-56 s), measured by scripts/bench_stop.py; on this shared
+# 2-core machine other jobs hold the cores at load 15-50, so the test's bound leaves room for that.
 STOP_BOUND_S = 30.0
 
 
@@ -122,7 +122,7 @@ def test_first_ctrl_c_stops_the_run_fast_and_leaves_nothing_behind(tmp_path, mod
     no process the run started and no /dev/shm file they mapped is left."""
     run_dir = tmp_path / "run"
     proc = _start_job([f"mode={mode}", "trainer.total_steps=50", "rollout.batch_size=2", "rollout.n=2",
-                       "logger=console", f"run_dir={run_dir}"])
+                       "rollout.num_workers=1", "rollout.acr.num_agents=1", "logger=console", f"run_dir={run_dir}"])
     try:
         _read_until(proc, "[step 1/", 480)
         tree, shm = _snapshot(proc.pid)
