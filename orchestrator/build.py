@@ -43,6 +43,7 @@ from orchestrator.preflight_aws import forwarded_aws_env
 from orchestrator.progress import phase
 from orchestrator.ray_cluster import check_cluster_reachable, ray_address
 from orchestrator.run_checkpoint import LoopPosition
+from orchestrator.stopping import mark
 from orchestrator.tasks import TASKS
 
 CLOSE_TIMEOUT_S = 5.0  # bound on each part's own shutdown at the end of a run (seconds)
@@ -114,7 +115,10 @@ def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -
              num_gpus=None if joining else cfg.cluster.num_gpus,  # logical GPUs of a cluster we start
              runtime_env={"env_vars": forwarded_aws_env(os.environ)} if joining else None,
              **ray_init_options(cfg.logger.console_level))  # actors' output: RUN_DIR/logs/ray unless loud
+    stack.callback(mark, "ray shut down")
     stack.callback(ray.shutdown)
+    if local is not None:  # on the way out its servers stop while Ray shuts down (ACR sessions are stopped by then)
+        stack.callback(local.terminate)
     link_ray_logs(pre.run_dir)
     return Runtime(run_dir=pre.run_dir, model_path=model_path, checkpoint=pre.checkpoint, local=local)
 
@@ -170,11 +174,13 @@ async def build_parts(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) 
         raise
 
 
-def _close_quietly(closing: contextlib.AsyncExitStack, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+def _close_quietly(closing: contextlib.AsyncExitStack, fn: Callable[..., Awaitable[Any]], *args: Any,
+                   what: str = "") -> None:
     async def close() -> None:  # bounded: a part that hangs on the way out must not hold the run
         with contextlib.suppress(Exception):
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
                 await fn(*args)
+        mark(f"closed {what or fn.__qualname__}")  # the stop timeline (after a signal only)
 
     closing.push_async_callback(close)
 
@@ -214,7 +220,7 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
         world_size=len(placed.plan.trainer) if placed.plan.groups else 1,
         rank_options=lambda r: {"runtime_env": threads, **placed.trainer_options(r)}, **trainer_kw)
     gateway = _gateway_actor(cfg, model_path)
-    _close_quietly(closing, lambda: gateway.stop.remote())
+    _close_quietly(closing, lambda: gateway.stop.remote(), what="gateway")
     gateway_up = gateway.start.remote()  # loads the tokenizer and chat template while the engines start
     buffer = TrajectoryBuffer.start(buffer_config())
     stack.callback(buffer.stop)
@@ -338,7 +344,7 @@ def _pool(cfg: RunConfig, settings: Any, gateway: Any, buffer: Any, closing: con
                               acr=acr_client_config(cfg.rollout), result_host=cfg.rollout.result_host,
                               gateway=gateway, buffer_handle=buffer.handle, store=buffer,
                               redispatch_lost=cfg.rollout.redispatch_lost)
-    _close_quietly(closing, pool.shutdown)
+    _close_quietly(closing, pool.shutdown, what="rollout pool")
     return pool
 
 

@@ -13,18 +13,33 @@ plus the guarded task's own unwinding: it cancels the task, and cancels it again
 on Python 3.11, when the awaited future completes in the same iteration, must not keep a run
 going to its last step), then stops waiting after another `CANCEL_GRACE_S`.
 
+Where the stop time goes: from the signal on, `mark` writes one line per stop step to the driver
+log (`stop +1.23s: what`, RUN_DIR/logs/driver.log); scripts/bench_stop.py prints them.
+
 Callers: orchestrator/main.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
+import time
 from typing import Awaitable, TypeVar
 
 T = TypeVar("T")
 CANCEL_GRACE_S = 3.0  # wait for a cancelled task to unwind before cancelling it again (seconds)
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_MARK = "stop +"  # prefix of the stop-timeline lines in the driver log
+
+log = logging.getLogger(__name__)
+_signalled_at: list[float] = []  # time.monotonic() of this process's first signal (one per process)
+
+
+def mark(what: str) -> None:
+    """Log `stop +{seconds since the signal}s: what` to the driver log; nothing before a signal."""
+    if _signalled_at:
+        log.info("%s%.2fs: %s", STOP_MARK, time.monotonic() - _signalled_at[0], what)
 
 
 class RunInterrupted(Exception):
@@ -51,6 +66,8 @@ class Interrupts:
         if self.signal is not None:
             return
         self.signal = sig
+        _signalled_at[:1] = [time.monotonic()]
+        mark(signal.Signals(sig).name)
         assert self._fired is not None and self._loop is not None
         self._fired.set()
         for s in SIGNALS:
@@ -81,4 +98,5 @@ class Interrupts:
             await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
         if task.done() and not task.cancelled() and task.exception() is not None:
             task.exception()  # retrieved: the interrupt is what the user sees
+        mark("guarded work cancelled" if task.done() else "guarded work still running; left behind")
         raise RunInterrupted(signal.Signals(self.signal).name if self.signal else "cancelled")

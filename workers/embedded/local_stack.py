@@ -162,17 +162,24 @@ class LocalStack:
             self.stop()
             raise
 
-    def stop(self) -> None:
-        """Stop every started process by PID (SIGTERM, SIGKILL after STOP_GRACE_S). Idempotent."""
-        while self._procs:
-            name, proc, _log = self._procs.pop()  # reverse start order: emulator before moto
+    def terminate(self) -> None:
+        """Send SIGTERM to every started process, emulator first, without waiting: they stop
+        meanwhile (the driver shuts Ray down); `stop` then waits for them."""
+        for _name, proc, _log in reversed(self._procs):
             if proc.poll() is None:
                 proc.terminate()
-                try:
-                    proc.wait(STOP_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+
+    def stop(self) -> None:
+        """Stop every started process by PID (SIGTERM to all, then each waited for, SIGKILL after
+        STOP_GRACE_S). Idempotent."""
+        self.terminate()
+        while self._procs:
+            name, proc, _log = self._procs.pop()  # reverse start order: emulator before moto
+            try:
+                proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         atexit.unregister(self.stop)
 
     def __enter__(self) -> "LocalStack":

@@ -33,6 +33,7 @@ from workers.gateway.config import GatewayConfig
 from workers.gateway.router import ReplicaRouter
 
 log = logging.getLogger(__name__)
+STOP_GRACE_S = 1.0  # `stop` waits this long for turns in flight, then cancels them (seconds)
 
 
 class RayActorEngine:
@@ -123,8 +124,10 @@ class GatewayServer:
             )
         self._app = create_app(self._cfg, self._capture, self._router, renderer=renderer)
         # access_log=None: no request lines (and so no headers or tokens) in the logs;
-        # handler_cancellation: a client that disconnects cancels its handler, hence its engine call
-        self._runner = web.AppRunner(self._app, access_log=None, handler_cancellation=True)
+        # handler_cancellation: a client that disconnects cancels its handler, hence its engine call;
+        # shutdown_timeout: `stop` cancels turns still in flight after this (aiohttp's default: 60 s)
+        self._runner = web.AppRunner(self._app, access_log=None, handler_cancellation=True,
+                                     shutdown_timeout=STOP_GRACE_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._cfg.host, self._cfg.port)
         try:

@@ -248,11 +248,12 @@ class InferenceWorker(WeightSwap):
     def is_asleep(self) -> bool:
         return self._asleep  # between sleep() and wake_up()
 
-    async def shutdown(self) -> None:
-        """Stop the engine and its processes; safe to call twice."""
+    async def shutdown(self, timeout_s: float | None = None) -> None:
+        """Stop the engine and its processes; safe to call twice. `timeout_s`: how long vLLM waits
+        for its engine-core process to exit after SIGTERM before it kills it (None: vLLM's 5 s)."""
         engine, self._engine = self._engine, None
         if engine is not None:
-            engine.shutdown()
+            engine.shutdown(timeout=timeout_s)
 
     # -- internals -------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ takes a rate token, a ResultServer for fast completion, and the gateway / buffer
 
 Invariant: `RolloutPool.run_all` returns one outcome per request, or raises (a ContractError from
 any actor stops the run; Ray re-raises it as an instance of ContractError). `shutdown` cancels
-rollouts still running; each stops its ACR session on the way out.
+rollouts still running; each stops its ACR session on the way out, and `shutdown` returns only
+once every ACR stop has ended (the driver stops the local emulator right after).
 
 Losing an actor (its process died: SIGKILL, OOM, node loss). Without `PoolRecovery` the call
 raises. With it, the pool gives every attempt its ACR session id before dispatch, and when an
@@ -143,10 +144,13 @@ class RolloutActor:
         return self._worker.rollout_counts() if self._worker is not None else {}
 
     async def shutdown(self) -> None:
-        """Cancel rollouts still running (each stops its ACR session on the way out), then close."""
+        """Cancel rollouts still running (each stops its ACR session on the way out), wait for
+        every ACR stop in flight, then close."""
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._worker is not None:  # every ACR stop ends before the client (and the emulator) goes
+            await self._worker.close()
         if self._server is not None:
             await self._server.stop()
         if self._acr is not None:

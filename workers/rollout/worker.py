@@ -4,7 +4,8 @@ Invariant: every `RolloutWorker.run` call either returns exactly one `RolloutOut
 terminal status ("completed" or "failed", with a `reason` from `FailReason`) after storing
 exactly one sample, or raises (ContractError: the run must stop; CancelledError) after storing
 nothing. On every exit path (success, agent error, bad result, timeout, cancellation, shutdown)
-the ACR session is stopped (shielded from cancellation), the gateway session closed and the
+the ACR session is stopped (a task of its own that a cancellation, even a repeated one, cannot
+lose; `close` waits for it: workers/rollout/stops.py), the gateway session closed and the
 session slot of the cluster-wide cap released (a stop that fails, e.g. while the endpoint
 restarts, is tried again in the background and frees the slot once it succeeds; reasons and the
 unreachable-endpoint rule: workers/rollout/failures.py). A sample with captured tokens but no
@@ -54,9 +55,9 @@ from workers.rollout.contract import (
     result_key,
     s3_payload,
 )
-from workers.rollout.failures import (STOP_RETRY_EVERY_S, STOP_RETRY_FOR_S, FailReason, fail_reason,
-                                      reaching as _reaching)
+from workers.rollout.failures import FailReason, fail_reason, reaching as _reaching
 from workers.rollout.results import ResultBoard
+from workers.rollout.stops import SessionStops
 
 __all__ = ["RESERVED_KEYS", "ContractError", "BadResult", "NoGateway", "RolloutSettings", "RolloutOutcome", "RolloutWorker",
            "build_payload", "new_session_id", "parse_reward", "result_key", "FailReason"]
@@ -222,15 +223,15 @@ class RolloutWorker:
         self._results = results
         self._push_seen = False  # an agent posted a result: S3 polling waits push_grace_s from now on
         self._result_url = result_url if results is not None else None
-        self._sessions_open = 0
         self._streak = BadResultStreak(settings.max_consecutive_bad_results)
-        self._retries: set[asyncio.Future] = set()  # stops tried again after a failure (_retry_stop)
         self.counts: Counter[str] = Counter()
+        self._stops = SessionStops(acr, settings.agent_runtime_arn, settings.qualifier, counts=self.counts,
+                                   on_stopped=slots.release_held if slots is not None else lambda: None, clock=clock)
 
     @property
     def sessions_open(self) -> int:
         """ACR sessions this worker invoked and has not stopped yet (0 between rollouts)."""
-        return self._sessions_open
+        return self._stops.open
 
     def rollout_counts(self) -> dict[str, int]:
         """`rollout/{completed,failed}` and `rollout/failed/{reason}` so far, plus stop failures."""
@@ -257,7 +258,7 @@ class RolloutWorker:
                 if self._results is not None:
                     self._results.expect(sid, api_key)
                 invoked = True  # counted before the call: a timed-out invoke may still open it
-                self._sessions_open += 1
+                self._stops.opened()
                 v = await self._attempt(req, sid, api_key)
             finally:
                 if self._results is not None:
@@ -286,13 +287,10 @@ class RolloutWorker:
                                   num_input_tokens=sum(len(r.token_ids) - r.num_generated for r in capture.rows),
                                   num_turns=capture.num_turns, policy_version=versions[0] if versions else None)
         finally:
-            stopped = True
-            if invoked:
-                stopped = await self._stop_acr_session(sid)
-            if self._slots is not None and stopped:
-                self._slots.release_held()  # a session whose stop failed keeps its slot: never over the cap
-            elif not stopped:
-                self._retry_stop(sid)  # the endpoint may be restarting: stop it (and free the slot) once back
+            if invoked:  # its own task: a second cancellation does not lose it (workers/rollout/stops.py)
+                await self._stops.stop(sid)  # gives the slot back once stopped (a failed stop is retried)
+            elif self._slots is not None:
+                self._slots.release_held()
 
     async def _attempt(self, req: RolloutRequest, sid: str, api_key: str) -> _Verdict:
         """Invoke and wait for the result under the rollout timeout; failures become data."""
@@ -388,25 +386,6 @@ class RolloutWorker:
 
     # -- cleanup ----------------------------------------------------------------------------
 
-    def _retry_stop(self, session_id: str) -> None:
-        async def retry() -> None:
-            deadline = self._clock() + STOP_RETRY_FOR_S
-            while self._clock() < deadline:
-                await asyncio.sleep(STOP_RETRY_EVERY_S)
-                try:
-                    await self._acr.stop_session(self._s.agent_runtime_arn, session_id, self._s.qualifier)
-                except Exception:  # noqa: BLE001 - still down: try again
-                    continue
-                self._sessions_open -= 1
-                self.counts["acr/stop_recovered"] += 1
-                if self._slots is not None:
-                    self._slots.release_held()
-                return
-
-        task = asyncio.ensure_future(retry())
-        self._retries.add(task)
-        task.add_done_callback(self._retries.discard)
-
     async def stop_lost_session(self, session_id: str) -> bool:
         """Close the gateway session and stop the ACR session of a rollout whose actor died (the
         pool asks a live actor). True when ACR stopped it; False when it was not open (or the stop
@@ -415,22 +394,9 @@ class RolloutWorker:
             await self._gateway.close_session(session_id)
         except Exception:  # noqa: BLE001 - not open at the gateway (closed before the death, or never opened)
             pass
-        try:
-            return await asyncio.shield(self._acr.stop_session(self._s.agent_runtime_arn, session_id,
-                                                               self._s.qualifier))
-        except Exception as exc:  # noqa: BLE001 - counted and visible; the rollout's fate is already decided
-            log.warning("StopRuntimeSession failed for lost session %s: %s", session_id, exc)
-            self.counts["acr/stop_failed"] += 1
-            return False
+        return await self._stops.stop_lost(session_id)
 
-    async def _stop_acr_session(self, session_id: str) -> bool:
-        """Stop the ACR session; shielded so a cancelled rollout still releases its session.
-        False when the stop failed (the session stays counted open: acr/sessions_open)."""
-        try:
-            await asyncio.shield(self._acr.stop_session(self._s.agent_runtime_arn, session_id, self._s.qualifier))
-        except Exception as exc:  # noqa: BLE001 - counted and visible; the outcome is already decided
-            log.warning("StopRuntimeSession failed for %s: %s", session_id, exc)
-            self.counts["acr/stop_failed"] += 1
-            return False
-        self._sessions_open -= 1
-        return True
+    async def close(self) -> None:
+        """Wait for every ACR stop in flight and try each failed one once more: call after the
+        rollouts were cancelled, before the ACR client (or endpoint) goes."""
+        await self._stops.close()
