@@ -29,6 +29,7 @@ import json
 import math
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import NoReturn
@@ -44,6 +45,30 @@ from orchestrator.run_watch import nothing_trained
 register()
 ENGINE_STOP_S = 2.0  # a vLLM engine-core process still there this long after SIGTERM is killed (seconds)
 _STARTED: list[Path] = []  # the run_dir of the run this process started (pre-flight passed)
+REPORT_JOIN_S = 20.0  # an interrupted run waits this long at most for its report, drawn while it stops (seconds)
+_INTERRUPTED_REPORT: list[threading.Thread] = []  # that report's drawing thread
+_REPORT_DRAWN: list[Path] = []  # the report.html it wrote
+
+
+def _write_summary(run_dir: Path, summary: dict, pre, t_start: float) -> None:
+    summary["resumed_from_step"] = pre.checkpoint.state.step if pre.checkpoint else None
+    summary["wall_s"] = time.monotonic() - t_start
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
+
+
+def _draw_report_while_stopping(run_dir: Path) -> None:
+    """Start drawing RUN_DIR/report/ in a thread: an interrupted run's parts take seconds to shut
+    down (engines, Ray), the plots are drawn meanwhile instead of after (`_report_at_end` joins)."""
+    def draw() -> None:
+        from orchestrator.report import write_run_report
+
+        with contextlib.suppress(Exception):  # the report is best effort; the exit line says so
+            if (path := write_run_report(run_dir)) is not None:
+                _REPORT_DRAWN.append(path)
+
+    thread = threading.Thread(target=draw, name="interrupted-run-report", daemon=True)
+    thread.start()
+    _INTERRUPTED_REPORT.append(thread)
 
 
 def _raise_interrupt(signum, frame):  # SIGTERM behaves like Ctrl-C: unwind and clean up
@@ -99,6 +124,9 @@ def run(cfg: RunConfig) -> dict:
                 engines_down = asyncio.ensure_future(_stop_engines(built.replicas))  # while the parts close
             summary = await _summary(report, built, rt.local)
             mark("summary")
+            if report is None:  # interrupted: summary.json now (rewritten at the end), the report meanwhile
+                _write_summary(run_dir, summary, pre, t_start)
+                _draw_report_while_stopping(run_dir)
             await engines_down
             return summary
 
@@ -116,9 +144,7 @@ def run(cfg: RunConfig) -> dict:
         print(json.dumps(summary, indent=2, allow_nan=True), flush=True)
         print(f"run_dir: {run_dir} (eval.jsonl, eval_summary.json)", flush=True)
         return {"rollout/completed": summary["completed"], "rollout/failed": summary["failed"]}
-    summary["resumed_from_step"] = pre.checkpoint.state.step if pre.checkpoint else None
-    summary["wall_s"] = time.monotonic() - t_start
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
+    _write_summary(run_dir, summary, pre, t_start)
     mark("summary.json written")
     if not summary["interrupted"]:  # an interrupted run says one line (main), the file has the rest
         print(summary_text(summary), flush=True)
@@ -192,17 +218,22 @@ async def _summary(report, built, local) -> dict:
 
 @contextlib.contextmanager
 def _report_at_end(cfg: RunConfig):
-    """Write RUN_DIR/report/ when the run leaves (done or failed) once a step was logged; its path
-    is the last line on the console. An interrupted run (exit 130) says how to make it instead: the
-    plots take seconds to draw, and a Ctrl-C must end the run at once. A broken report never hides
-    the run's error."""
+    """Write RUN_DIR/report/ when the run leaves (done, failed or interrupted) once a step was
+    logged; its path is the last line on the console. An interrupted run (exit 130) drew it while its
+    parts stopped (`_draw_report_while_stopping`) so a Ctrl-C still ends the run fast; this waits for
+    that thread (at most REPORT_JOIN_S) or names the command that draws it. A broken report never
+    hides the run's error."""
     try:
         yield
     finally:
         if cfg.mode.name != "eval" and _STARTED:
             stopping = sys.exc_info()[1]
             if isinstance(stopping, SystemExit) and stopping.code == 130:
-                if (_STARTED[-1] / "metrics.jsonl").is_file():
+                for thread in _INTERRUPTED_REPORT:
+                    thread.join(REPORT_JOIN_S)
+                if _REPORT_DRAWN:
+                    print(f"report: {_REPORT_DRAWN[-1]}", flush=True)
+                elif (_STARTED[-1] / "metrics.jsonl").is_file():
                     print(f"report: python -m orchestrator.report {_STARTED[-1]}", flush=True)
             else:
                 try:

@@ -147,6 +147,8 @@ def test_first_ctrl_c_stops_the_run_fast_and_leaves_nothing_behind(tmp_path, mod
     lines = [line for line in rest.splitlines() if line.strip() and not line.startswith("[step ")]
     assert len(lines) <= 4 and "Traceback" not in rest, rest[-3000:]
     assert "interrupted: stopped at step" in rest
+    report = run_dir / "report" / "report.html"  # drawn while the parts stopped (issue 15: also when interrupted)
+    assert f"report: {report}" in rest and report.is_file(), rest[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["steps"] >= 1
     alive, shm_left = _left_behind(tree, shm, timeout_s=15)
