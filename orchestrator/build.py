@@ -333,7 +333,7 @@ def _gateway_actor(cfg: RunConfig, model_path: str) -> Any:
 def _rollout_settings(cfg: RunConfig, rt: Runtime, base_url: str) -> Any:
     arn = rt.local.agent_runtime_arn if rt.local else cfg.rollout.acr.agent_runtime_arn
     return rollout_settings(cfg.rollout, exp_id=f"exp-{rt.run_dir.name}", agent_runtime_arn=arn,
-                            gateway_base_url=base_url, model_id=cfg.model.served_name)
+                            gateway_base_url=base_url, model_id=cfg.model.served_name, seed=cfg.seed)
 
 
 def _pool(cfg: RunConfig, settings: Any, gateway: Any, buffer: Any, closing: contextlib.AsyncExitStack) -> Any:

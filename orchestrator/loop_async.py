@@ -135,10 +135,10 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
                             **staleness_metrics(st.facts), "async/masked_stale": float(len(st.masked))})
             if lane is not None:
                 metrics.update(lane.take())
-            # pending rows and prompt cursor are read with no await between
-            await end_step(parts, step, metrics, LoopPosition(step, version.value, inflight.next_group,
-                                                              controller.counts().trained,
-                                                              tuple(inflight.rows.values())))
+            # pending rows and prompt cursor are read with no await between (end_step calls this then)
+            await end_step(parts, step, metrics, lambda: LoopPosition(step, version.value, inflight.next_group,
+                                                                      controller.counts().trained,
+                                                                      tuple(inflight.rows.values())))
         finished = True
     finally:
         stop.set()

@@ -166,13 +166,19 @@ def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[
     return m
 
 
-async def end_step(parts: LoopParts, step: int, metrics: dict[str, float], position: LoopPosition) -> None:
-    """Add the probe's metrics, log the step, then checkpoint at `position`."""
+async def end_step(parts: LoopParts, step: int, metrics: dict[str, float],
+                   position: Callable[[], LoopPosition]) -> None:
+    """Add the probe's metrics, log the step, then checkpoint at `position()`.
+
+    `position` is read after the probe's await, in the same synchronous instant as the
+    checkpointer's prompt snapshot (orchestrator/run_checkpoint.py): an async producer draws rows
+    during any await, and a position read before one would miss them: neither pending nor ahead
+    of the cursor, a resume would skip those prompts (seen in scripts/chaos.py, issue 14)."""
     if parts.probe is not None:
         metrics.update(await parts.probe())
     parts.logger.log(step, metrics)
     if parts.checkpoint is not None:
-        await parts.checkpoint(position)
+        await parts.checkpoint(position())
 
 
 def finish(parts: LoopParts, steps: int, version: int) -> LoopReport:

@@ -82,5 +82,6 @@ async def run_sync(parts: LoopParts, cfg: SyncLoopSettings, *, start: LoopPositi
             metrics["rollout/latency_s_max"] = latencies[-1]
         if parts.validator is not None and parts.validator.due(step, cfg.total_steps):
             metrics.update(await parts.validator.run(version))
-        await end_step(parts, step, metrics, LoopPosition(step, version, next_group, trained_groups))
+        position = LoopPosition(step, version, next_group, trained_groups)  # nothing runs beside a sync step
+        await end_step(parts, step, metrics, lambda: position)
     return finish(parts, cfg.total_steps, version)

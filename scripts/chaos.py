@@ -3,9 +3,10 @@ every prompt, rollout, session and process.
 
     python scripts/chaos.py --kill inference,trainer,rollout,driver,acr --runs 10 --seed 1 --out F.json
 
-Each run starts `python -m orchestrator.main` (sync and async alternately, `--steps` steps,
-checkpoint every step) in its own run_dir, waits for a random step, sleeps a random fraction of a
-second, and injects one fault of a kind drawn from `--kill`:
+Each run starts `python -m orchestrator.main` (`--steps` steps, checkpoint every step) in its own
+run_dir, waits for a random step, sleeps a random fraction of a second, and injects one fault. The
+runs go through every (kind of `--kill`, mode of `--modes`) pair in a seeded random order before any
+pair repeats (10 runs: each of the 5 kinds once in sync and once in async mode):
 
 - driver: SIGKILL of the driver process (possibly mid-checkpoint); the run is resumed with
   `trainer.resume_mode=auto`. Checked: every process the run started is gone within
@@ -20,7 +21,8 @@ second, and injects one fault of a kind drawn from `--kill`:
   killed and resumed.
 
 Per run it records: the fault, whether it was injected and the run finished all steps (survived),
-rollouts lost (the ledger identity dispatched == completed + failed + filtered + expired broken),
+rollouts lost or duplicated (the ledger identity dispatched == completed + failed + filtered + expired
+broken one way or the other),
 prompts consumed twice or never (consumed_prompts.jsonl across the whole run against the seeded
 prompt order), sessions leaked (the emulator's open sessions at exit, summary.json), processes
 left after a driver kill, and the wall time from the fault to the next logged step (recovery).
@@ -192,8 +194,10 @@ def summary_accounting(run_dir: Path) -> dict:
         return {"summary": False}
     s = json.loads(path.read_text())
     terminal = sum(s.get(f"rollout/{k}", 0) for k in ("completed", "failed", "filtered", "expired"))
+    dispatched = s.get("rollout/dispatched", 0)
     return {"summary": True, "steps": s.get("steps"), "interrupted": s.get("interrupted"),
-            "rollouts_dispatched": s.get("rollout/dispatched"), "rollouts_lost": s.get("rollout/dispatched", 0) - terminal,
+            "rollouts_dispatched": dispatched, "rollouts_lost": max(0, dispatched - terminal),
+            "rollouts_duplicated": max(0, terminal - dispatched),
             "sessions_leaked": s.get("acr/sessions_open_at_exit", 0),
             "failed_reasons": {k: v for k, v in s.items() if k.startswith("rollout/failed/")}}
 
@@ -269,8 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     runs = []
+    combos = [(k, m) for k in kinds for m in modes]  # every kind in every mode before any repeats
+    rng.shuffle(combos)
     for i in range(args.runs):
-        kind, mode = rng.choice(kinds), modes[i % len(modes)]
+        kind, mode = combos[i % len(combos)]
         rec = one_run(i, kind, mode, args, random.Random(rng.random()), work)
         runs.append(rec)
         print(json.dumps(rec), flush=True)
@@ -279,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({"runs": runs, "totals": result}, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     ok = (result["survived"] == len(runs) and not any(result[k] for k in
-          ("rollouts_lost", "prompts_twice", "prompts_never", "sessions_leaked", "processes_left", "duplicate_step_lines")))
+          ("rollouts_lost", "rollouts_duplicated", "prompts_twice", "prompts_never", "sessions_leaked", "processes_left", "duplicate_step_lines")))
     return 0 if ok else 1
 
 
@@ -292,6 +298,7 @@ def totals(runs: list[dict]) -> dict:
         "survived": sum(bool(r.get("survived")) for r in runs),
         "resumed": sum(r.get("resumed", 0) for r in runs),
         "rollouts_lost": sum(r.get("rollouts_lost", 0) or 0 for r in runs),
+        "rollouts_duplicated": sum(r.get("rollouts_duplicated", 0) or 0 for r in runs),
         "prompts_twice": sum(r.get("prompts_twice", 0) for r in runs),
         "prompts_never": sum(r.get("prompts_never", 0) for r in runs),
         "duplicate_step_lines": sum(r.get("duplicate_step_lines", 0) for r in runs),

@@ -257,6 +257,31 @@ async def test_enforced_session_sampling_overrides_the_agent(gateway, engine):
     await gateway.close_session(SESSION)
 
 
+async def test_seeded_session_samples_each_turn_with_its_own_seed_over_the_agents(gateway, engine):
+    """Determinism across resume (issue 14): a session with a seed samples turn t with
+    turn_seed(seed, t), whatever seed the agent sends (enforced), the same in any session with that
+    seed (no dependence on the random session id); a session without one passes the agent's."""
+    from workers.core.seeds import session_seed, turn_seed
+
+    base = session_seed(0, "letters-0-3", 5, 1)
+    assert base == session_seed(0, "letters-0-3", 5, 1) != session_seed(0, "letters-0-3", 5, 0)
+    assert session_seed(1, "letters-0-3", 5, 1) != base and 0 <= base < 2**31
+    msgs = [{"role": "user", "content": "hi"}]
+    for sid in (SESSION, SESSION[:-1] + "1"):  # two sessions, same seed: the same seeds
+        token = await gateway.open_session(sid, sampling=SamplingDefaults(enforce=True, seed=base))
+        async with await _client(gateway, token) as client:
+            await client.chat.completions.create(model=MODEL_ID, messages=msgs, seed=3)
+            await client.chat.completions.create(model=MODEL_ID, messages=msgs)
+        await gateway.close_session(sid)
+    token = await gateway.open_session(SESSION, sampling=SamplingDefaults(enforce=True))
+    async with await _client(gateway, token) as client:
+        await client.chat.completions.create(model=MODEL_ID, messages=msgs, seed=3)
+    await gateway.close_session(SESSION)
+    seeds = [r.seed for r in engine.requests]
+    assert seeds == [turn_seed(base, 1), turn_seed(base, 2)] * 2 + [3]
+    assert turn_seed(base, 1) != turn_seed(base, 2)
+
+
 async def test_chat_template_kwargs_reach_the_template(gateway, tiny_model_dir, engine):
     """vLLM's `chat_template_kwargs` extension (e.g. Qwen3's enable_thinking) is rendered; the
     arguments the gateway owns cannot be overridden."""

@@ -6,6 +6,7 @@ And no prompt may be lost: groups in flight at the checkpoint are dispatched aga
 """
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -132,3 +133,30 @@ def test_a_changed_dataset_is_refused_on_resume(tmp_path):
     saved.prompts, saved.pending_rows = state, ()
     with pytest.raises(ValueError, match="dataset changed"):
         ResumablePrompts.restore(ROWS[:-1], seed=0, state=saved)
+
+
+async def test_rows_drawn_while_the_step_end_awaits_are_pending_or_ahead_of_the_cursor(tmp_path):
+    """Regression (issue 14, scripts/chaos.py: an async run resumed after a trainer kill never
+    trained 2 prompts): the loop read its pending rows before the step's probe awaited, the
+    checkpoint read the prompt cursor after it; rows the producer drew in between were neither
+    pending nor ahead of the cursor, so a resume skipped them. Across the checkpoint, consumed +
+    pending rows must be exactly the cycle's order up to its cursor."""
+    prompts = ResumablePrompts(PromptCycle(ROWS, seed=5))
+    parts, _, _ = build(prompts)
+    ckpt = RunCheckpointer(tmp_path, FileTrainer(), prompts, save_freq=3, keep_last=2)
+    parts.checkpoint = ckpt
+
+    async def slow_probe():  # the gateway probe: the producer runs meanwhile (the version just moved)
+        await asyncio.sleep(0.2)
+        return {}
+
+    parts.probe = slow_probe
+    await asyncio.wait_for(run_async(parts, settings(total_steps=3)), timeout=60)
+    state = load_latest(tmp_path).state
+    consumed = [i for line in (tmp_path / "consumed_prompts.jsonl").read_text().splitlines()
+                for i in json.loads(line)["input_ids"]]
+    pending = [r["input_id"] for r in state.pending_rows]
+    cursor = len(consumed) + len(pending)
+    order = [r["input_id"] for r in PromptCycle(ROWS, seed=5).next_rows(cursor + 1)]
+    assert sorted(consumed + pending) == sorted(order[:cursor])  # none skipped, none twice
+    assert PromptCycle.from_state(ROWS, state.prompts).next_rows(1)[0]["input_id"] == order[cursor]

@@ -218,6 +218,17 @@ async def test_a_turn_no_replica_could_serve_fails_the_rollout_engine_lost(rig: 
     assert rig.gateway.metrics().turns_engine_lost >= 1  # the crashed agent is re-invoked (424): each try 503s
 
 
+async def test_run_seed_samples_each_rollout_with_its_identity_seed(rig: Rig):
+    """Determinism across resume (issue 14): with `seed` set, the rollout's model turn samples with
+    turn_seed(session_seed(seed, input_id, group_id, sample_index), 1), not a random session id's."""
+    from workers.core.seeds import session_seed, turn_seed
+
+    worker = RolloutWorker(replace(rig.settings, seed=7), rig.gateway, rig.acr, rig.sink)
+    out = await asyncio.wait_for(worker.run(req("ok", "row-seed", group_id=4, sample_index=1), "p-seed"), TIMEOUT_S)
+    assert out.status == "completed"
+    assert rig.engine.requests[-1].seed == turn_seed(session_seed(7, "row-seed", 4, 1), 1)
+
+
 async def test_reserved_key_in_row_raises_contract_error_and_closes_gateway_session(rig: Rig):
     worker = rig.worker(TIMEOUT_S)
     before = await rig.emulator_stats()

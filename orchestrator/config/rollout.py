@@ -182,9 +182,10 @@ def concurrency_policy(r: RolloutConfig, min_groups: int = 1) -> AdaptiveConcurr
 
 
 def rollout_settings(r: RolloutConfig, *, exp_id: str, agent_runtime_arn: str, gateway_base_url: str,
-                     model_id: str) -> RolloutSettings:
+                     model_id: str, seed: int | None = None) -> RolloutSettings:
     """What every rollout of the run shares (workers/rollout/worker.py); the agents reach the
-    policy through the gateway at `gateway_base_url` as `model_id` (`model.served_name`)."""
+    policy through the gateway at `gateway_base_url` as `model_id` (`model.served_name`); `seed`
+    (the run's) seeds each rollout's sampling (workers/core/seeds.py)."""
     from workers.rollout.worker import RolloutSettings
 
     return RolloutSettings(
@@ -192,7 +193,7 @@ def rollout_settings(r: RolloutConfig, *, exp_id: str, agent_runtime_arn: str, g
         gateway_base_url=gateway_base_url, model_id=model_id, max_tokens=r.max_tokens,
         temperature=r.temperature, top_p=r.top_p, timeout_s=r.timeout_s, max_context_tokens=r.max_context_tokens,
         contract=r.contract, http_background=r.http_background, push_grace_s=r.push_grace_s,  # type: ignore[arg-type]
-        max_consecutive_bad_results=r.max_consecutive_bad_results)
+        max_consecutive_bad_results=r.max_consecutive_bad_results, seed=seed)
 
 
 def local_fault_rates(acr: AcrConfig) -> Any:

@@ -91,12 +91,16 @@ class SamplingDefaults:
     max_tokens: generated-token cap when the request gives none (None: the remaining context).
     enforce: True makes temperature/top_p override what the agent asks for (on-policy sampling
         regardless of the agent's settings); False uses them only where the request is silent.
+    seed: the session's base sampling seed (workers/core/seeds.py): turn t samples with
+        `turn_seed(seed, t)`, over the agent's own seed when `enforce` (an agent sending one fixed
+        seed would make a group's n samples identical); None: the agent's seed, else unseeded.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int | None = None
     enforce: bool = False
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

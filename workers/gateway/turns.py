@@ -32,10 +32,12 @@ counted in the app's metrics.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
 
+from workers.core.seeds import turn_seed
 from workers.core.types import GenerateRequest, GenerateResult
 from workers.gateway.capture import CaptureStore, Session, SessionNotFound, TurnKind, TurnRecord
 from workers.gateway.chat_template import ChatRenderer
@@ -78,7 +80,8 @@ class TurnOutcome:
 def generate_request(
     req: ChatRequest, session: Session, prompt_ids: tuple[int, ...], stop_ids: tuple[int, ...], request_id: str
 ) -> GenerateRequest:
-    """Engine request with sampling defaults applied and max_tokens clamped to the context budget.
+    """Engine request with sampling defaults applied and max_tokens clamped to the context budget
+    (its seed is the agent's; `TurnRunner.run` sets the turn's own, see `request_seed`).
 
     Raises ApiError(400, code=context_length_exceeded) when the prompt leaves no room to generate.
     """
@@ -103,6 +106,16 @@ def generate_request(
         stop_token_ids=stop_ids,
         seed=req.seed,
     )
+
+
+def request_seed(req: ChatRequest, session: Session, turn: int) -> int | None:
+    """The sampling seed of the session's `turn`-th turn: `turn_seed(session seed, turn)`
+    (workers/core/seeds.py) when the session has a seed and enforces its sampling or the agent sent
+    none; else the agent's seed (None: unseeded)."""
+    s = session.sampling
+    if s.seed is not None and (s.enforce or req.seed is None):
+        return turn_seed(s.seed, turn)
+    return req.seed
 
 
 def truncate_result(result: GenerateResult, n_keep: int) -> GenerateResult:
@@ -209,8 +222,9 @@ class TurnRunner:
         stops = self.renderer.stop_spec(req.stop)
         stop_ids = stops.ids
         completion_id = id_prefix + uuid.uuid4().hex
-        gen = generate_request(req, session, prompt_ids, stop_ids, completion_id)
-        self.capture.begin_turn(session.session_id)
+        gen = generate_request(req, session, prompt_ids, stop_ids, completion_id)  # its 400s: before the turn counts
+        turn = self.capture.begin_turn(session.session_id)
+        gen = dataclasses.replace(gen, seed=request_seed(req, session, turn))
         result = await self._generate(session.session_id, gen)
         if result.finish_reason == "abort":
             self.counters.add("turns_aborted")

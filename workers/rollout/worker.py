@@ -37,6 +37,7 @@ from typing import Literal, Protocol
 
 import tenacity
 
+from workers.core.seeds import session_seed
 from workers.core.types import RolloutRequest, Sample, SessionCapture
 from workers.rollout.contract import (
     RESERVED_KEYS,
@@ -77,6 +78,9 @@ class RolloutSettings:
         invoke: a posted result wins without any S3 request, and S3 stays the durable fallback.
         Until then (agents that only write S3) polling starts at once.
     max_consecutive_bad_results: bad agent results in a row that stop the run (ContractError).
+    seed: the run seed; each session samples with `session_seed(seed, input_id, group_id,
+        sample_index)` (workers/core/seeds.py), so a resumed run or a re-dispatched rollout samples
+        what the uninterrupted run would have; None: unseeded.
     """
 
     exp_id: str
@@ -96,6 +100,7 @@ class RolloutSettings:
     http_poll_max_s: float = 1.0
     push_grace_s: float = 0.0
     max_consecutive_bad_results: int = 32
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.contract not in ("s3", "http"):
@@ -253,6 +258,8 @@ class RolloutWorker:
             # distribution (TrainerSettings.sampling_temperature / sampling_top_p)
             sampling = {"temperature": self._s.temperature, "top_p": self._s.top_p,
                         "max_tokens": self._s.max_tokens, "enforce": True}
+            if self._s.seed is not None:
+                sampling["seed"] = session_seed(self._s.seed, req.input_id, req.group_id, req.sample_index)
             api_key = await self._gateway.open_session(sid, self._s.max_context_tokens, sampling)
             try:
                 if self._results is not None:
