@@ -33,9 +33,13 @@ def test_main_job_runs_end_to_end_on_real_parts(tmp_path):
     assert len(lines) == 3
     steps = [json.loads(line) for line in lines]
     assert [s["step"] for s in steps] == [1, 2, 3]
-    assert [s["policy_version"] for s in steps] == [1, 2, 3]
+    # the version bumps on exactly the steps that trained (a step whose groups all tie has nothing to
+    # train: sampling is seeded per rollout, so which steps those are is fixed by `seed`, not by luck)
+    updated = [s["rollout/step_completed"] > 0 for s in steps]
+    assert [s["policy_version"] for s in steps] == [sum(updated[:i + 1]) for i in range(len(steps))]
+    assert sum(updated) >= 2  # at least two broadcasts, at two versions
     assert not list(run_dir.glob("weights/*.safetensors"))  # the broadcast path writes no file
-    assert all(s["timing_s/update_weights"] > 0 for s in steps)
+    assert all(s["timing_s/update_weights"] > 0 for s, up in zip(steps, updated) if up)
     for s in steps:
         for key in ("reward/mean", "perf/throughput", "timing_s/gen", "timing_s/update_actor",
                     "timing_s/update_weights", "rollout/completed", "rollout/failed", "rollout_corr/is_mean"):
