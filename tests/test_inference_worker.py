@@ -301,6 +301,10 @@ async def test_kv_cache_usage_counts_the_blocks_a_step_held_while_it_ran():
     assert kv.integral() == (pytest.approx(0.8 * 0.1 + 0.4 * 0.1 + 0.2 * 0.1), 3.2)
     assert kv.waiting_integral() == pytest.approx(2 * 0.1)  # 2 waited from the first record to the next
     assert kv.step_s == pytest.approx(0.1)
+    t[0] = 5.2  # a 2-s pause (a weight update) with the request's block held, then a step of 0.1 s at 0.4
+    kv.add(0.2, running=1, waiting=0, freed=0.2)
+    assert kv.integral()[0] == pytest.approx(0.14 + 0.2 * 1.9 + 0.4 * 0.1)
+    assert kv.step_s == pytest.approx(0.1)  # the pause is not a step
 
 
 async def test_freed_fraction_counts_each_finished_requests_blocks():

@@ -111,12 +111,12 @@ class KvCacheUsage:
     next, as vLLM's own gauge is read, that value misses the blocks every step holds while it runs:
     for requests that live a few steps (a 5-token answer) it reads half the occupancy (measured:
     a 6-block cache serving 30 requests at once read 0.41-0.53 while 4 of its 5 usable blocks were
-    held). So the usage of the interval that ends at a record is that step's *occupancy*: its
-    usage after freeing plus the blocks it freed (`freed`: the finished requests' blocks, from
-    `IterationStats.finished_requests`, as a fraction of the cache), and only the part of the
-    interval that the step ran: when the previous record left the engine idle (nothing running or
-    waiting), the step started when a request arrived, so it is credited the engine's recent step
-    time (`step_s`, an exponential mean of back-to-back steps) and the rest of the gap 0. For
+    held). So the step that ends at a record is credited its *occupancy*: its usage after freeing
+    plus the blocks it freed (`freed`: the finished requests' blocks, from
+    `IterationStats.finished_requests`, as a fraction of the cache), for the time it ran: the
+    engine's recent step time (`step_s`, an exponential mean of back-to-back intervals, pauses
+    left out), or the whole interval when shorter. The rest of the interval (the engine idle, or
+    paused by a weight update with its requests held) keeps the previous record's usage. For
     requests that live many steps it is the same as the held value. The queue (`num_waiting`,
     requests the scheduler could not admit) is integrated the same way, held between records.
     `take_mean` is the usage's time average since its last call; `integral` / `waiting_integral`
@@ -126,6 +126,7 @@ class KvCacheUsage:
     enables stats without vLLM's default console/Prometheus loggers."""
 
     STEP_EMA = 0.2  # weight of the newest back-to-back step interval in `step_s`
+    STEP_OUTLIER = 4.0  # a busy interval over this x `step_s` is a pause (weight update), not a step
 
     def __init__(self, clock=time.monotonic) -> None:
         self._clock = clock
@@ -141,13 +142,13 @@ class KvCacheUsage:
         """One engine step's record: `usage` after it freed `freed` (both fractions of the cache)."""
         now = self._clock()
         dt = max(0.0, now - self._t)
-        occupancy = min(1.0, usage + freed)
-        if self.last[1] or self.last[2]:  # the engine stepped back to back: this step ran all of dt
-            self._integral += occupancy * dt
+        busy = bool(self.last[1] or self.last[2])  # the engine had work since the last record: it stepped on
+        if busy and (self.step_s is None or dt <= self.STEP_OUTLIER * self.step_s):
             self.step_s = dt if self.step_s is None else (1 - self.STEP_EMA) * self.step_s + self.STEP_EMA * dt
-        else:  # idle, then a request arrived: the step ran only its last part
-            ran = min(dt, self.step_s or 0.0)
-            self._integral += occupancy * ran + self.last[0] * (dt - ran)
+        # the step ran the last `ran` seconds of dt; before it the blocks after the previous record
+        # were held (idle: none; a paused engine, e.g. during a weight update: its running requests')
+        ran = min(dt, self.step_s) if self.step_s is not None else (dt if busy else 0.0)
+        self._integral += min(1.0, usage + freed) * ran + self.last[0] * (dt - ran)
         self._waiting_integral += self.last[2] * dt
         self._t = now
         self.last = (usage, running, waiting)
