@@ -9,7 +9,7 @@ fills instead of idling at the 25 % an agent workload leaves it at with a fixed 
 (vLLM's scheduler stats, `EngineLoad`) and the time, and answers `may_admit(running_groups)`. Its
 rule is additive-increase / multiplicative-decrease on a limit of running groups (TCP's
 congestion control, Chiu & Jain 1989): while the mean KV usage is below `kv_target`, requests do
-not queue (at most `max_waiting` waiting per engine on average) and no new preemption happened,
+not queue (at most `max_waiting` waiting on any engine on average) and no new preemption happened,
 and the limit binds, the limit grows by one group per `interval_s`; when the cache is at or over
 target, requests queue, or a request was preempted, the limit drops to `decrease` × itself (at most once per `interval_s`; the window, not the
 groups running at that instant, as TCP cuts its congestion window: on short bursty rollouts the
@@ -48,7 +48,7 @@ CONCURRENCY_CHOICES: tuple[ConcurrencyPolicy, ...] = ("fixed", "adaptive")
 DEFAULT_KV_TARGET = 0.8  # fraction of the KV cache the adaptive policy fills
 DEFAULT_INTERVAL_S = 2.0  # seconds between two limit changes (one group more, or one decrease)
 DEFAULT_DECREASE = 0.9  # limit := decrease × limit when congested
-DEFAULT_MAX_WAITING = 0.5  # requests queued per engine (window mean) above which the engines are congested
+DEFAULT_MAX_WAITING = 0.5  # requests queued on an engine (window mean) above which the engines are congested
 POLL_S = 1.0  # seconds a refused producer waits before it asks the engines again
 
 
@@ -81,7 +81,7 @@ class AdaptiveConcurrency:
         self._window_means: tuple[float, float] | None = None  # mean (usage, waiting) over the last full window
         self.increases = self.decreases = 0
         self.usage = math.nan  # the mean KV usage of the last observation (the signal, 0..1)
-        self.waiting = math.nan  # the mean requests waiting per engine of the last observation
+        self.waiting = math.nan  # the longest engine queue (requests waiting) of the last observation
 
     def observe(self, loads: Sequence[EngineLoad], now_s: float, running_groups: int) -> None:
         """Update the limit from the engines' `loads` at time `now_s` (seconds, any origin) with
@@ -110,13 +110,14 @@ class AdaptiveConcurrency:
         return running_groups < self.limit
 
     def _means(self, loads: Sequence[EngineLoad]) -> tuple[float, float]:
-        """The engines' mean KV usage and mean requests waiting: time averages over the last window
+        """The engines' mean KV usage and the longest of their queues (requests waiting, on one
+        engine): time averages over the last window
         of >= `interval_s` on each engine's clock when every engine reports its integrals (a real
         vLLM replica: short rollouts fill and empty the cache within a second, so a snapshot is
         noise), else the snapshot (the simulator's replica). The window restarts when the engines
         change (a replaced replica's integrals restart)."""
         refs = [(ld.kv_usage_integral_s, ld.waiting_integral_s, ld.clock_s) for ld in loads]
-        snapshot = (sum(ld.kv_cache_usage for ld in loads) / len(loads), sum(ld.num_waiting for ld in loads) / len(loads))
+        snapshot = (sum(ld.kv_cache_usage for ld in loads) / len(loads), float(max(ld.num_waiting for ld in loads)))
         if any(v is None for ref in refs for v in ref):
             return snapshot
         if self._window is None or len(self._window) != len(refs) or any(
@@ -125,7 +126,7 @@ class AdaptiveConcurrency:
         elif all(t - t0 >= self.interval_s for (_, _, t), (_, _, t0) in zip(refs, self._window)):
             pairs = list(zip(refs, self._window))
             self._window_means = (sum((i - i0) / (t - t0) for (i, _, t), (i0, _, t0) in pairs) / len(refs),
-                                  sum((w - w0) / (t - t0) for (_, w, t), (_, w0, t0) in pairs) / len(refs))
+                                  max((w - w0) / (t - t0) for (_, w, t), (_, w0, t0) in pairs))
             self._window = refs
         return snapshot if self._window_means is None else self._window_means  # no full window yet: the snapshot
 
@@ -167,7 +168,7 @@ class ConcurrencyGate:
         """`rollout/concurrency_limit`, `rollout/running_groups`, `rollout/concurrency_blocked_s`
         (seconds refused, summed since start: ~0 while another bound, e.g. the staleness budget,
         holds the producer), `rollout/kv_usage_signal` and `rollout/waiting_signal` (the usage and
-        the mean requests waiting per engine that the policy last decided on), and
+        the longest engine queue, requests waiting on average, that the policy last decided on), and
         from the engines' last stats `rollout/engine_preempted` (summed since start) and
         `rollout/engine_waiting`."""
         return {"rollout/concurrency_limit": float(self.policy.limit),

@@ -79,7 +79,7 @@ class AcrConfig:
 class AdaptiveConcurrencyConfig:
     """`rollout.concurrency=adaptive` (orchestrator/concurrency.py): admit groups while the
     engines' mean KV-cache usage (time-averaged over >= `interval_s`) is below `kv_target` (0..1),
-    no more than `max_waiting` requests wait per engine (time-averaged too) and none was
+    no more than `max_waiting` requests wait on any engine (time-averaged too) and none was
     preempted; the group limit moves at most once per `interval_s`
     seconds (one group up, or down to `decrease` x the limit). The limit sits under the staleness
     budget (`async.max_staleness`): if that binds first the cache cannot fill (configs/rollout/)."""
