@@ -284,6 +284,40 @@ async def test_kv_cache_usage_is_a_time_average_not_a_mean_over_steps():
     assert math.isnan(kv.take_mean())  # no time passed
 
 
+async def test_kv_cache_usage_counts_the_blocks_a_step_held_while_it_ran():
+    # vLLM reports a step's usage after freeing its finished requests: a step of 0.1 s that ran
+    # 4 of 5 blocks and finished 2 of them reports 0.4. The interval it ran counts 0.8; after an
+    # idle gap only the step's own time (the recent back-to-back step time) does.
+    t = [0.0]
+    kv = KvCacheUsage(clock=lambda: t[0])
+    t[0] = 1.0
+    kv.add(0.8, running=4, waiting=2)  # first step after 1 s idle: no step time known yet, gap counts 0
+    t[0] = 1.1
+    kv.add(0.4, running=2, waiting=0, freed=0.4)  # back to back: 0.1 s at 0.8; step time 0.1 s
+    t[0] = 1.2
+    kv.add(0.0, running=0, waiting=0, freed=0.4)  # the last two finish: 0.1 s at 0.4, then idle
+    t[0] = 3.2
+    kv.add(0.2, running=1, waiting=0, freed=0.0)  # a request arrived after 2 s idle: its step ~0.1 s at 0.2
+    assert kv.integral() == (pytest.approx(0.8 * 0.1 + 0.4 * 0.1 + 0.2 * 0.1), 3.2)
+    assert kv.waiting_integral() == pytest.approx(2 * 0.1)  # 2 waited from the first record to the next
+    assert kv.step_s == pytest.approx(0.1)
+    t[0] = 5.2  # a 2-s pause (a weight update) with the request's block held, then a step of 0.1 s at 0.4
+    kv.add(0.2, running=1, waiting=0, freed=0.2)
+    assert kv.integral()[0] == pytest.approx(0.14 + 0.2 * 1.9 + 0.4 * 0.1)
+    assert kv.step_s == pytest.approx(0.1)  # the pause is not a step
+
+
+async def test_freed_fraction_counts_each_finished_requests_blocks():
+    from types import SimpleNamespace as R
+
+    from workers.inference.engine import freed_fraction
+
+    done = [R(num_prompt_tokens=19, num_generation_tokens=6), R(num_prompt_tokens=120, num_generation_tokens=20)]
+    # 24 KV tokens -> 1 block of 128; 139 -> 2 blocks; a 6-block cache has 5 usable (vLLM's null block)
+    assert freed_fraction(done, 128, 6) == pytest.approx(3 / 5)
+    assert freed_fraction(done, None, None) == 0.0 and freed_fraction([], 128, 6) == 0.0
+
+
 async def test_settings_module_imports_without_vllm_or_torch():
     """The config layer imports `workers.inference.settings` (IN_FLIGHT_MODES, InferenceSettings): it
     must stay light, so a fresh interpreter that imports it has loaded neither vLLM nor torch."""

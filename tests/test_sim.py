@@ -164,9 +164,10 @@ def test_adaptive_limit_drops_on_a_new_preemption_and_never_below_the_minimum():
     assert c.limit == 3  # max(min_groups, 0.5 x 4)
 
 
-def _timed(*usage_integral_clock, waiting=0):
+def _timed(*engines, waiting=0):
+    """Each engine as (usage snapshot, usage integral, clock[, waiting integral])."""
     return [EngineLoad(kv_cache_usage=u, num_running=1, num_waiting=waiting, num_preempted=0, kv_usage_integral_s=i,
-                       clock_s=t) for u, i, t in usage_integral_clock]
+                       clock_s=t, waiting_integral_s=rest[0] if rest else 0.0) for u, i, t, *rest in engines]
 
 
 def test_adaptive_decides_on_the_time_average_over_a_full_window_not_the_snapshot():
@@ -197,8 +198,24 @@ def test_a_bounded_producer_never_grows_the_window():
     assert c.limit == 4 and c.increases == 0
 
 
+def test_adaptive_judges_the_queue_by_its_time_average_not_the_last_steps_snapshot():
+    # vLLM's stats are taken after a step frees its finished requests and before the next admits the
+    # waiting ones, so a burst shows "3 waiting" at nearly every sample; the queue's time average
+    # over the window decides: a brief queue (0.2 requests on average) is not congestion, a
+    # standing one (1.5) is.
+    c = AdaptiveConcurrency(kv_target=0.8, min_groups=1, interval_s=2.0, decrease=0.5, max_waiting=0.5)
+    c.limit = 10
+    c.observe(_timed((0.3, 0.0, 100.0, 0.0), waiting=3), now_s=0.0, running_groups=10)
+    assert c.limit == 5  # no full window yet: the snapshot (3 waiting > 0.5) decides
+    c.observe(_timed((0.3, 0.8, 102.0, 0.4), waiting=3), now_s=2.0, running_groups=5)
+    assert (c.usage, c.waiting) == (pytest.approx(0.4), pytest.approx(0.2)) and c.limit == 6
+    c.observe(_timed((0.3, 1.6, 104.0, 3.4), waiting=0), now_s=4.0, running_groups=6)
+    assert c.waiting == pytest.approx(1.5) and c.limit == 3  # a standing queue: cut, though none waits now
+
+
 @pytest.mark.parametrize("kw,key", [({"kv_target": 0}, "kv_target"), ({"min_groups": 0}, "min_groups"),
-                                    ({"interval_s": 0}, "interval_s"), ({"decrease": 1.0}, "decrease")])
+                                    ({"interval_s": 0}, "interval_s"), ({"decrease": 1.0}, "decrease"),
+                                    ({"max_waiting": -1}, "max_waiting")])
 def test_adaptive_config_errors_name_the_key(kw, key):
     with pytest.raises(ValueError, match=f"rollout.adaptive.{key}"):
         AdaptiveConcurrency(**kw)

@@ -78,14 +78,16 @@ class AcrConfig:
 @dataclass
 class AdaptiveConcurrencyConfig:
     """`rollout.concurrency=adaptive` (orchestrator/concurrency.py): admit groups while the
-    engines' mean KV-cache usage (time-averaged over >= `interval_s`) is below `kv_target` (0..1)
-    and no request waits or was preempted; the group limit moves at most once per `interval_s`
+    engines' mean KV-cache usage (time-averaged over >= `interval_s`) is below `kv_target` (0..1),
+    no more than `max_waiting` requests wait on any engine (time-averaged too) and none was
+    preempted; the group limit moves at most once per `interval_s`
     seconds (one group up, or down to `decrease` x the limit). The limit sits under the staleness
     budget (`async.max_staleness`): if that binds first the cache cannot fill (configs/rollout/)."""
 
     kv_target: float = 0.8
     interval_s: float = 2.0
     decrease: float = 0.9
+    max_waiting: float = 0.5
 
 
 @dataclass
@@ -178,7 +180,7 @@ def concurrency_policy(r: RolloutConfig, min_groups: int = 1) -> AdaptiveConcurr
     """The adaptive policy of `rollout.adaptive` (also validates it; ValueError names the key)."""
     a = r.adaptive
     return AdaptiveConcurrency(kv_target=a.kv_target, min_groups=min_groups, interval_s=a.interval_s,
-                               decrease=a.decrease)
+                               decrease=a.decrease, max_waiting=a.max_waiting)
 
 
 def rollout_settings(r: RolloutConfig, *, exp_id: str, agent_runtime_arn: str, gateway_base_url: str,

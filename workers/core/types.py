@@ -95,8 +95,10 @@ class EngineLoad:
     KV-cache usage (0..1), requests running and waiting, preemptions since it started (cumulative).
     `kv_usage_integral_s`: ∫ usage dt since the engine started (usage-seconds, cumulative) read at
     `clock_s` (seconds on the engine's own clock), so a reader averages usage over any window
-    (Δintegral / Δclock); None where the engine gives only the snapshot (the simulator's replica,
-    whose usage is exact at every instant)."""
+    (Δintegral / Δclock), the usage counting the blocks each step held while it ran
+    (workers/inference/engine.py KvCacheUsage); `waiting_integral_s`: ∫ num_waiting dt
+    (request-seconds) on the same clock, for a window's mean queue. Both None where the engine
+    gives only the snapshot (the simulator's replica, exact at every instant)."""
 
     kv_cache_usage: float
     num_running: int
@@ -104,6 +106,7 @@ class EngineLoad:
     num_preempted: int
     kv_usage_integral_s: float | None = None
     clock_s: float | None = None
+    waiting_integral_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,7 @@ class InferenceWorker(WeightSwap):
         usage, running, waiting = self._kv_usage.last
         integral, now = self._kv_usage.integral()
         return EngineLoad(usage, running, waiting, self._kv_usage.preempted, kv_usage_integral_s=integral,
-                          clock_s=now)
+                          clock_s=now, waiting_integral_s=self._kv_usage.waiting_integral())
 
     def num_in_flight(self) -> int:
         """Requests admitted and not finished (generate and prompt_logprobs calls)."""
