@@ -253,6 +253,15 @@ async def test_probe_after_a_real_trainer_update_matches_the_trainers_logprobs(w
         trainer.close()
 
 
+async def test_a_burst_of_seeded_long_prompts_never_splits_a_prompt_on_cpu(worker):
+    # 64 seeded prompts of 400 tokens (25,600 prefill tokens) exceed any step's token budget: with
+    # chunked prefill vLLM's CPU build splits a prompt across steps and then dies rewinding its
+    # seeded sampler ("CPU Generator does not use offset"); the CPU engine runs without it.
+    results = await asyncio.wait_for(asyncio.gather(*(
+        worker.generate(_req([(7 * i + j) % 200 + 3 for j in range(400)], 2, seed=i)) for i in range(64))), T_TIMEOUT_S)
+    assert all(len(r.output_ids) >= 1 for r in results)
+
+
 async def test_kv_cache_usage_is_reported_per_interval(worker):
     worker.kv_cache_usage()  # reset the interval
     await asyncio.wait_for(asyncio.gather(*(worker.generate(_req([1, 5, 9, 13], 24, seed=i)) for i in range(8))),

@@ -53,6 +53,12 @@ class InferenceConfig:
               self.gpu_memory_utilization)
         check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 16, "inference.max_num_batched_tokens", "must be null or >= 16",
               self.max_num_batched_tokens)
+        # vLLM's CPU build runs without chunked prefill (workers/inference/engine.py): a step must fit a whole prompt
+        check(self.name != "vllm_cpu" or self.max_num_batched_tokens is None
+              or self.max_num_batched_tokens >= self.max_model_len, "inference.max_num_batched_tokens",
+              f"must be null or >= inference.max_model_len={self.max_model_len} with inference=vllm_cpu (no chunked "
+              "prefill on CPU: vLLM's CPU build cannot resume a seeded request's sampler after a split prompt)",
+              self.max_num_batched_tokens)
         one_of(self.dtype, "inference.dtype", INFERENCE_DTYPES)
         check(self.max_restarts >= 0, "inference.max_restarts", "must be >= 0", self.max_restarts)
         check(self.health_check_s > 0, "inference.health_check_s", "must be > 0", self.health_check_s)

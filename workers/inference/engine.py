@@ -67,6 +67,10 @@ def build_engine(s: InferenceSettings, *, kv_usage: "KvCacheUsage") -> tuple["As
         seed=s.seed,
         enforce_eager=s.enforce_eager,
         enable_prefix_caching=s.enable_prefix_caching,
+        # vLLM's CPU build cannot rewind a seeded request's generator after a partial prefill
+        # ("CPU Generator does not use offset": the engine dies); every rollout request is seeded
+        # (workers/core/seeds.py), so on CPU a prompt is never split across steps
+        enable_chunked_prefill=False if current_platform.is_cpu() else None,
         logprobs_mode=s.logprobs_mode,
         skip_tokenizer_init=True,  # token-in/token-out: the gateway owns the tokenizer
         worker_extension_cls=EXTENSION_CLS,
