@@ -69,3 +69,41 @@ def calibrate(w: Workload, target: Target, *, gpus: int = 64, hours: float = 4.0
 
 def _clamp(factor: float, lo: float = 0.5, hi: float = 2.0) -> float:
     return min(hi, max(lo, factor))
+
+
+ENV_SCALE_BOUNDS = (0.02, 5.0)  # the environment-time scale a fitted run's calibration may reach
+
+
+def calibrate_step_time(scaled: Callable[[float], Workload], sc: Scenario, step_s: float, *, hours: float,
+                        seed: int = 0, warmup_steps: int = 2, rounds: int = 8, tol: float = 0.01) -> dict:
+    """A workload fitted from a real run on one shared machine (scripts/workload_from_run.py): the
+    scale of its environment time (`scaled(k)`: the workload with every environment time times k)
+    for which simulating `sc`, the run's own configuration, gives the run's mean step time
+    `step_s` (seconds). Why this one: the fit measures each rollout's latency, its model time and
+    its CPU work, and gives the environment what is left; but on a shared machine part of that
+    latency was waiting for the cores, which the simulator's machine model
+    (orchestrator/sim/machine.py) adds by itself, so the environment alone is what the fit cannot
+    separate. Secant steps on k (the step time grows with it), clamped to `ENV_SCALE_BOUNDS`; stops
+    within `tol` or after `rounds`. Returns the record: the k closest to the target (`env_scale`),
+    target and simulated step time, simulations run."""
+    lo, hi = ENV_SCALE_BOUNDS
+    pts: list[tuple[float, float]] = []
+
+    def err(k: float) -> float:
+        f = simulate(scaled(k), sc, hours=hours, seed=seed, warmup_steps=warmup_steps)
+        pts.append((k, f["step_s_mean"]))
+        return f["step_s_mean"] / step_s - 1
+
+    x0, e0 = 1.0, err(1.0)
+    x1 = _clamp(1.0 / (1 + e0), lo, hi)
+    e1 = err(x1) if abs(e0) > tol and x1 != x0 else e0
+    for _ in range(rounds - 2):
+        if abs(e1) <= tol or e1 == e0:
+            break
+        x2 = _clamp(x1 - e1 * (x1 - x0) / (e1 - e0), lo, hi)
+        if x2 == x1:
+            break
+        x0, e0, x1, e1 = x1, e1, x2, err(x2)
+    k, sim = min(pts, key=lambda p: abs(p[1] / step_s - 1))
+    return {"target_step_s": step_s, "simulated_step_s": sim, "env_scale": k, "runs": len(pts),
+            "scenario": sc.overrides()}

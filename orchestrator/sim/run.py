@@ -178,14 +178,12 @@ def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_s
     replicas = [SimReplica(loop, engine_spec(w), i) for i in range(lay.replicas)]
     agents = SimAgents(loop, replicas, w.agent, seed=seed, env_scale=w.env_time_scale)
     cpu = None
-    if w.machine is not None:  # one shared CPU machine: trainer and engines slow each other
-        m = MachineSpec(float(w.machine["cores"]), float(w.machine["rollout_cores"]),
-                        float(w.machine.get("store_rpc_s", 0.0)), float(w.machine.get("store_sample_s", 0.0)))
-        cpu = SharedCpu(loop, m, replicas, [agents])
+    if w.machine is not None:  # one shared CPU machine: every part's CPU work shares its cores
+        cpu = SharedCpu(loop, MachineSpec(**{k: float(v) for k, v in w.machine.items()}), replicas)
         agents.cpu = cpu
         for r in replicas:
-            r.on_busy_change = cpu.rollout_changed
-    store = SimStore(cpu.spec.store_rpc_s, cpu.spec.store_sample_s, cpu.trainer_side_speed) if cpu else SimStore()
+            r.on_busy_change = cpu.engines_changed
+    store = SimStore(cpu.spec.store_rpc_s, cpu.spec.store_sample_s, cpu) if cpu else SimStore()
     pool = RolloutPool([SimRolloutActor(agents, store) for _ in range(NUM_ROLLOUT_ACTORS)])
     alg, ws = w.algorithm, w.weight_sync
     trainer = SimTrainer(agents, gpus=lay.trainer_gpus, tokens_per_s_per_gpu=trainer_tokens_per_s_per_gpu(w),
