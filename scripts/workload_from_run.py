@@ -14,9 +14,10 @@ fits, and from what (the first `--warmup-steps` steps, engine warm-up, are skipp
 - engine step time: Little's law at the gateway (concurrency × generation time / turns = seconds a
   turn spends at the gateway), divided by its tokens; per-sequence growth set to 1/16 of it
   (a batch of 16 doubles a CPU step, assumed, not fitted);
-- a constant time per rollout (one-turn agents): the rollout latency p50 less the agent's task
-  time p50 (ACR's invoke and result pickup), plus the agent's own time outside its model call
-  (its 5 % fastest tasks less their gateway time);
+- a constant time per rollout: with a CPU record, the rollout's own CPU work (below); without one
+  (one-turn agents): the rollout latency p50 less the agent's task time p50 (ACR's invoke and
+  result pickup), plus the agent's own time outside its model call (its 5 % fastest tasks less
+  their gateway time);
 - environment time: a log-normal whose median is the latency p50 less the engine and constant
   times, and whose shape puts a step's slowest rollout (mean over steps) at the expected maximum
   of its n rollouts (Blom's z); before the model call for one-turn agents, between turns else;
@@ -24,17 +25,33 @@ fits, and from what (the first `--warmup-steps` steps, engine warm-up, are skipp
   when the slope is not significant);
 - weight sync: its mean seconds (model_bytes / bandwidth gives exactly that);
 - filtering: the share of zero-variance groups (`agent.constant_reward_fraction`), as measured;
-- the machine (`machine:`): its cores (`cluster.num_cpus`, else this machine's), the inference
-  side taken to keep all of them busy while it decodes (assumed: vLLM's CPU engine threads, the
-  gateway and the agents), so a trainer update overlapping decoding slows both by
-  cores / (cores + 1) (orchestrator/sim/machine.py); the sample store's round trip (a sync step's
-  time outside generation, update and weight sync) and its read time per sample (a sync step's
-  generation after its slowest rollout).
+- the machine (`machine:`, orchestrator/sim/machine.py: every part's CPU work shares the cores),
+  from the run's CPU record (`perf/cpu_s/<part>`, orchestrator/cpu_usage.py):
+  - `cores`: `cluster.num_cpus`, else this machine's (given);
+  - `rollout_start_cpu_s` + `agent.overhead_s` (the rollout's own CPU work when it starts and after
+    its last turn) and `background_cores`: the CPU seconds of every part but the trainer (driver,
+    engines, gateway, rollout actors, emulator + agents + moto, Ray's own), split by least squares
+    over the steps into seconds per rollout dispatched in the step and cores per second of step
+    (fitted); the engines' CPU is counted in the rollouts' work (`engine_cores: 0`; the engines
+    still slow down when the cores are short); half of the work at the start, half at the end
+    (`START_SHARE`, assumed: the split is not in the record);
+  - `trainer_cores`: the trainer's CPU seconds over its update and weight-sync seconds (fitted);
+  - the sample store's calls: a sync step's time outside generation, update and weight sync (one
+    `clear`) and its generation after its slowest rollout, per sample (one read) (fitted);
+  - then the engine's and the environment's scales (`calibration.machine_fit`): the rollouts'
+    latency and their time at the gateway hold time spent waiting for the cores, which the
+    simulator adds by itself, so the fitted engine and environment times are scaled until
+    simulating the run's own configuration gives its mean step time and its inference
+    concurrency (orchestrator/sim/calibrate.py `calibrate_fitted`; written into the engine's step
+    times and the environment's distribution);
+  - without a CPU record (older runs): the engine taken to keep every core busy while it decodes
+    (assumed), the constant part of a rollout a delay after its last turn, no calibration.
 
 Not in a run's files, so given as flags: prompt tokens (`--prompt-tokens`) and KV capacity
 (`--kv-tokens`; the tiny model never binds it). `batch.prompts_per_step` keeps the run's
 `rollout.batch_size` per weight sync for every `sync_every`, as the product's configurations do.
-The result is a workload with no calibration (scales 1).
+The result's scales (`calibration.engine_time_scale`, `env_time_scale`) are 1: the environment's
+calibration is written into its distribution.
 """
 
 from __future__ import annotations
@@ -162,24 +179,26 @@ def fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: in
     fit needs (the message names it)."""
     raw, cfg, use = _fit(run_dir, prompt_tokens=prompt_tokens, kv_tokens=kv_tokens, warmup_steps=warmup_steps)
     if calibrate_hours > 0 and raw["machine"].get("engine_cores") == 0.0:  # the CPU model was fitted
-        from orchestrator.sim.calibrate import calibrate_step_time
+        from orchestrator.sim.calibrate import calibrate_fitted
 
-        record = calibrate_step_time(lambda k: parse_workload(_env_scaled(raw, k)), run_scenario(cfg),
-                                     statistics.fmean(r["timing_s/step"] for r in use), hours=calibrate_hours,
-                                     warmup_steps=warmup_steps)
-        raw = _env_scaled(raw, record["env_scale"])
-        raw["calibration"]["step_time_fit"] = record
+        record = calibrate_fitted(lambda ke, kv: parse_workload(_scaled(raw, ke, kv)), run_scenario(cfg),
+                                  step_s=statistics.fmean(r["timing_s/step"] for r in use),
+                                  concurrency=raw["calibration"]["measured"]["inference_concurrency"],
+                                  hours=calibrate_hours, warmup_steps=warmup_steps)
+        raw = _scaled(raw, record["engine_scale"], record["env_scale"])
+        raw["calibration"]["machine_fit"] = record
     return raw
 
 
-def _env_scaled(raw: dict, k: float) -> dict:
-    """`raw` with its fitted environment time (the log-normal: before the model call for one-turn
-    agents, between turns else) times k."""
+def _scaled(raw: dict, engine: float, env: float) -> dict:
+    """`raw` with its engine step times times `engine` and its fitted environment time (the
+    log-normal: before the model call for one-turn agents, between turns else) times `env`."""
     agent = dict(raw["agent"])
     for key in ("cold_start_s", "env_time_s"):
         if agent[key]["dist"] == "lognormal":
-            agent[key] = agent[key] | {"median": agent[key]["median"] * k}
-    return raw | {"agent": agent}
+            agent[key] = agent[key] | {"median": agent[key]["median"] * env}
+    eng = raw["engine"] | {k: raw["engine"][k] * engine for k in ("step_base_s", "step_per_seq_s", "prefill_s_per_token")}
+    return raw | {"agent": agent, "engine": eng}
 
 
 def run_scenario(cfg: dict):

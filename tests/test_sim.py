@@ -364,7 +364,7 @@ def test_workload_from_run_fits_the_machine_from_the_runs_cpu_record(tmp_path):
     assert m["background_cores"] == pytest.approx(0.3) and m["trainer_cores"] == pytest.approx(0.8)
     assert m["engine_cores"] == 0.0  # its CPU is in the rollouts' work
     raw = fit(tmp_path, prompt_tokens=40, kv_tokens=100_000, warmup_steps=2, calibrate_hours=0.05)
-    rec = raw["calibration"]["step_time_fit"]
+    rec = raw["calibration"]["machine_fit"]
     target = statistics.fmean(step_s[2:])
     assert rec["target_step_s"] == pytest.approx(target)
     assert rec["simulated_step_s"] == pytest.approx(target, rel=0.03)
