@@ -9,7 +9,8 @@ pickup), `local_stack` (`rollout=local`: the ACR emulator, its agent processes, 
 `other` (whatever else descends from the driver: Ray's GCS and raylet, the trajectory buffer's
 actors, idle Ray workers, the reaper). On one machine, `perf/cpu_s/total` over the step's time is
 how many cores the run kept busy; scripts/workload_from_run.py fits the simulator's machine model
-from it (orchestrator/sim/machine.py).
+from it (orchestrator/sim/machine.py). `perf/cpu_s/machine` is what every process of the machine
+used (/proc/stat), so `machine - total` is what other jobs on the same machine took from the run.
 
 How a process finds its part: every process of the driver's tree belongs to its nearest
 ancestor-or-self that is a named root (`roots()`: name -> PID, as `run_dir/actors.json` and
@@ -62,21 +63,37 @@ class CpuLedger:
 
     def __init__(self) -> None:
         self._last: dict[int, float] = {}
+        self._machine_s: float | None = None
 
-    def baseline(self, cpu_s: dict[int, float]) -> None:
-        """Take `cpu_s` (PID -> cumulative CPU seconds) as the starting point."""
+    def baseline(self, cpu_s: dict[int, float], machine_s: float | None = None) -> None:
+        """Take `cpu_s` (PID -> cumulative CPU seconds) and `machine_s` as the starting point."""
         self._last = dict(cpu_s)
+        self._machine_s = machine_s
 
-    def on_sample(self, cpu_s: dict[int, float], parts: dict[int, str]) -> dict[str, float]:
+    def on_sample(self, cpu_s: dict[int, float], parts: dict[int, str], machine_s: float | None = None
+                  ) -> dict[str, float]:
         """CPU seconds per part (every part of `PARTS`, and `total`) since the previous reading;
-        `cpu_s` and `parts` cover the same PIDs. A reused PID whose reading went down counts from 0."""
+        `cpu_s` and `parts` cover the same PIDs. A reused PID whose reading went down counts from 0.
+        With `machine_s` (the machine's cumulative busy CPU seconds): `machine`, its growth."""
         out = dict.fromkeys(PARTS, 0.0)
         for pid, now in cpu_s.items():
             before = self._last.get(pid, 0.0)
             out[parts.get(pid, "other")] += now - before if now >= before else now
         self._last = dict(cpu_s)
         out["total"] = sum(out[p] for p in PARTS)
+        if machine_s is not None:
+            if self._machine_s is not None:
+                out["machine"] = max(0.0, machine_s - self._machine_s)
+            self._machine_s = machine_s
         return out
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds the machine's cores have been busy since boot (every process; /proc/stat)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
 
 
 def _read_procs() -> dict[int, tuple[int, float]]:
@@ -98,14 +115,15 @@ class CpuProbe:
     def __init__(self, roots: Callable[[], dict[str, int]], driver: int | None = None) -> None:
         self._roots, self._driver = roots, driver if driver is not None else os.getpid()
         self._ledger = CpuLedger()
-        self._ledger.baseline(self._sample()[0])
+        cpu_s, _, machine_s = self._sample()
+        self._ledger.baseline(cpu_s, machine_s)
 
-    def _sample(self) -> tuple[dict[int, float], dict[int, str]]:
+    def _sample(self) -> tuple[dict[int, float], dict[int, str], float]:
         roots = {pid: part_of_name(name) for name, pid in self._roots().items()}
         procs = _read_procs()
         parts = attribute({pid: ppid for pid, (ppid, _) in procs.items()}, roots, self._driver)
-        return {pid: procs[pid][1] for pid in parts if pid in procs}, parts
+        return {pid: procs[pid][1] for pid in parts if pid in procs}, parts, _machine_busy_s()
 
     async def __call__(self) -> dict[str, float]:
-        cpu_s, parts = await asyncio.to_thread(self._sample)
-        return {f"perf/cpu_s/{k}": v for k, v in self._ledger.on_sample(cpu_s, parts).items()}
+        cpu_s, parts, machine_s = await asyncio.to_thread(self._sample)
+        return {f"perf/cpu_s/{k}": v for k, v in self._ledger.on_sample(cpu_s, parts, machine_s).items()}

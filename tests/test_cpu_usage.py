@@ -38,6 +38,14 @@ def test_ledger_counts_each_interval_once_and_never_negative():
     second = led.on_sample({1: 11.0, 3: 0.2}, {1: "driver", 3: "inference"})
     assert second["driver"] == 0.5 and abs(second["inference"] - 0.2) < 1e-12
     assert min(second.values()) >= 0.0
+    assert "machine" not in second  # no machine reading given
+
+
+def test_ledger_reports_the_machines_busy_seconds_beside_the_runs():
+    led = CpuLedger()
+    led.baseline({1: 1.0}, machine_s=100.0)
+    got = led.on_sample({1: 1.5}, {1: "driver"}, machine_s=101.8)  # the run 0.5 s, other jobs 1.3 s
+    assert got["total"] == 0.5 and abs(got["machine"] - 1.8) < 1e-9
 
 
 def test_probe_measures_a_child_that_burns_cpu():
@@ -60,6 +68,7 @@ def test_probe_measures_a_child_that_burns_cpu():
             asyncio.run(asyncio.sleep(0.05))
         assert 0.39 <= total < 1.0, total
         assert got["perf/cpu_s/total"] >= got["perf/cpu_s/local_stack"]
+        assert got["perf/cpu_s/machine"] >= got["perf/cpu_s/total"] - 0.05  # the machine's includes the run's
     finally:
         child.stdin.close()
         child.wait(timeout=10)
