@@ -520,6 +520,8 @@ def test_a_fixed_batch_per_step_is_split_into_sync_every_mini_batches_and_filter
     f = simulate(w, Scenario("sync", 1, True, gpus=1, sleeps=False), hours=0.1)
     filtered, dispatched = f["rollout/filtered"], f["rollout/dispatched"]
     assert 0.15 < filtered / dispatched < 0.35
+    # the rollouts finished per minute count the filtered ones too: trained / finished = 1 - filtered share
+    assert 0.6 < f["trained_samples_per_min"] / f["finished_rollouts_per_min"] < 0.9
     raw["machine"]["cores"] = 0
     with pytest.raises(WorkloadError, match="machine.cores"):
         parse_workload(raw)
