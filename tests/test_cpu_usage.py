@@ -58,17 +58,17 @@ def test_probe_measures_a_child_that_burns_cpu():
         child.stdin.write("go\n")
         child.stdin.flush()
         deadline = 200  # bounded wait (x 0.05 s) for the spin to finish
-        got: dict[str, float] = {}
-        total = 0.0
+        sums: dict[str, float] = {}
         for _ in range(deadline):
-            got = asyncio.run(probe())
-            total += got["perf/cpu_s/local_stack"]
-            if total >= 0.39:
+            for k, v in asyncio.run(probe()).items():
+                sums[k] = sums.get(k, 0.0) + v
+            if sums["perf/cpu_s/local_stack"] >= 0.39:
                 break
             asyncio.run(asyncio.sleep(0.05))
-        assert 0.39 <= total < 1.0, total
-        assert got["perf/cpu_s/total"] >= got["perf/cpu_s/local_stack"]
-        assert got["perf/cpu_s/machine"] >= got["perf/cpu_s/total"] - 0.05  # the machine's includes the run's
+        assert 0.39 <= sums["perf/cpu_s/local_stack"] < 1.0, sums
+        assert sums["perf/cpu_s/total"] >= sums["perf/cpu_s/local_stack"]
+        # the machine's includes the run's (up to the skew of reading /proc/stat after the processes)
+        assert sums["perf/cpu_s/machine"] >= sums["perf/cpu_s/local_stack"] - 0.1, sums
     finally:
         child.stdin.close()
         child.wait(timeout=10)
