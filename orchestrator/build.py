@@ -191,6 +191,7 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     from transformers import AutoTokenizer
 
     from orchestrator.clients import BufferStore, GatewayProbe, TrainerClient
+    from orchestrator.cpu_usage import CpuProbe
     from orchestrator.metrics import build_sinks
     from orchestrator.batching import RolloutLedger
     from orchestrator.run_checkpoint import ResumablePrompts, RunCheckpointer, trim_after
@@ -249,8 +250,9 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     ranks = list(getattr(trainer, "ranks", [trainer]))
     directory = ActorDirectory(run_dir / "actors.json", lambda: {
         **{f"inference-{i}": r for i, r in enumerate(replicas)}, **{f"trainer-rank-{i}": r for i, r in enumerate(ranks)},
-        **pool.named_actors()})
+        "gateway": gateway, **pool.named_actors()})
     await directory.refresh()
+    cpu = CpuProbe(lambda: {**directory.pids(), **(rt.local.pids() if rt.local is not None else {})})
     trainer_client = TrainerClient(trainer, pad_id=pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
                                    weights_dir=run_dir / "weights", export_file=backend == FILE_BACKEND)
     concurrency = _concurrency(cfg, replicas)  # rollout.concurrency=adaptive, else None
@@ -261,7 +263,7 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
         prompts=prompts, rollouts=pool, ledger=ledger, store=BufferStore(buffer, cfg.rollout.n, cfg.rollout.timeout_s),
         trainer=_colocated(cfg, trainer_client, replicas), weights=weights, logger=logger,
         probe=_probes(_with_gate(GatewayProbe(gateway, replicas), concurrency), *(w.metrics for w in watchers),
-                      lambda: _pool_recovery_metrics(pool), directory.refresh),
+                      lambda: _pool_recovery_metrics(pool), directory.refresh, cpu),
         checkpoint=RunCheckpointer(run_dir, trainer, prompts, save_freq=cfg.trainer.save_freq,
                                    keep_last=cfg.trainer.max_ckpt_to_keep, counters=ledger.settled_counts),
         validator=_validator(cfg, train_settings, gateway, buffer, closing), concurrency=concurrency)

@@ -141,7 +141,7 @@ class ServerWatch:
 
 class ActorDirectory:
     """Keeps `run_dir/actors.json` = {name: pid} of the run's actors (`inference-{i}`,
-    `trainer-rank-{r}`, the rollout actors' Ray names), for fault tests and scripts/chaos.py:
+    `trainer-rank-{r}`, `gateway`, the rollout actors' Ray names), for fault tests and scripts/chaos.py:
     `os.kill(pid, SIGKILL)` kills one. Rewritten (atomically) whenever the set of actors changed:
     `refresh` runs after build and as a step probe, so a replacement shows from the next step."""
 
@@ -149,6 +149,11 @@ class ActorDirectory:
         self._path = path
         self._actors = actors
         self._seen: tuple[int, ...] = ()
+        self._pids: dict[str, int] = {}
+
+    def pids(self) -> dict[str, int]:
+        """Name -> PID of the actors as last written (orchestrator/cpu_usage.py reads it)."""
+        return dict(self._pids)
 
     async def refresh(self) -> dict[str, float]:
         """Rewrite the file if the actors changed; returns no metrics (a probe)."""
@@ -160,8 +165,9 @@ class ActorDirectory:
         if key == self._seen:
             return {}
         pids = await asyncio.gather(*(call(h, "__ray_call__", _pid) for h in named.values()), return_exceptions=True)
+        self._pids = {n: p for n, p in zip(named, pids) if isinstance(p, int)}
         tmp = self._path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({n: p for n, p in zip(named, pids) if isinstance(p, int)}, indent=2) + "\n")
+        tmp.write_text(json.dumps(self._pids, indent=2) + "\n")
         os.replace(tmp, self._path)
         self._seen = key
         return {}

@@ -24,7 +24,9 @@ their headline figures; README shows the images of the committed run.
 workload from ONE of its runs (`--fit-from`, default sync_1) with scripts/workload_from_run.py,
 simulates the four configurations on that workload (one shared CPU machine, `cluster=local`, the
 same steps left out) without refitting, and prints measured against predicted throughput, trained
-(generated) tokens and trained samples per minute, with the error of each.
+(generated) tokens and trained samples per minute, and rollouts finished per minute (trained,
+filtered, failed or expired: the system's work, which does not move with the share of groups the
+filter drops as the policy learns), with the error of each.
 """
 
 from __future__ import annotations
@@ -76,12 +78,15 @@ def _figures(name: str, args: argparse.Namespace, run_dir: Path, wall_s: float) 
     n = _group_size(run_dir)
     base = all_steps[args.warmup_steps - 1] if args.warmup_steps else {}
     samples = n * (all_steps[-1].get("rollout/trained_groups", 0.0) - base.get("rollout/trained_groups", 0.0))
+    finished = sum(all_steps[-1].get(f"rollout/{k}", 0.0) - base.get(f"rollout/{k}", 0.0)
+                   for k in ("completed", "filtered", "failed", "expired"))
     masked = [s.get("rollout_corr/rollout_rs_masked_fraction", 0.0) for s in steps]
     return {
         "config": name,
         "trained_tokens_per_min": 60.0 * tokens / loop_s if loop_s > 0 else 0.0,
         "steps_per_min": 60.0 * len(steps) / loop_s if loop_s > 0 else 0.0,
         "trained_samples_per_min": 60.0 * samples / loop_s if loop_s > 0 else 0.0,
+        "finished_rollouts_per_min": 60.0 * finished / loop_s if loop_s > 0 else 0.0,
         "tokens_per_sample": tokens / samples if samples else math.nan,
         "step_s_mean": loop_s / len(steps) if steps else math.nan,
         "wait_for_batch_s_mean": _mean([s.get("timing_s/wait_for_batch", s.get("timing_s/gen", math.nan)) for s in steps]),
@@ -125,7 +130,8 @@ def validate(rows: list[dict], work: Path, args: argparse.Namespace) -> list[dic
         f = simulate(w, sc, hours=args.sim_hours, seed=args.seed, warmup_steps=args.warmup_steps)
         row = {"config": r["config"], "fitted_from": args.fit_from}
         for key, sim_key in (("trained_tokens_per_min", "generated_tokens_per_min"),
-                             ("trained_samples_per_min", "trained_samples_per_min")):
+                             ("trained_samples_per_min", "trained_samples_per_min"),
+                             ("finished_rollouts_per_min", "finished_rollouts_per_min")):
             row[f"measured_{key}"], row[f"predicted_{key}"] = r[key], f[sim_key]
             row[f"error_{key}"] = f[sim_key] / r[key] - 1 if r[key] else math.nan
         row |= {"measured_step_s": r["step_s_mean"], "predicted_step_s": f["step_s_mean"],
@@ -139,14 +145,13 @@ def print_validation(out: list[dict], args: argparse.Namespace) -> None:
     print(f"\nvalidation: workload fitted from the {args.fit_from} run (fitted_workload.yaml in the runs dir), "
           f"simulated {args.sim_hours} h per configuration")
     head = ("config", "tok/min meas", "tok/min sim", "error", "samp/min meas", "samp/min sim", "error",
-            "step_s meas", "step_s sim")
+            "roll/min meas", "roll/min sim", "error", "step_s meas", "step_s sim")
     print(" | ".join(f"{h:>13}" for h in head))
     for v in out:
-        cells = (v["config"], f"{v['measured_trained_tokens_per_min']:.0f}",
-                 f"{v['predicted_trained_tokens_per_min']:.0f}",
-                 f"{100 * v['error_trained_tokens_per_min']:+.1f} %", f"{v['measured_trained_samples_per_min']:.0f}",
-                 f"{v['predicted_trained_samples_per_min']:.0f}", f"{100 * v['error_trained_samples_per_min']:+.1f} %",
-                 f"{v['measured_step_s']:.2f}", f"{v['predicted_step_s']:.2f}")
+        cells = [v["config"]]
+        for key in ("trained_tokens_per_min", "trained_samples_per_min", "finished_rollouts_per_min"):
+            cells += [f"{v['measured_' + key]:.0f}", f"{v['predicted_' + key]:.0f}", f"{100 * v['error_' + key]:+.1f} %"]
+        cells += [f"{v['measured_step_s']:.2f}", f"{v['predicted_step_s']:.2f}"]
         print(" | ".join(f"{c:>13}" for c in cells))
 
 

@@ -14,9 +14,10 @@ fits, and from what (the first `--warmup-steps` steps, engine warm-up, are skipp
 - engine step time: Little's law at the gateway (concurrency × generation time / turns = seconds a
   turn spends at the gateway), divided by its tokens; per-sequence growth set to 1/16 of it
   (a batch of 16 doubles a CPU step, assumed, not fitted);
-- a constant time per rollout (one-turn agents): the rollout latency p50 less the agent's task
-  time p50 (ACR's invoke and result pickup), plus the agent's own time outside its model call
-  (its 5 % fastest tasks less their gateway time);
+- a constant time per rollout: with a CPU record, the rollout's own CPU work (below); without one
+  (one-turn agents): the rollout latency p50 less the agent's task time p50 (ACR's invoke and
+  result pickup), plus the agent's own time outside its model call (its 5 % fastest tasks less
+  their gateway time);
 - environment time: a log-normal whose median is the latency p50 less the engine and constant
   times, and whose shape puts a step's slowest rollout (mean over steps) at the expected maximum
   of its n rollouts (Blom's z); before the model call for one-turn agents, between turns else;
@@ -24,17 +25,33 @@ fits, and from what (the first `--warmup-steps` steps, engine warm-up, are skipp
   when the slope is not significant);
 - weight sync: its mean seconds (model_bytes / bandwidth gives exactly that);
 - filtering: the share of zero-variance groups (`agent.constant_reward_fraction`), as measured;
-- the machine (`machine:`): its cores (`cluster.num_cpus`, else this machine's), the inference
-  side taken to keep all of them busy while it decodes (assumed: vLLM's CPU engine threads, the
-  gateway and the agents), so a trainer update overlapping decoding slows both by
-  cores / (cores + 1) (orchestrator/sim/machine.py); the sample store's round trip (a sync step's
-  time outside generation, update and weight sync) and its read time per sample (a sync step's
-  generation after its slowest rollout).
+- the machine (`machine:`, orchestrator/sim/machine.py: every part's CPU work shares the cores),
+  from the run's CPU record (`perf/cpu_s/<part>`, orchestrator/cpu_usage.py):
+  - `cores`: `cluster.num_cpus`, else this machine's (given);
+  - `rollout_start_cpu_s` + `agent.overhead_s` (the rollout's own CPU work when it starts and after
+    its last turn) and `background_cores`: the CPU seconds of every part but the trainer (driver,
+    engines, gateway, rollout actors, emulator + agents + moto, Ray's own), split by least squares
+    over the steps into seconds per rollout dispatched in the step and cores per second of step
+    (fitted); the engines' CPU is counted in the rollouts' work (`engine_cores: 0`; the engines
+    still slow down when the cores are short); half of the work at the start, half at the end
+    (`START_SHARE`, assumed: the split is not in the record);
+  - `trainer_cores`: the trainer's CPU seconds over its update and weight-sync seconds (fitted);
+  - the sample store's calls: a sync step's time outside generation, update and weight sync (one
+    `clear`) and its generation after its slowest rollout, per sample (one read) (fitted);
+  - then the engine's and the environment's scales (`calibration.machine_fit`): the rollouts'
+    latency and their time at the gateway hold time spent waiting for the cores, which the
+    simulator adds by itself, so the fitted engine and environment times are scaled until
+    simulating the run's own configuration gives its mean step time and its inference
+    concurrency (orchestrator/sim/calibrate.py `calibrate_fitted`; written into the engine's step
+    times and the environment's distribution);
+  - without a CPU record (older runs): the engine taken to keep every core busy while it decodes
+    (assumed), the constant part of a rollout a delay after its last turn, no calibration.
 
 Not in a run's files, so given as flags: prompt tokens (`--prompt-tokens`) and KV capacity
 (`--kv-tokens`; the tiny model never binds it). `batch.prompts_per_step` keeps the run's
 `rollout.batch_size` per weight sync for every `sync_every`, as the product's configurations do.
-The result is a workload with no calibration (scales 1).
+The result's scales (`calibration.engine_time_scale`, `env_time_scale`) are 1: the environment's
+calibration is written into its distribution.
 """
 
 from __future__ import annotations
@@ -55,6 +72,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from orchestrator.sim.workload import parse_workload  # noqa: E402
 
 CPU_BATCH_DOUBLING = 16  # running sequences that double a CPU engine step (assumed)
+START_SHARE = 0.5  # share of a rollout's CPU work done when it starts, the rest after its last turn (assumed)
+ROLLOUT_SIDE_PARTS = ("driver", "inference", "gateway", "rollout", "local_stack", "other")  # perf/cpu_s/<part>
 
 
 def _normal_quantile(p: float) -> float:
@@ -117,9 +136,81 @@ def fit_update(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return fixed, slope
 
 
-def fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: int) -> dict:
-    """The workload mapping fitted from `run_dir` (see the module docstring). Raises ValueError
-    when the run has too few steps or lacks a metric the fit needs (the message names it)."""
+def _lsq2(x1: list[float], x2: list[float], y: list[float]) -> tuple[float, float]:
+    """(a, b) >= 0 minimising Σ (y - a·x1 - b·x2)² (no intercept); a coefficient the data would
+    make negative is 0 and the other is fitted alone."""
+    s11, s22 = sum(a * a for a in x1), sum(b * b for b in x2)
+    s12, s1y, s2y = sum(a * b for a, b in zip(x1, x2)), sum(a * c for a, c in zip(x1, y)), sum(b * c for b, c in zip(x2, y))
+    det = s11 * s22 - s12 * s12
+    if det > 1e-12 * max(1.0, s11 * s22):
+        a, b = (s1y * s22 - s2y * s12) / det, (s2y * s11 - s1y * s12) / det
+        if a >= 0 and b >= 0:
+            return a, b
+    only_a, only_b = (max(0.0, s1y / s11) if s11 else 0.0, 0.0), (0.0, max(0.0, s2y / s22) if s22 else 0.0)
+    err = [sum((c - p[0] * a - p[1] * b) ** 2 for a, b, c in zip(x1, x2, y)) for p in (only_a, only_b)]
+    return only_a if err[0] <= err[1] else only_b
+
+
+def fit_cpu(use: list[dict], prev: dict) -> dict | None:
+    """The machine's CPU figures from `perf/cpu_s/*` (orchestrator/cpu_usage.py), or None when the
+    run did not log them. Every part but the trainer is split, by least squares over the steps,
+    into CPU seconds per rollout dispatched in the step and cores kept busy per second of it:
+    `rollout_cpu_s` and `background_cores` (sums over those parts). `trainer_cores`: the
+    trainer's CPU seconds over its update and weight-sync seconds."""
+    keys = [f"perf/cpu_s/{p}" for p in (*ROLLOUT_SIDE_PARTS, "trainer")]
+    if not all(k in r for r in use for k in keys):
+        return None
+    disp, step_s, y = [], [], []
+    for before, r in zip([prev, *use], use):
+        disp.append(r.get("rollout/dispatched", 0.0) - before.get("rollout/dispatched", 0.0))
+        step_s.append(r["timing_s/step"])
+        y.append(sum(r[f"perf/cpu_s/{p}"] for p in ROLLOUT_SIDE_PARTS))
+    per_rollout, background = _lsq2(disp, step_s, y)
+    trainer_s = sum(r.get("timing_s/update_actor", 0.0) + r.get("timing_s/update_weights", 0.0) for r in use)
+    trainer_cpu = sum(r["perf/cpu_s/trainer"] for r in use)
+    return {"rollout_cpu_s": per_rollout, "background_cores": background,
+            "trainer_cores": max(0.05, trainer_cpu / trainer_s) if trainer_s > 0 else 1.0}
+
+
+def fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: int, calibrate_hours: float = 0.1) -> dict:
+    """The workload mapping fitted from `run_dir` (see the module docstring); with the run's CPU
+    record, its environment scale calibrated on `calibrate_hours` simulated hours of the run's own
+    configuration (0: not). Raises ValueError when the run has too few steps or lacks a metric the
+    fit needs (the message names it)."""
+    raw, cfg, use = _fit(run_dir, prompt_tokens=prompt_tokens, kv_tokens=kv_tokens, warmup_steps=warmup_steps)
+    if calibrate_hours > 0 and raw["machine"].get("engine_cores") == 0.0:  # the CPU model was fitted
+        from orchestrator.sim.calibrate import calibrate_fitted
+
+        record = calibrate_fitted(lambda ke, kv: parse_workload(_scaled(raw, ke, kv)), run_scenario(cfg),
+                                  step_s=statistics.fmean(r["timing_s/step"] for r in use),
+                                  concurrency=raw["calibration"]["measured"]["inference_concurrency"],
+                                  hours=calibrate_hours, warmup_steps=warmup_steps)
+        raw = _scaled(raw, record["engine_scale"], record["env_scale"])
+        raw["calibration"]["machine_fit"] = record
+    return raw
+
+
+def _scaled(raw: dict, engine: float, env: float) -> dict:
+    """`raw` with its engine step times times `engine` and its fitted environment time (the
+    log-normal: before the model call for one-turn agents, between turns else) times `env`."""
+    agent = dict(raw["agent"])
+    for key in ("cold_start_s", "env_time_s"):
+        if agent[key]["dist"] == "lognormal":
+            agent[key] = agent[key] | {"median": agent[key]["median"] * env}
+    eng = raw["engine"] | {k: raw["engine"][k] * engine for k in ("step_base_s", "step_per_seq_s", "prefill_s_per_token")}
+    return raw | {"agent": agent, "engine": eng}
+
+
+def run_scenario(cfg: dict):
+    """The simulator's Scenario of a run's config on one shared machine (cluster=local)."""
+    from orchestrator.sim.run import Scenario
+
+    a = cfg.get("async") or {}
+    return Scenario(cfg["mode"]["name"], int(cfg["mode"].get("sync_every", 1)), True, gpus=1,
+                    max_staleness=int(a.get("max_staleness", 1)), on_stale=str(a.get("on_stale", "drop")), sleeps=False)
+
+
+def _fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: int) -> tuple[dict, dict, list[dict]]:
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if "timing_s/step" in r]
@@ -157,7 +248,11 @@ def fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: in
     first_gid = warmup_steps * int(roll["batch_size"]) if sync else 0
     durations = sorted(d for g, d in agent_durations(run_dir).values() if g >= first_gid)
     const_s = 0.0
-    if one_turn and len(durations) >= 20:
+    cpu = fit_cpu(use, prev)
+    if cpu is not None:  # the rollout's own CPU work, measured; its latency outside is the environment
+        const_s = cpu["rollout_cpu_s"]
+        env_source = "rollout latency p50 / max per step less the rollout's CPU work (perf/cpu_s/*)"
+    elif one_turn and len(durations) >= 20:
         const_s = max(0.0, p50 - statistics.median(durations)) + max(0.0, _quantile(durations, 0.05) - turn_s)
         env_source = f"rollout latency p50 / max per step; constant part from {len(durations)} ACR task records"
     else:
@@ -187,6 +282,15 @@ def fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: in
     env = {"dist": "lognormal", "median": env_median / (1 if one_turn else turns - 1), "sigma": round(sigma, 4)}
     const0 = {"dist": "const", "value": 0.0}
     cores = float(cfg.get("cluster", {}).get("num_cpus") or os.cpu_count() or 1)
+    end_cpu_s, final_s = 0.0, const_s
+    if cpu is None:  # no CPU record: the engine keeps every core busy while it decodes (assumed), the
+        # constant part of a rollout is a delay after its last turn
+        machine = {"cores": cores, "engine_cores": cores, "trainer_cores": 1.0}
+    else:
+        machine = {"cores": cores, "engine_cores": 0.0,  # the engines' CPU is in the rollouts' work
+                   "trainer_cores": min(cores, cpu["trainer_cores"]), "background_cores": cpu["background_cores"],
+                   "rollout_start_cpu_s": START_SHARE * cpu["rollout_cpu_s"]}
+        end_cpu_s, final_s = (1 - START_SHARE) * cpu["rollout_cpu_s"], 0.0
     return {
         "name": f"fitted_{run_dir.name}",
         "engine": {"kv_tokens_per_replica": kv_tokens, "gpus_per_replica": 1,
@@ -202,9 +306,9 @@ def fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: in
                   # one turn: the environment before the model call (as the cold start); more
                   # turns: between them. The constant part is CPU work (slowed on a shared machine)
                   "env_time_s": const0 if one_turn else env,
-                  "final_time_s": const0,
+                  "final_time_s": {"dist": "const", "value": final_s},
                   "cold_start_s": env if one_turn else const0,
-                  "overhead_s": {"dist": "const", "value": const_s},
+                  "overhead_s": {"dist": "const", "value": end_cpu_s},
                   "max_context_tokens": int(roll.get("max_context_tokens", 512)),
                   "session_rate_per_s": float(roll.get("acr", {}).get("session_rate_per_s", 25.0)),
                   "reward_beta": [2 * p, 2 * (1 - p)],
@@ -216,13 +320,13 @@ def fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: in
                   "prompts_per_step": int(roll["batch_size"]),  # rollout.batch_size: per weight sync
                   "n": n, "reference_gpus": 1},
         "algorithm": {"filter_zero_variance": bool(cfg.get("algorithm", {}).get("filter_zero_variance", True))},
-        "machine": {"cores": cores, "rollout_cores": cores, "store_rpc_s": rpc_s, "store_sample_s": sample_s},
+        "machine": machine | {"store_rpc_s": rpc_s, "store_sample_s": sample_s},
         "calibration": {"engine_time_scale": 1.0, "env_time_scale": 1.0, "fitted_from": str(run_dir),
                         "env_source": env_source,
                         "measured": {"inference_concurrency": conc, "rollout_latency_p50_s": p50,
                                      "turns_per_rollout": turns, "gateway_s_per_turn": turn_s,
                                      "trajectory_tokens_per_sample": traj_per_sample}},
-    }
+    }, cfg, use
 
 
 def main() -> int:

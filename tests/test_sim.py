@@ -319,25 +319,40 @@ def test_planner_refuses_a_bad_setting(capsys):
         Scenario("sync", policy="adaptive")
 
 
-def test_workload_from_run_fits_turns_tokens_and_trainer_from_a_runs_files(tmp_path):
-    """A run of 6 steps, 8 rollouts each, 2 turns per rollout, 5 generated tokens per turn,
-    updates of 0.5 s + 0.01 s per sample: the fitted workload loads and holds those figures."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    from workload_from_run import fit
+ROLLOUT_SIDE = ("driver", "inference", "gateway", "rollout", "local_stack", "other")
 
-    (tmp_path / "config.yaml").write_text(
+
+def _write_run(run_dir: Path, step_s: list[float], cpu: tuple[float, float, float] | None = None) -> None:
+    """A sync run's files: 8 rollouts a step, 2 turns each, 5 generated tokens per turn, updates
+    of 0.5 s + 0.01 s per sample, step i `step_s[i]` long (all but 0.8 s of it generation). With `cpu`
+    = (CPU s per rollout, cores per second, trainer cores): its `perf/cpu_s/*` record, the
+    rollout side's spread evenly over its parts."""
+    (run_dir / "config.yaml").write_text(
         "mode: {name: sync, sync_every: 1}\nrollout: {batch_size: 2, n: 4, max_context_tokens: 512,"
         " acr: {session_rate_per_s: 25.0}}\nalgorithm: {filter_zero_variance: true}\ninference: {max_num_seqs: 64}\n")
     rows = []
-    for step in range(1, 7):
+    for step, dt in enumerate(step_s, 1):
         done = 8 if step % 2 else 6
-        rows.append({"step": step, "timing_s/step": 2.3, "timing_s/gen": 1.5,
-                     "timing_s/update_actor": 0.5 + 0.01 * done,
-                     "timing_s/update_weights": 0.1, "rollout/dispatched": 8.0 * step, "rollout/completed": 8.0 * step,
-                     "rollout/step_completed": float(done), "gateway/turns_served": 16.0 * step,
-                     "actor/num_tokens": 10.0 * done, "rollout/latency_s_p50": 1.0, "rollout/latency_s_max": 1.4,
-                     "perf/inference_concurrency": 2.0, "reward/mean": 0.4})
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        r = {"step": step, "timing_s/step": dt, "timing_s/gen": dt - 0.8,
+             "timing_s/update_actor": 0.5 + 0.01 * done,
+             "timing_s/update_weights": 0.1, "rollout/dispatched": 8.0 * step, "rollout/completed": 8.0 * step,
+             "rollout/step_completed": float(done), "gateway/turns_served": 16.0 * step,
+             "actor/num_tokens": 10.0 * done, "rollout/latency_s_p50": 1.0, "rollout/latency_s_max": dt - 0.9,
+             "perf/inference_concurrency": 2.0, "reward/mean": 0.4}
+        if cpu is not None:
+            per_part = (cpu[0] * 8 + cpu[1] * dt) / len(ROLLOUT_SIDE)
+            r |= {f"perf/cpu_s/{p}": per_part for p in ROLLOUT_SIDE}
+            r["perf/cpu_s/trainer"] = cpu[2] * (r["timing_s/update_actor"] + r["timing_s/update_weights"])
+        rows.append(r)
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def test_workload_from_run_fits_turns_tokens_and_trainer_from_a_runs_files(tmp_path):
+    """A run of 6 steps (see `_write_run`): the fitted workload loads and holds those figures."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from workload_from_run import fit
+
+    _write_run(tmp_path, [2.3] * 6)
     raw = fit(tmp_path, prompt_tokens=40, kv_tokens=100_000, warmup_steps=2)
     w = parse_workload(raw)
     assert w.agent.turns.value == 2.0  # 16 turns / 8
@@ -346,6 +361,32 @@ def test_workload_from_run_fits_turns_tokens_and_trainer_from_a_runs_files(tmp_p
     assert w.batch == {"prompts_per_mini_batch": 2, "prompts_per_step": 2, "n": 4, "reference_gpus": 1}
     # the store's round trip: a step's 2.3 s less generation, update (0.56 or 0.58 s) and weight sync
     assert w.machine["store_rpc_s"] == pytest.approx(2.3 - 1.5 - 0.1 - 0.57, abs=0.011)
+    # no CPU record: the engine keeps the cores busy while it decodes (the assumption it falls back on)
+    assert w.machine["engine_cores"] == w.machine["cores"] and "background_cores" not in w.machine
+
+
+def test_workload_from_run_fits_the_machine_from_the_runs_cpu_record(tmp_path):
+    """A run whose rollout side used 0.05 CPU s per rollout plus 0.3 cores per second, its
+    trainer 0.8 cores while it updated: the fit finds those, half the rollout's work at its start
+    and half at its end; the environment scale is calibrated so the simulated run takes the
+    run's mean step time."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from workload_from_run import fit
+
+    step_s = [2.3, 3.0, 2.0, 4.0, 2.5, 3.5]
+    _write_run(tmp_path, step_s, cpu=(0.05, 0.3, 0.8))
+    raw = fit(tmp_path, prompt_tokens=40, kv_tokens=100_000, warmup_steps=2, calibrate_hours=0)
+    m = raw["machine"]
+    assert m["rollout_start_cpu_s"] == pytest.approx(0.025) and raw["agent"]["overhead_s"]["value"] == pytest.approx(0.025)
+    assert m["background_cores"] == pytest.approx(0.3) and m["trainer_cores"] == pytest.approx(0.8)
+    assert m["engine_cores"] == 0.0  # its CPU is in the rollouts' work
+    raw = fit(tmp_path, prompt_tokens=40, kv_tokens=100_000, warmup_steps=2, calibrate_hours=0.05)
+    rec = raw["calibration"]["machine_fit"]
+    target = statistics.fmean(step_s[2:])
+    assert rec["target_step_s"] == pytest.approx(target)
+    assert rec["simulated_step_s"] == pytest.approx(target, rel=0.03)
+    f = simulate(parse_workload(raw), Scenario("sync", 1, True, gpus=1, sleeps=False), hours=0.05, warmup_steps=2)
+    assert f["step_s_mean"] == pytest.approx(rec["simulated_step_s"])  # the written workload is the calibrated one
 
 
 @pytest.mark.parametrize("overrides,key", [(["rollout.concurrency=adaptive"], "rollout.concurrency"),
@@ -371,18 +412,66 @@ def test_adaptive_concurrency_config_builds_the_policy():
 # --- one shared CPU machine (cluster=local) -----------------------------------------------------
 
 
-def test_share_speed_slows_jobs_only_when_they_want_more_cores_than_there_are():
-    from orchestrator.sim.machine import share_speeds
+def test_share_speed_slows_every_part_only_when_they_want_more_cores_than_there_are():
+    from orchestrator.sim.machine import share_speed
 
-    assert share_speeds(2, [1.0]) == [1.0] and share_speeds(2, [1.0, 1.0]) == [1.0, 1.0]
-    assert share_speeds(2, [1.0, 2.0]) == pytest.approx([2 / 3, 2 / 3])
-    # a side wanting 4 cores has only 2 alone: with a 1-core job beside it, it keeps 8/5 of them
-    assert share_speeds(2, [1.0, 4.0]) == pytest.approx([2 / 5, 0.8])
+    assert share_speed(2, 1.0) == 1.0 and share_speed(2, 2.0) == 1.0
+    assert share_speed(2, 3.0) == pytest.approx(2 / 3) and share_speed(2, 32.0) == pytest.approx(1 / 16)
+
+
+def test_processor_sharing_of_many_jobs_with_a_late_one():
+    """2 cores, 4 jobs of 1 s at t=0: speed 1/2. A 0.25 s job joins at t=1 (the four have 0.5 s
+    left): speed 2/5, it ends after 0.25 / 0.4 = 0.625 s at 1.625, the four have 0.25 s left
+    then, at speed 1/2 they end at 2.125. A job alone runs at full speed."""
+    from orchestrator.sim.machine import MachineSpec, SharedCpu
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        cpu = SharedCpu(loop, MachineSpec(cores=2, engine_cores=1), [])
+        ends: dict[str, float] = {}
+        for i in range(4):
+            cpu.start(1.0, lambda i=i: ends.setdefault(f"a{i}", loop.time()))
+        await asyncio.sleep(1.0)
+        assert cpu.speed == pytest.approx(0.5) and cpu.jobs() == 4
+        late = await cpu.run(0.25)
+        await asyncio.sleep(10)
+        alone = await cpu.run(0.3)
+        return ends, late, alone, cpu
+
+    (ends, late, alone, cpu), _ = run_virtual(main)
+    assert late == pytest.approx(0.625)
+    assert all(t == pytest.approx(2.125) for t in ends.values()) and len(ends) == 4
+    assert alone == pytest.approx(0.3) and cpu.jobs() == 0
+    assert cpu.busy_s == pytest.approx(4 * 1.0 + 0.25 + 0.3)  # core-seconds used = work done
+
+
+def test_processor_sharing_conserves_work_whatever_the_arrivals():
+    """Seeded random arrivals of jobs on 2 cores: each job ends no sooner than its work alone,
+    the cores are never over-used, and the core-seconds used equal the work of the jobs."""
+    from orchestrator.sim.machine import MachineSpec, SharedCpu
+
+    rng = random.Random(7)
+    jobs = [(rng.uniform(0, 20), rng.expovariate(1 / 0.3)) for _ in range(300)]  # (start s, work s)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        cpu = SharedCpu(loop, MachineSpec(cores=2, engine_cores=1), [])
+        got = {}
+        for i, (t0, work) in enumerate(jobs):
+            loop.schedule(t0, cpu.start, work, lambda i=i: got.setdefault(i, loop.time()))
+        await asyncio.sleep(1000)
+        return got, cpu
+
+    (ends, cpu), _ = run_virtual(main)
+    assert len(ends) == len(jobs)
+    assert all(ends[i] >= t0 + work - 1e-9 for i, (t0, work) in enumerate(jobs))
+    assert cpu.busy_s == pytest.approx(sum(w for _, w in jobs), rel=1e-9)
+    assert cpu.busy_s <= 2 * max(ends.values()) + 1e-9
 
 
 def test_a_trainer_update_and_decoding_slow_each_other_on_a_shared_machine():
-    """2 cores, the engine wants 2: an update overlapping decoding runs at 2/3 speed, and so does
-    the engine; alone, each runs at full speed."""
+    """2 cores, the engine wants 2 and the trainer 1: an update overlapping decoding runs at
+    2/3 speed, and so does the engine; alone, each runs at full speed."""
     from orchestrator.sim.machine import MachineSpec, SharedCpu
 
     spec = EngineSpec(kv_tokens=100_000, max_num_seqs=16, step_base_s=0.01, step_per_seq_s=0.0,
@@ -391,13 +480,13 @@ def test_a_trainer_update_and_decoding_slow_each_other_on_a_shared_machine():
     async def main():
         loop = asyncio.get_running_loop()
         r = SimReplica(loop, spec)
-        cpu = SharedCpu(loop, MachineSpec(cores=2, rollout_cores=2), [r])
-        r.on_busy_change = cpu.rollout_changed
-        alone = await cpu.run(1.0)
+        cpu = SharedCpu(loop, MachineSpec(cores=2, engine_cores=2, trainer_cores=1), [r])
+        r.on_busy_change = cpu.engines_changed
+        alone = await cpu.run_trainer(1.0)
         done = []
         r.submit(Request(10, 300, CacheOwner(), lambda q: done.append(loop.time())))  # 3 s of decoding alone
         t0 = loop.time()
-        overlapped = await cpu.run(1.0)
+        overlapped = await cpu.run_trainer(1.0)
         while not done:
             await asyncio.sleep(0.01)
         return alone, overlapped, done[0] - t0
@@ -441,13 +530,15 @@ def test_a_fixed_batch_per_step_is_split_into_sync_every_mini_batches_and_filter
     raw = json.loads(json.dumps(load_workload("gsm8k_tools").__dict__, default=lambda o: o.__dict__))
     raw["batch"] |= {"prompts_per_step": 8, "reference_gpus": 1}
     raw["agent"]["constant_reward_fraction"] = 0.25
-    raw["machine"] = {"cores": 2, "rollout_cores": 2, "store_rpc_s": 0.01}
+    raw["machine"] = {"cores": 2, "engine_cores": 2, "trainer_cores": 1, "store_rpc_s": 0.01}
     w = parse_workload(raw)
     assert layout(w, Scenario("sync", 2, True, gpus=1)).groups_per_update == 4
     assert layout(w, Scenario("async", 1, True, gpus=1)).groups_per_update == 8
     f = simulate(w, Scenario("sync", 1, True, gpus=1, sleeps=False), hours=0.1)
     filtered, dispatched = f["rollout/filtered"], f["rollout/dispatched"]
     assert 0.15 < filtered / dispatched < 0.35
+    # the rollouts finished per minute count the filtered ones too: trained / finished = 1 - filtered share
+    assert 0.6 < f["trained_samples_per_min"] / f["finished_rollouts_per_min"] < 0.9
     raw["machine"]["cores"] = 0
     with pytest.raises(WorkloadError, match="machine.cores"):
         parse_workload(raw)

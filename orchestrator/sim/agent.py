@@ -1,11 +1,15 @@
 """Simulated agents behind the rollout pool's seam: one ACR session per rollout, multi-turn.
 
 `SimAgents.start` plays one episode: the ACR session is created under the cluster-wide creation
-rate (`agent.session_rate_per_s`, a token bucket as ACR enforces it), cold-starts, then loops
+rate (`agent.session_rate_per_s`, a token bucket as ACR enforces it); on one shared CPU machine
+the rollout's start work runs (`machine.rollout_start_cpu_s`, orchestrator/sim/machine.py); it
+cold-starts, then loops
 turns: the context so far goes to the inference replica the gateway's own `ReplicaRouter`
 (workers/gateway/router.py) picks, holding its lease for the turn, the agent's tokens are generated there, the tool /
 environment answers after a heavy-tailed time with its own tokens, until the episode's turn count
-or `agent.max_context_tokens` is reached; a final environment time (tests, reward) ends it.
+or `agent.max_context_tokens` is reached; a final environment time (tests, reward) and the
+rollout's own time after its last turn (`agent.overhead_s`: CPU work on a shared machine, done
+at its speed; a delay elsewhere) end it.
 
 The finished rollout becomes a real `Sample` (workers/core/types.py). Its rows are compact: one
 generated "token" per distinct policy version of each turn, which is exactly what staleness needs
@@ -27,6 +31,7 @@ from typing import Callable
 
 from orchestrator.sim.clock import VirtualLoop
 from orchestrator.sim.engine import CacheOwner, Request, SimReplica
+from orchestrator.sim.machine import SharedCpu
 from orchestrator.sim.workload import AgentSpec
 from workers.core.types import RolloutRequest, Sample, TrajectoryRow
 from workers.gateway.router import ReplicaRouter
@@ -60,12 +65,7 @@ class SimAgents:
         self._next_session_t = 0.0
         self._ids = itertools.count()
         self.episodes = self.turns = self.context_capped = 0
-        self.cpu = None  # a shared CPU machine (orchestrator/sim/machine.py): slows the overhead
-        self.in_overhead = 0  # rollouts in their own CPU time (`agent.overhead_s`)
-
-    def busy(self) -> bool:
-        """Some rollout is in its own CPU time (for the shared machine)."""
-        return self.in_overhead > 0
+        self.cpu: SharedCpu | None = None  # one shared CPU machine: the rollouts' own work runs on it
 
     def start(self, req: RolloutRequest, on_done: Callable[[Sample], None]) -> None:
         now = self.loop.now
@@ -81,7 +81,12 @@ class SimAgents:
         else:  # a constant prompt rewards every sample alike; the others draw distinct rewards
             s.reward = p if req.row.get("constant") else rng.random()
         self.episodes += 1
-        self.loop.schedule(t_create + sp.cold_start_s.draw(rng), self._turn, s)
+        cold_s = sp.cold_start_s.draw(rng)
+        if self.cpu is None or self.cpu.spec.rollout_start_cpu_s <= 0:
+            self.loop.schedule(t_create + cold_s, self._turn, s)
+        else:  # the start work (invoke, the agent taking the task) on the machine, then the cold start
+            self.loop.schedule(t_create, self.cpu.start, self.cpu.spec.rollout_start_cpu_s,
+                               lambda: self.loop.schedule(self.loop.now + cold_s, self._turn, s))
 
     def _turn(self, s: Session) -> None:
         need = min(max(1, int(self.spec.agent_tokens_per_turn.draw(self.rng))),
@@ -113,22 +118,14 @@ class SimAgents:
         self.loop.schedule(self.loop.now + self.env_scale * sp.env_time_s.draw(rng), self._turn, s)
 
     def _overhead(self, s: Session) -> None:
-        """The rollout's own CPU time, at the shared machine's speed when it starts."""
+        """The rollout's own time after its last turn: CPU work on a shared machine, else a delay."""
         dt = self.spec.overhead_s.draw(self.rng)
-        if dt <= 0:
+        if self.cpu is not None:
+            self.cpu.start(dt, lambda: self._finish(s))
+        elif dt > 0:
+            self.loop.schedule(self.loop.now + dt, self._finish, s)
+        else:
             self._finish(s)
-            return
-        self.in_overhead += 1
-        if self.in_overhead == 1 and self.cpu is not None:
-            self.cpu.rollout_changed()
-        speed = self.cpu.rollout_speed() if self.cpu is not None else 1.0
-        self.loop.schedule(self.loop.now + dt / speed, self._overhead_done, s)
-
-    def _overhead_done(self, s: Session) -> None:
-        self.in_overhead -= 1
-        if self.in_overhead == 0 and self.cpu is not None:
-            self.cpu.rollout_changed()
-        self._finish(s)
 
     def _finish(self, s: Session) -> None:
         k = max(1, len(s.versions))
@@ -144,16 +141,18 @@ class SimAgents:
 class SimStore:
     """The loop's SampleStore in memory: partition -> group id -> samples. Every call the loops
     make costs `rpc_s` seconds (the product's store is a Ray actor: one round trip each), and a
-    read `sample_s` more per sample it returns."""
+    read `sample_s` more per sample it returns: CPU work on a shared machine (`cpu`)."""
 
-    def __init__(self, rpc_s: float = 0.0, sample_s: float = 0.0, speed: Callable[[], float] | None = None) -> None:
+    def __init__(self, rpc_s: float = 0.0, sample_s: float = 0.0, cpu: SharedCpu | None = None) -> None:
         self._parts: dict[str, dict[int, list[Sample]]] = defaultdict(lambda: defaultdict(list))
-        self.rpc_s, self.sample_s, self._speed = rpc_s, sample_s, speed
+        self.rpc_s, self.sample_s, self._cpu = rpc_s, sample_s, cpu
 
     async def _rpc(self, samples: int = 0) -> None:
         dt = self.rpc_s + self.sample_s * samples
-        if dt > 0:
-            await asyncio.sleep(dt / (self._speed() if self._speed is not None else 1.0))
+        if self._cpu is not None:
+            await self._cpu.run(dt)
+        elif dt > 0:
+            await asyncio.sleep(dt)
 
     def put(self, samples: list[Sample], partition: str) -> None:
         part = self._parts[partition]

@@ -69,3 +69,63 @@ def calibrate(w: Workload, target: Target, *, gpus: int = 64, hours: float = 4.0
 
 def _clamp(factor: float, lo: float = 0.5, hi: float = 2.0) -> float:
     return min(hi, max(lo, factor))
+
+
+SCALE_BOUNDS = (0.02, 5.0)  # the engine and environment time scales a fitted run's calibration may reach
+
+
+def calibrate_fitted(scaled: Callable[[float, float], Workload], sc: Scenario, *, step_s: float, concurrency: float,
+                     hours: float, seed: int = 0, warmup_steps: int = 2, rounds: int = 4, tol: float = 0.01) -> dict:
+    """A workload fitted from a real run on one shared machine (scripts/workload_from_run.py): the
+    scales of its engine time and its environment time (`scaled(ke, kv)`: the workload with every
+    engine step and every environment time so scaled) for which simulating `sc`, the run's own
+    configuration, gives the run's mean step time `step_s` (seconds) and its inference
+    concurrency `concurrency` (requests at the engine, time average).
+
+    Why these two: the fit measures each rollout's latency, its time at the gateway and its CPU
+    work, and gives the environment what is left; but on a shared machine part of both times was
+    waiting for the cores, which the simulator's machine model (orchestrator/sim/machine.py) adds
+    by itself, so the engine's and the environment's own times are what the fit cannot separate.
+    The concurrency pins the engine (a turn's time at the engine), the step time the rest.
+    Procedure: per round, secant steps on the environment scale for the step time, then a
+    proportional step on the engine scale for the concurrency; clamped to `SCALE_BOUNDS`; stops
+    when both are within `tol` or after `rounds`. Returns the record: the scales reached
+    (`engine_scale`, `env_scale`), targets and simulated figures, simulations run."""
+    runs = [0]
+
+    def sim(ke: float, kv: float) -> dict:
+        runs[0] += 1
+        return simulate(scaled(ke, kv), sc, hours=hours, seed=seed, warmup_steps=warmup_steps)
+
+    ke, kv = 1.0, 1.0
+    for _ in range(rounds):
+        kv, f = _secant(lambda k: sim(ke, k), "step_s_mean", step_s, kv, tol)
+        c_err = f["inference_concurrency"] / concurrency - 1
+        if abs(c_err) <= 3 * tol:
+            break
+        ke = _clamp(ke / (1 + c_err), *SCALE_BOUNDS)
+    return {"target_step_s": step_s, "simulated_step_s": f["step_s_mean"], "target_concurrency": concurrency,
+            "simulated_concurrency": f["inference_concurrency"], "engine_scale": ke, "env_scale": kv,
+            "runs": runs[0], "scenario": sc.overrides()}
+
+
+def _secant(run: Callable[[float], dict], key: str, target: float, x0: float, tol: float,
+            steps: int = 5) -> tuple[float, dict]:
+    """The x (within SCALE_BOUNDS) whose `run(x)[key]` is closest to `target` after at most
+    `steps` secant steps from x0 (the figure grows with x); returns it and its figures."""
+    lo, hi = SCALE_BOUNDS
+    f0 = run(x0)
+    best = (abs(f0[key] / target - 1), x0, f0)
+    e0 = f0[key] / target - 1
+    x1 = _clamp(x0 / (1 + e0), lo, hi) if e0 > -1 else hi
+    e_prev, x_prev = e0, x0
+    for _ in range(steps):
+        if best[0] <= tol or x1 == x_prev:
+            break
+        f1 = run(x1)
+        e1 = f1[key] / target - 1
+        best = min(best, (abs(e1), x1, f1), key=lambda b: b[0])
+        if e1 == e_prev:
+            break
+        x_prev, e_prev, x1 = x1, e1, _clamp(x1 - e1 * (x1 - x_prev) / (e1 - e_prev), lo, hi)
+    return best[1], best[2]

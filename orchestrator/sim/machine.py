@@ -1,114 +1,173 @@
-"""One shared CPU machine (`machine:` in a workload): trainer and rollout side share its cores.
+"""One shared CPU machine (`machine:` in a workload): every part of the run that needs CPU shares its cores.
 
 On a GPU cluster the trainer and the engines run on separate GPUs and never slow each other
 (no `machine` section: nothing here runs). On one CPU machine (`cluster=local`, this project's
-development machine) they share `cores` by processor sharing: the trainer's side (its update,
-the driver's sample-store calls) wants 1 core (`cluster.torch_threads=1`), the rollout side
-wants `rollout_cores` while it works: the engine decoding, or a rollout in its own CPU time
-(`agent.overhead_s`: ACR invoke, the agent's HTTP and S3 calls, the result's way back). When
-both work and the demand exceeds the cores, each gets its demand's share of the cores and
-progresses at that over what it gets alone (`share_speeds`). Invariant: a trainer update's
-work (seconds at full speed) is done exactly once, at the speed in force over each interval;
-the engines' speed is set at every change of the trainer's state (orchestrator/sim/engine.py scales its step time by 1 / speed).
-Shorter jobs (a rollout's overhead, a store call) take the speed in force when they start.
+development machine) the driver, the rollout actors, the ACR emulator and its agents, moto, the
+gateway, the engines, the trainer and Ray's own processes all run on `cores` cores. The model is
+processor sharing (the kernel's fair scheduler in the fluid limit): at each moment the parts that
+work want D cores in all,
 
-`store_rpc_s` is the sample store's round trip (a Ray actor in the product): every store call
-of the loops costs it, and reading samples `store_sample_s` more per sample (deserialising
-them; orchestrator/sim/agent.py `SimStore`).
+- `background_cores` always (what a run burns per second whatever it does: Ray's GCS and raylet,
+  idle engines and actors polling, the reaper; fitted from `perf/cpu_s/*`),
+- `engine_cores` per engine while it decodes (0 where the engines' CPU is counted in the
+  rollouts' work, as scripts/workload_from_run.py fits it: the engines still run at speed s),
+- `trainer_cores` while the trainer updates,
+- 1 per job of CPU work in progress: a rollout's own work (`rollout_start_cpu_s` when it starts:
+  the driver's dispatch, the rollout actor's ACR invoke, the emulator and the agent taking the
+  task; `agent.overhead_s` after its last turn: the result's way back through S3, the rollout
+  actor's pickup, the stop, the sample's store), a sample-store call of the loops,
+
+and every part runs at speed `s = min(1, cores / D)` of its speed alone (`share_speed`): an
+engine's step time is divided by s, a job of w CPU seconds (seconds at full speed) takes w / s
+while s holds. So a sync step, where a batch's rollouts start together, pays their start work as
+a burst, and an async run, with many rollouts in flight, cannot finish rollouts faster than the
+cores do their work: the rollout side's throughput is bounded by the machine.
+
+Invariant: every job's work is done exactly once, at the speed in force over each interval. The
+machine keeps V = ∫ s dt since the start; all jobs progress at the same s, so a job started at
+V0 with w to do ends when V = V0 + w, and the next end comes off a heap: O(log n) per event
+whatever the number of jobs. The engines' speed is set at every change of D.
+Callers: orchestrator/sim/run.py (wiring), agent.py (rollouts' work, store calls), parts.py (trainer).
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 from orchestrator.sim.clock import VirtualLoop
+
+EPS = 1e-12  # tolerance on the work counter (seconds at full speed)
 
 
 @dataclass(frozen=True)
 class MachineSpec:
-    """`cores`: CPU cores of the machine; `rollout_cores`: cores the inference side keeps busy
-    while the engine decodes; `store_rpc_s`: seconds per sample-store call, `store_sample_s`:
-    seconds per sample read."""
+    """`cores`: CPU cores of the machine; `engine_cores`: cores an engine keeps busy while it
+    decodes; `trainer_cores`: while the trainer updates; `background_cores`: always;
+    `rollout_start_cpu_s`: CPU seconds of a rollout's own work when it starts; `store_rpc_s`:
+    CPU seconds per sample-store call, `store_sample_s` per sample read."""
 
     cores: float
-    rollout_cores: float
+    engine_cores: float
+    trainer_cores: float = 1.0
+    background_cores: float = 0.0
+    rollout_start_cpu_s: float = 0.0
     store_rpc_s: float = 0.0
     store_sample_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.cores <= 0 or self.rollout_cores <= 0 or min(self.store_rpc_s, self.store_sample_s) < 0:
-            raise ValueError(f"machine: cores and rollout_cores must be > 0, store times >= 0, got {self}")
+        if self.cores <= 0 or not (0 <= self.engine_cores <= self.cores and 0 < self.trainer_cores <= self.cores):
+            raise ValueError(f"machine: cores > 0, 0 <= engine_cores <= cores, 0 < trainer_cores <= cores, got {self}")
+        if min(self.background_cores, self.rollout_start_cpu_s, self.store_rpc_s, self.store_sample_s) < 0:
+            raise ValueError(f"machine: background_cores and CPU times must be >= 0, got {self}")
 
 
-def share_speeds(cores: float, demands: list[float]) -> list[float]:
-    """Processor sharing: each job's speed, as a fraction of its speed alone, when jobs wanting
-    `demands` cores run together on `cores` cores. A job gets d · cores / total cores once the
-    total exceeds the cores, and alone min(d, cores): speed = d · cores / (total · min(d, cores)),
-    1 while the total fits."""
-    total = sum(demands)
-    if total <= cores:
-        return [1.0] * len(demands)
-    return [d * cores / (total * min(d, cores)) for d in demands]
+def share_speed(cores: float, demand: float) -> float:
+    """Processor sharing: the speed (fraction of its speed alone) of every part when the parts at
+    work want `demand` cores in all, each no more than `cores`: 1 while the demand fits, else
+    each gets its demand's share of the cores, cores / demand."""
+    return 1.0 if demand <= cores else cores / demand
 
 
 class SharedCpu:
-    """The shared machine. `engines`: objects with `busy()` (sequences running) and
-    `set_speed(s)`; `others`: more of the rollout side, with `busy()`. Each calls
-    `rollout_changed()` when it turns busy or idle."""
+    """The shared machine (see the module docstring). `engines`: objects with `busy()` (decoding)
+    and `set_speed(s)`, which call `engines_changed()` when they start or stop decoding."""
 
-    def __init__(self, loop: VirtualLoop, spec: MachineSpec, engines: list, others: list | None = None) -> None:
+    def __init__(self, loop: VirtualLoop, spec: MachineSpec, engines: list) -> None:
         self.loop, self.spec, self.engines = loop, spec, engines
-        self.rollout_parts = [*engines, *(others or [])]
-        self.trainer_busy = False
-        self._changed = asyncio.Event()
-        self.overlap_s = 0.0  # time the trainer ran slowed by the rollout side
+        self.speed = 1.0
+        self._v = 0.0  # work a job running since the start would have done (seconds at full speed)
+        self._t = 0.0  # time `_v` was brought up to
+        self._jobs_demand = 0.0  # cores the jobs in progress want
+        self._busy_engines = 0
+        self._heap: list[tuple[float, int, float, Callable[[], None]]] = []
+        self._ids = itertools.count()
+        self._gen = 0
+        self.busy_s = 0.0  # ∫ min(D, cores) dt: core-seconds used (for reports and tests)
+        self.slowed_s = 0.0  # time with s < 1
 
-    def _contended(self) -> tuple[float, float]:
-        """(trainer side, rollout side) speeds while both work."""
-        t, r = share_speeds(self.spec.cores, [1.0, self.spec.rollout_cores])
-        return t, r
+    # --- queries ------------------------------------------------------------------------------
 
-    def rollout_busy(self) -> bool:
-        return any(p.busy() for p in self.rollout_parts)
+    def demand(self) -> float:
+        """Cores wanted now."""
+        s = self.spec
+        return s.background_cores + self._busy_engines * s.engine_cores + self._jobs_demand
 
-    def rollout_speed(self) -> float:
-        """The rollout side's speed now: slowed while the trainer updates."""
-        return self._contended()[1] if self.trainer_busy else 1.0
+    def jobs(self) -> int:
+        """Jobs of CPU work in progress."""
+        return len(self._heap)
 
-    def trainer_side_speed(self) -> float:
-        """The trainer side's speed now: slowed while the rollout side works."""
-        return self._contended()[0] if self.rollout_busy() else 1.0
+    # --- work ---------------------------------------------------------------------------------
 
-    def rollout_changed(self) -> None:
-        if self.trainer_busy:
-            self._changed.set()
+    def start(self, work_s: float, on_done: Callable[[], None], demand: float = 1.0) -> None:
+        """Start a job of `work_s` CPU seconds wanting `demand` cores; `on_done()` runs once when it
+        is done (at once for no work)."""
+        if work_s <= 0:
+            on_done()
+            return
+        self._advance()
+        heapq.heappush(self._heap, (self._v + work_s, next(self._ids), demand, on_done))
+        self._jobs_demand += demand
+        self._update()
 
-    def _set_engines(self, busy: bool) -> None:
-        s = self._contended()[1] if busy else 1.0
-        for e in self.engines:
-            e.set_speed(s)
-
-    async def run(self, work_s: float) -> float:
-        """Run `work_s` seconds (at full speed) of trainer work; returns the time it took."""
+    async def run(self, work_s: float, demand: float = 1.0) -> float:
+        """Do `work_s` CPU seconds wanting `demand` cores; returns the time it took."""
         t0 = self.loop.now
-        self.trainer_busy = True
-        self._set_engines(True)
-        try:
-            left = work_s
-            while left > 1e-12:
-                speed = self.trainer_side_speed()
-                self._changed.clear()
-                start = self.loop.now
-                try:
-                    await asyncio.wait_for(self._changed.wait(), timeout=left / speed)
-                except asyncio.TimeoutError:
-                    pass
-                dt = self.loop.now - start
-                left -= dt * speed
-                if speed < 1.0:
-                    self.overlap_s += dt
-        finally:
-            self.trainer_busy = False
-            self._set_engines(False)
+        if work_s > 0:
+            fut = asyncio.get_running_loop().create_future()
+            self.start(work_s, lambda: fut.done() or fut.set_result(None), demand)
+            await fut
         return self.loop.now - t0
+
+    async def run_trainer(self, work_s: float) -> float:
+        """A trainer update of `work_s` seconds alone (it wants `trainer_cores`)."""
+        return await self.run(work_s, self.spec.trainer_cores)
+
+    def engines_changed(self) -> None:
+        """An engine started or stopped decoding."""
+        busy = sum(1 for e in self.engines if e.busy())
+        if busy != self._busy_engines:
+            self._advance()
+            self._busy_engines = busy
+            self._update()
+
+    # --- the sharing --------------------------------------------------------------------------
+
+    def _advance(self) -> None:
+        now = self.loop.now
+        dt = now - self._t
+        if dt > 0:
+            self._v += dt * self.speed
+            self.busy_s += dt * min(self.demand(), self.spec.cores)
+            if self.speed < 1.0:
+                self.slowed_s += dt
+            self._t = now
+
+    def _update(self) -> None:
+        """Speed for the demand now; engines told; the next job end scheduled."""
+        speed = share_speed(self.spec.cores, self.demand())
+        if speed != self.speed:
+            self.speed = speed
+            for e in self.engines:
+                e.set_speed(speed)
+        self._gen += 1
+        if self._heap:
+            self.loop.schedule(self._t + max(0.0, self._heap[0][0] - self._v) / self.speed, self._on_end, self._gen)
+
+    def _on_end(self, gen: int) -> None:
+        if gen != self._gen:
+            return
+        self._advance()
+        done = []
+        while self._heap and self._heap[0][0] <= self._v + EPS:
+            _, _, demand, on_done = heapq.heappop(self._heap)
+            self._jobs_demand -= demand
+            done.append(on_done)
+        if not self._heap:
+            self._jobs_demand = 0.0  # no drift from float sums
+        self._update()
+        for fn in done:
+            fn()

@@ -3,7 +3,7 @@ weight push, the replicas' sleep/wake (for the real `SleepingTrainer`), the per-
 engines' load (for the real `ConcurrencyGate`) and a timeline sampler.
 
 Trainer: an update of T trained tokens takes `fixed_s + T / (tokens_per_s_per_gpu · gpus)`
-seconds (longer on a shared CPU machine while the engines decode: orchestrator/sim/machine.py). Weight push: `model_bytes / bandwidth_bytes_per_s` seconds of transfer, then every
+seconds alone (longer on a shared CPU machine while other parts work: orchestrator/sim/machine.py). Weight push: `model_bytes / bandwidth_bytes_per_s` seconds of transfer, then every
 replica loads the new version (pausing `reload_s`). Colocated replicas sleep `sleep_s` and wake
 `wake_s` around each update. Invariant: simulated time only ever passes through `asyncio.sleep`
 on the virtual loop; these parts hold no clock of their own.
@@ -78,7 +78,7 @@ class SimTrainer:
         if self._cpu is None:
             await asyncio.sleep(dt)
         else:
-            dt = await self._cpu.run(dt)
+            dt = await self._cpu.run_trainer(dt)
         self.trained_samples += n
         self.trained_tokens += tokens
         self.generated_tokens += generated

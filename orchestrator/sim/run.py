@@ -178,14 +178,12 @@ def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_s
     replicas = [SimReplica(loop, engine_spec(w), i) for i in range(lay.replicas)]
     agents = SimAgents(loop, replicas, w.agent, seed=seed, env_scale=w.env_time_scale)
     cpu = None
-    if w.machine is not None:  # one shared CPU machine: trainer and engines slow each other
-        m = MachineSpec(float(w.machine["cores"]), float(w.machine["rollout_cores"]),
-                        float(w.machine.get("store_rpc_s", 0.0)), float(w.machine.get("store_sample_s", 0.0)))
-        cpu = SharedCpu(loop, m, replicas, [agents])
+    if w.machine is not None:  # one shared CPU machine: every part's CPU work shares its cores
+        cpu = SharedCpu(loop, MachineSpec(**{k: float(v) for k, v in w.machine.items()}), replicas)
         agents.cpu = cpu
         for r in replicas:
-            r.on_busy_change = cpu.rollout_changed
-    store = SimStore(cpu.spec.store_rpc_s, cpu.spec.store_sample_s, cpu.trainer_side_speed) if cpu else SimStore()
+            r.on_busy_change = cpu.engines_changed
+    store = SimStore(cpu.spec.store_rpc_s, cpu.spec.store_sample_s, cpu) if cpu else SimStore()
     pool = RolloutPool([SimRolloutActor(agents, store) for _ in range(NUM_ROLLOUT_ACTORS)])
     alg, ws = w.algorithm, w.weight_sync
     trainer = SimTrainer(agents, gpus=lay.trainer_gpus, tokens_per_s_per_gpu=trainer_tokens_per_s_per_gpu(w),
@@ -247,6 +245,11 @@ def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_s
     return figures
 
 
+def finished_rollouts(metrics: dict) -> float:
+    """Rollouts that reached a terminal state by a step's record (the ledger's cumulative counts)."""
+    return sum(metrics.get(f"rollout/{k}", 0.0) for k in ("completed", "filtered", "failed", "expired"))
+
+
 def _figures(w: Workload, sc: Scenario, lay: Layout, rec: _Recorder, agents: SimAgents, replicas: list,
              hours: float, events: int) -> dict:
     a, b = rec.marks.get("start"), rec.marks.get("end")
@@ -262,6 +265,7 @@ def _figures(w: Workload, sc: Scenario, lay: Layout, rec: _Recorder, agents: Sim
     total = sum(hist.values())
     masked = [r.get("rollout_corr/rollout_rs_masked_fraction", math.nan) for r in steps]
     last = rec.records[-1]
+    first = next((r for r in rec.records if r["step"] == rec.warmup_steps), rec.records[0])
     return {
         "workload": w.name, "scenario": asdict(sc), "overrides": sc.overrides(),
         "replicas": lay.replicas, "inference_gpus": lay.inference_gpus, "trainer_gpus": lay.trainer_gpus,
@@ -271,6 +275,8 @@ def _figures(w: Workload, sc: Scenario, lay: Layout, rec: _Recorder, agents: Sim
         "tokens_per_min_per_gpu": (b["tokens"] - a["tokens"]) / dt * 60.0 / sc.gpus,
         "generated_tokens_per_min": (b["generated"] - a["generated"]) / dt * 60.0,  # the product's perf/trained_tokens
         "trained_samples_per_min": (b["samples"] - a["samples"]) / dt * 60.0,
+        # rollouts that reached a terminal state (trained, filtered, failed or expired): the system's work
+        "finished_rollouts_per_min": (finished_rollouts(last) - finished_rollouts(first)) / dt * 60.0,
         "inference_concurrency": (b["busy"] - a["busy"]) / awake if awake > 0 else math.nan,
         "kv_usage_mean": (b["kv"] - a["kv"]) / awake if awake > 0 else math.nan,
         "preemptions": b["preempted"] - a["preempted"],

@@ -4,8 +4,8 @@ A workload file (orchestrator/sim/workloads/*.yaml, or any path) has the section
 (one replica's hardware), `agent` (episode shape: turns, tokens, environment time, ACR limits),
 `trainer`, `weight_sync`, `batch` and `algorithm`, plus `calibration` (the fitted free
 parameters and the row they were fitted to) and, for one shared CPU machine rather than a GPU
-cluster, `machine` (`cores`, `rollout_cores`, `store_rpc_s`, `store_sample_s`:
-orchestrator/sim/machine.py). Every distribution is a mapping with `dist`:
+cluster, `machine` (`MACHINE_KEYS`: cores, the cores each part keeps busy, the rollouts' and the
+store's CPU work: orchestrator/sim/machine.py). Every distribution is a mapping with `dist`:
 
     {dist: const, value: X}
     {dist: lognormal, median: M, sigma: S, min: A, max: B}   # min/max optional clamps
@@ -93,7 +93,7 @@ class AgentSpec:
     env_time_s: Dist
     final_time_s: Dist
     cold_start_s: Dist
-    overhead_s: Dist = Dist("const")  # the rollout's own CPU time after its last turn (a shared machine)
+    overhead_s: Dist = Dist("const")  # the rollout's own time after its last turn (CPU work on a shared machine)
     max_context_tokens: int = 65536
     session_rate_per_s: float = 25.0
     reward_beta: tuple[float, float] = (1.0, 1.0)
@@ -137,6 +137,8 @@ _REQUIRED = {
     "batch": ("prompts_per_mini_batch", "n", "reference_gpus"),
     "algorithm": ("filter_zero_variance",),
 }
+MACHINE_KEYS = ("cores", "trainer_cores", "engine_cores",  # required: > 0, > 0, >= 0
+                "background_cores", "rollout_start_cpu_s", "store_rpc_s", "store_sample_s")  # >= 0, default 0
 _AGENT_DISTS = ("prompt_tokens", "turns", "agent_tokens_per_turn", "env_tokens_per_turn", "env_time_s",
                 "final_time_s", "cold_start_s")
 
@@ -182,15 +184,15 @@ def parse_workload(raw: dict, path: str = "") -> Workload:
             raise WorkloadError(f"calibration.{k}: must be a number > 0, got {cal[k]!r}")
     machine = raw.get("machine")
     if machine is not None:
-        known = {"cores", "rollout_cores", "store_rpc_s", "store_sample_s"}
-        if not isinstance(machine, dict) or set(machine) - known:
-            raise WorkloadError(f"machine: a mapping of {sorted(known)}, got {machine!r}")
-        for k in ("cores", "rollout_cores"):
-            if not (isinstance(machine.get(k), (int, float)) and machine[k] > 0):
-                raise WorkloadError(f"machine.{k}: must be a number > 0, got {machine.get(k)!r}")
-        for k in ("store_rpc_s", "store_sample_s"):
-            if not (isinstance(machine.get(k, 0.0), (int, float)) and machine.get(k, 0.0) >= 0):
-                raise WorkloadError(f"machine.{k}: must be a number >= 0, got {machine.get(k)!r}")
+        if not isinstance(machine, dict) or set(machine) - set(MACHINE_KEYS):
+            raise WorkloadError(f"machine: a mapping of {list(MACHINE_KEYS)}, got {machine!r}")
+        for k in MACHINE_KEYS:
+            v = machine.get(k, 0.0 if k in MACHINE_KEYS[3:] else None)
+            if not (isinstance(v, (int, float)) and (v > 0 if k in MACHINE_KEYS[:2] else v >= 0)):
+                raise WorkloadError(f"machine.{k}: must be a number {'> 0' if k in MACHINE_KEYS[:2] else '>= 0'}, "
+                                    f"got {v!r}")
+            if k in ("engine_cores", "trainer_cores") and v > machine["cores"]:
+                raise WorkloadError(f"machine.{k}: at most machine.cores ({machine['cores']}), got {v!r}")
     return Workload(name=str(raw.get("name", Path(path).stem or "workload")), engine=dict(raw["engine"]), agent=agent,
                     trainer=dict(raw["trainer"]), weight_sync=dict(raw["weight_sync"]), batch=dict(raw["batch"]),
                     algorithm=dict(raw["algorithm"]), calibration=dict(cal), path=path,
