@@ -66,6 +66,7 @@ def test_default_config_is_the_embedded_default():
         ("inference.health_check_s=0", "inference.health_check_s"),
         ("trainer.collective_timeout_s=0", "trainer.collective_timeout_s"),
         ("inference.max_num_batched_tokens=256", "inference.max_num_batched_tokens"),  # < max_model_len 512 on CPU
+        ("task.data_path=/nonexistent.jsonl", "task.data_path"),  # task=letters generates its rows: was ignored
     ],
 )
 def test_bad_value_names_the_key(override, key):

@@ -81,6 +81,13 @@ def check_overrides(overrides: list[str], config_name: str = "config") -> str | 
     from hydra import compose, initialize_config_dir
 
     mine = [o for o in overrides if not _override_key(o).startswith("hydra.")]
+    for o in mine:  # `mode=mode_schema` would compose the bare schema (a config nobody wrote) and run it
+        value = o.partition("=")[2]
+        group = _override_key(o)
+        if value.strip().endswith(SCHEMA_SUFFIX) and (CONFIG_DIR / group).is_dir():
+            choices = sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+            return f"{group}: no choice {value.strip()!r} (the schema the group's configs extend); valid choices: " \
+                   f"{', '.join(choices)}"
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             compose(config_name, overrides=mine)

@@ -65,7 +65,11 @@ class TaskConfig:
         one_of(self.val_split, "task.val_split", SPLITS)
         check(self.val_num_prompts is None or self.val_num_prompts >= 1, "task.val_num_prompts",
               "must be null or >= 1", self.val_num_prompts)
-        if TASKS[self.name].check_data is not None:
+        if TASKS[self.name].check_data is None:  # a task that generates its rows reads no file: say so
+            for key in ("data_path", "val_data_path"):
+                check(getattr(self, key) is None, f"task.{key}", f"is not read by task={self.name} (it generates its "
+                      f"rows); choose a task that reads a JSONL file (e.g. task=gsm8k) or drop it", getattr(self, key))
+        else:
             check(bool(self.data_path), "task.data_path", f"must be set for task={self.name} (its JSONL file)",
                   self.data_path)
             check(self.split != "test" or bool(self.val_data_path), "task.val_data_path",
