@@ -35,8 +35,9 @@ def _xdist_group(nodeid: str) -> str:
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)  # before xdist's own
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """`--dist loadgroup` groups by `_xdist_group` (xdist 3.8's own loadgroup cannot rename node ids on
-    pytest 9.2, so its xdist_group marker groups nothing here), in collection order: heavy first."""
+    """`--dist loadgroup` groups by `_xdist_group`, in collection order (heavy first). xdist 3.8's own
+    loadgroup groups nothing on pytest 9.2: its xdist_group marker renames node ids, which pytest 9.2
+    no longer allows (pytest-dev/pytest-xdist#1386, open)."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
