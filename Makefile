@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 ARGS   ?=
 SKY_VENV ?= .venv-sky
-# pytest-xdist: the tests marked heavy (the main job's e2e runs) one at a time on one worker, every
+# pytest-xdist: the main job's e2e modules (HEAVY_MODULES) one test at a time on one worker, every
 # other module beside them on the other (tests/conftest.py); TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 
