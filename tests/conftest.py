@@ -1,6 +1,11 @@
 """Fixtures the test modules share: the zero-cost engine, the fake clock, the local stack (moto +
 ACR emulator + scripted agents), the tiny models.
 
+Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) the HEAVY_MODULES (each runs the main job:
+Ray, vLLM engines, the ACR stack, the trainer) run one test at a time, on one worker, from the start;
+every other module stays whole on one worker (its module fixtures start once) beside them. Two heavy
+tests at once would double a 2-core machine's load, and the time bounds of the Ctrl-C test with it.
+
 The stand-ins behind them, and plain builders (samples, rows, config), are in tests/stand_ins.py,
 which test modules import by name: pyproject.toml puts tests/ on pytest's `pythonpath` (tests/ is
 not a package: the name `tests` is taken by a package in TransferQueue's wheel).
@@ -16,6 +21,40 @@ from pathlib import Path
 import pytest
 
 from stand_ins import FakeClock, random_qwen2  # noqa: E402
+
+
+HEAVY_MODULES = frozenset({"test_e2e.py", "test_gsm8k_e2e.py", "test_own_agent_e2e.py", "test_eval_e2e.py",
+                           "test_aws_rollout.py", "test_submit.py"})
+
+
+def _xdist_group(nodeid: str) -> str:
+    """The work unit of a test under `--dist loadgroup`: "heavy" for the HEAVY_MODULES, else its module."""
+    module = nodeid.split("::", 1)[0]
+    return "heavy" if Path(module).name in HEAVY_MODULES else module
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # before xdist's own
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadgroup` groups by `_xdist_group`, in collection order (heavy first). xdist 3.8's own
+    loadgroup groups nothing on pytest 9.2: its xdist_group marker renames node ids, which pytest 9.2
+    no longer allows (pytest-dev/pytest-xdist#1386, open)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class HeavyApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _xdist_group(nodeid)
+
+    config.option.loadscopereorder = False  # collection order (heavy first), not the largest unit first
+    return HeavyApart(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On an xdist worker under loadgroup: the heavy tests first (the controller queues units in the
+    order the workers collected them); the relative order within each set is kept."""
+    if hasattr(config, "workerinput") and config.getvalue("loadgroup"):
+        items.sort(key=lambda item: _xdist_group(item.nodeid) != "heavy")
 
 
 @pytest.fixture

@@ -163,3 +163,13 @@ def test_tiny_renderer_renders_a_chat(tiny_renderer):
     text = tiny_renderer.render_text([{"role": "user", "content": "hi"}])
     assert text.startswith("<|im_start|>user\nhi<|im_end|>") and text.endswith("<|im_start|>assistant\n")
     assert tiny_renderer.tokenizer.decode(tiny_renderer.render([{"role": "user", "content": "hi"}])) == text
+
+
+def test_the_heavy_xdist_group_names_existing_modules_and_keeps_the_others_whole():
+    """conftest.py's xdist units: every HEAVY_MODULES name is a test file (a renamed e2e module
+    would leave the group silently and run beside another), they share one unit, any other test
+    stays with its module."""
+    conftest = load_module(REPO / "tests" / "conftest.py", "conftest_under_test")
+    assert all((REPO / "tests" / name).is_file() for name in conftest.HEAVY_MODULES)
+    assert {conftest._xdist_group(f"tests/{name}::test_x[a@b]") for name in conftest.HEAVY_MODULES} == {"heavy"}
+    assert conftest._xdist_group("tests/test_config.py::test_y[p]") == "tests/test_config.py"
