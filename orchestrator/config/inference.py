@@ -23,7 +23,8 @@ class InferenceConfig:
     """vLLM replicas. `kv_cache_gib`: KV-cache size per replica in GiB (required on CPU; on GPU
     null lets vLLM size it from `gpu_memory_utilization`, the fraction of each GPU's memory the
     engine may use for weights, activations and KV cache). `max_num_batched_tokens`: tokens per
-    engine step (chunked prefill; null: vLLM's default). `enable_prefix_caching`: reuse the KV of
+    engine step (null: vLLM's default; chunked prefill on GPU; on vLLM's CPU build prompts are never
+    split, so it must hold a whole `max_model_len` prompt there). `enable_prefix_caching`: reuse the KV of
     shared prompt prefixes (a multi-turn agent's history). `enforce_eager`: no CUDA graphs."""
 
     name: str = "vllm_cpu"
