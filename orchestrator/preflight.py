@@ -121,21 +121,22 @@ def find_checkpoint(cfg: RunConfig, run_dir: Path) -> Checkpoint | None:
 
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-# vLLM allocates the KV cache in blocks of this many tokens: vLLM's CPU platform defaults to 128
-# (vllm/platforms/cpu.py, check_and_update_config; 16 on CUDA). `inference.kv_cache_gib` exists only
-# for `inference.name=vllm_cpu`, so the check uses the CPU block.
+# vLLM allocates the KV cache in blocks of this many tokens unless `inference.block_size` says
+# otherwise: vLLM's CPU platform defaults to 128 (vllm/platforms/cpu.py, check_and_update_config;
+# 16 on CUDA). `inference.kv_cache_gib` is required only for `inference.name=vllm_cpu`, so the
+# default is the CPU block.
 KV_BLOCK_TOKENS = 128
 
 
-def kv_cache_min_bytes(model_dir: Path, max_model_len: int, dtype: str) -> int:
+def kv_cache_min_bytes(model_dir: Path, max_model_len: int, dtype: str, block_tokens: int = KV_BLOCK_TOKENS) -> int:
     """Bytes of KV cache one sequence of `max_model_len` tokens needs: K and V per layer,
-    2 x layers x kv_heads x head_dim x dtype bytes per token, rounded up to whole blocks. vLLM
-    refuses to start below it. Reads the model's config.json (HF names)."""
+    2 x layers x kv_heads x head_dim x dtype bytes per token, rounded up to whole blocks of
+    `block_tokens`. vLLM refuses to start below it. Reads the model's config.json (HF names)."""
     c = json.loads((Path(model_dir) / "config.json").read_text())
     heads = c["num_attention_heads"]
     head_dim = c.get("head_dim") or c["hidden_size"] // heads
     per_token = 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", heads) * head_dim * DTYPE_BYTES[dtype]
-    return per_token * -(-max_model_len // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    return per_token * -(-max_model_len // block_tokens) * block_tokens
 
 
 def check_kv_cache(cfg: RunConfig, model_dir: str | Path) -> None:
@@ -143,7 +144,7 @@ def check_kv_cache(cfg: RunConfig, model_dir: str | Path) -> None:
     ConfigError naming the key and the minimum (before any engine starts, instead of vLLM's advice
     about gpu_memory_utilization a minute later)."""
     inf = cfg.inference
-    need = kv_cache_min_bytes(Path(model_dir), inf.max_model_len, inf.dtype)
+    need = kv_cache_min_bytes(Path(model_dir), inf.max_model_len, inf.dtype, inf.block_size or KV_BLOCK_TOKENS)
     check(inf.kv_cache_gib * 2**30 >= need, "inference.kv_cache_gib",
           f"is too small for one inference.max_model_len={inf.max_model_len} sequence of this model: it needs at "
           f"least {need / 2**30:.6f} GiB ({need} bytes)", inf.kv_cache_gib)

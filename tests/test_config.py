@@ -67,6 +67,8 @@ def test_default_config_is_the_embedded_default():
         ("trainer.collective_timeout_s=0", "trainer.collective_timeout_s"),
         ("inference.max_num_batched_tokens=256", "inference.max_num_batched_tokens"),  # < max_model_len 512 on CPU
         ("task.data_path=/nonexistent.jsonl", "task.data_path"),  # task=letters generates its rows: was ignored
+        ("inference.block_size=16", "inference.block_size"),  # vLLM's CPU attention takes multiples of 32 only
+        ("inference.block_size=0", "inference.block_size"),
     ],
 )
 def test_bad_value_names_the_key(override, key):

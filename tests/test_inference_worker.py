@@ -22,6 +22,7 @@ from stand_ins import hf_token_logprobs, until
 from workers.core.types import GenerateRequest
 from workers.inference.engine import KvCacheUsage
 from workers.inference.worker import InferenceSettings, InferenceWorker, WeightsGate
+from workers.inference.settings import DEFAULT_KV_CACHE_BYTES
 from workers.weight_sync.file import CpuWeightSync
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -55,7 +56,9 @@ def _perturb_and_save(model, path: Path, seed: int, only: str | None = None) -> 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def worker(tiny_model_dir):
-    w = InferenceWorker(InferenceSettings(model_path=str(tiny_model_dir), max_model_len=512, max_num_seqs=64))
+    # 32-token blocks (vLLM CPU's default is 128): inference.block_size reaches the engine
+    w = InferenceWorker(InferenceSettings(model_path=str(tiny_model_dir), max_model_len=512, max_num_seqs=64,
+                                          block_size=32))
     info = await asyncio.wait_for(w.start(), timeout=180)
     print(f"\nengine startup: {info.startup_s:.1f} s")
     try:
@@ -260,6 +263,13 @@ async def test_a_burst_of_seeded_long_prompts_never_splits_a_prompt_on_cpu(worke
     results = await asyncio.wait_for(asyncio.gather(*(
         worker.generate(_req([(7 * i + j) % 200 + 3 for j in range(400)], 2, seed=i)) for i in range(64))), T_TIMEOUT_S)
     assert all(len(r.output_ids) >= 1 for r in results)
+
+
+async def test_block_size_sets_the_engines_kv_block(worker):
+    block, blocks = worker.kv_cache_blocks()
+    assert block == 32
+    # the default cache of the tiny model (2 KiB of K and V per token) in 64 KiB blocks
+    assert blocks == DEFAULT_KV_CACHE_BYTES // (32 * 2048)
 
 
 async def test_kv_cache_usage_is_reported_per_interval(worker):

@@ -29,6 +29,8 @@ def test_kv_cache_minimum_is_one_full_sequence(tmp_path):
     # 128 tokens, so 130 tokens take 2 blocks (a 0.00025 GiB cache passed a 16-token rounding, vLLM refused it)
     assert kv_cache_min_bytes(tmp_path, 130, "float32") == 2048 * 256
     assert kv_cache_min_bytes(tmp_path, 512, "bfloat16") == 1024 * 512
+    # with inference.block_size=32 the same 130 tokens take 5 blocks of 32, not 2 of 128
+    assert kv_cache_min_bytes(tmp_path, 130, "float32", block_tokens=32) == 2048 * 160
 
 
 def test_agent_failure_quotes_the_agents_own_output_of_the_last_start(tmp_path):

@@ -24,7 +24,9 @@ class InferenceConfig:
     null lets vLLM size it from `gpu_memory_utilization`, the fraction of each GPU's memory the
     engine may use for weights, activations and KV cache). `max_num_batched_tokens`: tokens per
     engine step (null: vLLM's default; chunked prefill on GPU; on vLLM's CPU build prompts are never
-    split, so it must hold a whole `max_model_len` prompt there). `enable_prefix_caching`: reuse the KV of
+    split, so it must hold a whole `max_model_len` prompt there). `block_size`: tokens per KV-cache
+    block (vLLM's `--block-size`; null: the platform's default, 128 on CPU, 16 on CUDA; the unit in
+    which the cache fills and `perf/kv_cache_usage` moves). `enable_prefix_caching`: reuse the KV of
     shared prompt prefixes (a multi-turn agent's history). `enforce_eager`: no CUDA graphs."""
 
     name: str = "vllm_cpu"
@@ -35,6 +37,7 @@ class InferenceConfig:
     dtype: str = "float32"
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: Optional[int] = None
+    block_size: Optional[int] = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = True
     max_restarts: int = 3  # dead replicas replaced over the run (file weight sync); then the run stops
@@ -60,6 +63,10 @@ class InferenceConfig:
               f"must be null or >= inference.max_model_len={self.max_model_len} with inference=vllm_cpu (no chunked "
               "prefill on CPU: vLLM's CPU build cannot resume a seeded request's sampler after a split prompt)",
               self.max_num_batched_tokens)
+        check(self.block_size is None or (self.block_size > 0 and self.block_size % (32 if self.name == "vllm_cpu" else 16) == 0),
+              "inference.block_size", "must be null (vLLM's default: 128 tokens on CPU, 16 on GPU) or a positive multiple of "
+              + ("32 with inference=vllm_cpu (its attention kernel's block sizes)" if self.name == "vllm_cpu" else "16"),
+              self.block_size)
         one_of(self.dtype, "inference.dtype", INFERENCE_DTYPES)
         check(self.max_restarts >= 0, "inference.max_restarts", "must be >= 0", self.max_restarts)
         check(self.health_check_s > 0, "inference.health_check_s", "must be > 0", self.health_check_s)
@@ -77,7 +84,7 @@ def inference_settings(inf: InferenceConfig, *, mode: ModeConfig, async_: AsyncC
         model_path=model_path, dtype=inf.dtype, max_model_len=inf.max_model_len,
         kv_cache_bytes=None if inf.kv_cache_gib is None else int(inf.kv_cache_gib * 2**30),
         gpu_memory_utilization=inf.gpu_memory_utilization, max_num_batched_tokens=inf.max_num_batched_tokens,
-        enable_prefix_caching=inf.enable_prefix_caching, enforce_eager=inf.enforce_eager,
+        block_size=inf.block_size, enable_prefix_caching=inf.enable_prefix_caching, enforce_eager=inf.enforce_eager,
         max_num_seqs=inf.max_num_seqs, seed=seed + replica,
         in_flight=async_.in_flight if mode.name == "async" else SYNC_IN_FLIGHT,  # type: ignore[arg-type]
         resume_aborted=async_.resume_aborted, tensor_parallel_size=cluster.inference.tensor_parallel_size,

@@ -62,6 +62,7 @@ def build_engine(s: InferenceSettings, *, kv_usage: "KvCacheUsage") -> tuple["As
         max_model_len=s.max_model_len,
         max_num_seqs=s.max_num_seqs,
         max_num_batched_tokens=s.max_num_batched_tokens,
+        block_size=s.block_size,  # None: vLLM's default for the platform (128 on CPU, 16 on CUDA)
         kv_cache_memory_bytes=s.kv_cache_bytes,  # None on GPU: sized from gpu_memory_utilization
         gpu_memory_utilization=s.gpu_memory_utilization,
         seed=s.seed,
@@ -141,6 +142,7 @@ class KvCacheUsage:
         self.last = (0.0, 0, 0)  # (kv usage 0..1 after freeing, requests running, requests waiting) at the last step
         self.preempted = 0  # requests vLLM preempted since the engine started
         self.step_s: float | None = None  # recent engine step time (seconds), None before two back-to-back steps
+        self._cache_config = None  # vLLM's CacheConfig, set when the engine builds its stat logger
 
     def add(self, usage: float, running: int = 0, waiting: int = 0, preempted: int = 0, freed: float = 0.0) -> None:
         """One engine step's record: `usage` after it freed `freed` (both fractions of the cache)."""
@@ -169,6 +171,14 @@ class KvCacheUsage:
         queue held); read with `integral`'s clock for a window's mean queue."""
         return self._waiting_integral + self.last[2] * max(0.0, self._clock() - self._t)
 
+    def cache_blocks(self) -> tuple[int, int] | None:
+        """(tokens per KV block, blocks in the cache, vLLM's null block included) once the engine
+        has sized its cache, else None."""
+        c = self._cache_config
+        if c is None or not c.block_size or not c.num_gpu_blocks:
+            return None
+        return int(c.block_size), int(c.num_gpu_blocks)
+
     def take_mean(self) -> float:
         """Time-average usage (0..1) since the last call (or creation); NaN if no time passed."""
         integral, now = self.integral()
@@ -184,6 +194,7 @@ class KvCacheUsage:
         class _KvUsageLogger(StatLoggerBase):
             def __init__(self, vllm_config, engine_index: int = 0) -> None:
                 self._cache = vllm_config.cache_config  # num_gpu_blocks is set once the engine has sized its cache
+                sink._cache_config = self._cache
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
                 if scheduler_stats is not None:

@@ -51,6 +51,7 @@ class InferenceSettings:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
+    block_size: int | None = None
     seed: int = 0
     enforce_eager: bool = True
     enable_prefix_caching: bool = True
@@ -70,6 +71,8 @@ class InferenceSettings:
                 raise ValueError(f"inference.{key} must be > 0, got {getattr(self, key)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"inference.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.block_size is not None and (self.block_size <= 0 or self.block_size % 16):
+            raise ValueError(f"inference.block_size must be null or a positive multiple of 16, got {self.block_size}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens <= 0:
             raise ValueError(f"inference.max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
         if self.logprobs_mode not in LOGPROBS_MODES:

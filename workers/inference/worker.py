@@ -119,6 +119,11 @@ class InferenceWorker(WeightSwap):
         idle time included (an idle engine holds no blocks); NaN when no time passed."""
         return self._kv_usage.take_mean()
 
+    def kv_cache_blocks(self) -> tuple[int, int] | None:
+        """(tokens per KV-cache block, blocks in the cache) of the running engine, None before it
+        has sized its cache (see `InferenceSettings.block_size`)."""
+        return self._kv_usage.cache_blocks()
+
     def engine_load(self) -> EngineLoad:
         """vLLM's scheduler stats at its last step and the usage's time integral up to now, for
         `rollout.concurrency=adaptive`."""
