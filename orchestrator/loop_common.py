@@ -146,7 +146,9 @@ def mean_update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
 
 def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[str, float]], t_gen: float,
                  t_update: float, t_sync: float, step_s: float, version: int) -> dict[str, float]:
-    """The metrics both loops log per step (times in seconds, throughput in trained tokens/s)."""
+    """The metrics both loops log per step (times in seconds, throughput in trained tokens/s). With
+    rollouts in `samples` (those the step took: a sync step's batch, an async step's collected
+    groups), `rollout/latency_s_p50` and `rollout/latency_s_max`: seconds from dispatch to result."""
     trained_tokens = sum(m.get("actor/num_tokens", 0.0) for m in updates)
     m: dict[str, float] = {
         **reward_stats(samples),
@@ -163,6 +165,10 @@ def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[
     m.update(parts.prompts.take_metrics())
     # the short name of verl's `rollout_corr/rollout_is_mean` (mean TIS weight over trained tokens)
     m["rollout_corr/is_mean"] = m.get("rollout_corr/rollout_is_mean", math.nan)
+    latencies = sorted(s.latency_s for s in samples)
+    if latencies:
+        m["rollout/latency_s_p50"] = latencies[len(latencies) // 2]
+        m["rollout/latency_s_max"] = latencies[-1]
     return m
 
 

@@ -76,10 +76,6 @@ async def run_sync(parts: LoopParts, cfg: SyncLoopSettings, *, start: LoopPositi
         metrics.update({"rollout/step_completed": float(sum(len(g.samples) for g in batch.trainable)),
                         "rollout/step_failed": float(len(batch.failed)),
                         "rollout/step_filtered": float(len(batch.filtered))})
-        latencies = sorted(s.latency_s for s in samples)
-        if latencies:
-            metrics["rollout/latency_s_p50"] = latencies[len(latencies) // 2]
-            metrics["rollout/latency_s_max"] = latencies[-1]
         if parts.validator is not None and parts.validator.due(step, cfg.total_steps):
             metrics.update(await parts.validator.run(version))
         position = LoopPosition(step, version, next_group, trained_groups)  # nothing runs beside a sync step

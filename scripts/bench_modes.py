@@ -118,11 +118,13 @@ def validate(rows: list[dict], work: Path, args: argparse.Namespace) -> list[dic
 
     from orchestrator.sim.run import CONFIGS as SIM_CONFIGS, simulate
     from orchestrator.sim.workload import parse_workload
-    from workload_from_run import fit
+    from workload_from_run import fit, fit_warnings
 
     raw = fit(work / args.fit_from, prompt_tokens=args.prompt_tokens, kv_tokens=1_000_000,
               warmup_steps=args.warmup_steps)
     (work / "fitted_workload.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
+    for warning in fit_warnings(raw):
+        print(f"warning: {warning}", flush=True)
     w = parse_workload(raw, str(work / "fitted_workload.yaml"))
     out = []
     for r in rows:

@@ -5,7 +5,9 @@
 Reads `config.yaml` (batch, group size, sync_every, ACR session rate, filtering), `metrics.jsonl`
 (per step: rollouts, gateway turns, generated tokens, timings, latency p50/max, inference
 concurrency) and the ACR task records (`logs/emulator.log`, when the run used the emulator).
-Best fitted from a sync run: its phases do not overlap, so each time below is seen alone. What it
+Best fitted from a sync run: its phases do not overlap, so each time below is seen alone, and it
+leaves cores idle, so the environment's time shows in its step time. A run that kept every core
+busy does not determine the environment (its calibration stops at a bound, and the fit warns). What it
 fits, and from what (the first `--warmup-steps` steps, engine warm-up, are skipped):
 
 - turns per rollout: gateway turns served / rollouts dispatched (a constant);
@@ -32,7 +34,9 @@ fits, and from what (the first `--warmup-steps` steps, engine warm-up, are skipp
     its last turn) and `background_cores`: the CPU seconds of every part but the trainer (driver,
     engines, gateway, rollout actors, emulator + agents + moto, Ray's own), split by least squares
     over the steps into seconds per rollout dispatched in the step and cores per second of step
-    (fitted); the engines' CPU is counted in the rollouts' work (`engine_cores: 0`; the engines
+    (fitted; on a run that kept every core busy, e.g. async on this 2-core machine, the split says
+    nothing and all of it is work per rollout); the engines' CPU is counted in the rollouts' work
+    (`engine_cores: 0`; the engines
     still slow down when the cores are short); half of the work at the start, half at the end
     (`START_SHARE`, assumed: the split is not in the record);
   - `trainer_cores`: the trainer's CPU seconds over its update and weight-sync seconds (fitted);
@@ -72,6 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from orchestrator.sim.workload import parse_workload  # noqa: E402
 
 CPU_BATCH_DOUBLING = 16  # running sequences that double a CPU engine step (assumed)
+SATURATED = 0.9  # a run whose parts used this share of the machine's cores on average kept it busy
 START_SHARE = 0.5  # share of a rollout's CPU work done when it starts, the rest after its last turn (assumed)
 ROLLOUT_SIDE_PARTS = ("driver", "inference", "gateway", "rollout", "local_stack", "other")  # perf/cpu_s/<part>
 
@@ -151,12 +156,16 @@ def _lsq2(x1: list[float], x2: list[float], y: list[float]) -> tuple[float, floa
     return only_a if err[0] <= err[1] else only_b
 
 
-def fit_cpu(use: list[dict], prev: dict) -> dict | None:
+def fit_cpu(use: list[dict], prev: dict, cores: float) -> dict | None:
     """The machine's CPU figures from `perf/cpu_s/*` (orchestrator/cpu_usage.py), or None when the
     run did not log them. Every part but the trainer is split, by least squares over the steps,
     into CPU seconds per rollout dispatched in the step and cores kept busy per second of it:
-    `rollout_cpu_s` and `background_cores` (sums over those parts). `trainer_cores`: the
-    trainer's CPU seconds over its update and weight-sync seconds."""
+    `rollout_cpu_s` and `background_cores` (sums over those parts). On a run that kept the
+    machine's `cores` busy (>= `SATURATED` of them on average) the CPU a step used is its length
+    times the cores, whatever it did, so that split says nothing: all of it is work per rollout
+    dispatched (`background_cores` 0: what idles at the background, engines polling, Ray's
+    loops, gets no core while every core has work). `trainer_cores`: the trainer's CPU seconds
+    over its update and weight-sync seconds."""
     keys = [f"perf/cpu_s/{p}" for p in (*ROLLOUT_SIDE_PARTS, "trainer")]
     if not all(k in r for r in use for k in keys):
         return None
@@ -165,7 +174,11 @@ def fit_cpu(use: list[dict], prev: dict) -> dict | None:
         disp.append(r.get("rollout/dispatched", 0.0) - before.get("rollout/dispatched", 0.0))
         step_s.append(r["timing_s/step"])
         y.append(sum(r[f"perf/cpu_s/{p}"] for p in ROLLOUT_SIDE_PARTS))
-    per_rollout, background = _lsq2(disp, step_s, y)
+    machine = sum(r.get("perf/cpu_s/machine") or sum(r[k] for k in keys) for r in use)
+    if machine >= SATURATED * cores * sum(step_s) and sum(disp) > 0:
+        per_rollout, background = sum(y) / sum(disp), 0.0
+    else:
+        per_rollout, background = _lsq2(disp, step_s, y)
     trainer_s = sum(r.get("timing_s/update_actor", 0.0) + r.get("timing_s/update_weights", 0.0) for r in use)
     trainer_cpu = sum(r["perf/cpu_s/trainer"] for r in use)
     return {"rollout_cpu_s": per_rollout, "background_cores": background,
@@ -188,6 +201,15 @@ def fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: in
         raw = _scaled(raw, record["engine_scale"], record["env_scale"])
         raw["calibration"]["machine_fit"] = record
     return raw
+
+
+def fit_warnings(raw: dict) -> list[str]:
+    """What the fit of `raw` could not determine from its run (empty: nothing)."""
+    record = raw.get("calibration", {}).get("machine_fit", {})
+    return [f"calibration.machine_fit.{name} stopped at its bound ({record[name]:g}): the run's step time and "
+            "concurrency do not determine it (a run that kept every core busy: its steps took what the cores "
+            "allowed, whatever the environment's time); fit from a run that leaves cores idle (a sync run)"
+            for name in record.get("at_bound", ())]
 
 
 def _scaled(raw: dict, engine: float, env: float) -> dict:
@@ -235,7 +257,9 @@ def _fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: i
     trained = (sum(r.get("rollout/step_completed", 0.0) for r in use)  # samples trained (sync logs it)
                or n * grown("rollout/trained_groups") or completed)
     gen_per_turn = max(1.0, sum(r.get("actor/num_tokens", 0.0) for r in use) / max(1.0, trained) / turns)
-    gen_s = sum(r.get("timing_s/wait_for_batch", r.get("timing_s/gen", 0.0)) for r in use)
+    # the interval the engines' concurrency was seen over: a sync step's generation; an async run
+    # generates through the whole step
+    gen_s = sum(r.get("timing_s/gen", 0.0) if sync else r["timing_s/step"] for r in use)
     conc = statistics.fmean(r["perf/inference_concurrency"] for r in use)
     turn_s = conc * gen_s / max(1.0, turns_total)  # seconds a turn spends at the gateway (Little's law)
     step_base = turn_s / gen_per_turn / (1 + conc / CPU_BATCH_DOUBLING)
@@ -248,7 +272,8 @@ def _fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: i
     first_gid = warmup_steps * int(roll["batch_size"]) if sync else 0
     durations = sorted(d for g, d in agent_durations(run_dir).values() if g >= first_gid)
     const_s = 0.0
-    cpu = fit_cpu(use, prev)
+    cores = float(cfg.get("cluster", {}).get("num_cpus") or os.cpu_count() or 1)
+    cpu = fit_cpu(use, prev, cores)
     if cpu is not None:  # the rollout's own CPU work, measured; its latency outside is the environment
         const_s = cpu["rollout_cpu_s"]
         env_source = "rollout latency p50 / max per step less the rollout's CPU work (perf/cpu_s/*)"
@@ -281,7 +306,6 @@ def _fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: i
     p = min(0.95, max(0.05, reward))
     env = {"dist": "lognormal", "median": env_median / (1 if one_turn else turns - 1), "sigma": round(sigma, 4)}
     const0 = {"dist": "const", "value": 0.0}
-    cores = float(cfg.get("cluster", {}).get("num_cpus") or os.cpu_count() or 1)
     end_cpu_s, final_s = 0.0, const_s
     if cpu is None:  # no CPU record: the engine keeps every core busy while it decodes (assumed), the
         # constant part of a rollout is a delay after its last turn
@@ -344,6 +368,8 @@ def main() -> int:
     except (OSError, ValueError, KeyError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    for warning in fit_warnings(raw):
+        print(f"warning: {warning}", file=sys.stderr)
     text = yaml.safe_dump(raw, sort_keys=False)
     if args.out:
         args.out.write_text(text)

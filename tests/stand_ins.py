@@ -369,11 +369,12 @@ class SimRollouts:
         async def one(r: Any) -> Sample:
             self.dispatched += 1
             v0 = self.engine.version
-            await asyncio.sleep(self.rng.random() * self.max_latency_s)
+            latency_s = self.rng.random() * self.max_latency_s
+            await asyncio.sleep(latency_s)
             v1 = self.engine.version
             row = TrajectoryRow((1, 2, 3, 4), (0, 0, 1, 1), (0.0, 0.0, -0.3, -0.2), (-1, -1, v0, v1))
             return Sample(f"s{r.group_id}-{r.sample_index}", r.group_id, r.input_id, r.sample_index, (row,),
-                          self.reward_fn(r), "completed", 0.01)
+                          self.reward_fn(r), "completed", latency_s)
 
         out = await asyncio.gather(*(one(r) for r in reqs))
         await self.store.put(out, partition)

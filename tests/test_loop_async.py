@@ -43,6 +43,8 @@ async def test_trained_samples_never_exceed_the_staleness_bound(eta):
     m = logger.steps[-1][1]
     assert {"staleness/mean", "staleness/max", "staleness/version_span", "async/dropped_stale",
             "timing_s/wait_for_batch"} <= m.keys()
+    # the step's rollouts' latencies (dispatch to result), as the sync loop logs them
+    assert 0 < m["rollout/latency_s_p50"] <= m["rollout/latency_s_max"] <= 0.02
 
 
 async def test_eta_zero_trains_only_samples_of_the_trainers_version():

@@ -389,6 +389,37 @@ def test_workload_from_run_fits_the_machine_from_the_runs_cpu_record(tmp_path):
     assert f["step_s_mean"] == pytest.approx(rec["simulated_step_s"])  # the written workload is the calibrated one
 
 
+def test_a_run_that_kept_every_core_busy_puts_all_its_cpu_on_the_rollouts():
+    """Least squares cannot split a saturated run's CPU into work per rollout and background
+    (every step used 2 cores x its length, whatever it dispatched): all of it is per rollout."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from workload_from_run import fit_cpu
+
+    parts = ("driver", "inference", "gateway", "rollout", "local_stack", "other")
+    rows, dispatched = [], 0.0
+    for step, (n, dt) in enumerate([(30, 1.5), (50, 2.0), (40, 2.5), (60, 3.0)], 1):
+        dispatched += n
+        rows.append({"rollout/dispatched": dispatched, "timing_s/step": dt, "perf/cpu_s/machine": 1.96 * dt,
+                     "perf/cpu_s/trainer": 0.06 * dt, **{f"perf/cpu_s/{p}": 1.9 * dt / len(parts) for p in parts}})
+    cpu = fit_cpu(rows, {}, cores=2.0)
+    assert cpu["background_cores"] == 0.0
+    assert cpu["rollout_cpu_s"] == pytest.approx(1.9 * 9.0 / 180)  # rollout-side CPU s / rollouts dispatched
+    # the same record on 8 cores is split by least squares: the CPU follows the step's length, not
+    # what it dispatched, so it is all background there (on a saturated machine that says nothing)
+    unsaturated = fit_cpu(rows, {}, cores=8.0)
+    assert unsaturated["background_cores"] == pytest.approx(1.9) and unsaturated["rollout_cpu_s"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_fit_warns_about_a_scale_its_run_did_not_determine():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from workload_from_run import fit_warnings
+
+    raw = {"calibration": {"machine_fit": {"engine_scale": 0.4, "env_scale": 0.02, "at_bound": ["env_scale"]}}}
+    (warning,) = fit_warnings(raw)
+    assert warning.startswith("calibration.machine_fit.env_scale stopped at its bound (0.02)")
+    assert fit_warnings({"calibration": {"machine_fit": {"at_bound": []}}}) == []
+
+
 @pytest.mark.parametrize("overrides,key", [(["rollout.concurrency=adaptive"], "rollout.concurrency"),
                                            (["mode=async", "rollout.concurrency=sometimes"], "rollout.concurrency"),
                                            (["mode=async", "rollout.concurrency=adaptive",

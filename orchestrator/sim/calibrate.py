@@ -90,7 +90,8 @@ def calibrate_fitted(scaled: Callable[[float, float], Workload], sc: Scenario, *
     Procedure: per round, secant steps on the environment scale for the step time, then a
     proportional step on the engine scale for the concurrency; clamped to `SCALE_BOUNDS`; stops
     when both are within `tol` or after `rounds`. Returns the record: the scales reached
-    (`engine_scale`, `env_scale`), targets and simulated figures, simulations run."""
+    (`engine_scale`, `env_scale`; `at_bound`: those stopped at a bound), targets and simulated
+    figures, simulations run."""
     runs = [0]
 
     def sim(ke: float, kv: float) -> dict:
@@ -106,6 +107,9 @@ def calibrate_fitted(scaled: Callable[[float, float], Workload], sc: Scenario, *
         ke = _clamp(ke / (1 + c_err), *SCALE_BOUNDS)
     return {"target_step_s": step_s, "simulated_step_s": f["step_s_mean"], "target_concurrency": concurrency,
             "simulated_concurrency": f["inference_concurrency"], "engine_scale": ke, "env_scale": kv,
+            # a scale stopped at a bound of SCALE_BOUNDS: the run's figures did not determine it (e.g.
+            # the environment of a run whose steps the cores' speed set, not the rollouts' latency)
+            "at_bound": [name for name, x in (("engine_scale", ke), ("env_scale", kv)) if x in SCALE_BOUNDS],
             "runs": runs[0], "scenario": sc.overrides()}
 
 
