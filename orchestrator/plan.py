@@ -6,7 +6,8 @@ replica goes (node and GPU, workers/core/placement.py's plan and `assign_bundles
 (workers/core/memory_plan.py: weights, gradients, optimizer state, activations at the token budget,
 KV cache). The model's shape comes from `model.path`/config.json when it is readable here, else
 from the preset shapes by the directory's name (so a plan for a GPU cluster can be made on a
-laptop), else from the tiny model's recipe when `model.path` is unset.
+laptop), else, when `model.path` is unset, from the tiny model's config.json once it is built (its
+recipe before). On cluster=local the header names the CPUs Ray gets instead of GPUs.
 
 `check_plan` refuses a plan that cannot run: a GPU whose estimate exceeds `cluster.gpu_memory_gib`,
 or an engine whose KV cache cannot hold one `inference.max_model_len` sequence; the ConfigError
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,14 +46,7 @@ def model_shape(cfg: RunConfig) -> tuple[ModelShape, str]:
     a known name gives it."""
     path = cfg.model.path
     if not path:
-        from workers.embedded.tiny_model import TinyModelRecipe
-
-        r = TinyModelRecipe()
-        shape = ModelShape(hidden_size=r.hidden_size, num_hidden_layers=r.num_hidden_layers,
-                           num_attention_heads=r.num_attention_heads, num_key_value_heads=r.num_key_value_heads,
-                           head_dim=r.head_dim, intermediate_size=r.intermediate_size, vocab_size=r.vocab_size,
-                           tie_word_embeddings=True, qkv_bias=True)  # a Qwen2 model
-        return shape, "the tiny model's recipe"
+        return _tiny_model_shape()
     config = Path(path) / "config.json"
     if config.is_file():
         try:
@@ -65,6 +60,41 @@ def model_shape(cfg: RunConfig) -> tuple[ModelShape, str]:
     return shape, f"the {Path(path).name} preset shape (no config.json here)"
 
 
+def _tiny_model_shape() -> tuple[ModelShape, str]:
+    """The tiny model's shape: its config.json once built; before, its recipe, whose vocabulary is
+    an upper bound (the tokenizer's merges may stop short of `vocab_size`)."""
+    from workers.embedded.tiny_model import TinyModelRecipe, built_tiny_model
+
+    built = built_tiny_model()
+    if built is not None:
+        return ModelShape.from_hf_config(json.loads((built / "config.json").read_text())), f"{built / 'config.json'}"
+    r = TinyModelRecipe()
+    shape = ModelShape(hidden_size=r.hidden_size, num_hidden_layers=r.num_hidden_layers,
+                       num_attention_heads=r.num_attention_heads, num_key_value_heads=r.num_key_value_heads,
+                       head_dim=r.head_dim, intermediate_size=r.intermediate_size, vocab_size=r.vocab_size,
+                       tie_word_embeddings=False, qkv_bias=True)  # a Qwen2 model (tiny_model.py's model facts)
+    return shape, f"the tiny model's recipe, not built yet: at most {r.vocab_size} tokens of vocabulary"
+
+
+def param_count(n: int) -> str:
+    """A parameter count for people: "7.62 B", "1.25 M", or the exact number below a million."""
+    if n >= 10**9:
+        return f"{n / 1e9:.2f} B"
+    return f"{n / 1e6:.2f} M" if n >= 10**6 else f"{n:,}"
+
+
+def _hardware_line(cfg: RunConfig, gpus_per_node: int) -> str:
+    """What the run will use: GPUs for a GPU cluster; this machine's CPUs (Ray's logical CPUs) for
+    cluster=local, or the Ray cluster it joins."""
+    c = cfg.cluster
+    if c.name != "local":
+        return f"plan: cluster={c.name}, {c.nodes} node(s) x {gpus_per_node} GPU(s) of {c.gpu_memory_gib:g} GiB"
+    if c.address:
+        return f"plan: cluster=local, joins the Ray cluster at {c.address} (its CPUs), no GPUs"
+    cpus = f"{c.num_cpus} CPU(s) (cluster.num_cpus)" if c.num_cpus else f"{os.cpu_count()} CPU(s) (this machine's)"
+    return f"plan: cluster=local, one machine: {cpus}, no GPUs"
+
+
 def build_plan(cfg: RunConfig) -> RunPlan:
     """The placement and per-GPU memory of `cfg` (module docstring). Raises ConfigError /
     InsufficientGpusError when the shape is unknown or the placement fits no node."""
@@ -73,8 +103,8 @@ def build_plan(cfg: RunConfig) -> RunPlan:
     placement = plan_placement(c.placement_spec())
     per_node = c.gpus_per_node if c.gpus_per_node is not None else math.ceil(placement.num_gpus)
     gpu_bytes = int(c.gpu_memory_gib * GIB)
-    header = [f"plan: cluster={c.name}, {c.nodes} node(s) x {per_node} GPU(s) of {c.gpu_memory_gib:g} GiB",
-              f"model: {cfg.model.path or 'tiny (built on first use)'}: {shape.num_params / 1e9:.2f} B parameters "
+    header = [_hardware_line(cfg, per_node),
+              f"model: {cfg.model.path or 'tiny (built on first use)'}: {param_count(shape.num_params)} parameters "
               f"({source})"]
     if not placement.groups:
         header.append("cluster=local: no GPUs are placed; the trainer and the engine run on CPU (no GPU memory plan)")

@@ -26,6 +26,7 @@ from orchestrator.config import ConfigError, RunConfig
 from orchestrator.config.errors import check
 from orchestrator.run_checkpoint import find_resume_checkpoint
 from orchestrator.tasks import TASKS
+from workers.core.tasks.dataset_files import DatasetError
 
 
 @dataclass(frozen=True)
@@ -71,11 +72,13 @@ def check_task_data(cfg: RunConfig) -> None:
     if cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train:
         splits.add(cfg.task.val_split)
     for split in sorted(splits):
+        key = "task.val_data_path" if split == "test" else "task.data_path"
         try:
             task.rows(cfg.task, split)
+        except DatasetError as exc:  # names the file, row and field; the key is added here
+            raise ConfigError(f"{key}: {exc}") from None
         except (FileNotFoundError, ValueError) as exc:
-            msg = str(exc)
-            raise ConfigError(msg.replace("task.data_path", "task.val_data_path") if split == "test" else msg) from None
+            raise ConfigError(str(exc).replace("task.data_path", key)) from None
 
 
 def check_run_dir(cfg: RunConfig) -> None:

@@ -83,6 +83,7 @@ def test_session_table_expires_idle_sessions_but_not_busy_or_in_flight_ones():
     assert sorted(t.expire(19.5)) == ["a", "b", "c"]  # idle 10.5, 11.5, 10.5 s >= 10 s; d in flight
     s = t.snapshot()
     assert s.sessions_open == s.sessions_created - s.sessions_stopped - s.sessions_expired
+    assert s.sessions_expired_max_lifetime == 0  # all three went idle
 
 
 def test_session_table_max_lifetime_ends_even_busy_sessions():
@@ -94,6 +95,7 @@ def test_session_table_max_lifetime_ends_even_busy_sessions():
     assert t.expire(30.0) == ["a"]  # lifetime counts from creation, whatever the session does
     assert t.expire(50.0) == ["b"]
     assert t.snapshot().sessions_expired == 2
+    assert t.snapshot().sessions_expired_max_lifetime == 2  # b's call is in flight too: it cannot go idle
 
 
 # ----------------------------------------------------------------------------- real server

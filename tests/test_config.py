@@ -202,3 +202,21 @@ def test_verl_trainer_refuses_a_top_p_it_cannot_score():
     with pytest.raises(ConfigError, match=r"^rollout\.top_p.*trainer=verl"):
         compose_config(["trainer=verl", "rollout.top_p=0.9"])
     assert compose_config(["trainer=verl", "rollout.temperature=0.6"]).rollout.temperature == 0.6
+
+
+def test_readme_documents_every_exit_status_and_stderr_prefix_the_entry_point_uses():
+    """README's "Exit status" table lists each status `orchestrator/main.py` exits with (`_fail`,
+    `_leave_now`) and the `kind:` its stderr line starts with; a new status must be documented."""
+    import re
+
+    main_py = (CONFIGS.parent / "orchestrator" / "main.py").read_text()
+    used = re.findall(r'_fail\("([a-z ]+)",.*?, (\d+)\)', main_py, flags=re.S)
+    assert {code for _, code in used} >= {"1", "2", "3", "130"}, used
+    readme = (CONFIGS.parent / "README.md").read_text()
+    table = readme.split("### Exit status", 1)[1].split("\n\n")[2]
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+    assert set(rows) == {"0"} | {code for _, code in used}, rows
+    for kind, code in used:
+        assert f"`{kind}:`" in rows[code], (kind, code)
+    assert re.findall(r"_leave_now\((\d+)\)", main_py) == ["130"]
+    assert "`make run` exits 2 on any failure" in readme  # make's own status, not the job's

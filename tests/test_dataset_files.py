@@ -80,7 +80,7 @@ def test_a_dataset_dict_directory_names_its_splits(tmp_path):
 @pytest.mark.parametrize("content,where", [
     (b"", r"bad.jsonl: no rows"),
     (json.dumps(GSM8K[0]).encode() + b"\n" + json.dumps({"question": "q?"}).encode() + b"\n",
-     r"bad.jsonl:2: field 'answer'"),
+     r"^task.data_path: .*bad.jsonl:2: missing field 'answer'"),
     (json.dumps(GSM8K[0]).encode() + b"\n\n" + b'{"question": "caf\xe9", "answer": "#### 1"}\n',
      r"bad.jsonl:3: not UTF-8"),
 ])
@@ -111,7 +111,7 @@ def test_main_stops_on_a_bad_row_with_config_error_and_exit_2(tmp_path):
                           f"task.data_path={tmp_path / 'bad.jsonl'}", f"run_dir={tmp_path / 'run'}"],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 2, out.stderr[-2000:]
-    assert f"config error: {tmp_path / 'bad.jsonl'}:2: not UTF-8" in out.stderr
+    assert f"config error: task.data_path: {tmp_path / 'bad.jsonl'}:2: not UTF-8" in out.stderr
     assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()
 
 

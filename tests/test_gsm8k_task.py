@@ -103,7 +103,8 @@ def test_relative_paths_resolve_against_the_repository_root_not_the_cwd(tmp_path
     [
         ("{not json", "not valid JSON"),
         ('["a list"]', "expected a JSON object"),
-        ('{"answer": "#### 3"}', "non-empty string 'question'"),
+        ('{"answer": "#### 3"}', "missing field 'question'"),
+        ('{"question": "", "answer": "#### 3"}', "non-empty string 'question'"),
         ('{"question": "q?", "answer": 3}', "string 'answer'"),
         ('{"question": "q?", "answer": "it is 3"}', r"does not end in '#### <number>'"),
         ('{"question": "q?", "answer": "#### three"}', r"does not end in '#### <number>'"),
@@ -113,6 +114,22 @@ def test_a_bad_line_is_refused_naming_file_and_line(tmp_path, bad, why):
     path = _write(tmp_path, [json.dumps(GOOD), "", bad])
     with pytest.raises(gsm8k.DatasetError, match=rf"mini.jsonl:3: .*{why}"):
         gsm8k.load_rows(str(path), None, seed=0, max_turns=4)
+
+
+@pytest.mark.parametrize("row,missing", [({"question": "q?", "solution": "#### 3"}, "answer"),
+                                         ({"problem": "q?", "solution": "#### 3"}, "question")])
+def test_a_row_without_the_documented_fields_names_them_not_verls(tmp_path, row, missing):
+    """README documents `{"question", "answer"}` rows: a row lacking one is refused naming that field
+    and the layout, not verl's `reward_model.ground_truth`; pre-flight adds the config key."""
+    from orchestrator.preflight import check_task_data
+
+    path = _write(tmp_path, [json.dumps(GOOD), json.dumps(row)])
+    cfg = compose_config(["task=gsm8k", f"task.data_path={path}"])
+    with pytest.raises(ConfigError) as err:
+        check_task_data(cfg)
+    assert str(err.value).startswith(f"task.data_path: {path}:2: missing field '{missing}' (fields: {sorted(row)})")
+    assert '{"question": str, "answer": "... #### <number>"}' in str(err.value)
+    assert "ground_truth" in str(err.value) and "missing field 'reward_model" not in str(err.value)
 
 
 def test_thousands_commas_and_decimals_in_the_ground_truth():

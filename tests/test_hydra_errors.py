@@ -34,6 +34,25 @@ def test_hydra_failure_names_the_key(override, expected):
     assert "\n" not in msg and "search path" not in msg
 
 
+def test_an_unknown_key_reads_the_same_wherever_it_is_found():
+    """Hydra's `trainer.nope=1`, the typed config's `+trainer.nope=1` (nested and top-level): one format."""
+    from orchestrator.config import ConfigError
+    from stand_ins import compose_config
+
+    hydra_msg = check_overrides(["trainer.nope=1"])
+    with pytest.raises(ConfigError) as nested:
+        compose_config(["+trainer.nope=1"])
+    assert str(nested.value) == hydra_msg
+    assert hydra_msg.startswith("trainer.nope: no such key; valid keys here: name, total_steps, lr, ")
+    with pytest.raises(ConfigError) as nested_deeper:
+        compose_config(["+rollout.acr.nope=1"])
+    assert str(nested_deeper.value).startswith("rollout.acr.nope: no such key; valid keys here: ")
+    with pytest.raises(ConfigError) as top:
+        compose_config(["+nope=1"])
+    assert str(top.value).startswith("nope: no such key; valid keys here: ")
+    assert str(top.value).endswith(", run_dir, seed, dry_run") and "[" not in str(top.value)
+
+
 def test_accepted_overrides_pass():
     assert check_overrides(["mode=async", "trainer.lr=0.001", "+rollout.acr.agent_env.K=V",
                             "+experiment=blog_sync_2"]) is None

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from orchestrator.config import ConfigError
-from orchestrator.plan import build_plan, check_plan, format_plan
+from orchestrator.plan import build_plan, check_plan, format_plan, param_count
 from stand_ins import CONFIGS, REPO, compose_config
 from workers.core.memory_plan import (GIB, KNOWN_SHAPES, EngineLoad, ModelShape, TrainerLoad, engine_memory,
                                       known_shape, trainer_memory)
@@ -48,6 +48,20 @@ def test_parameter_count_is_exact_on_the_tiny_models_weights(tiny_model_dir):
     numel = sum(_prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
     shape = ModelShape.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text()))
     assert shape.num_params == numel
+
+
+def test_local_dry_run_names_cpus_and_the_tiny_models_real_parameter_count(tiny_model_dir, monkeypatch, tmp_path):
+    """cluster=local: no "0 GPU(s) of 80 GiB" and no "0.00 B parameters"; the count is the built
+    model's (its config.json), before the build the recipe's upper bound, said as such."""
+    real = ModelShape.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text())).num_params
+    header = build_plan(compose_config(["cluster.num_cpus=3"])).header
+    assert header[0] == "plan: cluster=local, one machine: 3 CPU(s) (cluster.num_cpus), no GPUs"
+    assert header[1].startswith(f"model: tiny (built on first use): {real:,} parameters (")
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))  # nothing built there
+    header = build_plan(compose_config([])).header
+    assert "CPU(s) (this machine's)" in header[0] and "GPU(s) of" not in header[0]
+    assert "not built yet" in header[1] and " B parameters" not in header[1]
+    assert param_count(7_615_616_512) == "7.62 B" and param_count(1_250_000) == "1.25 M" and param_count(513) == "513"
 
 
 @pytest.mark.parametrize("key,published_b", [("qwen2.5-7b", 7.62), ("qwen3-8b", 8.19), ("qwen3-14b", 14.77),

@@ -17,6 +17,8 @@ from pathlib import Path
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf.errors import OmegaConfBaseException
 
+from orchestrator.config.errors import unknown_key
+
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 SCHEMA_SUFFIX = "_schema"  # the ConfigStore schemas listed beside a group's yaml choices
 
@@ -63,7 +65,7 @@ def describe(exc: BaseException, overrides: list[str]) -> str:
                     f"+{key}.NAME=VALUE, or replace the whole dict with ++{key}={value}")
         valid = _valid_keys(cause)
         if valid:
-            return f"{key}: no such key; valid keys here: {', '.join(valid)}"
+            return unknown_key(key, valid)
         return f"{key}: no such key; to add it, prefix the override with +: +{override}"
     if text.startswith("Could not append to config. An item is already at '"):
         key = text.split("'")[1]

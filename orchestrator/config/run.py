@@ -17,7 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from orchestrator.config.algorithm import AlgorithmConfig
 from orchestrator.config.async_ import AsyncConfig
 from orchestrator.config.cluster import ClusterConfig
-from orchestrator.config.errors import ConfigError, check
+from orchestrator.config.errors import ConfigError, check, unknown_key
 from orchestrator.config.eval import EvalConfig
 from orchestrator.config.gateway import GatewayGroupConfig
 from orchestrator.config.inference import InferenceConfig
@@ -141,10 +141,10 @@ def _unwrap(exc: Exception) -> ConfigError:
 
 def _refuse_unknown_keys(node: Any, obj: Any, where: str) -> None:
     """A key the schema does not declare (e.g. a typo added with `+`) is an error, not ignored."""
-    names = {f.name for f in dataclasses.fields(obj)}
+    names = [f.name for f in dataclasses.fields(obj)]
     unknown = sorted(k for k in node.keys() if k not in names)
     if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}: unknown config key (known: {sorted(names)})")
+        raise ConfigError(unknown_key(f"{where}.{unknown[0]}", names))
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value) and f.name in node and OmegaConf.is_dict(node[f.name]):
@@ -170,7 +170,7 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
         parts[_attr(group)] = obj
     unknown = sorted(set(cfg.keys()) - set(GROUP_SCHEMAS) - set(TOP_LEVEL_KEYS) - {"hydra", "experiment"})
     if unknown:
-        raise ConfigError(f"{unknown[0]}: unknown config key (known: {sorted(GROUP_SCHEMAS)} {' '.join(TOP_LEVEL_KEYS)})")
+        raise ConfigError(unknown_key(unknown[0], [*GROUP_SCHEMAS, *TOP_LEVEL_KEYS]))
     if "run_dir" not in cfg or OmegaConf.is_missing(cfg, "run_dir") or not str(cfg.run_dir or "").strip():
         raise ConfigError("run_dir must be set (a directory path; empty would write into the current directory)")
     dry_run = cfg.get("dry_run", False)

@@ -82,6 +82,8 @@ class EmulatorStats:
     peak_open: most sessions open at once. throttled: creations refused by the token bucket or
     requests refused by the request-rate limit (injected throttle faults are in faults_injected).
     faults_injected: per fault kind, sessions that got it (emulator-side kinds: answers sent).
+    sessions_expired_max_lifetime: the expired sessions that reached `max_lifetime_s` (the rest of
+    `sessions_expired` went idle).
     """
 
     sessions_open: int
@@ -101,6 +103,7 @@ class EmulatorStats:
     quota_refused: int = 0
     max_open_sessions: int | None = None
     faults_injected: dict[str, int] = field(default_factory=dict)
+    sessions_expired_max_lifetime: int = 0
 
     @classmethod
     def from_json(cls, d: dict) -> "EmulatorStats":
@@ -149,7 +152,7 @@ class SessionTable:
         self.max_open = max_open
         self._sessions: dict[str, _Session] = {}
         self._dead: set[int] = set()
-        self.created = self.stopped = self.expired = self.peak_open = 0
+        self.created = self.stopped = self.expired = self.expired_max_lifetime = self.peak_open = 0
         self.throttled = self.quota_refused = 0
 
     def mark_dead(self, agent: int) -> bool:
@@ -213,15 +216,16 @@ class SessionTable:
 
     def expire(self, now_s: float) -> list[str]:
         """End idle and over-age sessions; returns their ids (callers release their resources)."""
+        aged = [sid for sid, s in self._sessions.items() if now_s - s.created_s >= self._max_lifetime_s]
         gone = [
             sid
             for sid, s in self._sessions.items()
-            if now_s - s.created_s >= self._max_lifetime_s
-            or (s.inflight == 0 and now_s - s.last_active_s >= self._idle_timeout_s)
+            if sid in aged or (s.inflight == 0 and now_s - s.last_active_s >= self._idle_timeout_s)
         ]
         for sid in gone:
             del self._sessions[sid]
         self.expired += len(gone)
+        self.expired_max_lifetime += len(aged)
         return gone
 
     def open_per_agent(self) -> list[int]:
@@ -242,6 +246,7 @@ class SessionTable:
             sessions_created=self.created,
             sessions_stopped=self.stopped,
             sessions_expired=self.expired,
+            sessions_expired_max_lifetime=self.expired_max_lifetime,
             peak_open=self.peak_open,
             throttled=self.throttled,
             invocations=0,

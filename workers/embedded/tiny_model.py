@@ -165,10 +165,23 @@ def ensure_tiny_model(
     return cached_model_dir(cache_dir, recipe.key(), lambda out: build_tiny_model(out, recipe))
 
 
+def built_tiny_model(cache_dir: str | Path | None = None, recipe: TinyModelRecipe = DEFAULT_RECIPE) -> Path | None:
+    """The folder `ensure_tiny_model` returns if it is already built, else None (builds nothing)."""
+    final = _cache_root(cache_dir) / recipe.key()
+    return final if _is_complete(final) else None
+
+
 def cached_model_dir(cache_dir: str | Path | None, key: str, build: Callable[[Path], object]) -> Path:
     """`<cache root>/<key>`, built by `build(tmp_dir)` on first use (see the module invariants)."""
-    root = Path(cache_dir or os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser().resolve()
-    return build_once(root / key, build, lambda p: (p / "config.json").is_file())
+    return build_once(_cache_root(cache_dir) / key, build, _is_complete)
+
+
+def _cache_root(cache_dir: str | Path | None) -> Path:
+    return Path(cache_dir or os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser().resolve()
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file()
 
 
 def build_once(final: Path, build: Callable[[Path], object], is_complete: Callable[[Path], bool]) -> Path:

@@ -32,6 +32,9 @@ REPO_ROOT: Path = Path(__file__).resolve().parents[3]  # workers/core/tasks/gsm8
 SAMPLE_DIR = "examples/data/gsm8k"  # the in-repository sample, relative to REPO_ROOT
 DATA_PATH_KEY = "task.data_path"
 # "#### 1,234.5" at the end of a GSM8K solution; thousands commas allowed, as in the dataset.
+# What a row must hold, in the words of README's task data section (named in row errors).
+ROW_LAYOUTS = ('a GSM8K row is {"question": str, "answer": "... #### <number>"} '
+               "(or verl's layout: prompt, reward_model.ground_truth)")
 _FINAL = re.compile(r"####\s*(-?\d[\d,]*(?:\.\d+)?)\s*$")
 
 
@@ -72,10 +75,15 @@ def parse_final_number(answer: str) -> int | float:
 def parse_row(record: Record) -> tuple[str, int | float]:
     """(question, numeric answer) of one row: GSM8K's own `{"question", "answer": "... #### N"}`, or
     verl's schema (`extra_info.question`, else the last user message of `prompt`, and
-    `reward_model.ground_truth`). Raises DatasetError naming the row and the field."""
+    `reward_model.ground_truth`) when the row has `reward_model` and neither `question` nor
+    `answer`. Raises DatasetError naming the row and the field (`missing field 'answer'` for a row
+    with neither layout, listing the row's fields and the two layouts read)."""
     row = record.row
-    if "question" in row or "answer" in row:
+    if "question" in row or "answer" in row or "reward_model" not in row:
         question, answer = row.get("question"), row.get("answer")
+        for name, value in (("question", question), ("answer", answer)):
+            if value is None:
+                raise DatasetError(f"{record.where}: missing field {name!r} (fields: {sorted(row)}); {ROW_LAYOUTS}")
         if not isinstance(question, str) or not question.strip():
             raise DatasetError(f"{record.where}: field 'question': needs a non-empty string 'question'")
         if not isinstance(answer, str):
