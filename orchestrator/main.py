@@ -15,9 +15,11 @@ group was filtered), 2 config / checkpoint / GPU-placement error (or a dry run t
 (Ctrl-C or SIGTERM).
 
 Invariant: everything this process starts is stopped on every exit path (normal end, error,
-Ctrl-C, SIGTERM), servers by PID and actors through Ray; nothing is stopped by name. The first
-SIGINT/SIGTERM during the loop cancels it (orchestrator/stopping.py) and the run ends with
-`interrupted: true` in summary.json; a driver killed outright (SIGKILL) leaves the cleanup to the
+Ctrl-C, SIGTERM), servers by PID and actors through Ray; nothing is stopped by name. SIGINT and
+SIGTERM are handled from this module's first line (orchestrator/stopping.py): before pre-flight
+passed a signal exits at once (nothing started); after it, the first one unwinds the start, the
+parts' build or the loop, and the run ends with `interrupted: true` in summary.json; a second one
+exits at once. A driver killed outright (SIGKILL), or by a second signal, leaves the cleanup to the
 run's reaper (orchestrator/reaper.py), started before anything else.
 """
 
@@ -90,8 +92,9 @@ def run(cfg: RunConfig) -> dict:
         return _run_started(cfg, pre, t_start)
     except KeyboardInterrupt:  # outside the event loop: starting the local stack or Ray, or stopping
         summary = {"steps": pre.checkpoint.state.step if pre.checkpoint else 0, "interrupted": True}
-        _write_summary(run_dir, summary, pre, t_start)
-        mark("summary.json written")
+        if cfg.mode.name != "eval":  # an evaluation writes eval_summary.json, not summary.json
+            _write_summary(run_dir, summary, pre, t_start)
+            mark("summary.json written")
         return summary
 
 
