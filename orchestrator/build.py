@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import shlex
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -44,7 +43,7 @@ from orchestrator.preflight_aws import forwarded_aws_env
 from orchestrator.progress import phase
 from orchestrator.ray_cluster import check_cluster_reachable, ray_address
 from orchestrator.run_checkpoint import LoopPosition
-from orchestrator.stopping import mark
+from orchestrator.stopping import interrupt_from, mark
 from orchestrator.tasks import TASKS
 
 CLOSE_TIMEOUT_S = 5.0  # bound on each part's own shutdown at the end of a run (seconds)
@@ -120,7 +119,7 @@ def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -
                  runtime_env={"env_vars": forwarded_aws_env(os.environ)} if joining else None,
                  **ray_init_options(cfg.logger.console_level))  # actors' output: RUN_DIR/logs/ray unless loud
     except SystemExit as exc:  # ray.init's own SIGTERM handler (sys.exit(15)) is in place while it runs
-        raise KeyboardInterrupt("SIGTERM") if exc.code == signal.SIGTERM else exc
+        interrupt_from(exc)
     if local is not None:  # on the way out its servers stop while Ray shuts down (ACR sessions are stopped by then)
         stack.callback(local.terminate)
     link_ray_logs(pre.run_dir)

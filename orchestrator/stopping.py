@@ -71,11 +71,20 @@ def exit_at_once(sig: int, frame: object) -> NoReturn:
                   "what is still running")
 
 
-def _raise_first(sig: int, frame: object) -> NoReturn:
+def _raise_first(sig: int, frame: object) -> NoReturn:  # the first signal outside the event loop
     _note(sig)
     for s in SIGNALS:
         signal.signal(s, exit_at_once)
     raise KeyboardInterrupt(signal.Signals(sig).name)
+
+
+def interrupt_from(exc: SystemExit) -> NoReturn:
+    """Raise `exc` again, or, when it is `sys.exit(SIGTERM)` (what ray.init's own SIGTERM handler
+    raises while ray.init runs), what the first SIGTERM raises here: KeyboardInterrupt, and later
+    signals exit at once."""
+    if exc.code != signal.SIGTERM:
+        raise exc
+    _raise_first(signal.SIGTERM, None)
 
 
 def install_before_start() -> None:
@@ -90,11 +99,6 @@ def install_unwinding() -> None:
     anything that installs its own handlers (`ray.init`, an event loop's close)."""
     for sig in SIGNALS:
         signal.signal(sig, exit_at_once if _signalled_at else _raise_first)
-
-
-def signalled() -> bool:
-    """Whether this process got its first SIGINT/SIGTERM yet."""
-    return bool(_signalled_at)
 
 
 class RunInterrupted(Exception):

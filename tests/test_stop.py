@@ -169,6 +169,18 @@ def test_first_signal_unwinds_and_a_second_exits_at_once():
     assert err.startswith("interrupted again (SIGINT): exiting now") and "Traceback" not in err
 
 
+def test_ray_inits_own_sigterm_exit_counts_as_the_first_signal():
+    """While ray.init runs, its own SIGTERM handler raises SystemExit(15): the driver takes it for
+    the first SIGTERM (KeyboardInterrupt: unwind, summary.json) and a later signal exits at once."""
+    from orchestrator.stopping import exit_at_once, interrupt_from
+
+    with pytest.raises(SystemExit):
+        interrupt_from(SystemExit(2))
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        interrupt_from(SystemExit(signal.SIGTERM))
+    assert signal.getsignal(signal.SIGTERM) is exit_at_once and signal.getsignal(signal.SIGINT) is exit_at_once
+
+
 async def test_a_second_signal_after_the_guard_fired_exits_at_once():
     """In the event loop the first signal cancels the guarded work; a later one no longer reaches
     the loop but `exit_at_once` (README: a second Ctrl-C exits at once)."""
