@@ -28,12 +28,14 @@ Callers: orchestrator/main.py.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import signal
 import time
-from typing import Awaitable, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Awaitable, NoReturn, TypeVar
+
+if TYPE_CHECKING:
+    import asyncio  # imported where used: the driver imports this module first thing, before its handlers are in
 
 T = TypeVar("T")
 CANCEL_GRACE_S = 3.0  # wait for a cancelled task to unwind before cancelling it again (seconds)
@@ -115,6 +117,8 @@ class Interrupts:
 
     def install(self) -> None:
         """Handle SIGINT and SIGTERM on the running loop (call from inside it)."""
+        import asyncio
+
         self._loop = asyncio.get_running_loop()
         self._fired = asyncio.Event()
         for sig in SIGNALS:
@@ -140,6 +144,8 @@ class Interrupts:
         """Await `work`; on a signal, cancel it (twice if need be) and raise RunInterrupted.
 
         Raises whatever `work` raises when it ends by itself."""
+        import asyncio
+
         assert self._fired is not None, "install() first"
         task = asyncio.ensure_future(work)
         if not self._fired.is_set():
