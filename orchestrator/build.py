@@ -43,7 +43,7 @@ from orchestrator.preflight_aws import forwarded_aws_env
 from orchestrator.progress import phase
 from orchestrator.ray_cluster import check_cluster_reachable, ray_address
 from orchestrator.run_checkpoint import LoopPosition
-from orchestrator.stopping import mark
+from orchestrator.stopping import interrupt_from, mark
 from orchestrator.tasks import TASKS
 
 CLOSE_TIMEOUT_S = 5.0  # bound on each part's own shutdown at the end of a run (seconds)
@@ -111,24 +111,27 @@ def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -
     joining = address != "local"
     if joining:
         check_cluster_reachable(address, "cluster.address" if cfg.cluster.address else "RAY_ADDRESS")
-    ray.init(address=address, num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
-             num_gpus=None if joining else cfg.cluster.num_gpus,  # logical GPUs of a cluster we start
-             runtime_env={"env_vars": forwarded_aws_env(os.environ)} if joining else None,
-             **ray_init_options(cfg.logger.console_level))  # actors' output: RUN_DIR/logs/ray unless loud
     stack.callback(mark, "ray shut down")
-    stack.callback(ray.shutdown)
+    stack.callback(ray.shutdown)  # before ray.init: an init interrupted midway still stops what it started
+    try:
+        ray.init(address=address, num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
+                 num_gpus=None if joining else cfg.cluster.num_gpus,  # logical GPUs of a cluster we start
+                 runtime_env={"env_vars": forwarded_aws_env(os.environ)} if joining else None,
+                 **ray_init_options(cfg.logger.console_level))  # actors' output: RUN_DIR/logs/ray unless loud
+    except SystemExit as exc:  # ray.init's own SIGTERM handler (sys.exit(15)) is in place while it runs
+        interrupt_from(exc)
     if local is not None:  # on the way out its servers stop while Ray shuts down (ACR sessions are stopped by then)
         stack.callback(local.terminate)
     link_ray_logs(pre.run_dir)
+    # build_parts' slow imports (torch, transformers, TransferQueue: seconds) here, where a Ctrl-C stops them at once
+    import orchestrator.clients, transfer_queue.controller, transformers  # noqa: F401, E401
     return Runtime(run_dir=pre.run_dir, model_path=model_path, checkpoint=pre.checkpoint, local=local)
 
 
 def _start_local_stack(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStack) -> Any:
-    from workers.embedded.local_stack import LocalStack
+    from workers.embedded.local_stack import LocalStack, LocalStackError
 
     acr = cfg.rollout.acr
-    from workers.embedded.local_stack import LocalStackError
-
     local = LocalStack(agent_command(cfg), num_agents=acr.num_agents, session_rate_per_s=acr.session_rate_per_s,
                        bucket=acr.s3_bucket, region=acr.region, agent_runtime_arn=acr.agent_runtime_arn,
                        log_dir=run_dir / "logs", agent_env={k: str(v) for k, v in acr.agent_env.items()},
@@ -223,10 +226,10 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
     gateway = _gateway_actor(cfg, model_path)
     _close_quietly(closing, lambda: gateway.stop.remote(), what="gateway")
     gateway_up = gateway.start.remote()  # loads the tokenizer and chat template while the engines start
-    buffer = TrajectoryBuffer.start(buffer_config())
+    buffer = await TrajectoryBuffer.start_async(buffer_config())  # awaited: a Ctrl-C meanwhile is seen at once
     stack.callback(buffer.stop)
     train_settings = _rollout_settings(cfg, rt, await gateway_up)
-    pool = _pool(cfg, train_settings, gateway, buffer, closing)  # its actors start while the engines do
+    pool = await _pool(cfg, train_settings, gateway, buffer, closing)  # its actors start while the engines do
 
     await asyncio.gather(*engines_up, pool.prepare())  # the rollout actors build their clients meanwhile
     phase("engines ready; starting the weight sync")
@@ -266,7 +269,7 @@ async def _build(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
                       lambda: _pool_recovery_metrics(pool), directory.refresh, cpu),
         checkpoint=RunCheckpointer(run_dir, trainer, prompts, save_freq=cfg.trainer.save_freq,
                                    keep_last=cfg.trainer.max_ckpt_to_keep, counters=ledger.settled_counts),
-        validator=_validator(cfg, train_settings, gateway, buffer, closing), concurrency=concurrency)
+        validator=await _validator(cfg, train_settings, gateway, buffer, closing), concurrency=concurrency)
     return BuiltRun(parts=parts, start=LoopPosition.of(ckpt.state) if ckpt else None, pool=pool, logger=logger,
                     replicas=replicas, closing=closing, watchers=[w.run for w in watchers],
                     trainer_ranks=ranks)
@@ -338,20 +341,20 @@ def _rollout_settings(cfg: RunConfig, rt: Runtime, base_url: str) -> Any:
                             gateway_base_url=base_url, model_id=cfg.model.served_name, seed=cfg.seed)
 
 
-def _pool(cfg: RunConfig, settings: Any, gateway: Any, buffer: Any, closing: contextlib.AsyncExitStack) -> Any:
+async def _pool(cfg: RunConfig, settings: Any, gateway: Any, buffer: Any, closing: contextlib.AsyncExitStack) -> Any:
     """A rollout pool under the cluster-wide ACR limits (named actors, shared by every pool)."""
     from workers.rollout.pool import start_rollout_pool
 
-    pool = start_rollout_pool(settings, num_workers=cfg.rollout.num_workers, limits=cfg.rollout.acr.limits.typed(),
-                              acr=acr_client_config(cfg.rollout), result_host=cfg.rollout.result_host,
-                              gateway=gateway, buffer_handle=buffer.handle, store=buffer,
-                              redispatch_lost=cfg.rollout.redispatch_lost)
+    r = cfg.rollout
+    pool = await start_rollout_pool(settings, num_workers=r.num_workers, limits=r.acr.limits.typed(),
+                                    acr=acr_client_config(r), result_host=r.result_host, gateway=gateway,
+                                    buffer_handle=buffer.handle, store=buffer, redispatch_lost=r.redispatch_lost)
     _close_quietly(closing, pool.shutdown, what="rollout pool")
     return pool
 
 
-def _validator(cfg: RunConfig, train_settings: Any, gateway: Any, buffer: Any,
-               closing: contextlib.AsyncExitStack) -> Any:
+async def _validator(cfg: RunConfig, train_settings: Any, gateway: Any, buffer: Any,
+                     closing: contextlib.AsyncExitStack) -> Any:
     """Validation during training (`trainer.test_freq`, `trainer.val_before_train`) on its own pool
     with the `eval` group's sampling; None when neither is set."""
     t = cfg.trainer
@@ -360,7 +363,7 @@ def _validator(cfg: RunConfig, train_settings: Any, gateway: Any, buffer: Any,
     from orchestrator.clients import BufferStore
     from orchestrator.validation import Validator
 
-    pool = _pool(cfg, eval_rollout_settings(cfg.eval, train_settings), gateway, buffer, closing)
+    pool = await _pool(cfg, eval_rollout_settings(cfg.eval, train_settings), gateway, buffer, closing)
     return Validator(pool=pool, store=BufferStore(buffer, cfg.eval.n, cfg.rollout.timeout_s),
                      rows=TASKS[cfg.task.name].rows(cfg.task, cfg.task.val_split), settings=eval_settings(cfg.eval),
                      test_freq=t.test_freq, val_before_train=t.val_before_train, clock=time.monotonic)
@@ -399,13 +402,13 @@ async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -
             _close_quietly(closing, lambda: asyncio.gather(*(r.shutdown.remote() for r in replicas)))
             gateway = _gateway_actor(cfg, rt.model_path)
             _close_quietly(closing, lambda: gateway.stop.remote())
-        buffer = TrajectoryBuffer.start(buffer_config())
+        buffer = await TrajectoryBuffer.start_async(buffer_config())
         stack.callback(buffer.stop)
         if gateway is not None:
             await asyncio.gather(*engines_up)
             await gateway.set_engines.remote(replicas)
             base_url = await gateway.start.remote()
-        pool = _pool(cfg, eval_rollout_settings(cfg.eval, _rollout_settings(cfg, rt, base_url)), gateway, buffer,
+        pool = await _pool(cfg, eval_rollout_settings(cfg.eval, _rollout_settings(cfg, rt, base_url)), gateway, buffer,
                      closing)
         return BuiltEval(pool=pool, store=BufferStore(buffer, cfg.eval.n, cfg.rollout.timeout_s), replicas=replicas,
                          closing=closing)

@@ -15,19 +15,25 @@ group was filtered), 2 config / checkpoint / GPU-placement error (or a dry run t
 (Ctrl-C or SIGTERM).
 
 Invariant: everything this process starts is stopped on every exit path (normal end, error,
-Ctrl-C, SIGTERM), servers by PID and actors through Ray; nothing is stopped by name. The first
-SIGINT/SIGTERM during the loop cancels it (orchestrator/stopping.py) and the run ends with
-`interrupted: true` in summary.json; a driver killed outright (SIGKILL) leaves the cleanup to the
+Ctrl-C, SIGTERM), servers by PID and actors through Ray; nothing is stopped by name. SIGINT and
+SIGTERM are handled from this module's first line (orchestrator/stopping.py): before pre-flight
+passed a signal exits at once (nothing started); after it, the first one unwinds the start, the
+parts' build or the loop, and the run ends with `interrupted: true` in summary.json; a second one
+exits at once. A driver killed outright (SIGKILL), or by a second signal, leaves the cleanup to the
 run's reaper (orchestrator/reaper.py), started before anything else.
 """
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first, before the imports below take seconds: a Ctrl-C there is one line, exit 130
+    from orchestrator.stopping import install_before_start
+
+    install_before_start()
+
 import asyncio
 import contextlib
 import json
 import math
-import signal
 import sys
 import threading
 import time
@@ -71,22 +77,34 @@ def _draw_report_while_stopping(run_dir: Path) -> None:
     _INTERRUPTED_REPORT.append(thread)
 
 
-def _raise_interrupt(signum, frame):  # SIGTERM behaves like Ctrl-C: unwind and clean up
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def run(cfg: RunConfig) -> dict:
     """Run the whole job described by `cfg`; return the summary (also written to summary.json).
     Raises ConfigError / CheckpointError from pre-flight, before anything starts. The first SIGINT
     or SIGTERM ends the run early: the summary then says `interrupted: true`."""
-    from orchestrator.build import build_parts, start_runtime
     from orchestrator.preflight import preflight
-    from orchestrator.supervise import explain_trainer_loss, run_watched
-    from orchestrator.reaper import start_reaper
-    from orchestrator.stopping import Interrupts, RunInterrupted, mark
+    from orchestrator.stopping import install_unwinding, mark
 
     t_start = time.monotonic()
     pre = preflight(cfg)
+    run_dir = pre.run_dir
+    install_unwinding()  # from here a signal unwinds what was started and summary.json says interrupted
+    try:
+        return _run_started(cfg, pre, t_start)
+    except KeyboardInterrupt:  # outside the event loop: starting the local stack or Ray, or stopping
+        summary = {"steps": pre.checkpoint.state.step if pre.checkpoint else 0, "interrupted": True}
+        if cfg.mode.name != "eval":  # an evaluation writes eval_summary.json, not summary.json
+            _write_summary(run_dir, summary, pre, t_start)
+            mark("summary.json written")
+        return summary
+
+
+def _run_started(cfg: RunConfig, pre, t_start: float) -> dict:
+    """`run` once pre-flight passed: every exit path stops what it started (the ExitStack)."""
+    from orchestrator.build import build_parts, start_runtime
+    from orchestrator.supervise import explain_trainer_loss, run_watched
+    from orchestrator.reaper import start_reaper
+    from orchestrator.stopping import Interrupts, RunInterrupted, install_unwinding, mark
+
     run_dir = pre.run_dir
     (run_dir / "logs").mkdir(exist_ok=True)
     start_reaper(run_dir, run_dir / "logs" / "reaper.log")  # however this process ends, what it started ends too
@@ -100,12 +118,11 @@ def run(cfg: RunConfig) -> dict:
     print(f"run_dir: {run_dir}", flush=True)
     _STARTED.append(run_dir)  # past pre-flight: this run owns run_dir, its report is ours to write
     quiet_console(run_dir, cfg.logger.console_level)  # library output to RUN_DIR/logs/ from here on
-    signal.signal(signal.SIGTERM, _raise_interrupt)
     interrupts = Interrupts()
     with contextlib.ExitStack() as stack:
         stack.callback(mark, "local stack stopped")  # runs last: the stack unwinds last in, first out
         rt = start_runtime(cfg, pre, stack)
-        signal.signal(signal.SIGTERM, _raise_interrupt)  # ray.init installed its own; ours unwinds cleanly
+        install_unwinding()  # ray.init installed its own SIGTERM handler
 
         async def train() -> dict:
             interrupts.install()  # from here on the first signal stops the loop, not the process
@@ -137,9 +154,12 @@ def run(cfg: RunConfig) -> dict:
         else:
             try:
                 summary = asyncio.run(train())
-            except RunInterrupted:  # while the parts were being built
+            except RunInterrupted:  # while the parts were being built: no rollout ran
                 summary = {"steps": pre.checkpoint.state.step if pre.checkpoint else 0, "interrupted": True}
-        signal.signal(signal.SIGTERM, _raise_interrupt)  # the loop's handler went with the loop
+                if rt.local is not None:
+                    with contextlib.suppress(Exception):  # the emulator's own count
+                        summary["acr/sessions_open_at_exit"] = rt.local.stats().sessions_open
+        install_unwinding()  # the loop's handlers went with the loop
     if cfg.mode.name == "eval":
         print(json.dumps(summary, indent=2, allow_nan=True), flush=True)
         print(f"run_dir: {run_dir} (eval.jsonl, eval_summary.json)", flush=True)

@@ -3,7 +3,8 @@
     python scripts/bench_stop.py --modes async,sync --tries 3 [--out F.json] [OVERRIDE ...]
 
 Each try starts `python -m orchestrator.main` (the embedded default: `rollout=local`, the tiny
-model) in its own process group and run_dir, waits for the `[step 1/` line, records the driver's
+model) in its own process group and run_dir, waits for the `[step 1/` line (or the first line with
+`--at TEXT`, then `--delay` seconds: a stop during startup), records the driver's
 descendants and the /dev/shm files they map, then sends the signal of the mode (async: SIGINT to
 the whole group, as a terminal's Ctrl-C does; sync: SIGTERM to the driver, as a scheduler does)
 and measures the time to the driver's exit. Then, after up to LEFTOVER_WAIT_S: processes of the
@@ -40,13 +41,14 @@ from orchestrator.stopping import STOP_MARK  # noqa: E402
 
 TARGET_S = 10.0  # issue 14: the first Ctrl-C / SIGTERM ends the run within this (seconds)
 LEFTOVER_WAIT_S = 15.0  # processes of the run must be gone by then (the reaper's grace included)
+STEP1 = "[step 1/"  # the default moment of the signal: the first step's console line
 STEP1_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 120.0
 SIGNAL_OF = {"async": signal.SIGINT, "sync": signal.SIGTERM}
 JOB = ["trainer.total_steps=50", "rollout.batch_size=2", "rollout.n=2", "logger=console"]
 
 
-def one_try(mode: str, run_dir: Path, overrides: list[str]) -> dict:
+def one_try(mode: str, run_dir: Path, overrides: list[str], at: str = STEP1, delay_s: float = 0.0) -> dict:
     sig = SIGNAL_OF[mode]
     t_start = time.monotonic()
     proc = subprocess.Popen(
@@ -60,10 +62,11 @@ def one_try(mode: str, run_dir: Path, overrides: list[str]) -> dict:
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
             if not line:
-                return {"mode": mode, "error": "exited before step 1", "output": "".join(head[-30:])}
+                return {"mode": mode, "error": f"exited before a line with {at!r}", "output": "".join(head[-30:])}
             head.append(line)
-            if line.startswith("[step 1/"):
+            if at in line:
                 break
+        time.sleep(delay_s)
         record = Record(proc.pid)
         record.scan()
         tree, shm = list(record.procs.items()), set(record.shm)
@@ -89,7 +92,7 @@ def one_try(mode: str, run_dir: Path, overrides: list[str]) -> dict:
     reaper = run_dir / "logs" / "reaper.log"
     console = [ln for ln in rest.splitlines() if ln.strip() and not ln.startswith("[step ")]
     return {
-        "mode": mode, "signal": signal.Signals(sig).name, "step1_s": round(step1_s, 1), "stop_s": round(stop_s, 2), "exit": proc.returncode,
+        "mode": mode, "at": at, "signal": signal.Signals(sig).name, "step1_s": round(step1_s, 1), "stop_s": round(stop_s, 2), "exit": proc.returncode,
         "interrupted": summary.get("interrupted"), "sessions_open": summary.get("acr/sessions_open_at_exit"),
         "processes_left": len(still_running(tree)), "processes": len(tree), "alive_at_exit": at_exit,
         "shm_left": [e.name for e in os.scandir("/dev/shm") if e.inode() in shm],
@@ -107,7 +110,9 @@ def _name(pid: int) -> str:
 
 
 def clean(r: dict) -> bool:
-    return (r.get("exit") == 130 and r.get("interrupted") is True and r.get("sessions_open") == 0
+    # no ACR session count: stopped before the local stack's emulator answered (startup), no session opened
+    sessions_ok = r.get("sessions_open") == 0 or (r.get("sessions_open") is None and r.get("at") != STEP1)
+    return (r.get("exit") == 130 and r.get("interrupted") is True and sessions_ok
             and not r.get("processes_left") and not r.get("shm_left") and not r.get("traceback"))
 
 
@@ -115,8 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", default="async,sync")
     p.add_argument("--tries", type=int, default=3)
+    p.add_argument("--at", default=STEP1, help="send the signal on the first console line containing this text "
+                   "(e.g. 'inference replica' or 'starting Ray' for the startup window; default: step 1's line)")
     p.add_argument("--out", default=None, help="write every try as JSON here")
     p.add_argument("--keep", default=None, help="keep the run dirs under this folder (default: a temporary one)")
+    p.add_argument("--delay", type=float, default=0.0, help="seconds from that line to the signal")
     p.add_argument("overrides", nargs="*", help="key=value overrides for the job")
     args = p.parse_args(argv)
     print(f"load: {os.getloadavg()[0]:.1f} {os.getloadavg()[1]:.1f} {os.getloadavg()[2]:.1f} "
@@ -126,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = args.keep or tmp
         for i in range(args.tries):
             for mode in args.modes.split(","):
-                r = one_try(mode, Path(tmp) / f"{mode}-{i}", args.overrides)
+                r = one_try(mode, Path(tmp) / f"{mode}-{i}", args.overrides, args.at, args.delay)
                 runs.append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "timeline"}), flush=True)
                 for step in r.get("timeline", []):

@@ -108,7 +108,7 @@ def parts(stack, cluster):
         GatewayConfig(model_path=model_dir, served_model_name=MODEL_ID, max_context_tokens=256), [ScriptedEngine([(7, 8, 2)])])
     base_url = ray.get(gateway.start.remote(), timeout=60)
     sink = ray.remote(num_cpus=0)(SampleCollector).remote()
-    limits = start_limit_actors(LIMITS, suffix=f"-{uuid.uuid4().hex[:6]}")
+    limits = asyncio.run(start_limit_actors(LIMITS, suffix=f"-{uuid.uuid4().hex[:6]}"))
     yield gateway, base_url, sink, limits
     ray.get(gateway.stop.remote(), timeout=30)
 
@@ -243,10 +243,10 @@ async def test_a_streak_of_bad_results_stops_the_run(stack, parts):
     assert (await asyncio.to_thread(stack.stats)).sessions_open == 0
 
 
-def test_limit_actors_are_shared_by_name_and_refuse_other_limits(cluster):
+async def test_limit_actors_are_shared_by_name_and_refuse_other_limits(cluster):
     suffix = f"-{uuid.uuid4().hex[:6]}"
-    a = start_limit_actors(LIMITS, suffix=suffix)
-    b = start_limit_actors(LIMITS, suffix=suffix)
+    a = await start_limit_actors(LIMITS, suffix=suffix)
+    b = await start_limit_actors(LIMITS, suffix=suffix)
     assert a.rate._actor_id == b.rate._actor_id and a.sessions._actor_id == b.sessions._actor_id
     with pytest.raises(ValueError, match="already run with"):
-        start_limit_actors(AcrLimitsConfig(requests_per_s=1.0, max_open_sessions=1), suffix=suffix)
+        await start_limit_actors(AcrLimitsConfig(requests_per_s=1.0, max_open_sessions=1), suffix=suffix)

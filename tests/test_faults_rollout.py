@@ -66,9 +66,9 @@ def cluster(stack):
         yield
 
 
-def _pool(stack, redispatch: int, timeout_s: float = 30.0):
+async def _pool(stack, redispatch: int, timeout_s: float = 30.0):
     sink = ray.remote(num_cpus=0)(Collector).remote()
-    limits = start_limit_actors(AcrLimitsConfig(requests_per_s=300.0, max_open_sessions=64),
+    limits = await start_limit_actors(AcrLimitsConfig(requests_per_s=300.0, max_open_sessions=64),
                                 suffix=f"-{uuid.uuid4().hex[:6]}")
     exp_id = f"lost-{uuid.uuid4().hex[:6]}"
     s = RolloutSettings(exp_id=exp_id, agent_runtime_arn=stack.agent_runtime_arn, qualifier=None,
@@ -106,7 +106,7 @@ async def _settled(stack, limits) -> None:
 
 
 async def test_lost_actor_rollouts_rerun_once_under_new_sessions(stack, cluster):
-    pool, actors, sink, limits = _pool(stack, redispatch=1)
+    pool, actors, sink, limits = await _pool(stack, redispatch=1)
     reqs = _reqs(8)
     outcomes = await _kill_while_running(stack, pool, actors[0], reqs, "p1")
     assert [(o.group_id, o.sample_index) for o in outcomes] == [(r.group_id, r.sample_index) for r in reqs]
@@ -123,7 +123,7 @@ async def test_lost_actor_rollouts_rerun_once_under_new_sessions(stack, cluster)
 
 
 async def test_without_redispatch_lost_rollouts_fail_actor_lost(stack, cluster):
-    pool, actors, sink, limits = _pool(stack, redispatch=0)
+    pool, actors, sink, limits = await _pool(stack, redispatch=0)
     reqs = _reqs(4)
     outcomes = await _kill_while_running(stack, pool, actors[1], reqs, "p2")
     lost = [o for o in outcomes if o.status == "failed"]
@@ -138,7 +138,7 @@ async def test_without_redispatch_lost_rollouts_fail_actor_lost(stack, cluster):
 
 
 async def test_server_restarts_fail_in_flight_rollouts_with_a_named_reason_and_the_run_goes_on(stack, cluster):
-    pool, _, _, limits = _pool(stack, redispatch=1, timeout_s=6.0)
+    pool, _, _, limits = await _pool(stack, redispatch=1, timeout_s=6.0)
     in_flight = asyncio.ensure_future(pool.run_all(_reqs(2), "r1"))
     deadline = time.monotonic() + TIMEOUT_S
     while stack.stats().sessions_open < 2:

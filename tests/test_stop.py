@@ -32,6 +32,15 @@ from stand_ins import FileTrainer, wait_until
 REPO = Path(__file__).resolve().parent.parent
 ROWS = [{"input_id": f"p{i}", "prompt": "x"} for i in range(10)]
 
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """A fired `Interrupts` leaves `exit_at_once` for later signals: not for the next test."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
 # A stand-in driver: starts a server in its own session (as LocalStack does) whose child holds a
 # named semaphore (spawn-context multiprocessing leaves /dev/shm/sem.mp-* until finalized), leaves
 # a checkpoint staging folder, starts the real reaper, reports, then waits to be killed.
@@ -111,6 +120,80 @@ async def test_interrupt_stops_a_task_that_swallows_its_cancellation():
         await asyncio.wait_for(guarded, 3 * CANCEL_GRACE_S)
     assert swallowed and time.monotonic() - t0 < 2 * CANCEL_GRACE_S
     assert interrupts.interrupted
+
+
+# A stand-in driver for the handlers outside the event loop: `before` (nothing started yet) or
+# `unwinding` (the first signal raises KeyboardInterrupt; the driver then takes its time to clean up).
+HANDLED = textwrap.dedent("""
+    import sys, time
+    from orchestrator import stopping
+    getattr(stopping, "install_" + sys.argv[1])()
+    try:
+        print("ready", flush=True)
+        time.sleep(60)
+    except KeyboardInterrupt as exc:
+        print(f"unwinding {exc}", flush=True)
+        time.sleep(60)  # a slow cleanup: a second signal must not wait for it
+""")
+
+
+def _handled(window: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HANDLED, window], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def test_a_signal_before_the_run_started_anything_exits_130_with_one_line():
+    """Regression: a Ctrl-C while the driver imported its libraries printed a KeyboardInterrupt
+    traceback. Before anything is started a signal ends the process at once: one line, status 130."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        proc = _handled("before_start")
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=10)
+        assert proc.returncode == 130 and out == ""
+        assert err == f"interrupted: {signal.Signals(sig).name} before the run started anything\n"
+
+
+def test_first_signal_unwinds_and_a_second_exits_at_once():
+    """The first SIGTERM raises KeyboardInterrupt where the driver is (so its ExitStack stops what
+    it started, as a Ctrl-C does); a second signal during that cleanup exits at once with status
+    130 and one line (README: a second Ctrl-C exits at once), leaving the rest to the reaper."""
+    proc = _handled("unwinding")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.stdout.readline() == "unwinding SIGTERM\n"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=10)
+    assert proc.returncode == 130 and time.monotonic() - t0 < 5
+    assert err.startswith("interrupted again (SIGINT): exiting now") and "Traceback" not in err
+
+
+def test_ray_inits_own_sigterm_exit_counts_as_the_first_signal():
+    """While ray.init runs, its own SIGTERM handler raises SystemExit(15): the driver takes it for
+    the first SIGTERM (KeyboardInterrupt: unwind, summary.json) and a later signal exits at once."""
+    from orchestrator.stopping import exit_at_once, interrupt_from
+
+    with pytest.raises(SystemExit):
+        interrupt_from(SystemExit(2))
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        interrupt_from(SystemExit(signal.SIGTERM))
+    assert signal.getsignal(signal.SIGTERM) is exit_at_once and signal.getsignal(signal.SIGINT) is exit_at_once
+
+
+async def test_a_second_signal_after_the_guard_fired_exits_at_once():
+    """In the event loop the first signal cancels the guarded work; a later one no longer reaches
+    the loop but `exit_at_once` (README: a second Ctrl-C exits at once)."""
+    from orchestrator.stopping import exit_at_once
+
+    interrupts = Interrupts()
+    interrupts.install()
+    guarded = asyncio.ensure_future(interrupts.guard(asyncio.sleep(60)))
+    await asyncio.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGTERM)
+    with pytest.raises(RunInterrupted, match="SIGTERM"):
+        await asyncio.wait_for(guarded, CANCEL_GRACE_S)
+    assert all(signal.getsignal(s) is exit_at_once for s in (signal.SIGINT, signal.SIGTERM))
 
 
 async def test_guard_returns_the_result_or_the_error_without_a_signal():

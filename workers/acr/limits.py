@@ -404,23 +404,25 @@ def local_limits(cfg: AcrLimitsConfig, clock: Clock | None = None) -> LimitHandl
                         SessionCapService(cfg.max_open_sessions))
 
 
-def start_limit_actors(cfg: AcrLimitsConfig, *, suffix: str = "") -> LimitHandles:
-    """Get or create the two named limit actors (one per cluster and name suffix).
-
-    Raises ValueError when an actor of that name already runs with different limits.
-    """
+async def start_limit_actors(cfg: AcrLimitsConfig, *, suffix: str = "") -> LimitHandles:
+    """Get or create the two named limit actors (one per cluster and name suffix), awaiting them
+    (a driver's event loop stays free for a Ctrl-C meanwhile). Raises ValueError when an actor of
+    that name already runs with different limits."""
     import ray
 
-    rate_cls = ray.remote(num_cpus=0, max_concurrency=1000)(RateLimiterService)
-    cap_cls = ray.remote(num_cpus=0, max_concurrency=1000)(SessionCapService)
-    rate = rate_cls.options(name=RATE_ACTOR_NAME + suffix, get_if_exists=True).remote(cfg.bucket_rate_per_s,
-                                                                                      cfg.bucket_burst)
-    sessions = cap_cls.options(name=SESSIONS_ACTOR_NAME + suffix, get_if_exists=True).remote(cfg.max_open_sessions)
-    r, s = ray.get([rate.stats.remote(), sessions.stats.remote()])
+    def named(cls: type, name: str) -> Any:
+        return ray.remote(num_cpus=0, max_concurrency=1000)(cls).options(name=name + suffix, get_if_exists=True)
+
+    h = LimitHandles(named(RateLimiterService, RATE_ACTOR_NAME).remote(cfg.bucket_rate_per_s, cfg.bucket_burst),
+                     named(SessionCapService, SESSIONS_ACTOR_NAME).remote(cfg.max_open_sessions))
+    return _checked(h, cfg, suffix, *await asyncio.gather(h.rate.stats.remote(), h.sessions.stats.remote()))
+
+
+def _checked(handles: LimitHandles, cfg: AcrLimitsConfig, suffix: str, r: Any, s: Any) -> LimitHandles:
     if (r.limit, r.burst, s.limit) != (cfg.bucket_rate_per_s, cfg.bucket_burst, cfg.max_open_sessions):
         raise ValueError(f"limit actors '{RATE_ACTOR_NAME + suffix}'/'{SESSIONS_ACTOR_NAME + suffix}' already run "
                          f"with rate={r.limit}/burst={r.burst}/sessions={s.limit}, not {cfg}")
-    return LimitHandles(rate, sessions)
+    return handles
 
 
 def limit_clients(handles: LimitHandles, owner: str = "") -> LimitClients:

@@ -116,6 +116,8 @@ class _Owned:
     controller: Any
     storage_units: list[Any] = field(default_factory=list)
     start_timeout_s: float = 120.0
+    names: tuple[str, ...] = ()
+    op_timeout_s: float = 60.0
 
 
 class TrajectoryBuffer:
@@ -135,47 +137,36 @@ class TrajectoryBuffer:
 
     @classmethod
     def start(cls, config: BufferConfig | None = None) -> TrajectoryBuffer:
-        """Create the TQ controller and storage units in the current Ray cluster; return an owning buffer.
-
-        Requires `ray.init` to have run. Raises TimeoutError (from Ray) when an actor does not
-        come up within `config.start_timeout_s`.
-        """
+        """Create the TQ controller and storage units in the current Ray cluster (`ray.init` first);
+        return an owning buffer. Raises TimeoutError when one is not up within `config.start_timeout_s`."""
         import ray
-        from transfer_queue.controller import TransferQueueController
-        from transfer_queue.sampler import SequentialSampler
-        from transfer_queue.storage.simple_storage import SimpleStorageUnit
 
-        cfg = config or BufferConfig()
-        if not ray.is_initialized():
-            raise RuntimeError("TrajectoryBuffer.start needs a Ray cluster: call ray.init first")
-        prefix = f"trajectory-buffer-{uuid.uuid4().hex[:8]}"
-        names = (f"{prefix}-controller", *(f"{prefix}-storage-{i}" for i in range(cfg.num_storage_units)))
-        controller = TransferQueueController.options(name=names[0], num_cpus=cfg.actor_num_cpus).remote(
-            sampler=SequentialSampler, polling_mode=True
-        )
-        owned = _Owned(controller=controller, start_timeout_s=cfg.start_timeout_s)
+        owned, ready = _launch(config or BufferConfig())
         try:
-            unit_cfg = {
-                "total_storage_size": cfg.capacity_rows,
-                "num_data_storage_units": cfg.num_storage_units,
-                "_run_id": uuid.uuid4().hex,
-            }
-            owned.storage_units = [
-                SimpleStorageUnit.options(name=name, num_cpus=cfg.actor_num_cpus).remote(config=unit_cfg)
-                for name in names[1:]
-            ]
-            controller_info = ray.get(controller.get_zmq_server_info.remote(), timeout=cfg.start_timeout_s)
-            infos = ray.get([u.get_zmq_server_info.remote() for u in owned.storage_units], timeout=cfg.start_timeout_s)
-            handle = BufferHandle(
-                controller_info=controller_info,
-                storage_infos={f"unit-{i}": info for i, info in enumerate(infos)},
-                op_timeout_s=cfg.op_timeout_s,
-                actor_names=names,
-            )
-            return cls(handle, _make_client(handle), owned)
+            return cls._owning(owned, ray.get(ready, timeout=owned.start_timeout_s))
         except BaseException:
             _kill_owned(owned)
             raise
+
+    @classmethod
+    async def start_async(cls, config: BufferConfig | None = None) -> TrajectoryBuffer:
+        """`start` that awaits the actors instead of blocking the thread, so a driver's event loop
+        handles a Ctrl-C while they come up (seconds beside starting engines); cancelled, it kills
+        them. Raises TimeoutError after `config.start_timeout_s`."""
+        owned, ready = _launch(config or BufferConfig())
+        try:
+            async with asyncio.timeout(owned.start_timeout_s):
+                return cls._owning(owned, await asyncio.gather(*ready))
+        except BaseException:
+            _kill_owned(owned, graceful=False)  # the units may still be starting: no shutdown call to wait on
+            raise
+
+    @classmethod
+    def _owning(cls, owned: _Owned, infos: Sequence[Any]) -> TrajectoryBuffer:
+        """The owning buffer once the actors answered (`infos`: the controller's ZMQ info, then each unit's)."""
+        handle = BufferHandle(infos[0], {f"unit-{i}": info for i, info in enumerate(infos[1:])}, owned.op_timeout_s,
+                              owned.names)
+        return cls(handle, _make_client(handle), owned)
 
     @classmethod
     def connect(cls, handle: BufferHandle) -> TrajectoryBuffer:
@@ -411,12 +402,39 @@ def _make_client(handle: BufferHandle) -> Any:
 SHUTDOWN_TIMEOUT_S = 5.0  # a storage unit gets this long to stop cleanly (s), then it is killed
 
 
-def _kill_owned(owned: _Owned) -> None:
-    """Shut the storage units down (bounded), then kill every actor we created."""
+def _launch(cfg: BufferConfig) -> tuple[_Owned, list[Any]]:
+    """Create the TQ actors (not waited for); return them and the refs of their ZMQ infos
+    (controller first). Raises RuntimeError without a Ray cluster."""
+    import ray
+    from transfer_queue.controller import TransferQueueController
+    from transfer_queue.sampler import SequentialSampler
+    from transfer_queue.storage.simple_storage import SimpleStorageUnit
+
+    if not ray.is_initialized():
+        raise RuntimeError("TrajectoryBuffer.start needs a Ray cluster: call ray.init first")
+    prefix = f"trajectory-buffer-{uuid.uuid4().hex[:8]}"
+    names = (f"{prefix}-controller", *(f"{prefix}-storage-{i}" for i in range(cfg.num_storage_units)))
+    controller = TransferQueueController.options(name=names[0], num_cpus=cfg.actor_num_cpus).remote(
+        sampler=SequentialSampler, polling_mode=True)
+    owned = _Owned(controller, [], cfg.start_timeout_s, names, cfg.op_timeout_s)
+    unit_cfg = {"total_storage_size": cfg.capacity_rows, "num_data_storage_units": cfg.num_storage_units,
+                "_run_id": uuid.uuid4().hex}
+    try:
+        owned.storage_units = [SimpleStorageUnit.options(name=n, num_cpus=cfg.actor_num_cpus).remote(config=unit_cfg)
+                               for n in names[1:]]
+    except BaseException:
+        _kill_owned(owned, graceful=False)
+        raise
+    return owned, [a.get_zmq_server_info.remote() for a in (controller, *owned.storage_units)]
+
+
+def _kill_owned(owned: _Owned, *, graceful: bool = True) -> None:
+    """Shut the storage units down (bounded; `graceful` only), then kill every actor we created."""
     import ray
 
     try:
-        ray.get([u.shutdown.remote() for u in owned.storage_units], timeout=SHUTDOWN_TIMEOUT_S)
+        if graceful:
+            ray.get([u.shutdown.remote() for u in owned.storage_units], timeout=SHUTDOWN_TIMEOUT_S)
     except Exception as e:  # noqa: BLE001 - a unit that will not shut down cleanly is killed below anyway
         logger.warning("TransferQueue storage units did not shut down cleanly (%s); killing them", e)
     for actor in [*owned.storage_units, owned.controller]:
