@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from orchestrator.build import agent_start_failure
 from orchestrator.preflight import kv_cache_min_bytes
 
