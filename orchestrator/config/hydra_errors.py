@@ -20,7 +20,6 @@ from omegaconf.errors import OmegaConfBaseException
 from orchestrator.config.errors import unknown_key
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-SCHEMA_SUFFIX = "_schema"  # the ConfigStore schemas listed beside a group's yaml choices
 
 
 def _override_key(override: str) -> str:
@@ -47,8 +46,7 @@ def describe(exc: BaseException, overrides: list[str]) -> str:
     `exc` caused by the command line `overrides`."""
     if isinstance(exc, MissingConfigException) and exc.missing_cfg_file and "/" in exc.missing_cfg_file:
         group, choice = exc.missing_cfg_file.rsplit("/", 1)
-        options = [o for o in (exc.options or []) if not o.endswith(SCHEMA_SUFFIX)]
-        return f"{group}: no choice {choice!r}; valid choices: {', '.join(options)}"
+        return f"{group}: no choice {choice!r}; valid choices: {', '.join(exc.options or [])}"
     if isinstance(exc, OverrideParseException):
         bad = next((o for o in overrides if not _parses(o)), " ".join(overrides))
         return (f"cannot parse the override {bad!r}: {str(exc).splitlines()[0]} (quote a value with spaces or "
@@ -83,13 +81,6 @@ def check_overrides(overrides: list[str], config_name: str = "config") -> str | 
     from hydra import compose, initialize_config_dir
 
     mine = [o for o in overrides if not _override_key(o).startswith("hydra.")]
-    for o in mine:  # `mode=mode_schema` would compose the bare schema (a config nobody wrote) and run it
-        value = o.partition("=")[2]
-        group = _override_key(o)
-        if value.strip().endswith(SCHEMA_SUFFIX) and (CONFIG_DIR / group).is_dir():
-            choices = sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
-            return f"{group}: no choice {value.strip()!r} (the schema the group's configs extend); valid choices: " \
-                   f"{', '.join(choices)}"
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             compose(config_name, overrides=mine)

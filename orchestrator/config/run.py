@@ -113,7 +113,7 @@ def async_loop_settings(run: RunConfig) -> AsyncLoopSettings:
         on_stale=run.async_.on_stale, filter_zero_variance=run.algorithm.filter_zero_variance)
 
 
-# config group -> its schema; each group's yaml files extend `<group>_schema` (see configs/)
+# config group -> its schema; each group's yaml files extend `/schema/<group>` (see configs/)
 GROUP_SCHEMAS: dict[str, type] = {
     "mode": ModeConfig, "cluster": ClusterConfig, "model": ModelConfig, "trainer": TrainerConfig,
     "inference": InferenceConfig, "rollout": RolloutConfig, "task": TaskConfig,
@@ -128,10 +128,12 @@ def _attr(group: str) -> str:
 
 
 def register() -> None:
-    """Register each group's schema as `<group>/<group>_schema` in Hydra's ConfigStore."""
+    """Register each group's schema as `schema/<group>` in Hydra's ConfigStore: outside the groups
+    themselves, so a schema is never one of a group's choices (`mode=<schema>` would compose a
+    config nobody wrote); a group's yaml files extend it with `- /schema/<group>@_here_`."""
     cs = ConfigStore.instance()
     for group, node in GROUP_SCHEMAS.items():
-        cs.store(group=group, name=f"{group}_schema", node=node)
+        cs.store(group="schema", name=group, node=node)
 
 
 def _unwrap(exc: Exception) -> ConfigError:
@@ -165,7 +167,7 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
         except Exception as exc:  # omegaconf wraps __post_init__ errors and type errors
             raise _unwrap(exc) from None
         if not isinstance(obj, schema):
-            raise ConfigError(f"{group}: does not extend {group}_schema (got {type(obj).__name__})")
+            raise ConfigError(f"{group}: does not extend /schema/{group} (got {type(obj).__name__})")
         _refuse_unknown_keys(cfg[group], obj, group)
         parts[_attr(group)] = obj
     unknown = sorted(set(cfg.keys()) - set(GROUP_SCHEMAS) - set(TOP_LEVEL_KEYS) - {"hydra", "experiment"})
