@@ -91,11 +91,16 @@ def run(cfg: RunConfig) -> dict:
     try:
         return _run_started(cfg, pre, t_start)
     except KeyboardInterrupt:  # outside the event loop: starting the local stack or Ray, or stopping
-        summary = {"steps": pre.checkpoint.state.step if pre.checkpoint else 0, "interrupted": True}
+        summary = _interrupted_before_a_step(pre)
         if cfg.mode.name != "eval":  # an evaluation writes eval_summary.json, not summary.json
             _write_summary(run_dir, summary, pre, t_start)
             mark("summary.json written")
         return summary
+
+
+def _interrupted_before_a_step(pre) -> dict:
+    """The summary of a run stopped before its loop ran a step: the resumed checkpoint's step, if any."""
+    return {"steps": pre.checkpoint.state.step if pre.checkpoint else 0, "interrupted": True}
 
 
 def _run_started(cfg: RunConfig, pre, t_start: float) -> dict:
@@ -155,7 +160,7 @@ def _run_started(cfg: RunConfig, pre, t_start: float) -> dict:
             try:
                 summary = asyncio.run(train())
             except RunInterrupted:  # while the parts were being built: no rollout ran
-                summary = {"steps": pre.checkpoint.state.step if pre.checkpoint else 0, "interrupted": True}
+                summary = _interrupted_before_a_step(pre)
                 if rt.local is not None:
                     with contextlib.suppress(Exception):  # the emulator's own count
                         summary["acr/sessions_open_at_exit"] = rt.local.stats().sessions_open

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # the product's modules and workload_from_run, imported where used
 CONFIGS = ("sync_1", "sync_2", "async_1", "async_2")
 
 
@@ -78,8 +79,9 @@ def _figures(name: str, args: argparse.Namespace, run_dir: Path, wall_s: float) 
     n = _group_size(run_dir)
     base = all_steps[args.warmup_steps - 1] if args.warmup_steps else {}
     samples = n * (all_steps[-1].get("rollout/trained_groups", 0.0) - base.get("rollout/trained_groups", 0.0))
-    finished = sum(all_steps[-1].get(f"rollout/{k}", 0.0) - base.get(f"rollout/{k}", 0.0)
-                   for k in ("completed", "filtered", "failed", "expired"))
+    from orchestrator.sim.run import finished_rollouts  # the simulator's count, so both sides count alike
+
+    finished = finished_rollouts(all_steps[-1]) - finished_rollouts(base)
     masked = [s.get("rollout_corr/rollout_rs_masked_fraction", 0.0) for s in steps]
     return {
         "config": name,
@@ -112,7 +114,6 @@ def _group_size(run_dir: Path) -> int:
 def validate(rows: list[dict], work: Path, args: argparse.Namespace) -> list[dict]:
     """Fit a workload from the `--fit-from` run, simulate every configuration of `rows` on it (one
     shared CPU machine, as cluster=local), return measured vs predicted per configuration."""
-    sys.path[:0] = [str(REPO), str(REPO / "scripts")]
     import yaml
     from dataclasses import replace
 
@@ -195,7 +196,6 @@ def main() -> None:
             print(f"running {name} ...", flush=True)
             rows.append(run_config(name, args, work))
         if args.report:
-            sys.path.insert(0, str(REPO))
             from orchestrator.report import build_report
 
             html, plots = build_report([work / n for n in names], args.report, warmup_steps=args.warmup_steps)

@@ -63,10 +63,10 @@ class InferenceConfig:
               f"must be null or >= inference.max_model_len={self.max_model_len} with inference=vllm_cpu (no chunked "
               "prefill on CPU: vLLM's CPU build cannot resume a seeded request's sampler after a split prompt)",
               self.max_num_batched_tokens)
-        check(self.block_size is None or (self.block_size > 0 and self.block_size % (32 if self.name == "vllm_cpu" else 16) == 0),
-              "inference.block_size", "must be null (vLLM's default: 128 tokens on CPU, 16 on GPU) or a positive multiple of "
-              + ("32 with inference=vllm_cpu (its attention kernel's block sizes)" if self.name == "vllm_cpu" else "16"),
-              self.block_size)
+        step = 32 if self.name == "vllm_cpu" else 16  # vLLM's CPU attention kernel takes multiples of 32 only
+        check(self.block_size is None or (self.block_size > 0 and self.block_size % step == 0), "inference.block_size",
+              f"must be null (vLLM's default: 128 tokens on CPU, 16 on GPU) or a positive multiple of {step} with "
+              f"inference={self.name}", self.block_size)
         one_of(self.dtype, "inference.dtype", INFERENCE_DTYPES)
         check(self.max_restarts >= 0, "inference.max_restarts", "must be >= 0", self.max_restarts)
         check(self.health_check_s > 0, "inference.health_check_s", "must be > 0", self.health_check_s)

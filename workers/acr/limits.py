@@ -415,14 +415,11 @@ async def start_limit_actors(cfg: AcrLimitsConfig, *, suffix: str = "") -> Limit
 
     h = LimitHandles(named(RateLimiterService, RATE_ACTOR_NAME).remote(cfg.bucket_rate_per_s, cfg.bucket_burst),
                      named(SessionCapService, SESSIONS_ACTOR_NAME).remote(cfg.max_open_sessions))
-    return _checked(h, cfg, suffix, *await asyncio.gather(h.rate.stats.remote(), h.sessions.stats.remote()))
-
-
-def _checked(handles: LimitHandles, cfg: AcrLimitsConfig, suffix: str, r: Any, s: Any) -> LimitHandles:
+    r, s = await asyncio.gather(h.rate.stats.remote(), h.sessions.stats.remote())
     if (r.limit, r.burst, s.limit) != (cfg.bucket_rate_per_s, cfg.bucket_burst, cfg.max_open_sessions):
         raise ValueError(f"limit actors '{RATE_ACTOR_NAME + suffix}'/'{SESSIONS_ACTOR_NAME + suffix}' already run "
                          f"with rate={r.limit}/burst={r.burst}/sessions={s.limit}, not {cfg}")
-    return handles
+    return h
 
 
 def limit_clients(handles: LimitHandles, owner: str = "") -> LimitClients:

@@ -216,7 +216,7 @@ class SessionTable:
 
     def expire(self, now_s: float) -> list[str]:
         """End idle and over-age sessions; returns their ids (callers release their resources)."""
-        aged = [sid for sid, s in self._sessions.items() if now_s - s.created_s >= self._max_lifetime_s]
+        aged = {sid for sid, s in self._sessions.items() if now_s - s.created_s >= self._max_lifetime_s}
         gone = [
             sid
             for sid, s in self._sessions.items()
