@@ -31,14 +31,12 @@ fits, and from what (the first `--warmup-steps` steps, engine warm-up, are skipp
   from the run's CPU record (`perf/cpu_s/<part>`, orchestrator/cpu_usage.py):
   - `cores`: `cluster.num_cpus`, else this machine's (given);
   - `rollout_start_cpu_s` + `agent.overhead_s` (the rollout's own CPU work when it starts and after
-    its last turn) and `background_cores`: the CPU seconds of every part but the trainer (driver,
-    engines, gateway, rollout actors, emulator + agents + moto, Ray's own), split by least squares
-    over the steps into seconds per rollout dispatched in the step and cores per second of step
-    (fitted; on a run that kept every core busy, e.g. async on this 2-core machine, the split says
-    nothing and all of it is work per rollout); the engines' CPU is counted in the rollouts' work
-    (`engine_cores: 0`; the engines
-    still slow down when the cores are short); half of the work at the start, half at the end
-    (`START_SHARE`, assumed: the split is not in the record);
+    its last turn): the CPU seconds of every part but the trainer (driver, engines, gateway,
+    rollout actors, emulator + agents + moto, Ray's own) per rollout dispatched, background
+    included (`background_cores: 0`; `fit_cpu` says why it is not split off); the engines' CPU is
+    counted in the rollouts' work (`engine_cores: 0`; the engines still slow down when the cores
+    are short); half of the work at the start, half at the end (`START_SHARE`, assumed: the split
+    is not in the record);
   - `trainer_cores`: the trainer's CPU seconds over its update and weight-sync seconds (fitted);
   - the sample store's calls: a sync step's time outside generation, update and weight sync (one
     `clear`) and its generation after its slowest rollout, per sample (one read) (fitted);
@@ -76,7 +74,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from orchestrator.sim.workload import parse_workload  # noqa: E402
 
 CPU_BATCH_DOUBLING = 16  # running sequences that double a CPU engine step (assumed)
-SATURATED = 0.9  # a run whose parts used this share of the machine's cores on average kept it busy
 START_SHARE = 0.5  # share of a rollout's CPU work done when it starts, the rest after its last turn (assumed)
 ROLLOUT_SIDE_PARTS = ("driver", "inference", "gateway", "rollout", "local_stack", "other")  # perf/cpu_s/<part>
 
@@ -141,47 +138,29 @@ def fit_update(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return fixed, slope
 
 
-def _lsq2(x1: list[float], x2: list[float], y: list[float]) -> tuple[float, float]:
-    """(a, b) >= 0 minimising Σ (y - a·x1 - b·x2)² (no intercept); a coefficient the data would
-    make negative is 0 and the other is fitted alone."""
-    s11, s22 = sum(a * a for a in x1), sum(b * b for b in x2)
-    s12, s1y, s2y = sum(a * b for a, b in zip(x1, x2)), sum(a * c for a, c in zip(x1, y)), sum(b * c for b, c in zip(x2, y))
-    det = s11 * s22 - s12 * s12
-    if det > 1e-12 * max(1.0, s11 * s22):
-        a, b = (s1y * s22 - s2y * s12) / det, (s2y * s11 - s1y * s12) / det
-        if a >= 0 and b >= 0:
-            return a, b
-    only_a, only_b = (max(0.0, s1y / s11) if s11 else 0.0, 0.0), (0.0, max(0.0, s2y / s22) if s22 else 0.0)
-    err = [sum((c - p[0] * a - p[1] * b) ** 2 for a, b, c in zip(x1, x2, y)) for p in (only_a, only_b)]
-    return only_a if err[0] <= err[1] else only_b
-
-
-def fit_cpu(use: list[dict], prev: dict, cores: float) -> dict | None:
+def fit_cpu(use: list[dict], prev: dict) -> dict | None:
     """The machine's CPU figures from `perf/cpu_s/*` (orchestrator/cpu_usage.py), or None when the
-    run did not log them. Every part but the trainer is split, by least squares over the steps,
-    into CPU seconds per rollout dispatched in the step and cores kept busy per second of it:
-    `rollout_cpu_s` and `background_cores` (sums over those parts). On a run that kept the
-    machine's `cores` busy (>= `SATURATED` of them on average) the CPU a step used is its length
-    times the cores, whatever it did, so that split says nothing: all of it is work per rollout
-    dispatched (`background_cores` 0: what idles at the background, engines polling, Ray's
-    loops, gets no core while every core has work). `trainer_cores`: the trainer's CPU seconds
-    over its update and weight-sync seconds."""
+    run did not log them. `rollout_cpu_s`: the CPU seconds of every part but the trainer (driver,
+    engines, gateway, rollout actors, emulator + agents + moto, Ray's own) per rollout dispatched,
+    all of it (`background_cores` 0). Why not split it into work per rollout and cores kept busy
+    per second, by least squares over the steps: a sync step dispatches the same number of
+    rollouts every time, so that split rests on how the CPU follows the step's length alone,
+    which the slowest rollout's environment time sets; and on a run that kept every core busy
+    the CPU a step used is its length times the cores whatever it did. What runs in the background (Ray's
+    loops, engines and actors polling) grows with the work: measured on this project's bench
+    (README, "Planning a cluster"), the rollout side's CPU per rollout dispatched of a saturated
+    async run matched its sync run's total per rollout within the run's noise, while a split
+    sync fit left 0.27-0.34 cores of background that the simulator then kept from the rollouts
+    at saturation (async over-predicted by 11-56 %).
+    `trainer_cores`: the trainer's CPU seconds over its update and weight-sync seconds."""
     keys = [f"perf/cpu_s/{p}" for p in (*ROLLOUT_SIDE_PARTS, "trainer")]
     if not all(k in r for r in use for k in keys):
         return None
-    disp, step_s, y = [], [], []
-    for before, r in zip([prev, *use], use):
-        disp.append(r.get("rollout/dispatched", 0.0) - before.get("rollout/dispatched", 0.0))
-        step_s.append(r["timing_s/step"])
-        y.append(sum(r[f"perf/cpu_s/{p}"] for p in ROLLOUT_SIDE_PARTS))
-    machine = sum(r.get("perf/cpu_s/machine") or sum(r[k] for k in keys) for r in use)
-    if machine >= SATURATED * cores * sum(step_s) and sum(disp) > 0:
-        per_rollout, background = sum(y) / sum(disp), 0.0
-    else:
-        per_rollout, background = _lsq2(disp, step_s, y)
+    dispatched = use[-1].get("rollout/dispatched", 0.0) - prev.get("rollout/dispatched", 0.0)
+    rollout_side = sum(r[f"perf/cpu_s/{p}"] for r in use for p in ROLLOUT_SIDE_PARTS)
     trainer_s = sum(r.get("timing_s/update_actor", 0.0) + r.get("timing_s/update_weights", 0.0) for r in use)
     trainer_cpu = sum(r["perf/cpu_s/trainer"] for r in use)
-    return {"rollout_cpu_s": per_rollout, "background_cores": background,
+    return {"rollout_cpu_s": rollout_side / dispatched if dispatched > 0 else 0.0, "background_cores": 0.0,
             "trainer_cores": max(0.05, trainer_cpu / trainer_s) if trainer_s > 0 else 1.0}
 
 
@@ -273,7 +252,7 @@ def _fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: i
     durations = sorted(d for g, d in agent_durations(run_dir).values() if g >= first_gid)
     const_s = 0.0
     cores = float(cfg.get("cluster", {}).get("num_cpus") or os.cpu_count() or 1)
-    cpu = fit_cpu(use, prev, cores)
+    cpu = fit_cpu(use, prev)
     if cpu is not None:  # the rollout's own CPU work, measured; its latency outside is the environment
         const_s = cpu["rollout_cpu_s"]
         env_source = "rollout latency p50 / max per step less the rollout's CPU work (perf/cpu_s/*)"

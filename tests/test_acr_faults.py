@@ -45,7 +45,8 @@ N_PER_CONTRACT = 250
 RATES = FaultRates.uniform(0.2, seed=11)  # 2.5 % of each of the 8 kinds
 LIMITS = AcrLimitsConfig(requests_per_s=300.0, max_open_sessions=48)  # bucket 240/s, burst 30
 PUSH_GRACE_S = 2.0  # S3 polling starts this late: completing sooner proves the agent's POST woke the worker
-ROLLOUT_TIMEOUT_S = 6.0  # slow agents (STUB_SLOW_S) and S3 no_result hit it; nothing else should
+ROLLOUT_TIMEOUT_S = 15.0  # slow agents (STUB_SLOW_S 60 s) and S3 no_result hit it; nothing else should, even with
+# another test loading both cores (6 s was hit by plain rollouts once, under an e2e test on the other worker)
 TIMEOUT_S = 80  # bound on each phase of the test itself
 MODEL_ID = "tiny-qwen2"
 
@@ -236,7 +237,9 @@ async def test_a_streak_of_bad_results_stops_the_run(stack, parts):
     try:
         reqs = [RolloutRequest(group_id=0, input_id="row-nan", sample_index=i, row={"prompt": "p", "reward": "nan"})
                 for i in range(8)]
-        with pytest.raises(ContractError, match=r"3 agent results in a row .*'reward' is not finite"):
+        # the last of the 3 is a NaN reward, or now and then (2.5 % of sessions) the stack's own
+        # malformed_result fault, which has no reward at all: both are bad results
+        with pytest.raises(ContractError, match=r"3 agent results in a row .*'reward' (is not finite|field)"):
             await asyncio.wait_for(pool.run_all(reqs, "streak"), TIMEOUT_S)
     finally:
         await pool.shutdown()

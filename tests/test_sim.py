@@ -367,9 +367,10 @@ def test_workload_from_run_fits_turns_tokens_and_trainer_from_a_runs_files(tmp_p
 
 def test_workload_from_run_fits_the_machine_from_the_runs_cpu_record(tmp_path):
     """A run whose rollout side used 0.05 CPU s per rollout plus 0.3 cores per second, its
-    trainer 0.8 cores while it updated: the fit finds those, half the rollout's work at its start
-    and half at its end; the environment scale is calibrated so the simulated run takes the
-    run's mean step time."""
+    trainer 0.8 cores while it updated: the fit puts all of the rollout side's CPU on the rollouts
+    dispatched (no background), half at a rollout's start and half at its end, and finds the
+    trainer's cores; the environment scale is calibrated so the simulated run takes the run's
+    mean step time."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from workload_from_run import fit
 
@@ -377,8 +378,10 @@ def test_workload_from_run_fits_the_machine_from_the_runs_cpu_record(tmp_path):
     _write_run(tmp_path, step_s, cpu=(0.05, 0.3, 0.8))
     raw = fit(tmp_path, prompt_tokens=40, kv_tokens=100_000, warmup_steps=2, calibrate_hours=0)
     m = raw["machine"]
-    assert m["rollout_start_cpu_s"] == pytest.approx(0.025) and raw["agent"]["overhead_s"]["value"] == pytest.approx(0.025)
-    assert m["background_cores"] == pytest.approx(0.3) and m["trainer_cores"] == pytest.approx(0.8)
+    per_rollout = 0.05 + 0.3 * sum(step_s[2:]) / (8 * len(step_s[2:]))  # 8 rollouts dispatched per step
+    assert m["rollout_start_cpu_s"] == pytest.approx(per_rollout / 2)
+    assert raw["agent"]["overhead_s"]["value"] == pytest.approx(per_rollout / 2)
+    assert m["background_cores"] == 0.0 and m["trainer_cores"] == pytest.approx(0.8)
     assert m["engine_cores"] == 0.0  # its CPU is in the rollouts' work
     raw = fit(tmp_path, prompt_tokens=40, kv_tokens=100_000, warmup_steps=2, calibrate_hours=0.05)
     rec = raw["calibration"]["machine_fit"]
@@ -389,25 +392,22 @@ def test_workload_from_run_fits_the_machine_from_the_runs_cpu_record(tmp_path):
     assert f["step_s_mean"] == pytest.approx(rec["simulated_step_s"])  # the written workload is the calibrated one
 
 
-def test_a_run_that_kept_every_core_busy_puts_all_its_cpu_on_the_rollouts():
-    """Least squares cannot split a saturated run's CPU into work per rollout and background
-    (every step used 2 cores x its length, whatever it dispatched): all of it is per rollout."""
+def test_the_rollout_sides_cpu_is_all_counted_per_rollout_dispatched():
+    """Saturated or not, the rollout side's CPU seconds over the rollouts dispatched in the steps
+    used (counted from the step before them), with no background split off."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from workload_from_run import fit_cpu
 
     parts = ("driver", "inference", "gateway", "rollout", "local_stack", "other")
-    rows, dispatched = [], 0.0
+    rows, dispatched = [], 100.0
     for step, (n, dt) in enumerate([(30, 1.5), (50, 2.0), (40, 2.5), (60, 3.0)], 1):
         dispatched += n
         rows.append({"rollout/dispatched": dispatched, "timing_s/step": dt, "perf/cpu_s/machine": 1.96 * dt,
                      "perf/cpu_s/trainer": 0.06 * dt, **{f"perf/cpu_s/{p}": 1.9 * dt / len(parts) for p in parts}})
-    cpu = fit_cpu(rows, {}, cores=2.0)
+    cpu = fit_cpu(rows, {"rollout/dispatched": 100.0})
     assert cpu["background_cores"] == 0.0
     assert cpu["rollout_cpu_s"] == pytest.approx(1.9 * 9.0 / 180)  # rollout-side CPU s / rollouts dispatched
-    # the same record on 8 cores is split by least squares: the CPU follows the step's length, not
-    # what it dispatched, so it is all background there (on a saturated machine that says nothing)
-    unsaturated = fit_cpu(rows, {}, cores=8.0)
-    assert unsaturated["background_cores"] == pytest.approx(1.9) and unsaturated["rollout_cpu_s"] == pytest.approx(0.0, abs=1e-9)
+    assert fit_cpu([{k: v for k, v in r.items() if k != "perf/cpu_s/gateway"} for r in rows], {}) is None  # no record
 
 
 def test_fit_warns_about_a_scale_its_run_did_not_determine():
