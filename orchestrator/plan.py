@@ -60,6 +60,12 @@ def model_shape(cfg: RunConfig) -> tuple[ModelShape, str]:
     return shape, f"the {Path(path).name} preset shape (no config.json here)"
 
 
+def _tiny_label(source: str) -> str:
+    """The embedded tiny model's name in the plan: whether it is built (its shape read from its
+    config.json) or will be on first use."""
+    return "tiny" if source.endswith("config.json") else "tiny (built on first use)"
+
+
 def _tiny_model_shape() -> tuple[ModelShape, str]:
     """The tiny model's shape: its config.json once built; before, its recipe, whose vocabulary is
     an upper bound (the tokenizer's merges may stop short of `vocab_size`)."""
@@ -104,7 +110,7 @@ def build_plan(cfg: RunConfig) -> RunPlan:
     per_node = c.gpus_per_node if c.gpus_per_node is not None else math.ceil(placement.num_gpus)
     gpu_bytes = int(c.gpu_memory_gib * GIB)
     header = [_hardware_line(cfg, per_node),
-              f"model: {cfg.model.path or 'tiny (built on first use)'}: {param_count(shape.num_params)} parameters "
+              f"model: {cfg.model.path or _tiny_label(source)}: {param_count(shape.num_params)} parameters "
               f"({source})"]
     if not placement.groups:
         header.append("cluster=local: no GPUs are placed; the trainer and the engine run on CPU (no GPU memory plan)")

@@ -56,11 +56,12 @@ def test_local_dry_run_names_cpus_and_the_tiny_models_real_parameter_count(tiny_
     real = ModelShape.from_hf_config(json.loads((tiny_model_dir / "config.json").read_text())).num_params
     header = build_plan(compose_config(["cluster.num_cpus=3"])).header
     assert header[0] == "plan: cluster=local, one machine: 3 CPU(s) (cluster.num_cpus), no GPUs"
-    assert header[1].startswith(f"model: tiny (built on first use): {real:,} parameters (")
+    assert header[1].startswith(f"model: tiny: {real:,} parameters (") and header[1].endswith("config.json)")
     monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))  # nothing built there
     header = build_plan(compose_config([])).header
     assert "CPU(s) (this machine's)" in header[0] and "GPU(s) of" not in header[0]
-    assert "not built yet" in header[1] and " B parameters" not in header[1]
+    assert header[1].startswith("model: tiny (built on first use): ") and "not built yet" in header[1]
+    assert " B parameters" not in header[1]
     assert param_count(7_615_616_512) == "7.62 B" and param_count(1_250_000) == "1.25 M" and param_count(513) == "513"
 
 

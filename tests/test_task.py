@@ -119,3 +119,29 @@ def test_registry_loads_letters_rows_for_its_agent():
     rows = TASKS["letters"].rows(TaskConfig(num_prompts=5, seed=3), "train")
     assert rows == letters.make_rows(5, seed=3)
     assert TASKS["letters"].agent.parent == REWARD_PATH.parent  # reward.py sits beside the agent app
+
+
+def test_letters_agent_draws_the_same_environment_time_for_the_same_rollout_in_every_run(monkeypatch):
+    """bench_modes' configurations see the same delays (common random numbers): the delay follows
+    the rollout's group and sample, not the experiment name or the session id's random suffix."""
+    import sys
+    import uuid
+
+    from workers.rollout.contract import new_session_id
+
+    monkeypatch.setenv("LETTERS_ENV_TIME_MEDIAN_S", "0.2")
+    monkeypatch.setenv("LETTERS_ENV_TIME_SIGMA", "1.0")
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the app puts its own folders first
+    before = set(sys.modules)
+    try:
+        app = load_module(REPO / "examples/agents/letters_agent/app.py", "letters_app_under_test")
+        a = app.env_time_s(new_session_id("exp-sync_1", 7, 2))
+        assert a == app.env_time_s(new_session_id("exp-async_2", 7, 2)) > 0
+        draws = {app.env_time_s(new_session_id("exp-sync_1", g, i)) for g in range(8) for i in range(4)}
+        assert len(draws) == 32 and a in draws  # a different draw per rollout
+        assert app.env_time_s(f"free-form-{uuid.uuid4().hex[:8]}") != app.env_time_s("free-form-other")
+        monkeypatch.setenv("LETTERS_ENV_TIME_MEDIAN_S", "0")
+        assert app.env_time_s(new_session_id("exp", 7, 2)) == 0.0
+    finally:
+        for name in set(sys.modules) - before:  # its `reward` must not shadow another agent's
+            del sys.modules[name]

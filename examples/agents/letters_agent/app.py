@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import random
+import re
 import sys
 import zlib
 from pathlib import Path
@@ -54,16 +55,23 @@ MODEL_TIMEOUT_S = 600.0  # one model call; the orchestrator's own rollout timeou
 app = BedrockAgentCoreApp()
 
 
+_PLACE = re.compile(r"-(g\d+-s\d+)-[0-9a-f]{32}$")  # the orchestrator's runtimeSessionId: <exp>-g<group>-s<sample>-<uuid>
+
+
 def env_time_s(session_id: str) -> float:
     """Simulated environment time (seconds) before the model call: log-normal with median
-    `LETTERS_ENV_TIME_MEDIAN_S` (default 0: none) and shape `LETTERS_ENV_TIME_SIGMA` (default 1),
-    seeded by the session id so a benchmark replays the same delays. Heavy-tailed like tool and
-    sandbox time of real agents; used by scripts/bench_modes.py."""
+    `LETTERS_ENV_TIME_MEDIAN_S` (default 0: none) and shape `LETTERS_ENV_TIME_SIGMA` (default 1).
+    Seeded by the rollout's place in its run (group and sample index, read from the session id;
+    the whole id when it has no such part), so every run of a benchmark, and every configuration
+    of scripts/bench_modes.py, draws the same delays for the same rollouts (common random numbers:
+    the configurations differ by what the system does, not by which tail they drew). Heavy-tailed
+    like tool and sandbox time of real agents."""
     median_s = float(os.environ.get("LETTERS_ENV_TIME_MEDIAN_S", "0"))
     if median_s <= 0:
         return 0.0
     sigma = float(os.environ.get("LETTERS_ENV_TIME_SIGMA", "1.0"))
-    rng = random.Random(zlib.crc32(session_id.encode()))
+    place = _PLACE.search(session_id)
+    rng = random.Random(zlib.crc32((place.group(1) if place else session_id).encode()))
     return median_s * math.exp(sigma * rng.gauss(0.0, 1.0))
 
 
