@@ -41,6 +41,16 @@ def build_train_batch(groups: tuple[Group, ...], *, pad_id: int, norm_adv_by_std
     return TrainBatch.from_rows(rows, row_adv, pad_id=pad_id, samples=table)
 
 
+def total_num_tokens(groups: tuple[Group, ...]) -> int:
+    """Every token (prompt, environment and generated) of the samples in `groups` that train on at
+    least one token: a trained batch's sequence tokens before padding, as verl counts
+    `perf/total_num_tokens` (the attention mask's sum; its `perf/throughput` divides it by the step's
+    seconds and GPUs). A sample whose tokens are all loss-masked (stale, kept masked) trains
+    nothing and is not counted."""
+    return sum(len(r.token_ids) for g in groups for s in g.samples if any(r.num_generated for r in s.rows)
+               for r in s.rows)
+
+
 class TrainerClient:
     """Loop-facing trainer: builds the batch on the driver, updates on the trainer actor."""
 
@@ -56,11 +66,12 @@ class TrainerClient:
         self._last_path: Path | None = None
 
     async def update(self, groups: tuple[Group, ...]) -> dict[str, float]:
-        """One optimizer step on `groups`; no step when no token is trainable (all masked)."""
+        """One optimizer step on `groups`; no step when no token is trainable (all masked). Adds
+        `perf/total_num_tokens` (`total_num_tokens`) to the trainer's metrics."""
         if not any(r.num_generated for g in groups for s in g.samples for r in s.rows):
-            return {"actor/num_tokens": 0.0, "actor/step_skipped": 1.0}
+            return {"actor/num_tokens": 0.0, "perf/total_num_tokens": 0.0, "actor/step_skipped": 1.0}
         batch = build_train_batch(groups, pad_id=self._pad_id, norm_adv_by_std=self._norm)
-        return await self._actor.update.remote(batch)
+        return await self._actor.update.remote(batch) | {"perf/total_num_tokens": float(total_num_tokens(groups))}
 
     async def export_weights(self, version: int) -> str:
         """Write the trainer's full weights for `version`; the previous file is removed once

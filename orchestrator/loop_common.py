@@ -134,19 +134,24 @@ async def sync_weights(parts: LoopParts, version: int) -> int:
     return version + 1
 
 
+STEP_SUMS = ("actor/num_tokens", "perf/total_num_tokens")  # counts: a step's is the sum over its mini-batches
+
+
 def mean_update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
-    """Average each trainer metric over the step's mini-batches (`actor/num_tokens` is summed)."""
+    """Average each trainer metric over the step's mini-batches (the counts in `STEP_SUMS` are summed)."""
     keys = {k for m in updates for k in m}
     out = {}
     for k in sorted(keys):
         vals = [m[k] for m in updates if k in m]
-        out[k] = sum(vals) if k == "actor/num_tokens" else sum(vals) / len(vals)
+        out[k] = sum(vals) if k in STEP_SUMS else sum(vals) / len(vals)
     return out
 
 
 def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[str, float]], t_gen: float,
                  t_update: float, t_sync: float, step_s: float, version: int) -> dict[str, float]:
-    """The metrics both loops log per step (times in seconds, throughput in trained tokens/s). With
+    """The metrics both loops log per step (times in seconds, throughput in trained tokens/s: the
+    loss-mask tokens; `perf/total_num_tokens`, every token of the trained samples, prompts and
+    environment tokens too, is verl's measure of throughput and the trainer's to report). With
     rollouts in `samples` (those the step took: a sync step's batch, an async step's collected
     groups), `rollout/latency_s_p50` and `rollout/latency_s_max`: seconds from dispatch to result."""
     trained_tokens = sum(m.get("actor/num_tokens", 0.0) for m in updates)
@@ -154,6 +159,7 @@ def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[
         **reward_stats(samples),
         "perf/throughput": trained_tokens / step_s if step_s > 0 else 0.0,
         "perf/trained_tokens": trained_tokens,
+        "perf/total_num_tokens": sum(m.get("perf/total_num_tokens", 0.0) for m in updates),  # 0: nothing trained
         "timing_s/gen": t_gen,
         "timing_s/update_actor": t_update,
         "timing_s/update_weights": t_sync,

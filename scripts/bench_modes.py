@@ -2,7 +2,8 @@
 
 Each configuration runs the real main job (`python -m orchestrator.main +experiment=blog_<mode>_<k>`)
 on the same seed, prompts and model, with the example agent adding environment time drawn from a
-log-normal distribution (median `--env-median-s`, shape `--env-sigma`, seeded per session), and
+log-normal distribution (median `--env-median-s`, shape `--env-sigma`, seeded by the rollout's
+group and sample, so every configuration draws the same delays for the same rollouts), and
 the table compares them: trained tokens per minute of loop time (startup and the first
 `--warmup-steps` steps excluded: they hold engine warm-up and, in async mode, the pipeline fill),
 optimizer steps per minute, time-average inference concurrency (Little's law at the gateway),
@@ -23,10 +24,13 @@ their headline figures; README shows the images of the committed run.
 `--validate` checks the simulator (orchestrator/sim/) against this run of the bench: it fits a
 workload from ONE of its runs (`--fit-from`, default sync_1) with scripts/workload_from_run.py,
 simulates the four configurations on that workload (one shared CPU machine, `cluster=local`, the
-same steps left out) without refitting, and prints measured against predicted throughput, trained
-(generated) tokens and trained samples per minute, and rollouts finished per minute (trained,
-filtered, failed or expired: the system's work, which does not move with the share of groups the
-filter drops as the policy learns), with the error of each.
+same steps left out) without refitting, and prints measured against predicted, per minute:
+throughput (every token of the trained samples, verl's `perf/total_num_tokens`, the measure of
+the simulator's reference row), generated tokens trained (the policy's answer length, which
+changes as it learns and differs between configurations: not the system's to predict), trained
+samples, and rollouts finished (trained, filtered, failed or expired: the system's work, which
+does not move with the share of groups the filter drops as the policy learns), with the error
+of each.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ def _figures(name: str, args: argparse.Namespace, run_dir: Path, wall_s: float) 
     summary = json.loads((run_dir / "summary.json").read_text())
     loop_s = sum(s["timing_s/step"] for s in steps)
     tokens = sum(s.get("perf/trained_tokens", 0.0) for s in steps)
+    total_tokens = sum(s.get("perf/total_num_tokens", math.nan) for s in steps)  # NaN: a run before it was logged
     n = _group_size(run_dir)
     base = all_steps[args.warmup_steps - 1] if args.warmup_steps else {}
     samples = n * (all_steps[-1].get("rollout/trained_groups", 0.0) - base.get("rollout/trained_groups", 0.0))
@@ -86,6 +91,7 @@ def _figures(name: str, args: argparse.Namespace, run_dir: Path, wall_s: float) 
     return {
         "config": name,
         "trained_tokens_per_min": 60.0 * tokens / loop_s if loop_s > 0 else 0.0,
+        "total_tokens_per_min": 60.0 * total_tokens / loop_s if loop_s > 0 else 0.0,
         "steps_per_min": 60.0 * len(steps) / loop_s if loop_s > 0 else 0.0,
         "trained_samples_per_min": 60.0 * samples / loop_s if loop_s > 0 else 0.0,
         "finished_rollouts_per_min": 60.0 * finished / loop_s if loop_s > 0 else 0.0,
@@ -132,7 +138,8 @@ def validate(rows: list[dict], work: Path, args: argparse.Namespace) -> list[dic
         sc = replace(SIM_CONFIGS[r["config"]], gpus=1, colocated=True, sleeps=False)
         f = simulate(w, sc, hours=args.sim_hours, seed=args.seed, warmup_steps=args.warmup_steps)
         row = {"config": r["config"], "fitted_from": args.fit_from}
-        for key, sim_key in (("trained_tokens_per_min", "generated_tokens_per_min"),
+        for key, sim_key in (("total_tokens_per_min", "tokens_per_min_per_gpu"),  # gpus=1
+                             ("trained_tokens_per_min", "generated_tokens_per_min"),
                              ("trained_samples_per_min", "trained_samples_per_min"),
                              ("finished_rollouts_per_min", "finished_rollouts_per_min")):
             row[f"measured_{key}"], row[f"predicted_{key}"] = r[key], f[sim_key]
@@ -147,12 +154,14 @@ def validate(rows: list[dict], work: Path, args: argparse.Namespace) -> list[dic
 def print_validation(out: list[dict], args: argparse.Namespace) -> None:
     print(f"\nvalidation: workload fitted from the {args.fit_from} run (fitted_workload.yaml in the runs dir), "
           f"simulated {args.sim_hours} h per configuration")
-    head = ("config", "tok/min meas", "tok/min sim", "error", "samp/min meas", "samp/min sim", "error",
-            "roll/min meas", "roll/min sim", "error", "step_s meas", "step_s sim")
+    head = ("config", "tok/min meas", "tok/min sim", "error", "gen/min meas", "gen/min sim", "error",
+            "samp/min meas", "samp/min sim", "error", "roll/min meas", "roll/min sim", "error", "step_s meas",
+            "step_s sim")
     print(" | ".join(f"{h:>13}" for h in head))
     for v in out:
         cells = [v["config"]]
-        for key in ("trained_tokens_per_min", "trained_samples_per_min", "finished_rollouts_per_min"):
+        for key in ("total_tokens_per_min", "trained_tokens_per_min", "trained_samples_per_min",
+                    "finished_rollouts_per_min"):
             cells += [f"{v['measured_' + key]:.0f}", f"{v['predicted_' + key]:.0f}", f"{100 * v['error_' + key]:+.1f} %"]
         cells += [f"{v['measured_step_s']:.2f}", f"{v['predicted_step_s']:.2f}"]
         print(" | ".join(f"{c:>13}" for c in cells))
@@ -177,8 +186,8 @@ def main() -> None:
                     help="fit a workload from one run and compare the simulator's predictions with all four")
     ap.add_argument("--fit-from", default="sync_1", choices=CONFIGS,
                     help="--validate: the run the workload is fitted from")
-    ap.add_argument("--prompt-tokens", type=float, default=40.0,
-                    help="--validate: prompt tokens per rollout (not logged)")
+    ap.add_argument("--prompt-tokens", type=float,
+                    help="--validate: prompt tokens per sample (default: measured from the fit run's perf/total_num_tokens)")
     ap.add_argument("--sim-hours", type=float, default=0.1, help="--validate: simulated hours per configuration")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every configuration")
     args = ap.parse_args()

@@ -1,6 +1,6 @@
 """Fit a simulator workload (orchestrator/sim/workload.py) from a real run's directory.
 
-    python scripts/workload_from_run.py RUN_DIR [--out workload.yaml] [--prompt-tokens 40]
+    python scripts/workload_from_run.py RUN_DIR [--out workload.yaml] [--prompt-tokens N]
 
 Reads `config.yaml` (batch, group size, sync_every, ACR session rate, filtering), `metrics.jsonl`
 (per step: rollouts, gateway turns, generated tokens, timings, latency p50/max, inference
@@ -49,8 +49,11 @@ fits, and from what (the first `--warmup-steps` steps, engine warm-up, are skipp
   - without a CPU record (older runs): the engine taken to keep every core busy while it decodes
     (assumed), the constant part of a rollout a delay after its last turn, no calibration.
 
-Not in a run's files, so given as flags: prompt tokens (`--prompt-tokens`) and KV capacity
-(`--kv-tokens`; the tiny model never binds it). `batch.prompts_per_step` keeps the run's
+- prompt tokens per sample: every token of the trained samples (`perf/total_num_tokens`) less
+  their generated tokens (a multi-turn agent's environment tokens count as prompt); a run that did
+  not log it needs `--prompt-tokens`.
+
+Not in a run's files, so given as a flag: KV capacity (`--kv-tokens`; the tiny model never binds it). `batch.prompts_per_step` keeps the run's
 `rollout.batch_size` per weight sync for every `sync_every`, as the product's configurations do.
 The result's scales (`calibration.engine_time_scale`, `env_time_scale`) are 1: the environment's
 calibration is written into its distribution.
@@ -164,11 +167,13 @@ def fit_cpu(use: list[dict], prev: dict) -> dict | None:
             "trainer_cores": max(0.05, trainer_cpu / trainer_s) if trainer_s > 0 else 1.0}
 
 
-def fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: int, calibrate_hours: float = 0.1) -> dict:
+def fit(run_dir: Path, *, prompt_tokens: float | None = None, kv_tokens: int, warmup_steps: int, calibrate_hours: float = 0.1) -> dict:
     """The workload mapping fitted from `run_dir` (see the module docstring); with the run's CPU
     record, its environment scale calibrated on `calibrate_hours` simulated hours of the run's own
-    configuration (0: not). Raises ValueError when the run has too few steps or lacks a metric the
-    fit needs (the message names it)."""
+    configuration (0: not). `prompt_tokens` per sample: None measures it (every token of the trained
+    samples, `perf/total_num_tokens`, less their generated tokens; for a multi-turn agent the
+    environment's tokens count as prompt). Raises ValueError when the run has too few steps or lacks
+    a metric the fit needs (the message names it)."""
     raw, cfg, use = _fit(run_dir, prompt_tokens=prompt_tokens, kv_tokens=kv_tokens, warmup_steps=warmup_steps)
     if calibrate_hours > 0 and raw["machine"].get("engine_cores") == 0.0:  # the CPU model was fitted
         from orchestrator.sim.calibrate import calibrate_fitted
@@ -211,7 +216,7 @@ def run_scenario(cfg: dict):
                     max_staleness=int(a.get("max_staleness", 1)), on_stale=str(a.get("on_stale", "drop")), sleeps=False)
 
 
-def _fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: int) -> tuple[dict, dict, list[dict]]:
+def _fit(run_dir: Path, *, prompt_tokens: float | None, kv_tokens: int, warmup_steps: int) -> tuple[dict, dict, list[dict]]:
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     rows = [r for r in rows if "timing_s/step" in r]
@@ -262,10 +267,20 @@ def _fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: i
     else:
         env_source = "rollout latency p50 / max per step"
     env_median, sigma = fit_env(p50, mx, max(1.0, dispatched / len(use)), turns * turn_s, const_s)
+    total = sum(r.get("perf/total_num_tokens", 0.0) for r in use)  # every token of the trained samples
+    if prompt_tokens is None:  # measured: what the trained samples hold beyond their generated tokens
+        if total <= 0:
+            raise ValueError(f"{run_dir}/metrics.jsonl: no 'perf/total_num_tokens' (a run before it was "
+                             "logged): give the prompt tokens per sample (--prompt-tokens)")
+        prompt_tokens = max(0.0, total / max(1.0, trained) - turns * gen_per_turn)
+        prompt_source = "perf/total_num_tokens less the generated tokens, per trained sample"
+    else:
+        prompt_source = "given (--prompt-tokens)"
     traj_per_sample = prompt_tokens + turns * gen_per_turn
     k = int(mode.get("sync_every", 1))  # optimizer updates per step, each of 1 / k of its samples
     samples_per_step = trained / len(use)
-    upd = [((r.get("rollout/step_completed", samples_per_step) * prompt_tokens + r["actor/num_tokens"]) / k,
+    upd = [((r.get("perf/total_num_tokens")
+             or r.get("rollout/step_completed", samples_per_step) * prompt_tokens + r["actor/num_tokens"]) / k,
             r["timing_s/update_actor"] / k) for r in use if "timing_s/update_actor" in r and "actor/num_tokens" in r]
     fixed, per_token = fit_update([u[0] for u in upd], [u[1] for u in upd])
     sync_s = statistics.fmean(r.get("timing_s/update_weights", 0.0) for r in use)
@@ -325,7 +340,7 @@ def _fit(run_dir: Path, *, prompt_tokens: float, kv_tokens: int, warmup_steps: i
         "algorithm": {"filter_zero_variance": bool(cfg.get("algorithm", {}).get("filter_zero_variance", True))},
         "machine": machine | {"store_rpc_s": rpc_s, "store_sample_s": sample_s},
         "calibration": {"engine_time_scale": 1.0, "env_time_scale": 1.0, "fitted_from": str(run_dir),
-                        "env_source": env_source,
+                        "env_source": env_source, "prompt_tokens_source": prompt_source,
                         "measured": {"inference_concurrency": conc, "rollout_latency_p50_s": p50,
                                      "turns_per_rollout": turns, "gateway_s_per_turn": turn_s,
                                      "trajectory_tokens_per_sample": traj_per_sample}},
@@ -336,7 +351,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--out", type=Path, help="write the workload YAML here (default: print it)")
-    ap.add_argument("--prompt-tokens", type=float, default=40.0, help="prompt tokens per rollout (not logged)")
+    ap.add_argument("--prompt-tokens", type=float, help="prompt tokens per sample (default: from the run's "
+                    "perf/total_num_tokens; needed for a run that did not log it)")
     ap.add_argument("--kv-tokens", type=int, default=1_000_000, help="KV capacity per replica in tokens")
     ap.add_argument("--warmup-steps", type=int, default=2)
     args = ap.parse_args()

@@ -44,10 +44,13 @@ def test_main_job_runs_end_to_end_on_real_parts(tmp_path):
         for key in ("reward/mean", "perf/throughput", "timing_s/gen", "timing_s/update_actor",
                     "timing_s/update_weights", "rollout/completed", "rollout/failed", "rollout_corr/is_mean"):
             assert key in s, key
+        # verl's throughput count: every token of the trained samples, prompts too
+        assert s["perf/total_num_tokens"] >= s["perf/trained_tokens"], s
         # where the CPU went (orchestrator/cpu_usage.py): each part that works in a step used some
         assert all(s[f"perf/cpu_s/{p}"] > 0 for p in ("driver", "inference", "gateway", "rollout", "local_stack",
                                                        "total")), s
         assert s["perf/cpu_s/trainer"] >= 0 and s["perf/cpu_s/other"] >= 0
+    assert sum(s["perf/total_num_tokens"] for s in steps) > sum(s["perf/trained_tokens"] for s in steps) > 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rollout/dispatched"] == 3 * 4 * 4
     assert summary["rollout/dispatched"] == (summary["rollout/completed"] + summary["rollout/failed"]

@@ -154,3 +154,23 @@ async def test_a_step_with_nothing_to_train_neither_syncs_nor_advances_the_versi
     assert not trainer.updates and push.versions == [0] and report.policy_version == 0
     assert report.counts["rollout/filtered"] == 16 and report.counts.get("rollout/trained_groups", 0) == 0
     assert [m["policy_version"] for _, m in logger.steps] == [0.0, 0.0]
+
+
+def test_total_num_tokens_counts_every_token_of_the_trained_samples_and_sums_over_mini_batches():
+    """verl's perf/total_num_tokens: prompt and generated tokens of the samples that train; a
+    sample whose tokens are all loss-masked trains nothing and is not counted; a step's count is
+    the sum of its mini-batches' (a per-token metric is their mean)."""
+    from orchestrator.batching import Group
+    from orchestrator.clients import total_num_tokens
+    from orchestrator.loop_common import mean_update_metrics
+
+    trained = TrajectoryRow((1, 2, 3, 4, 5), (0, 0, 1, 1, 1), (0.0, 0.0, -0.1, -0.1, -0.1), (-1, -1, 0, 0, 0))
+    turn2 = TrajectoryRow((1, 2, 3), (0, 1, 1), (0.0, -0.1, -0.1), (-1, 0, 0))
+    masked = TrajectoryRow((1, 2, 3, 4), (0, 0, 0, 0), (0.0, 0.0, 0.0, 0.0), (-1, -1, -1, -1))
+    groups = (Group(0, (Sample("a", 0, "p", 0, (trained, turn2), 1.0, "completed", 0.0),
+                        Sample("b", 0, "p", 1, (masked,), 0.0, "completed", 0.0))),
+              Group(1, (Sample("c", 1, "q", 0, (turn2,), 0.5, "completed", 0.0),)))
+    assert total_num_tokens(groups) == 5 + 3 + 3
+    m = mean_update_metrics([{"perf/total_num_tokens": 11.0, "actor/num_tokens": 7.0, "actor/pg_loss": 1.0},
+                             {"perf/total_num_tokens": 5.0, "actor/num_tokens": 2.0, "actor/pg_loss": 3.0}])
+    assert m == {"perf/total_num_tokens": 16.0, "actor/num_tokens": 9.0, "actor/pg_loss": 2.0}

@@ -322,11 +322,13 @@ def test_planner_refuses_a_bad_setting(capsys):
 ROLLOUT_SIDE = ("driver", "inference", "gateway", "rollout", "local_stack", "other")
 
 
-def _write_run(run_dir: Path, step_s: list[float], cpu: tuple[float, float, float] | None = None) -> None:
+def _write_run(run_dir: Path, step_s: list[float], cpu: tuple[float, float, float] | None = None,
+               prompt_tokens: int | None = None) -> None:
     """A sync run's files: 8 rollouts a step, 2 turns each, 5 generated tokens per turn, updates
     of 0.5 s + 0.01 s per sample, step i `step_s[i]` long (all but 0.8 s of it generation). With `cpu`
     = (CPU s per rollout, cores per second, trainer cores): its `perf/cpu_s/*` record, the
-    rollout side's spread evenly over its parts."""
+    rollout side's spread evenly over its parts. With `prompt_tokens`: `perf/total_num_tokens`, that
+    many prompt tokens per trained sample besides its generated ones."""
     (run_dir / "config.yaml").write_text(
         "mode: {name: sync, sync_every: 1}\nrollout: {batch_size: 2, n: 4, max_context_tokens: 512,"
         " acr: {session_rate_per_s: 25.0}}\nalgorithm: {filter_zero_variance: true}\ninference: {max_num_seqs: 64}\n")
@@ -339,6 +341,8 @@ def _write_run(run_dir: Path, step_s: list[float], cpu: tuple[float, float, floa
              "rollout/step_completed": float(done), "gateway/turns_served": 16.0 * step,
              "actor/num_tokens": 10.0 * done, "rollout/latency_s_p50": 1.0, "rollout/latency_s_max": dt - 0.9,
              "perf/inference_concurrency": 2.0, "reward/mean": 0.4}
+        if prompt_tokens is not None:
+            r["perf/total_num_tokens"] = float(done * prompt_tokens + r["actor/num_tokens"])
         if cpu is not None:
             per_part = (cpu[0] * 8 + cpu[1] * dt) / len(ROLLOUT_SIDE)
             r |= {f"perf/cpu_s/{p}": per_part for p in ROLLOUT_SIDE}
@@ -363,6 +367,23 @@ def test_workload_from_run_fits_turns_tokens_and_trainer_from_a_runs_files(tmp_p
     assert w.machine["store_rpc_s"] == pytest.approx(2.3 - 1.5 - 0.1 - 0.57, abs=0.011)
     # no CPU record: the engine keeps the cores busy while it decodes (the assumption it falls back on)
     assert w.machine["engine_cores"] == w.machine["cores"] and "background_cores" not in w.machine
+
+
+def test_workload_from_run_measures_prompt_tokens_from_total_num_tokens(tmp_path):
+    """A run that logs perf/total_num_tokens gives its prompt tokens per sample (31 here) and the
+    update's tokens; one that does not needs --prompt-tokens, and the error says so."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from workload_from_run import fit
+
+    _write_run(tmp_path, [2.3] * 6, prompt_tokens=31)
+    raw = fit(tmp_path, kv_tokens=100_000, warmup_steps=2, calibrate_hours=0)
+    assert raw["agent"]["prompt_tokens"]["value"] == pytest.approx(31.0)
+    assert raw["calibration"]["measured"]["trajectory_tokens_per_sample"] == pytest.approx(31.0 + 10.0)
+    assert fit(tmp_path, prompt_tokens=12, kv_tokens=100_000, warmup_steps=2,
+               calibrate_hours=0)["agent"]["prompt_tokens"]["value"] == 12  # given wins
+    _write_run(tmp_path, [2.3] * 6)
+    with pytest.raises(ValueError, match=r"no 'perf/total_num_tokens'.*--prompt-tokens"):
+        fit(tmp_path, kv_tokens=100_000, warmup_steps=2, calibrate_hours=0)
 
 
 def test_workload_from_run_fits_the_machine_from_the_runs_cpu_record(tmp_path):

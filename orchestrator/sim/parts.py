@@ -85,8 +85,9 @@ class SimTrainer:
         self.busy_s += dt
         mean_st = staleness / n if n else 0.0
         # actor/num_tokens: loss-mask (generated) tokens, as the product's trainer counts them;
-        # perf/trajectory_tokens: every token of the trained trajectories (the report's measure)
-        return {"actor/num_tokens": float(generated), "perf/trajectory_tokens": float(tokens),
+        # perf/total_num_tokens: every token of the trained trajectories (the product's TrainerClient
+        # adds it; verl's and the report's measure)
+        return {"actor/num_tokens": float(generated), "perf/total_num_tokens": float(tokens),
                 "rollout_corr/rollout_rs_masked_fraction": min(1.0, self._masked_base + self._masked_per_st * mean_st)}
 
     async def export_weights(self, version: int) -> str:
