@@ -8,7 +8,8 @@ processor sharing (the kernel's fair scheduler in the fluid limit): at each mome
 work want D cores in all,
 
 - `background_cores` always (what a run burns per second whatever it does: Ray's GCS and raylet,
-  idle engines and actors polling, the reaper; fitted from `perf/cpu_s/*`),
+  idle engines and actors polling, the reaper; scripts/workload_from_run.py writes 0 and counts
+  it in the rollouts' work, its `fit_cpu` says why),
 - `engine_cores` per engine while it decodes (0 where the engines' CPU is counted in the
   rollouts' work, as scripts/workload_from_run.py fits it: the engines still run at speed s),
 - `trainer_cores` while the trainer updates,
