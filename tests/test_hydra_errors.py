@@ -66,3 +66,14 @@ def test_unknown_group_choice_exits_2_before_anything_starts():
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("config error: mode: no choice 'asyn'; valid choices: async, eval, sync")
     assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
+
+
+def test_help_lists_the_groups_and_says_schema_is_not_a_choice():
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.main", "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.startswith("python -m orchestrator.main [group=option ...] [key=value ...]")
+    assert "mode: async, eval, sync" in out and "+experiment=blog_async_1" in out
+    assert "`schema` is not one to choose" in out and "\nschema: " in out  # listed, and said what it is
+    assert "\n  sync_every: 1" in out  # the composed config follows
