@@ -137,7 +137,7 @@ class RolloutLedger:
     def settled_counts(self) -> dict[str, int]:
         """`counts()` without the rollouts still open: what a checkpoint keeps (a resumed run
         dispatches the open ones' rows again, so they are counted then)."""
-        return {**self.counts(), "rollout/dispatched": self.dispatched - len(self._open)}
+        return {**self.counts(), "rollout/dispatched": self.dispatched - len(self._open), "rollout/open": 0}
 
     def restore(self, counts: dict[str, int]) -> None:
         """Continue from a checkpoint's `settled_counts()`: the run's counters go on, they do not
@@ -152,6 +152,9 @@ class RolloutLedger:
         self.trained_groups = int(counts.get("rollout/trained_groups", 0))
 
     def counts(self) -> dict[str, int]:
-        """`rollout/{dispatched,completed,failed,expired,filtered,trained_groups}` so far."""
+        """`rollout/{dispatched,completed,failed,expired,filtered,trained_groups}` so far, and
+        `rollout/open`: dispatched and not yet terminal (in flight at an async step's end, or the
+        step in progress when a run was interrupted), so that dispatched == open + the terminal
+        counts at every point."""
         return {"rollout/dispatched": self.dispatched, **{f"rollout/{k}": v for k, v in self._counts.items()},
-                "rollout/trained_groups": self.trained_groups}
+                "rollout/open": len(self._open), "rollout/trained_groups": self.trained_groups}

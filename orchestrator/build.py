@@ -93,9 +93,10 @@ def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -
     if cfg.model.path:
         model_path = str(Path(cfg.model.path).resolve())
     else:
-        from workers.embedded.qwen3_random import ensure_embedded_model
+        from workers.embedded.qwen3_random import embedded_model_built, ensure_embedded_model
 
-        phase(f"model: the {cfg.model.name} model (built on the first run, about a minute on 2 cores; cached after)")
+        built = embedded_model_built(cfg.model.name)
+        phase(f"model: the {cfg.model.name} model " + ("(cached)" if built else "(built on first use, under a minute; cached after)"))
         model_path = str(ensure_embedded_model(cfg.model.name))  # tiny or qwen3_random, built once
     if pre.checkpoint is not None:  # trainer and inference replicas start from the checkpoint's weights
         model_path = str(pre.checkpoint.model_dir)

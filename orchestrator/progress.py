@@ -46,8 +46,8 @@ def step_fields(m: dict[str, float]) -> list[tuple[str, str]]:
         ("update", _f(m.get("timing_s/update_actor"), ".1f")),
         ("sync", _f(m.get("timing_s/update_weights"), ".2f")),
         ("in_flight", _f(in_flight, ".0f") if "rollout/dispatched" in m else None),
-        ("failed", _f(m.get("rollout/failed"), ".0f")),
-        ("filtered", _f(m.get("rollout/filtered"), ".0f")),
+        ("failed_total", _f(m.get("rollout/failed"), ".0f")),  # the run's so far, as in metrics.jsonl
+        ("filtered_total", _f(m.get("rollout/filtered"), ".0f")),
         ("staleness", _f(m.get("staleness/mean"), ".2f")),
         ("is_mean", _f(m.get("rollout_corr/is_mean"), ".3f")),
     ]
@@ -56,7 +56,7 @@ def step_fields(m: dict[str, float]) -> list[tuple[str, str]]:
     return [(k, v) for k, v in pairs if v is not None]
 
 
-BAR_FIELDS = ("reward", "tok/s", "step", "in_flight", "failed", "filtered", "val")  # a bar keeps to one line
+BAR_FIELDS = ("reward", "tok/s", "step", "in_flight", "failed_total", "filtered_total", "val")  # a bar keeps to one line
 
 
 class ProgressSink:
@@ -119,6 +119,8 @@ def summary_text(summary: dict) -> str:
 
     counts = ", ".join(f"{int(summary.get(f'rollout/{k}', 0))} {name}" for k, name in
                        (("completed", "trained"), ("filtered", "filtered"), ("failed", "failed"), ("expired", "expired")))
+    if summary.get("rollout/open"):  # an interrupted run: the step in progress never ended
+        counts += f", {int(summary['rollout/open'])} still running when it stopped"
     return (f"done: {summary.get('steps', 0)} steps, policy version {summary.get('policy_version', 0)}, "
             f"reward {num('reward/initial')} -> {num('reward/final')}, {summary.get('wall_s', 0):.0f} s\n"
             f"rollouts: {int(summary.get('rollout/dispatched', 0))} dispatched: {counts}; "

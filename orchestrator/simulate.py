@@ -26,7 +26,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from orchestrator.sim.run import CONFIGS, Scenario, simulate
+from orchestrator.sim.run import CONFIGS, Scenario, SimulationTooShort, simulate
 from orchestrator.sim.workload import Workload, WorkloadError, load_workload
 
 KEYS = ("workload", "gpus", "hours", "seed", "run_dir")
@@ -93,7 +93,7 @@ def _one(args: tuple) -> dict:
     w, sc, hours, seed = args
     try:
         return simulate(w, sc, hours=hours, seed=seed)
-    except RuntimeError as exc:  # too few steps in the horizon: reported, not fatal to the sweep
+    except SimulationTooShort as exc:  # too few steps in the horizon: reported, not fatal to the sweep
         return {"error": str(exc)}
 
 
@@ -159,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         w = load_workload(kv.get("workload", "reference"))
         gpus, hours, seed = int(kv.get("gpus", 64)), float(kv.get("hours", 10)), int(kv.get("seed", 0))
+        if gpus < 1 or not hours > 0:
+            raise ValueError(f"gpus must be >= 1 and hours > 0, got gpus={gpus}, hours={hours:g}")
+        if args.out and not args.out.parent.is_dir():
+            raise ValueError(f"--out {args.out}: no directory {args.out.parent}")
     except (WorkloadError, ValueError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

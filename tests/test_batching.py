@@ -56,6 +56,8 @@ def test_ledger_counts_and_refuses_double_close():
     led.on_terminal("a", "completed")
     led.on_terminal("b", "failed")
     assert led.open_rollouts() == ["c"]
+    assert led.counts()["rollout/open"] == 1  # dispatched == open + terminal at every point
+    assert led.settled_counts()["rollout/dispatched"] == 2 and led.settled_counts()["rollout/open"] == 0
     with pytest.raises(ValueError, match="closed without being open"):
         led.on_terminal("a", "filtered")
     with pytest.raises(ValueError, match="dispatched twice"):
@@ -63,6 +65,7 @@ def test_ledger_counts_and_refuses_double_close():
     led.on_terminal("c", "filtered")
     c = led.counts()
     assert c["rollout/dispatched"] == 3 == c["rollout/completed"] + c["rollout/failed"] + c["rollout/filtered"]
+    assert c["rollout/open"] == 0
 
 
 def test_reward_stats_ignores_failed():

@@ -25,7 +25,7 @@ def test_plain_lines_off_a_terminal_with_eta_and_in_flight():
     sink.log(2, step_rec(2, is_mean=math.nan))  # nothing trained: no is_mean=nan on the console
     lines = out.getvalue().splitlines()
     assert lines[0] == ("[step 1/10] reward=0.250 tok/s=120 step=2.0s gen=1.5 update=0.4 sync=0.05 in_flight=4 "
-                        "failed=0 filtered=0 is_mean=1.000 eta=0:00:18")  # 9 steps left x 2 s
+                        "failed_total=0 filtered_total=0 is_mean=1.000 eta=0:00:18")  # 9 steps left x 2 s
     assert lines[1].startswith("[step 2/10]") and "nan" not in lines[1] and lines[1].endswith("eta=0:00:16")
     assert err.getvalue() == ""
 
@@ -116,3 +116,12 @@ def test_quiet_console_sends_library_output_to_the_run_dir(tmp_path, monkeypatch
             if isinstance(h, logging.FileHandler):
                 ray_logger.removeHandler(h)
         root.setLevel(saved[0])
+
+
+def test_summary_text_says_how_many_rollouts_an_interrupted_run_left_running():
+    from orchestrator.progress import summary_text
+
+    base = {"steps": 3, "rollout/dispatched": 128, "rollout/completed": 44, "rollout/filtered": 52}
+    assert summary_text(base | {"rollout/open": 32}).splitlines()[1].startswith(
+        "rollouts: 128 dispatched: 44 trained, 52 filtered, 0 failed, 0 expired, 32 still running when it stopped;")
+    assert "still running" not in summary_text(base | {"rollout/open": 0})

@@ -319,6 +319,20 @@ def test_planner_refuses_a_bad_setting(capsys):
         Scenario("sync", policy="adaptive")
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["hours=-1"], "gpus must be >= 1 and hours > 0, got gpus=64, hours=-1"),
+    (["gpus=0", "hours=1"], "gpus must be >= 1"),
+    (["gpus=8", "hours=0.2", "--config", "sync_1", "--out", "/nonexistent/d/f.json"], "--out /nonexistent/d/f.json: no directory"),
+    (["gpus=8", "hours=0.0005", "--config", "sync_1"], "hours=0.0005: the simulation ended after"),
+    (["gpus=8", "hours=0.2", "--policy", "fixed"], "gpus=8 (disaggregated: 4 trainer, 4 inference) leaves no inference replica"),
+])
+def test_planner_names_a_bad_horizon_size_or_out_path_before_it_runs(argv, message, capsys):
+    """A new user's mistakes: exit 2 with one line, never a traceback after the whole simulation."""
+    assert planner(["workload=reference", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: ") and message in err, err
+
+
 ROLLOUT_SIDE = ("driver", "inference", "gateway", "rollout", "local_stack", "other")
 
 

@@ -93,6 +93,10 @@ class Layout:
     groups_per_update: int
 
 
+class SimulationTooShort(ValueError):
+    """The simulated horizon held no step after the warm-up ones (a config error: more hours)."""
+
+
 def layout(w: Workload, sc: Scenario) -> Layout:
     """GPUs per part and the mini-batch in groups (weak scaling: `batch.prompts_per_mini_batch`
     per `batch.reference_gpus`; or, with `batch.prompts_per_step`, the product's own rule for a
@@ -105,7 +109,10 @@ def layout(w: Workload, sc: Scenario) -> Layout:
         trn = sc.trainer_gpus if sc.trainer_gpus is not None else sc.gpus // 2
         inf = sc.gpus - trn
     if inf < gpr or trn < 1:
-        raise ValueError(f"{sc.gpus} GPUs with {trn} for the trainer leave no inference replica of {gpr} GPUs")
+        where = "colocated" if sc.colocated else f"disaggregated: {trn} trainer, {inf} inference"
+        raise ValueError(f"gpus={sc.gpus} ({where}) leaves no inference replica of {gpr} GPUs "
+                         f"(engine.gpus_per_replica); disaggregated needs at least {gpr + 1} GPUs with "
+                         f"the trainer on 1 (--trainer-gpus), {2 * gpr} with an even split")
     if "prompts_per_step" in w.batch:  # orchestrator/config/run.py: batch_size // sync_every
         b = max(1, round(w.batch["prompts_per_step"] * sc.gpus / w.batch["reference_gpus"]) // sc.sync_every)
     else:
@@ -254,7 +261,8 @@ def _figures(w: Workload, sc: Scenario, lay: Layout, rec: _Recorder, agents: Sim
              hours: float, events: int) -> dict:
     a, b = rec.marks.get("start"), rec.marks.get("end")
     if a is None or b is None or b["t_s"] <= a["t_s"]:
-        raise RuntimeError(f"simulation too short: {len(rec.records)} steps in {hours} h (need > {rec.warmup_steps})")
+        raise SimulationTooShort(f"hours={hours:g}: the simulation ended after {len(rec.records)} step(s); the figures need "
+                         f"more than the {rec.warmup_steps} warm-up step(s) left out: simulate more hours")
     dt, awake = b["t_s"] - a["t_s"], b["awake"] - a["awake"]
     steps = [r for r in rec.records if r["step"] > rec.warmup_steps]
     hist: dict[int, float] = {}

@@ -103,6 +103,16 @@ def build_qwen3_random(out_dir: str | Path, recipe: Qwen3RandomRecipe = DEFAULT_
 EMBEDDED_MODELS = ("tiny", "qwen3_random")  # model.name values that need no model.path
 
 
+def embedded_model_built(name: str) -> bool:
+    """Whether the embedded model `name` is built in the cache already (False for a name that is
+    not embedded, or when it cannot tell)."""
+    if name == "tiny":
+        from workers.embedded.tiny_model import built_tiny_model
+
+        return built_tiny_model() is not None
+    return False
+
+
 def ensure_embedded_model(name: str) -> Path:
     """The directory of an embedded model (`model.name` with `model.path` unset).
 
