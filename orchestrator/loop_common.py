@@ -159,7 +159,7 @@ def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[
         **reward_stats(samples),
         "perf/throughput": trained_tokens / step_s if step_s > 0 else 0.0,
         "perf/trained_tokens": trained_tokens,
-        "perf/total_num_tokens": sum(m.get("perf/total_num_tokens", 0.0) for m in updates),  # 0: nothing trained
+        "perf/total_num_tokens": 0.0,  # nothing trained; the updates' sum replaces it (mean_update_metrics)
         "timing_s/gen": t_gen,
         "timing_s/update_actor": t_update,
         "timing_s/update_weights": t_sync,

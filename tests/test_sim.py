@@ -324,7 +324,7 @@ def test_planner_refuses_a_bad_setting(capsys):
     (["gpus=0", "hours=1"], "gpus must be >= 1"),
     (["gpus=8", "hours=0.2", "--config", "sync_1", "--out", "/nonexistent/d/f.json"], "--out /nonexistent/d/f.json: no directory"),
     (["gpus=8", "hours=0.0005", "--config", "sync_1"], "hours=0.0005: the simulation ended after"),
-    (["gpus=8", "hours=0.2", "--policy", "fixed"], "gpus=8 (disaggregated: 4 trainer, 4 inference) leaves no inference replica"),
+    (["gpus=8", "hours=0.2", "--policy", "fixed"], "gpus=8 leaves no inference replica of 8 GPUs (engine.gpus_per_replica; disaggregated: 4 trainer, 4 inference; it needs at least 9"),
 ])
 def test_planner_names_a_bad_horizon_size_or_out_path_before_it_runs(argv, message, capsys):
     """A new user's mistakes: exit 2 with one line, never a traceback after the whole simulation."""

@@ -109,10 +109,10 @@ def layout(w: Workload, sc: Scenario) -> Layout:
         trn = sc.trainer_gpus if sc.trainer_gpus is not None else sc.gpus // 2
         inf = sc.gpus - trn
     if inf < gpr or trn < 1:
-        where = "colocated" if sc.colocated else f"disaggregated: {trn} trainer, {inf} inference"
-        raise ValueError(f"gpus={sc.gpus} ({where}) leaves no inference replica of {gpr} GPUs "
-                         f"(engine.gpus_per_replica); disaggregated needs at least {gpr + 1} GPUs with "
-                         f"the trainer on 1 (--trainer-gpus), {2 * gpr} with an even split")
+        need = (f"colocated needs at least {gpr}" if sc.colocated else
+                f"disaggregated: {trn} trainer, {inf} inference; it needs at least {gpr + 1} with the trainer "
+                f"on 1 (--trainer-gpus), {2 * gpr} with an even split")
+        raise ValueError(f"gpus={sc.gpus} leaves no inference replica of {gpr} GPUs (engine.gpus_per_replica; {need})")
     if "prompts_per_step" in w.batch:  # orchestrator/config/run.py: batch_size // sync_every
         b = max(1, round(w.batch["prompts_per_step"] * sc.gpus / w.batch["reference_gpus"]) // sc.sync_every)
     else:
