@@ -2,8 +2,8 @@
 `task.split`, through the real rollout pool under the same cluster-wide ACR limits, no trainer.
 
 Every prompt of the split (the first `eval.max_prompts`) x `eval.n` samples; outputs in run_dir:
-`eval.jsonl` (one line per rollout, orchestrator/validation.py EvalRecord) and
-`eval_summary.json` (orchestrator/validation.py `summarize`, plus the ACR session count left
+`eval.jsonl` (one line per rollout, orchestrator/loop/validation.py EvalRecord) and
+`eval_summary.json` (orchestrator/loop/validation.py `summarize`, plus the ACR session count left
 open). Progress: a tqdm bar on a terminal (done / failed / in flight, ETA), else a plain line per
 tenth of the rollouts.
 
@@ -24,7 +24,7 @@ from typing import Any, TextIO
 from orchestrator.config import RunConfig
 from orchestrator.config.eval import eval_settings
 from orchestrator.tasks import TASKS
-from orchestrator.validation import EvalRecord, evaluate_rows, summarize
+from orchestrator.loop.validation import EvalRecord, evaluate_rows, summarize
 
 PARTITION = "eval"
 LINES_EVERY = 10  # plain progress: a line per this many percent of the rollouts
@@ -73,7 +73,7 @@ def split_rows(cfg: RunConfig) -> list[dict]:
 async def run_eval(cfg: RunConfig, rt: Any, stack: contextlib.ExitStack) -> dict[str, Any]:
     """Build the evaluation parts, evaluate the split, write eval.jsonl and eval_summary.json;
     return the summary. Raises what the pool raises (ContractError stops the evaluation)."""
-    from orchestrator.build import build_eval
+    from orchestrator.build.eval import build_eval
 
     rows = split_rows(cfg)
     settings = eval_settings(cfg.eval)

@@ -1,13 +1,13 @@
 """Hydra entry point: `python -m orchestrator.main key=value ...`.
 
 compose (Hydra) -> validate (`to_run_config`: a bad value exits with status 2 and a message naming
-the key, before Ray or any server starts) -> pre-flight (orchestrator/preflight.py: file-system
-checks, checkpoint, run_dir) -> build the parts (orchestrator/build.py) -> run the sync or async
+the key, before Ray or any server starts) -> pre-flight (orchestrator/control/preflight.py: file-system
+checks, checkpoint, run_dir) -> build the parts (orchestrator/build/) -> run the sync or async
 loop -> report (`RUN_DIR/summary.json`; the loop writes `RUN_DIR/metrics.jsonl`). `mode=eval`
 builds no trainer and evaluates instead (orchestrator/evaluate.py: `RUN_DIR/eval.jsonl`,
 `RUN_DIR/eval_summary.json`).
 
-`dry_run=true` prints the plan (orchestrator/plan.py) and starts nothing.
+`dry_run=true` prints the plan (orchestrator/planning/dry_run.py) and starts nothing.
 
 Exit status: 0 done (or a dry run that fits), 1 nothing trained (no rollout completed, or every
 group was filtered), 2 config / checkpoint / GPU-placement error (or a dry run that does not fit),
@@ -16,17 +16,17 @@ group was filtered), 2 config / checkpoint / GPU-placement error (or a dry run t
 
 Invariant: everything this process starts is stopped on every exit path (normal end, error,
 Ctrl-C, SIGTERM), servers by PID and actors through Ray; nothing is stopped by name. SIGINT and
-SIGTERM are handled from this module's first line (orchestrator/stopping.py): before pre-flight
+SIGTERM are handled from this module's first line (orchestrator/control/stopping.py): before pre-flight
 passed a signal exits at once (nothing started); after it, the first one unwinds the start, the
 parts' build or the loop, and the run ends with `interrupted: true` in summary.json; a second one
 exits at once. A driver killed outright (SIGKILL), or by a second signal, leaves the cleanup to the
-run's reaper (orchestrator/reaper.py), started before anything else.
+run's reaper (orchestrator/control/reaper.py), started before anything else.
 """
 
 from __future__ import annotations
 
 if __name__ == "__main__":  # first, before the imports below take seconds: a Ctrl-C there is one line, exit 130
-    from orchestrator.stopping import install_before_start
+    from orchestrator.control.stopping import install_before_start
 
     install_before_start()
 
@@ -44,9 +44,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.config import ConfigError, RunConfig, async_loop_settings, register, sync_loop_settings, to_run_config
-from orchestrator.console_log import quiet_console
-from orchestrator.progress import phase, summary_text
-from orchestrator.run_watch import nothing_trained
+from orchestrator.watch.console_log import quiet_console
+from orchestrator.watch.progress import phase, summary_text
+from orchestrator.watch.run_watch import nothing_trained
 
 register()
 ENGINE_STOP_S = 2.0  # a vLLM engine-core process still there this long after SIGTERM is killed (seconds)
@@ -66,7 +66,7 @@ def _draw_report_while_stopping(run_dir: Path) -> None:
     """Start drawing RUN_DIR/report/ in a thread: an interrupted run's parts take seconds to shut
     down (engines, Ray), the plots are drawn meanwhile instead of after (`_report_at_end` joins)."""
     def draw() -> None:
-        from orchestrator.report import write_run_report
+        from orchestrator.watch.report import write_run_report
 
         with contextlib.suppress(Exception):  # the report is best effort; the exit line says so
             if (path := write_run_report(run_dir)) is not None:
@@ -81,8 +81,8 @@ def run(cfg: RunConfig) -> dict:
     """Run the whole job described by `cfg`; return the summary (also written to summary.json).
     Raises ConfigError / CheckpointError from pre-flight, before anything starts. The first SIGINT
     or SIGTERM ends the run early: the summary then says `interrupted: true`."""
-    from orchestrator.preflight import preflight
-    from orchestrator.stopping import install_unwinding, mark
+    from orchestrator.control.preflight import preflight
+    from orchestrator.control.stopping import install_unwinding, mark
 
     t_start = time.monotonic()
     pre = preflight(cfg)
@@ -105,10 +105,11 @@ def _interrupted_before_a_step(pre) -> dict:
 
 def _run_started(cfg: RunConfig, pre, t_start: float) -> dict:
     """`run` once pre-flight passed: every exit path stops what it started (the ExitStack)."""
-    from orchestrator.build import build_parts, start_runtime
-    from orchestrator.supervise import explain_trainer_loss, run_watched
-    from orchestrator.reaper import start_reaper
-    from orchestrator.stopping import Interrupts, RunInterrupted, install_unwinding, mark
+    from orchestrator.build.runtime import start_runtime
+    from orchestrator.build.training import build_parts
+    from orchestrator.control.supervise import explain_trainer_loss, run_watched
+    from orchestrator.control.reaper import start_reaper
+    from orchestrator.control.stopping import Interrupts, RunInterrupted, install_unwinding, mark
 
     run_dir = pre.run_dir
     (run_dir / "logs").mkdir(exist_ok=True)
@@ -186,7 +187,7 @@ async def _bounded(aw, timeout_s: float = 5.0) -> None:
 
 async def _stop_engines(replicas: list) -> None:
     """Shut the vLLM engines down (bounded; Ray's shutdown kills whatever is left)."""
-    from orchestrator.stopping import mark
+    from orchestrator.control.stopping import mark
 
     await _bounded(asyncio.gather(*(r.shutdown.remote(ENGINE_STOP_S) for r in replicas)))
     mark("inference replicas shut down")
@@ -194,10 +195,10 @@ async def _stop_engines(replicas: list) -> None:
 
 async def _run_loop(cfg: RunConfig, built):
     if cfg.mode.name == "async":
-        from orchestrator.loop_async import run_async
+        from orchestrator.loop.async_loop import run_async
 
         return await run_async(built.parts, async_loop_settings(cfg), start=built.start)
-    from orchestrator.loop_sync import run_sync
+    from orchestrator.loop.sync_loop import run_sync
 
     return await run_sync(built.parts, sync_loop_settings(cfg), start=built.start)
 
@@ -207,7 +208,7 @@ async def _summary(report, built, local) -> dict:
     `report` None: the run was interrupted; steps and version are those of the last logged step.
     After a resume the counts and rewards cover the whole run (the checkpoint's counters and the
     kept metrics records are the first part); ACR call counts are this process's."""
-    from orchestrator.metrics import reward_initial_final
+    from orchestrator.watch.metrics import reward_initial_final
 
     initial, final = reward_initial_final(built.logger.rewards)
     last = built.logger.last
@@ -259,10 +260,10 @@ def _report_at_end(cfg: RunConfig):
                 if _REPORT_DRAWN:
                     print(f"report: {_REPORT_DRAWN[-1]}", flush=True)
                 elif (_STARTED[-1] / "metrics.jsonl").is_file():
-                    print(f"report: python -m orchestrator.report {_STARTED[-1]}", flush=True)
+                    print(f"report: python -m orchestrator.watch.report {_STARTED[-1]}", flush=True)
             else:
                 try:
-                    from orchestrator.report import write_run_report
+                    from orchestrator.watch.report import write_run_report
 
                     if (path := write_run_report(_STARTED[-1])) is not None:
                         print(f"report: {path}", flush=True)
@@ -272,7 +273,7 @@ def _report_at_end(cfg: RunConfig):
 
 def _dry_run(cfg: RunConfig) -> None:
     """Print the plan (placement per node and GPU, memory per GPU); raise ConfigError when it cannot fit."""
-    from orchestrator.plan import build_plan, check_plan, format_plan
+    from orchestrator.planning.dry_run import build_plan, check_plan, format_plan
 
     plan = build_plan(cfg)
     print(format_plan(plan), flush=True)
@@ -287,7 +288,7 @@ def _leave_now(code: int) -> NoReturn:
     import atexit
     import os
 
-    from orchestrator.stopping import mark
+    from orchestrator.control.stopping import mark
 
     mark("exit")
     atexit._run_exitfuncs()
@@ -312,11 +313,11 @@ def main(dcfg: DictConfig) -> None:
 
 
 def _run_and_exit(cfg: RunConfig) -> None:
-    from orchestrator.checkpoint import CheckpointError
-    from orchestrator.supervise import TrainerLost
+    from orchestrator.control.checkpoint import CheckpointError
+    from orchestrator.control.supervise import TrainerLost
     from workers.core.placement import InsufficientGpusError
 
-    if cfg.dry_run:  # the plan only: nothing starts (orchestrator/plan.py)
+    if cfg.dry_run:  # the plan only: nothing starts (orchestrator/planning/dry_run.py)
         try:
             _dry_run(cfg)
         except (ConfigError, InsufficientGpusError) as exc:

@@ -1,7 +1,7 @@
 """The task registry: `task.name` -> its row loader, its agent app and its data-file check.
 
 The one list of tasks: config validation (orchestrator/config/task.py) accepts exactly these
-names, pre-flight (orchestrator/preflight.py) runs each task's data-file check, and the driver
+names, pre-flight (orchestrator/control/preflight.py) runs each task's data-file check, and the driver
 loads rows and starts agents from here. The tasks' data code is in workers/core/tasks/.
 """
 

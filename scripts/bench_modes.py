@@ -18,10 +18,10 @@ session-creation rate and the cluster-wide limiter), which a user asks AWS for a
     python scripts/bench_modes.py --out bench_modes.json [--steps 20] [--env-median-s 0.2] \
         [--runs-dir DIR] [--report docs/img/bench_modes]
 
-`--report` overlays the four runs in one set of plots (orchestrator/report.py) with a table of
+`--report` overlays the four runs in one set of plots (orchestrator/watch/report.py) with a table of
 their headline figures; README shows the images of the committed run.
 
-`--validate` checks the simulator (orchestrator/sim/) against this run of the bench: it fits a
+`--validate` checks the simulator (orchestrator/planning/sim/) against this run of the bench: it fits a
 workload from ONE of its runs (`--fit-from`, default sync_1) with scripts/workload_from_run.py,
 simulates the four configurations on that workload (one shared CPU machine, `cluster=local`, the
 same steps left out) without refitting, and prints measured against predicted, per minute:
@@ -84,7 +84,7 @@ def _figures(name: str, args: argparse.Namespace, run_dir: Path, wall_s: float) 
     n = _group_size(run_dir)
     base = all_steps[args.warmup_steps - 1] if args.warmup_steps else {}
     samples = n * (all_steps[-1].get("rollout/trained_groups", 0.0) - base.get("rollout/trained_groups", 0.0))
-    from orchestrator.sim.run import finished_rollouts  # the simulator's count, so both sides count alike
+    from orchestrator.planning.sim.run import finished_rollouts  # the simulator's count, so both sides count alike
 
     finished = finished_rollouts(all_steps[-1]) - finished_rollouts(base)
     masked = [s.get("rollout_corr/rollout_rs_masked_fraction", 0.0) for s in steps]
@@ -123,8 +123,8 @@ def validate(rows: list[dict], work: Path, args: argparse.Namespace) -> list[dic
     import yaml
     from dataclasses import replace
 
-    from orchestrator.sim.run import CONFIGS as SIM_CONFIGS, simulate
-    from orchestrator.sim.workload import parse_workload
+    from orchestrator.planning.sim.run import CONFIGS as SIM_CONFIGS, simulate
+    from orchestrator.planning.sim.workload import parse_workload
     from workload_from_run import fit, fit_warnings
 
     raw = fit(work / args.fit_from, prompt_tokens=args.prompt_tokens, kv_tokens=1_000_000,
@@ -205,7 +205,7 @@ def main() -> None:
             print(f"running {name} ...", flush=True)
             rows.append(run_config(name, args, work))
         if args.report:
-            from orchestrator.report import build_report
+            from orchestrator.watch.report import build_report
 
             html, plots = build_report([work / n for n in names], args.report, warmup_steps=args.warmup_steps)
             print(f"report: {html} ({len(plots)} plots)")

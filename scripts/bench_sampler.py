@@ -12,7 +12,7 @@ Each leaf holds:
   over the prompts *drawn* (the difficulty sampler draws harder prompts, which lowers this figure
   without the policy being worse);
 - `reward_final_uniform`: the last 10 % of steps' `sampler/reward_uniform` (importance-weighted to
-  uniform prompt draws, orchestrator/sampler.py); equal to `reward_final` for `uniform`;
+  uniform prompt draws, orchestrator/loop/sampler.py); equal to `reward_final` for `uniform`;
 - `acr_invocations_per_reward_point`: dispatched / (100 · (reward_final − reward_initial)), i.e.
   ACR invocations per percentage point of training-reward gain (NaN when there is no gain);
 - `val_reward_initial`, `val_reward_final`, `val_reward_final_sem`: mean reward on the held-out

@@ -11,7 +11,7 @@ and measures the time to the driver's exit. Then, after up to LEFTOVER_WAIT_S: p
 run still alive, its /dev/shm files still there, what the run's reaper had to stop (the driver
 should have stopped everything itself), ACR sessions open at exit (summary.json), the exit status
 and console lines after the signal. The stop timeline the driver logged (`stop +...s: what`,
-orchestrator/stopping.py) shows where the time went.
+orchestrator/control/stopping.py) shows where the time went.
 
 Prints one block per try and a closing line per mode (median and max stop time against the
 10-s target). Exit status 0 when every try met the target and left nothing behind.
@@ -36,8 +36,8 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from orchestrator.reaper import Record, still_running  # noqa: E402  (the repo on sys.path first)
-from orchestrator.stopping import STOP_MARK  # noqa: E402
+from orchestrator.control.reaper import Record, still_running  # noqa: E402  (the repo on sys.path first)
+from orchestrator.control.stopping import STOP_MARK  # noqa: E402
 
 TARGET_S = 10.0  # issue 14: the first Ctrl-C / SIGTERM ends the run within this (seconds)
 LEFTOVER_WAIT_S = 15.0  # processes of the run must be gone by then (the reaper's grace included)

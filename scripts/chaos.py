@@ -10,7 +10,7 @@ pair repeats (10 runs: each of the 5 kinds once in sync and once in async mode):
 
 - driver: SIGKILL of the driver process (possibly mid-checkpoint); the run is resumed with
   `trainer.resume_mode=auto`. Checked: every process the run started is gone within
-  `LEFTOVER_WAIT_S` (its reaper, orchestrator/reaper.py), no checkpoint staging folder is left.
+  `LEFTOVER_WAIT_S` (its reaper, orchestrator/control/reaper.py), no checkpoint staging folder is left.
 - acr: SIGKILL of one ACR agent process of the local emulator (a runtime microVM dying); the
   emulator routes new sessions to the others, rollouts in flight on it fail with a named reason.
 - inference / trainer / rollout: SIGKILL of the Ray actor process (`ray::InferenceWorker`,
@@ -49,7 +49,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from orchestrator.reaper import still_running  # noqa: E402  (the repo on sys.path first)
+from orchestrator.control.reaper import still_running  # noqa: E402  (the repo on sys.path first)
 
 KINDS = ("inference", "trainer", "rollout", "driver", "acr")
 ACTOR_TITLES = {"inference": "ray::InferenceWorker", "trainer": "ray::TrainerWorker", "rollout": "ray::RolloutActor"}
@@ -168,7 +168,7 @@ def checkpointed_step(run_dir: Path) -> int:
 def prompt_accounting(run_dir: Path, mode: str, num_prompts: int, seed: int) -> dict:
     """Prompts consumed twice and never, from consumed_prompts.jsonl against the seeded order."""
     from orchestrator.config.task import TaskConfig
-    from orchestrator.prompts import PromptCycle
+    from orchestrator.loop.prompts import PromptCycle
     from orchestrator.tasks import TASKS
 
     path = run_dir / "consumed_prompts.jsonl"

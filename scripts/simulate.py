@@ -1,4 +1,4 @@
-"""Simulate the product at cluster scale (a thin wrapper over `python -m orchestrator.simulate`).
+"""Simulate the product at cluster scale (a thin wrapper over `python -m orchestrator.planning.simulate`).
 
     python scripts/simulate.py --workload reference --gpus 64 --hours 10 --policy adaptive --out F.json
     python scripts/simulate.py --workload reference --gpus 64 --hours 10 --policy fixed --config sync_1
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orchestrator.simulate import main as planner  # noqa: E402
+from orchestrator.planning.simulate import main as planner  # noqa: E402
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""Fit a simulator workload (orchestrator/sim/workload.py) from a real run's directory.
+"""Fit a simulator workload (orchestrator/planning/sim/workload.py) from a real run's directory.
 
     python scripts/workload_from_run.py RUN_DIR [--out workload.yaml] [--prompt-tokens N]
 
@@ -27,8 +27,8 @@ fits, and from what (the first `--warmup-steps` steps, engine warm-up, are skipp
   when the slope is not significant);
 - weight sync: its mean seconds (model_bytes / bandwidth gives exactly that);
 - filtering: the share of zero-variance groups (`agent.constant_reward_fraction`), as measured;
-- the machine (`machine:`, orchestrator/sim/machine.py: every part's CPU work shares the cores),
-  from the run's CPU record (`perf/cpu_s/<part>`, orchestrator/cpu_usage.py):
+- the machine (`machine:`, orchestrator/planning/sim/machine.py: every part's CPU work shares the cores),
+  from the run's CPU record (`perf/cpu_s/<part>`, orchestrator/watch/cpu_usage.py):
   - `cores`: `cluster.num_cpus`, else this machine's (given);
   - `rollout_start_cpu_s` + `agent.overhead_s` (the rollout's own CPU work when it starts and after
     its last turn): the CPU seconds of every part but the trainer (driver, engines, gateway,
@@ -44,7 +44,7 @@ fits, and from what (the first `--warmup-steps` steps, engine warm-up, are skipp
     latency and their time at the gateway hold time spent waiting for the cores, which the
     simulator adds by itself, so the fitted engine and environment times are scaled until
     simulating the run's own configuration gives its mean step time and its inference
-    concurrency (orchestrator/sim/calibrate.py `calibrate_fitted`; written into the engine's step
+    concurrency (orchestrator/planning/sim/calibrate.py `calibrate_fitted`; written into the engine's step
     times and the environment's distribution);
   - without a CPU record (older runs): the engine taken to keep every core busy while it decodes
     (assumed), the constant part of a rollout a delay after its last turn, no calibration.
@@ -74,7 +74,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orchestrator.sim.workload import parse_workload  # noqa: E402
+from orchestrator.planning.sim.workload import parse_workload  # noqa: E402
 
 CPU_BATCH_DOUBLING = 16  # running sequences that double a CPU engine step (assumed)
 START_SHARE = 0.5  # share of a rollout's CPU work done when it starts, the rest after its last turn (assumed)
@@ -142,7 +142,7 @@ def fit_update(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def fit_cpu(use: list[dict], prev: dict) -> dict | None:
-    """The machine's CPU figures from `perf/cpu_s/*` (orchestrator/cpu_usage.py), or None when the
+    """The machine's CPU figures from `perf/cpu_s/*` (orchestrator/watch/cpu_usage.py), or None when the
     run did not log them. `rollout_cpu_s`: the CPU seconds of every part but the trainer (driver,
     engines, gateway, rollout actors, emulator + agents + moto, Ray's own) per rollout dispatched,
     all of it (`background_cores` 0). Why not split it into work per rollout and cores kept busy
@@ -176,7 +176,7 @@ def fit(run_dir: Path, *, prompt_tokens: float | None = None, kv_tokens: int, wa
     a metric the fit needs (the message names it)."""
     raw, cfg, use = _fit(run_dir, prompt_tokens=prompt_tokens, kv_tokens=kv_tokens, warmup_steps=warmup_steps)
     if calibrate_hours > 0 and raw["machine"].get("engine_cores") == 0.0:  # the CPU model was fitted
-        from orchestrator.sim.calibrate import calibrate_fitted
+        from orchestrator.planning.sim.calibrate import calibrate_fitted
 
         record = calibrate_fitted(lambda ke, kv: parse_workload(_scaled(raw, ke, kv)), run_scenario(cfg),
                                   step_s=statistics.fmean(r["timing_s/step"] for r in use),
@@ -209,7 +209,7 @@ def _scaled(raw: dict, engine: float, env: float) -> dict:
 
 def run_scenario(cfg: dict):
     """The simulator's Scenario of a run's config on one shared machine (cluster=local)."""
-    from orchestrator.sim.run import Scenario
+    from orchestrator.planning.sim.run import Scenario
 
     a = cfg.get("async") or {}
     return Scenario(cfg["mode"]["name"], int(cfg["mode"].get("sync_every", 1)), True, gpus=1,

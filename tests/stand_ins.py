@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.batching import Group
+from orchestrator.loop.batching import Group
 from workers.core.types import Sample, TrajectoryRow
 
 REPO = Path(__file__).resolve().parent.parent
@@ -395,7 +395,7 @@ class RecordingTrainer:
         self.trained: list[tuple[int, Sample]] = []
 
     async def update(self, groups: Sequence[Group]) -> dict[str, float]:
-        from orchestrator.clients import build_train_batch
+        from orchestrator.adapters.clients import build_train_batch
 
         for g in groups:
             for s in g.samples:

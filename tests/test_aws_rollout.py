@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from orchestrator.preflight_aws import forwarded_aws_env
+from orchestrator.control.preflight_aws import forwarded_aws_env
 from stand_ins import LETTERS_AGENT, REPO
 
 PROFILE = "rl-test"

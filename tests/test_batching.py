@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from orchestrator.batching import RolloutLedger, assemble, reward_stats, split_groups
+from orchestrator.loop.batching import RolloutLedger, assemble, reward_stats, split_groups
 from stand_ins import make_sample
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workers.core.algorithms.batch import TrainBatch
-from orchestrator.checkpoint import (
+from orchestrator.control.checkpoint import (
     LATEST_FILENAME,
     CheckpointError,
     RunState,
@@ -19,8 +19,8 @@ from orchestrator.checkpoint import (
     load_latest,
     stage_checkpoint,
 )
-from orchestrator.prompts import PromptCycle
-from orchestrator.staleness import Admission, AdmissionState
+from orchestrator.loop.prompts import PromptCycle
+from orchestrator.loop.staleness import Admission, AdmissionState
 from stand_ins import ManualVersions, random_qwen2
 from workers.core.types import TrajectoryRow
 from workers.trainer.worker import TrainerSettings, TrainerWorker

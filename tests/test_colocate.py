@@ -1,4 +1,4 @@
-"""SleepingTrainer (orchestrator/colocate.py): engines sleep exactly around each update.
+"""SleepingTrainer (orchestrator/adapters/colocate.py): engines sleep exactly around each update.
 
 The real vLLM CPU engine's sleep/wake runs in tests/test_submit.py (a colocated job); here small
 scripted replicas with InferenceWorker's sleep/wake interface pin the failure paths that a real
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.colocate import SleepingTrainer
+from orchestrator.adapters.colocate import SleepingTrainer
 from stand_ins import FakeClock
 from workers.inference.settings import SleepReport
 

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from orchestrator.checkpoint import CheckpointError
+from orchestrator.control.checkpoint import CheckpointError
 from orchestrator.config import ConfigError, RunConfig
-from orchestrator.preflight import preflight
+from orchestrator.control.preflight import preflight
 from stand_ins import CONFIGS, compose_config
 
 GROUPS = sorted(p.name for p in CONFIGS.iterdir() if p.is_dir())
@@ -177,7 +177,7 @@ def test_choice_lists_are_the_owning_modules():
 
     from orchestrator.config.async_ import ASYNC_IN_FLIGHT_MODES
     from orchestrator.config.trainer import WEIGHT_SYNC_BACKENDS
-    from orchestrator.staleness import ON_STALE_CHOICES
+    from orchestrator.loop.staleness import ON_STALE_CHOICES
     from workers.core.placement import PLACEMENT_MODES
     from workers.inference.settings import IN_FLIGHT_MODES
     from workers.rollout.contract import Contract

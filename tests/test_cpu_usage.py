@@ -1,4 +1,4 @@
-"""perf/cpu_s/<part> (orchestrator/cpu_usage.py): attribution of a process tree to parts, the
+"""perf/cpu_s/<part> (orchestrator/watch/cpu_usage.py): attribution of a process tree to parts, the
 per-step ledger, and the probe on a real child process that burns CPU."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from orchestrator.cpu_usage import PARTS, CpuLedger, CpuProbe, attribute, part_of_name
+from orchestrator.watch.cpu_usage import PARTS, CpuLedger, CpuProbe, attribute, part_of_name
 
 
 def test_part_of_name_follows_the_run_files_names():

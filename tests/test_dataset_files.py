@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import ConfigError
-from orchestrator.preflight import preflight
+from orchestrator.control.preflight import preflight
 from stand_ins import REPO, compose_config
 from workers.core.tasks import custom, gsm8k
 from workers.core.tasks.dataset_files import DatasetError, read_records

@@ -46,7 +46,7 @@ def test_main_job_runs_end_to_end_on_real_parts(tmp_path):
             assert key in s, key
         # verl's throughput count: every token of the trained samples, prompts too
         assert s["perf/total_num_tokens"] >= s["perf/trained_tokens"], s
-        # where the CPU went (orchestrator/cpu_usage.py): each part that works in a step used some
+        # where the CPU went (orchestrator/watch/cpu_usage.py): each part that works in a step used some
         assert all(s[f"perf/cpu_s/{p}"] > 0 for p in ("driver", "inference", "gateway", "rollout", "local_stack",
                                                        "total")), s
         assert s["perf/cpu_s/trainer"] >= 0 and s["perf/cpu_s/other"] >= 0
@@ -90,7 +90,7 @@ STOP_BOUND_S = 30.0
 
 def _snapshot(pid: int) -> tuple[list[tuple[int, float]], set[int]]:
     """The driver's descendants (PID, start time) and the inodes of the /dev/shm files they map."""
-    from orchestrator.reaper import Record
+    from orchestrator.control.reaper import Record
 
     record = Record(pid)
     assert record.scan()
@@ -99,7 +99,7 @@ def _snapshot(pid: int) -> tuple[list[tuple[int, float]], set[int]]:
 
 def _left_behind(tree: list[tuple[int, float]], shm: set[int], timeout_s: float) -> tuple[list[int], list[str]]:
     """Processes of `tree` still alive and /dev/shm entries with an inode of `shm` after `timeout_s`."""
-    from orchestrator.reaper import still_running
+    from orchestrator.control.reaper import still_running
 
     def alive() -> list[int]:
         return still_running(tree)

@@ -12,12 +12,12 @@ from math import comb
 
 import pytest
 
-from orchestrator.batching import RolloutLedger
-from orchestrator.loop_async import AsyncLoopSettings, run_async
-from orchestrator.loop_common import LoopParts
-from orchestrator.loop_sync import SyncLoopSettings, run_sync
-from orchestrator.prompts import PromptCycle
-from orchestrator.validation import (EvalRecord, EvalSettings, ValidationLane, Validator, evaluate_rows, summarize,
+from orchestrator.loop.batching import RolloutLedger
+from orchestrator.loop.async_loop import AsyncLoopSettings, run_async
+from orchestrator.loop.common import LoopParts
+from orchestrator.loop.sync_loop import SyncLoopSettings, run_sync
+from orchestrator.loop.prompts import PromptCycle
+from orchestrator.loop.validation import (EvalRecord, EvalSettings, ValidationLane, Validator, evaluate_rows, summarize,
                                      val_metrics)
 from stand_ins import ListLogger, MemoryStore, RecordingTrainer, SimReplica, SimRollouts, alternating_reward
 from workers.core.passk import mean_and_sem, mean_pass_at_k, pass_at_k, percentile
@@ -282,7 +282,7 @@ def test_an_agent_without_a_served_model_uses_its_own(monkeypatch):
 def test_console_line_shows_the_validation_and_the_version_it_measured():
     import io
 
-    from orchestrator.progress import ProgressSink
+    from orchestrator.watch.progress import ProgressSink
 
     out = io.StringIO()
     ProgressSink(60, out, tty=False).log(0, {"val/reward/mean": 0.154, "val/policy_version": 0.0})

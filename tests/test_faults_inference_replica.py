@@ -25,7 +25,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from stand_ins import REPO, own_ray  # noqa: E402
-from orchestrator.supervise import ReplicaSupervisor, ReplicasExhausted  # noqa: E402
+from orchestrator.control.supervise import ReplicaSupervisor, ReplicasExhausted  # noqa: E402
 from workers.core.types import GenerateRequest, GenerateResult  # noqa: E402
 from workers.embedded.tiny_model import ensure_tiny_model  # noqa: E402
 from workers.gateway.config import GatewayConfig  # noqa: E402

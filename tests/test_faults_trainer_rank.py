@@ -20,7 +20,7 @@ import pytest
 
 from stand_ins import own_ray
 from test_trainer_group import grouped_batch
-from orchestrator.supervise import explain_trainer_loss
+from orchestrator.control.supervise import explain_trainer_loss
 from workers.trainer.group import TrainerRankLost, start_trainer_ranks
 
 BOUND_S = 30.0  # from the kill to the named error (seconds), well below the collective timeout's 600 default

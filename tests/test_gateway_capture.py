@@ -289,7 +289,7 @@ def test_turn_cap_and_ill_formed_count():
 
 
 def test_router_sends_new_sessions_to_the_replica_with_fewest_sessions_and_spills_a_congested_one():
-    """Regression (found by the simulator, orchestrator/sim/): choosing by requests in flight alone
+    """Regression (found by the simulator, orchestrator/planning/sim/): choosing by requests in flight alone
     piled new agent sessions onto a replica whose sessions were in their tools, and stickiness
     then kept that replica at a full KV cache while the others idled."""
     from workers.gateway.router import SPILL_FACTOR, SPILL_SLACK

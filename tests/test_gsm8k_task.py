@@ -121,7 +121,7 @@ def test_a_bad_line_is_refused_naming_file_and_line(tmp_path, bad, why):
 def test_a_row_without_the_documented_fields_names_them_not_verls(tmp_path, row, missing):
     """README documents `{"question", "answer"}` rows: a row lacking one is refused naming that field
     and the layout, not verl's `reward_model.ground_truth`; pre-flight adds the config key."""
-    from orchestrator.preflight import check_task_data
+    from orchestrator.control.preflight import check_task_data
 
     path = _write(tmp_path, [json.dumps(GOOD), json.dumps(row)])
     cfg = compose_config(["task=gsm8k", f"task.data_path={path}"])
@@ -158,7 +158,7 @@ def test_task_gsm8k_config_sets_the_tool_prompt_budgets_and_cli_overrides_win():
 
 
 def test_a_missing_data_file_fails_preflight_naming_the_key():
-    from orchestrator.preflight import check_task_data
+    from orchestrator.control.preflight import check_task_data
 
     cfg = compose_config(["task=gsm8k", "task.data_path=/nonexistent/gsm8k.jsonl"])  # the schema reads values only
     with pytest.raises(ConfigError, match=r"^task.data_path='/nonexistent/gsm8k.jsonl': no file"):

@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from orchestrator.batching import RolloutLedger
-from orchestrator.loop_async import AsyncLoopSettings, run_async
-from orchestrator.loop_common import LoopParts
-from orchestrator.prompts import PromptCycle
+from orchestrator.loop.batching import RolloutLedger
+from orchestrator.loop.async_loop import AsyncLoopSettings, run_async
+from orchestrator.loop.common import LoopParts
+from orchestrator.loop.prompts import PromptCycle
 from stand_ins import ListLogger, MemoryStore, RecordingTrainer, SimReplica, SimRollouts, alternating_reward
 
 

@@ -4,11 +4,11 @@ import math
 
 import pytest
 
-from orchestrator.batching import RolloutLedger
-from orchestrator.loop_common import LoopParts
-from orchestrator.loop_sync import SyncLoopSettings, run_sync
-from orchestrator.prompts import PromptCycle
-from orchestrator.clients import build_train_batch
+from orchestrator.loop.batching import RolloutLedger
+from orchestrator.loop.common import LoopParts
+from orchestrator.loop.sync_loop import SyncLoopSettings, run_sync
+from orchestrator.loop.prompts import PromptCycle
+from orchestrator.adapters.clients import build_train_batch
 from stand_ins import ListLogger, MemoryStore
 from workers.core.types import Sample, TrajectoryRow
 
@@ -101,7 +101,7 @@ def test_prompt_cycle_is_seeded_and_covers_each_epoch():
 
 
 def test_train_batch_gives_each_row_its_sample_advantage():
-    from orchestrator.batching import assemble
+    from orchestrator.loop.batching import assemble
 
     row = TrajectoryRow((1, 2, 3), (0, 1, 1), (0.0, -1.0, -1.0), (-1, 0, 0))
     samples = [Sample(f"s{i}", 0, "in", i, (row, row) if i == 0 else (row,), float(i), "completed", 0.0)
@@ -160,9 +160,9 @@ def test_total_num_tokens_counts_every_token_of_the_trained_samples_and_sums_ove
     """verl's perf/total_num_tokens: prompt and generated tokens of the samples that train; a
     sample whose tokens are all loss-masked trains nothing and is not counted; a step's count is
     the sum of its mini-batches' (a per-token metric is their mean)."""
-    from orchestrator.batching import Group
-    from orchestrator.clients import total_num_tokens
-    from orchestrator.loop_common import mean_update_metrics
+    from orchestrator.loop.batching import Group
+    from orchestrator.adapters.clients import total_num_tokens
+    from orchestrator.loop.common import mean_update_metrics
 
     trained = TrajectoryRow((1, 2, 3, 4, 5), (0, 0, 1, 1, 1), (0.0, 0.0, -0.1, -0.1, -0.1), (-1, -1, 0, 0, 0))
     turn2 = TrajectoryRow((1, 2, 3), (0, 1, 1), (0.0, -0.1, -0.1), (-1, 0, 0))

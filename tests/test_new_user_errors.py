@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from orchestrator.build import agent_start_failure
-from orchestrator.preflight import kv_cache_min_bytes
+from orchestrator.build.runtime import agent_start_failure
+from orchestrator.control.preflight import kv_cache_min_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 

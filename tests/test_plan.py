@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from orchestrator.config import ConfigError
-from orchestrator.plan import build_plan, check_plan, format_plan, param_count
+from orchestrator.planning.dry_run import build_plan, check_plan, format_plan, param_count
 from stand_ins import CONFIGS, REPO, compose_config
 from workers.core.memory_plan import (GIB, KNOWN_SHAPES, EngineLoad, ModelShape, TrainerLoad, engine_memory,
                                       known_shape, trainer_memory)

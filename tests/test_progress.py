@@ -1,5 +1,5 @@
-"""The console a person watches (orchestrator/progress.py) and the metric sinks beside it
-(orchestrator/metrics.py): plain lines off a terminal, a rich bar on one, warnings always shown,
+"""The console a person watches (orchestrator/watch/progress.py) and the metric sinks beside it
+(orchestrator/watch/metrics.py): plain lines off a terminal, a rich bar on one, warnings always shown,
 TensorBoard event files, wandb online only with an API key, no metrics.jsonl before a first record."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import io
 import math
 
-from orchestrator.metrics import JsonlSink, TensorBoardSink, resolve_wandb_mode
-from orchestrator.progress import ProgressSink
+from orchestrator.watch.metrics import JsonlSink, TensorBoardSink, resolve_wandb_mode
+from orchestrator.watch.progress import ProgressSink
 
 
 def step_rec(step, *, filtered=0, is_mean=1.0):
@@ -82,7 +82,7 @@ def test_quiet_console_sends_library_output_to_the_run_dir(tmp_path, monkeypatch
     import logging
     import warnings
 
-    from orchestrator.console_log import QUIET_ENV, quiet_console
+    from orchestrator.watch.console_log import QUIET_ENV, quiet_console
 
     for k in QUIET_ENV:  # quiet_console sets them for the processes it starts: restored after the test
         monkeypatch.setenv(k, "")
@@ -99,7 +99,7 @@ def test_quiet_console_sends_library_output_to_the_run_dir(tmp_path, monkeypatch
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             warnings.warn("torch.distributed.reduce_op is deprecated", FutureWarning)
-        logging.getLogger("orchestrator.loop_common").error("rollout s-1 failed: boom")
+        logging.getLogger("orchestrator.loop.common").error("rollout s-1 failed: boom")
         for h in root.handlers:
             h.flush()
         text = path.read_text()
@@ -119,7 +119,7 @@ def test_quiet_console_sends_library_output_to_the_run_dir(tmp_path, monkeypatch
 
 
 def test_summary_text_says_how_many_rollouts_an_interrupted_run_left_running():
-    from orchestrator.progress import summary_text
+    from orchestrator.watch.progress import summary_text
 
     base = {"steps": 3, "rollout/dispatched": 128, "rollout/completed": 44, "rollout/filtered": 52}
     assert summary_text(base | {"rollout/open": 32}).splitlines()[1].startswith(

@@ -1,4 +1,4 @@
-"""The run report (orchestrator/report.py) from synthetic metrics files: every plot is written,
+"""The run report (orchestrator/watch/report.py) from synthetic metrics files: every plot is written,
 is a PNG with data drawn, report.html references only files that exist; several runs overlay with
 a headline table; plots without data are not written. The report of a real run is checked in
 tests/test_e2e.py (test_main_job_runs_end_to_end_on_real_parts)."""
@@ -13,8 +13,8 @@ import pytest
 import yaml
 from report_checks import MIN_COLORED_PIXELS, check_report, colored_pixels
 
-from orchestrator.report import PLOTS, build_report, main
-from orchestrator.report_data import headline, load_run
+from orchestrator.watch.report import PLOTS, build_report, main
+from orchestrator.watch.report_data import headline, load_run
 
 ALL_PLOTS = {p[0] for p in PLOTS}
 

@@ -11,12 +11,12 @@ import random
 
 import pytest
 
-from orchestrator.batching import RolloutLedger
-from orchestrator.checkpoint import load_latest
-from orchestrator.loop_async import AsyncLoopSettings, run_async
-from orchestrator.loop_common import LoopParts
-from orchestrator.prompts import PromptCycle
-from orchestrator.run_checkpoint import LoopPosition, ResumablePrompts, RunCheckpointer
+from orchestrator.loop.batching import RolloutLedger
+from orchestrator.control.checkpoint import load_latest
+from orchestrator.loop.async_loop import AsyncLoopSettings, run_async
+from orchestrator.loop.common import LoopParts
+from orchestrator.loop.prompts import PromptCycle
+from orchestrator.control.run_checkpoint import LoopPosition, ResumablePrompts, position_of, RunCheckpointer
 from stand_ins import (FileTrainer, ListLogger, MemoryStore, RecordingTrainer, SimReplica, SimRollouts,
                        alternating_reward)
 
@@ -85,7 +85,7 @@ async def test_resume_keeps_the_staleness_bound_and_dispatches_pending_rows_firs
     assert saved.state.admission.trained_groups == 3 * B
     assert saved.state.pending_rows, "groups were in flight at the checkpoint (the producer runs ahead)"
 
-    start = LoopPosition.of(saved.state)
+    start = position_of(saved.state)
     resumed_prompts = ResumablePrompts.restore(ROWS, seed=999, state=saved.state)
     parts2, trainer2, rollouts2 = build(resumed_prompts, engine_version=3, trained_before=start.trained_groups,
                                         seed=1)

@@ -16,8 +16,8 @@ from workers.core.algorithms.batch import TrainBatch
 from workers.core.algorithms.losses import PolicyLossConfig, ppo_clip_loss
 from workers.core.algorithms.rejection import apply_rejection, last_token_index
 from workers.core.algorithms.rollout_correction import RejectionRule, RolloutCorrectionConfig, compute_rollout_correction
-from orchestrator.batching import Group
-from orchestrator.clients import build_train_batch
+from orchestrator.loop.batching import Group
+from orchestrator.adapters.clients import build_train_batch
 from stand_ins import make_group, make_sample, seeded_row
 from workers.core.types import TrajectoryRow
 

@@ -1,7 +1,7 @@
-"""The console's warnings and the nothing-trained verdict (orchestrator/run_watch.py), from step
+"""The console's warnings and the nothing-trained verdict (orchestrator/watch/run_watch.py), from step
 records built here; counts are cumulative, as the ledger logs them."""
 
-from orchestrator.run_watch import REPEAT_STEPS, StepWatch, nothing_trained
+from orchestrator.watch.run_watch import REPEAT_STEPS, StepWatch, nothing_trained
 
 
 def rec(completed=0, filtered=0, failed=0, expired=0, step_s=1.0):

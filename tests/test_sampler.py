@@ -1,4 +1,4 @@
-"""The difficulty-aware prompt sampler (orchestrator/sampler.py): pure logic, resume, and both
+"""The difficulty-aware prompt sampler (orchestrator/loop/sampler.py): pure logic, resume, and both
 shipped loops driven with simulated parts (no models, no Ray)."""
 
 import asyncio
@@ -10,15 +10,15 @@ import random
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
-from orchestrator.batching import RolloutLedger
-from orchestrator.checkpoint import RunState, load_latest
-from orchestrator.loop_async import AsyncLoopSettings, run_async
-from orchestrator.loop_common import LoopParts
-from orchestrator.loop_sync import SyncLoopSettings, run_sync
-from orchestrator.prompts import PromptCycle
-from orchestrator.run_checkpoint import LoopPosition, ResumablePrompts, RunCheckpointer
-from orchestrator.sampler import DifficultySampler, SamplerSettings, group_outcome
-from orchestrator.staleness import AdmissionState
+from orchestrator.loop.batching import RolloutLedger
+from orchestrator.control.checkpoint import RunState, load_latest
+from orchestrator.loop.async_loop import AsyncLoopSettings, run_async
+from orchestrator.loop.common import LoopParts
+from orchestrator.loop.sync_loop import SyncLoopSettings, run_sync
+from orchestrator.loop.prompts import PromptCycle
+from orchestrator.control.run_checkpoint import LoopPosition, ResumablePrompts, position_of, RunCheckpointer
+from orchestrator.loop.sampler import DifficultySampler, SamplerSettings, group_outcome
+from orchestrator.loop.staleness import AdmissionState
 from stand_ins import FileTrainer, ListLogger, MemoryStore, RecordingTrainer, SimReplica, SimRollouts
 
 ROWS = [{"input_id": f"p{i}", "prompt": f"x{i}"} for i in range(40)]
@@ -202,5 +202,5 @@ async def test_async_run_checkpoints_the_sampler_and_a_resume_continues_from_it(
     parts2 = sim_parts(ResumablePrompts.restore(ROWS, seed=999, state=saved.state, sampler=SamplerSettings()),
                        engine_version=saved.state.policy_version)
     report = await asyncio.wait_for(run_async(parts2, dataclasses.replace(run, total_steps=6),
-                                              start=LoopPosition.of(saved.state)), timeout=60)
+                                              start=position_of(saved.state)), timeout=60)
     assert report.policy_version == 6 and not parts2.ledger.open_rollouts()

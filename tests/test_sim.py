@@ -1,4 +1,4 @@
-"""The cluster simulator (orchestrator/sim/) and adaptive concurrency (orchestrator/concurrency.py):
+"""The cluster simulator (orchestrator/planning/sim/) and adaptive concurrency (orchestrator/loop/concurrency.py):
 virtual clock, the simulated replica's invariants, the AIMD controller, workload validation, and
 that a simulated run executes the product's own loop code (not a copy)."""
 
@@ -12,18 +12,18 @@ from pathlib import Path
 
 import pytest
 
-import orchestrator.batching as batching
-import orchestrator.loop_async as loop_async
-import orchestrator.loop_common as loop_common
-import orchestrator.loop_sync as loop_sync
-import orchestrator.staleness as staleness
-import orchestrator.staleness_gate as staleness_gate
-from orchestrator.concurrency import AdaptiveConcurrency, ConcurrencyGate
-from orchestrator.sim.clock import SimDeadlock, VirtualLoop, run_virtual
-from orchestrator.sim.engine import CacheOwner, EngineSpec, Request, SimReplica
-from orchestrator.sim.run import CONFIGS, Scenario, simulate
-from orchestrator.sim.workload import WorkloadError, load_workload, parse_workload
-from orchestrator.simulate import main as planner
+import orchestrator.loop.batching as batching
+import orchestrator.loop.async_loop as loop_async
+import orchestrator.loop.common as loop_common
+import orchestrator.loop.sync_loop as loop_sync
+import orchestrator.loop.staleness as staleness
+import orchestrator.loop.staleness_gate as staleness_gate
+from orchestrator.loop.concurrency import AdaptiveConcurrency, ConcurrencyGate
+from orchestrator.planning.sim.clock import SimDeadlock, VirtualLoop, run_virtual
+from orchestrator.planning.sim.engine import CacheOwner, EngineSpec, Request, SimReplica
+from orchestrator.planning.sim.run import CONFIGS, Scenario, simulate
+from orchestrator.planning.sim.workload import WorkloadError, load_workload, parse_workload
+from orchestrator.planning.simulate import main as planner
 from workers.core.types import EngineLoad
 from workers.gateway.router import ReplicaRouter
 from workers.rollout.pool import RolloutPool
@@ -479,7 +479,7 @@ def test_adaptive_concurrency_config_builds_the_policy():
 
 
 def test_share_speed_slows_every_part_only_when_they_want_more_cores_than_there_are():
-    from orchestrator.sim.machine import share_speed
+    from orchestrator.planning.sim.machine import share_speed
 
     assert share_speed(2, 1.0) == 1.0 and share_speed(2, 2.0) == 1.0
     assert share_speed(2, 3.0) == pytest.approx(2 / 3) and share_speed(2, 32.0) == pytest.approx(1 / 16)
@@ -489,7 +489,7 @@ def test_processor_sharing_of_many_jobs_with_a_late_one():
     """2 cores, 4 jobs of 1 s at t=0: speed 1/2. A 0.25 s job joins at t=1 (the four have 0.5 s
     left): speed 2/5, it ends after 0.25 / 0.4 = 0.625 s at 1.625, the four have 0.25 s left
     then, at speed 1/2 they end at 2.125. A job alone runs at full speed."""
-    from orchestrator.sim.machine import MachineSpec, SharedCpu
+    from orchestrator.planning.sim.machine import MachineSpec, SharedCpu
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -514,7 +514,7 @@ def test_processor_sharing_of_many_jobs_with_a_late_one():
 def test_processor_sharing_conserves_work_whatever_the_arrivals():
     """Seeded random arrivals of jobs on 2 cores: each job ends no sooner than its work alone,
     the cores are never over-used, and the core-seconds used equal the work of the jobs."""
-    from orchestrator.sim.machine import MachineSpec, SharedCpu
+    from orchestrator.planning.sim.machine import MachineSpec, SharedCpu
 
     rng = random.Random(7)
     jobs = [(rng.uniform(0, 20), rng.expovariate(1 / 0.3)) for _ in range(300)]  # (start s, work s)
@@ -538,7 +538,7 @@ def test_processor_sharing_conserves_work_whatever_the_arrivals():
 def test_a_trainer_update_and_decoding_slow_each_other_on_a_shared_machine():
     """2 cores, the engine wants 2 and the trainer 1: an update overlapping decoding runs at
     2/3 speed, and so does the engine; alone, each runs at full speed."""
-    from orchestrator.sim.machine import MachineSpec, SharedCpu
+    from orchestrator.planning.sim.machine import MachineSpec, SharedCpu
 
     spec = EngineSpec(kv_tokens=100_000, max_num_seqs=16, step_base_s=0.01, step_per_seq_s=0.0,
                       prefill_s_per_token=0.0, gpus=1)
@@ -591,7 +591,7 @@ def test_agent_durations_read_the_acr_task_records(tmp_path):
 def test_a_fixed_batch_per_step_is_split_into_sync_every_mini_batches_and_filtering_follows_the_fit():
     """`batch.prompts_per_step` (a fitted run's rollout.batch_size) keeps the groups per weight
     sync, as the product does; `constant_reward_fraction` sets the share of filtered groups."""
-    from orchestrator.sim.run import layout
+    from orchestrator.planning.sim.run import layout
 
     raw = json.loads(json.dumps(load_workload("gsm8k_tools").__dict__, default=lambda o: o.__dict__))
     raw["batch"] |= {"prompts_per_step": 8, "reference_gpus": 1}

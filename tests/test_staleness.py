@@ -1,6 +1,6 @@
 """Staleness control: admission capacity, lifecycle, resume, per-sample verdict, and the async gate.
 
-Capacity formula under test (orchestrator/staleness.py): free = (η + v + 1)·G - (running + accepted),
+Capacity formula under test (orchestrator/loop/staleness.py): free = (η + v + 1)·G - (running + accepted),
 G = groups_per_update · updates_per_version.
 """
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from workers.core.algorithms.advantages import grpo_outcome_advantages
-from orchestrator.batching import Group
-from orchestrator.clients import build_train_batch
-from orchestrator.staleness import (
+from orchestrator.loop.batching import Group
+from orchestrator.adapters.clients import build_train_batch
+from orchestrator.loop.staleness import (
     Admission,
     AdmissionState,
     StalenessError,
@@ -26,7 +26,7 @@ from orchestrator.staleness import (
     staleness_facts,
     staleness_metrics,
 )
-from orchestrator.staleness_gate import AdmissionGate
+from orchestrator.loop.staleness_gate import AdmissionGate
 from stand_ins import ManualVersions, make_row, make_sample
 from workers.core.types import Sample
 
@@ -421,7 +421,7 @@ def test_the_controller_module_is_pure():
     import subprocess
     import sys
 
-    code = ("import sys, orchestrator.staleness; "
+    code = ("import sys, orchestrator.loop.staleness; "
             "print(sorted(m for m in ('ray', 'asyncio', 'torch', 'httpx', 'aiohttp') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"

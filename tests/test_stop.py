@@ -19,14 +19,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from orchestrator.batching import RolloutLedger
-from orchestrator.checkpoint import RunState, load_latest, remove_staging, stage_checkpoint
+from orchestrator.loop.batching import RolloutLedger
+from orchestrator.control.checkpoint import RunState, load_latest, remove_staging, stage_checkpoint
 from orchestrator.config import ConfigError
-from orchestrator.metrics import MetricLogger, keep_steps_upto
-from orchestrator.prompts import PromptCycle
-from orchestrator.run_checkpoint import CONSUMED_FILENAME, LoopPosition, ResumablePrompts, RunCheckpointer, trim_after
-from orchestrator.staleness import AdmissionState
-from orchestrator.stopping import CANCEL_GRACE_S, Interrupts, RunInterrupted
+from orchestrator.watch.metrics import MetricLogger, keep_steps_upto
+from orchestrator.loop.prompts import PromptCycle
+from orchestrator.control.run_checkpoint import CONSUMED_FILENAME, LoopPosition, ResumablePrompts, RunCheckpointer, trim_after
+from orchestrator.loop.staleness import AdmissionState
+from orchestrator.control.stopping import CANCEL_GRACE_S, Interrupts, RunInterrupted
 from stand_ins import FileTrainer, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -47,7 +47,7 @@ def _signal_handlers_restored():
 FAKE_DRIVER = textwrap.dedent("""
     import json, os, subprocess, sys, time
     from pathlib import Path
-    from orchestrator.reaper import start_reaper
+    from orchestrator.control.reaper import start_reaper
     run_dir = Path(sys.argv[1])
     (run_dir / "checkpoints" / ".step-00000002-staging-abc" / "model").mkdir(parents=True)
     reaper = start_reaper(run_dir)
@@ -126,7 +126,7 @@ async def test_interrupt_stops_a_task_that_swallows_its_cancellation():
 # `unwinding` (the first signal raises KeyboardInterrupt; the driver then takes its time to clean up).
 HANDLED = textwrap.dedent("""
     import sys, time
-    from orchestrator import stopping
+    from orchestrator.control import stopping
     getattr(stopping, "install_" + sys.argv[1])()
     try:
         print("ready", flush=True)
@@ -172,7 +172,7 @@ def test_first_signal_unwinds_and_a_second_exits_at_once():
 def test_ray_inits_own_sigterm_exit_counts_as_the_first_signal():
     """While ray.init runs, its own SIGTERM handler raises SystemExit(15): the driver takes it for
     the first SIGTERM (KeyboardInterrupt: unwind, summary.json) and a later signal exits at once."""
-    from orchestrator.stopping import exit_at_once, interrupt_from
+    from orchestrator.control.stopping import exit_at_once, interrupt_from
 
     with pytest.raises(SystemExit):
         interrupt_from(SystemExit(2))
@@ -184,7 +184,7 @@ def test_ray_inits_own_sigterm_exit_counts_as_the_first_signal():
 async def test_a_second_signal_after_the_guard_fired_exits_at_once():
     """In the event loop the first signal cancels the guarded work; a later one no longer reaches
     the loop but `exit_at_once` (README: a second Ctrl-C exits at once)."""
-    from orchestrator.stopping import exit_at_once
+    from orchestrator.control.stopping import exit_at_once
 
     interrupts = Interrupts()
     interrupts.install()
@@ -286,7 +286,7 @@ def test_interrupted_checkpoint_writes_leave_no_staging_folder(tmp_path):
 def test_a_run_starts_its_own_ray_unless_told_to_join(monkeypatch):
     """Regression (issue 14): with a `ray start` cluster on the machine, `make run` joined it
     silently (and its rollouts failed). Only `cluster.address` or RAY_ADDRESS make a run join."""
-    from orchestrator.ray_cluster import ray_address
+    from orchestrator.control.ray_cluster import ray_address
     from stand_ins import compose_config
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -299,7 +299,7 @@ def test_a_run_starts_its_own_ray_unless_told_to_join(monkeypatch):
 def test_a_dead_cluster_is_a_clear_error_not_a_hang():
     """Regression (issue 14): a cluster that died without `ray stop` made ray.init hang for 10
     minutes without a word. Nothing answering at the address is a config error naming the key."""
-    from orchestrator.ray_cluster import check_cluster_reachable
+    from orchestrator.control.ray_cluster import check_cluster_reachable
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -313,7 +313,7 @@ def test_a_dead_cluster_is_a_clear_error_not_a_hang():
 def test_a_resumed_run_continues_its_wandb_run(tmp_path, monkeypatch):
     """Regression (issue 14): a resume created a second wandb run. The sink keeps the run id in
     run_dir/wandb_run_id and resumes it; offline, both parts are files of the same run id."""
-    from orchestrator.metrics import WANDB_ID_FILENAME, WandbSink
+    from orchestrator.watch.metrics import WANDB_ID_FILENAME, WandbSink
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     for step in (1, 2):  # the first run, then the resumed one

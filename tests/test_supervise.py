@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from orchestrator.supervise import ReplicasExhausted, ReplicaSupervisor, run_watched
+from orchestrator.control.supervise import ReplicasExhausted, ReplicaSupervisor, run_watched
 from workers.acr.limits import SessionCapService
 from workers.weight_sync.file import CpuWeightSync
 

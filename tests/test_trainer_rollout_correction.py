@@ -12,8 +12,8 @@ import torch
 
 from workers.core.algorithms.batch import TrainBatch
 from workers.core.algorithms.rollout_correction_config import RejectionRule, RolloutCorrectionConfig
-from orchestrator.batching import Group
-from orchestrator.clients import build_train_batch
+from orchestrator.loop.batching import Group
+from orchestrator.adapters.clients import build_train_batch
 from workers.core.types import Sample, TrajectoryRow
 from workers.trainer.worker import TrainerSettings, TrainerWorker
 

@@ -6,7 +6,7 @@ to the settings of the worker it configures (`inference_settings`, `trainer_sett
 `gateway_config`, `rollout_settings`, ...). `OmegaConf.to_object` turns the composed config into
 these dataclasses, which runs each `__post_init__`; a bad value raises `ConfigError` whose message
 starts with the dotted key (`rollout.n must be >= 1, got 0`). Validation reads values only; the
-file-system checks are orchestrator/preflight.py's. Nothing here imports Ray, torch or vLLM (the
+file-system checks are orchestrator/control/preflight.py's. Nothing here imports Ray, torch or vLLM (the
 mapping functions import worker classes when called), so a bad config fails in about a second,
 before any process starts. Choice lists are defined once, in the worker module that gives them
 their meaning where that module is light, else in the group's module here.

@@ -1,6 +1,6 @@
 """`async` group (attribute `RunConfig.async_`): staleness bound and in-flight policy of the async
 loop (its settings are built by orchestrator/config/run.py `async_loop_settings`). The choice
-lists are the modules' that give them meaning: `on_stale` is orchestrator/staleness.py's,
+lists are the modules' that give them meaning: `on_stale` is orchestrator/loop/staleness.py's,
 `in_flight` workers/inference/settings.py's (less `drain`, which the sync loop uses)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.config.errors import check, one_of
-from orchestrator.staleness import ON_STALE_CHOICES
+from orchestrator.loop.staleness import ON_STALE_CHOICES
 from workers.inference.settings import IN_FLIGHT_MODES
 
 SYNC_IN_FLIGHT = "drain"  # sync mode never updates weights under a running request

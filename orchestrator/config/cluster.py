@@ -33,7 +33,7 @@ class ClusterConfig:
     `num_cpus` / `num_gpus`: logical CPUs / GPUs of a Ray cluster the driver starts itself (None:
     the machine's; ignored when joining a cluster). `placement_timeout_s`: wait for placement groups.
     `nodes` x `gpus_per_node` GPUs of `gpu_memory_gib` GiB: the hardware a plan is made for
-    (`dry_run=true`, orchestrator/plan.py; SkyPilot's num_nodes and accelerators); gpus_per_node
+    (`dry_run=true`, orchestrator/planning/dry_run.py; SkyPilot's num_nodes and accelerators); gpus_per_node
     null: the GPUs the placement asks for, on one node."""
 
     name: str = "local"

@@ -1,6 +1,6 @@
 """`eval` group: batch evaluation (`mode=eval`) and validation during training (`trainer.test_freq`);
 maps to the evaluation rollout pool's RolloutSettings (`eval_rollout_settings`) and to the
-driver's EvalSettings (orchestrator/validation.py)."""
+driver's EvalSettings (orchestrator/loop/validation.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Optional
 from orchestrator.config.errors import check
 
 if TYPE_CHECKING:
-    from orchestrator.validation import EvalSettings
+    from orchestrator.loop.validation import EvalSettings
     from workers.rollout.worker import RolloutSettings
 
 
@@ -49,7 +49,7 @@ def eval_rollout_settings(e: EvalConfig, base: RolloutSettings) -> RolloutSettin
 
 
 def eval_settings(e: EvalConfig) -> EvalSettings:
-    """The driver-side evaluation settings (orchestrator/validation.py)."""
-    from orchestrator.validation import EvalSettings
+    """The driver-side evaluation settings (orchestrator/loop/validation.py)."""
+    from orchestrator.loop.validation import EvalSettings
 
     return EvalSettings(n=e.n, pass_threshold=e.pass_threshold, max_prompts=e.max_prompts)

@@ -2,7 +2,7 @@
 
 Agents running in AgentCore Runtime call the gateway over the network, so with `rollout=aws` the
 defaults listen on every interface and advertise this node's routable address; pre-flight
-(orchestrator/preflight_aws.py) warns when that address is one ACR cannot reach. Maps onto the
+(orchestrator/control/preflight_aws.py) warns when that address is one ACR cannot reach. Maps onto the
 worker's GatewayConfig fields `host`, `port`, `advertise_url` (workers/gateway/config.py) through
 `gateway_net` and orchestrator/config/model.py's `gateway_config`.
 """

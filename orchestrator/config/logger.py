@@ -1,4 +1,4 @@
-"""`logger` group: metric sinks (orchestrator/metrics.py `build_sinks` builds them from these)."""
+"""`logger` group: metric sinks (orchestrator/watch/metrics.py `build_sinks` builds them from these)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`model` group: the policy and how the gateway renders it; maps to the gateway's GatewayConfig.
 
-Values only: whether `path` and `chat_template` exist is checked by orchestrator/preflight.py."""
+Values only: whether `path` and `chat_template` exist is checked by orchestrator/control/preflight.py."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, get_args
 
-from orchestrator.concurrency import CONCURRENCY_CHOICES, AdaptiveConcurrency
+from orchestrator.loop.concurrency import CONCURRENCY_CHOICES, AdaptiveConcurrency
 from orchestrator.config.errors import ConfigError, check, one_of
 from workers.acr.arn import check_bucket_name, parse_runtime_arn
 from workers.acr.limits import AcrLimitsConfig
@@ -77,7 +77,7 @@ class AcrConfig:
 
 @dataclass
 class AdaptiveConcurrencyConfig:
-    """`rollout.concurrency=adaptive` (orchestrator/concurrency.py): admit groups while the
+    """`rollout.concurrency=adaptive` (orchestrator/loop/concurrency.py): admit groups while the
     engines' mean KV-cache usage (time-averaged over >= `interval_s`) is below `kv_target` (0..1),
     no more than `max_waiting` requests wait on any engine (time-averaged too) and none was
     preempted; the group limit moves at most once per `interval_s`

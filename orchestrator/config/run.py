@@ -2,7 +2,7 @@
 and `to_run_config`, which turns a composed DictConfig into validated dataclasses.
 
 Validation is pure: it reads values only. File-system checks (model dir, chat template, run_dir,
-data files, checkpoints) run afterwards in orchestrator/preflight.py.
+data files, checkpoints) run afterwards in orchestrator/control/preflight.py.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from orchestrator.config.trainer import CUDA_WEIGHT_SYNC_BACKENDS, TrainerConfig
 from orchestrator.tasks import TASKS
 
 if TYPE_CHECKING:
-    from orchestrator.loop_async import AsyncLoopSettings
-    from orchestrator.loop_sync import SyncLoopSettings
+    from orchestrator.loop.async_loop import AsyncLoopSettings
+    from orchestrator.loop.sync_loop import SyncLoopSettings
 
 
 @dataclass
@@ -53,7 +53,7 @@ class RunConfig:
     gateway: GatewayGroupConfig = field(default_factory=GatewayGroupConfig)
     run_dir: str = MISSING
     seed: int = 0
-    dry_run: bool = False  # print the placement and memory plan (orchestrator/plan.py) and exit
+    dry_run: bool = False  # print the placement and memory plan (orchestrator/planning/dry_run.py) and exit
 
     def __post_init__(self) -> None:
         groups = self.rollout.batch_size
@@ -96,16 +96,16 @@ class RunConfig:
 
 
 def sync_loop_settings(run: RunConfig) -> SyncLoopSettings:
-    """The sync loop's settings (orchestrator/loop_sync.py): mode, steps, group sizes, filtering."""
-    from orchestrator.loop_sync import SyncLoopSettings
+    """The sync loop's settings (orchestrator/loop/sync_loop.py): mode, steps, group sizes, filtering."""
+    from orchestrator.loop.sync_loop import SyncLoopSettings
 
     return SyncLoopSettings(total_steps=run.trainer.total_steps, batch_size=run.rollout.batch_size, n=run.rollout.n,
                             sync_every=run.mode.sync_every, filter_zero_variance=run.algorithm.filter_zero_variance)
 
 
 def async_loop_settings(run: RunConfig) -> AsyncLoopSettings:
-    """The async loop's settings (orchestrator/loop_async.py): B groups per update, staleness bound."""
-    from orchestrator.loop_async import AsyncLoopSettings
+    """The async loop's settings (orchestrator/loop/async_loop.py): B groups per update, staleness bound."""
+    from orchestrator.loop.async_loop import AsyncLoopSettings
 
     return AsyncLoopSettings(
         total_steps=run.trainer.total_steps, groups_per_update=run.rollout.batch_size // run.mode.sync_every,
@@ -155,7 +155,7 @@ def _refuse_unknown_keys(node: Any, obj: Any, where: str) -> None:
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """Build and validate the typed config. Raises ConfigError naming the key on a bad value.
-    Reads values only (no file system); orchestrator/preflight.py runs the file checks."""
+    Reads values only (no file system); orchestrator/control/preflight.py runs the file checks."""
     parts: dict[str, Any] = {}
     for group, schema in GROUP_SCHEMAS.items():
         if group not in cfg:

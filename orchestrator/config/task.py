@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from orchestrator.config.errors import check, one_of
-from orchestrator.sampler import SAMPLER_CHOICES, SamplerSettings
+from orchestrator.loop.sampler import SAMPLER_CHOICES, SamplerSettings
 from orchestrator.tasks import SPLITS, TASK_NAMES, TASKS
 
 
@@ -28,7 +28,7 @@ class TaskConfig:
         chat messages); all fields reach the agent's payload.
     sampler: how prompts are drawn. uniform: a reshuffled cycle, every prompt once per epoch.
         difficulty: prompts whose groups are expected to have reward variance are drawn more
-        (orchestrator/sampler.py; its knobs: sampler_floor, the share of draw probability spread
+        (orchestrator/loop/sampler.py; its knobs: sampler_floor, the share of draw probability spread
         uniformly, in (0, 1]; sampler_window, recent groups kept per prompt; sampler_prior_strength,
         pseudo-groups of the prior; sampler_sharpness, the exponent on a prompt's informative rate).
     """

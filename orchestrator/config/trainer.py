@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 TRAINER_NAMES = ("fsdp", "verl")  # trainer_class() below maps each to its actor class
 WEIGHT_SYNC_BACKENDS = (FILE_BACKEND, *BROADCAST_BACKENDS)
 CUDA_WEIGHT_SYNC_BACKENDS = ("cuda_ipc", "nccl")  # need CUDA devices: refused on cluster=local
-RESUME_MODES = ("disable", "auto", "resume_path")  # orchestrator/run_checkpoint.py find_resume_checkpoint
+RESUME_MODES = ("disable", "auto", "resume_path")  # orchestrator/control/run_checkpoint.py find_resume_checkpoint
 
 
 @dataclass

@@ -7,7 +7,7 @@ product 1 - prod_{i=n-c+1}^{n} (1 - k / i) (the paper's numerically stable form)
 factorials. Invariant: equals the fraction of k-subsets of the n samples that hold at least one
 correct sample (tests/test_eval.py checks it against enumeration of every subset).
 
-Pure: no torch, Ray or HTTP. Callers: orchestrator/evaluate.py, orchestrator/validation.py.
+Pure: no torch, Ray or HTTP. Callers: orchestrator/evaluate.py, orchestrator/loop/validation.py.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Modes:
 - "colocated": trainer ranks and inference replicas share GPUs. One STRICT_PACK group per
   trainer node, one 1-GPU bundle per rank; rank r and inference replica r take the same bundle,
   each with `COLOCATED_GPU_SHARE` of it, so both see the same `CUDA_VISIBLE_DEVICES`. The engine
-  sleeps while the trainer updates (orchestrator/colocate.py).
+  sleeps while the trainer updates (orchestrator/adapters/colocate.py).
 
 Invariants: every GPU of every bundle is claimed by the slots that point at it (no GPU reserved
 and idle, none claimed twice beyond 1.0); disaggregated slots never share a bundle; colocated

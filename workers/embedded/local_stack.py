@@ -219,7 +219,7 @@ class LocalStack:
 
     def restart_exited(self) -> list[str]:
         """Start again, each on its port, the servers whose process has exited (crashed, killed);
-        returns their names. The driver calls it periodically (orchestrator/supervise.py ServerWatch)."""
+        returns their names. The driver calls it periodically (orchestrator/control/supervise.py ServerWatch)."""
         exited = [name for name, proc, _ in self._procs if proc.poll() is not None]
         for name in exited:
             self._procs = [p for p in self._procs if p[0] != name]

@@ -8,7 +8,7 @@ back with a longer context, so choosing by requests alone piles new sessions ont
 sessions happen to be in their tools. A sticky session spills to the replica with the fewest requests in flight when
 its own has far more requests in flight (`SPILL_FACTOR`, `SPILL_SLACK`): a replica that congested
 is evicting its prefix cache anyway, and stickiness would keep it congested while the others idle
-(the simulator, orchestrator/sim/, showed exactly that: one replica at a full KV cache with a
+(the simulator, orchestrator/planning/sim/, showed exactly that: one replica at a full KV cache with a
 queue, the others empty). A replica whose generate call failed is marked failed (`mark_failed`):
 it gets no new turns, and sessions stuck to it move to the least-loaded healthy one (their prefix
 cache is lost, their tokens are not: the gateway recorded them). Pure bookkeeping, no asyncio or Ray: the caller holds a lease for the

@@ -21,7 +21,7 @@ load: `CpuWeightSync` marks it lost, leaves it out of later pushes and confirms 
 the live ones (possibly none). `admit(i, replica)` puts a replacement in its place under the same
 lock as `push`: the newcomer first loads the current version's file, so it never serves older
 weights than the others and no push can slip between its load and its entry (the driver's
-supervisor, orchestrator/supervise.py, calls it; the trainer keeps the newest file).
+supervisor, orchestrator/control/supervise.py, calls it; the trainer keeps the newest file).
 
 Replicas are either local objects with `async update_weights(path, version)` or Ray actor handles
 of such a class (detected by `.remote`); this module does not import Ray.

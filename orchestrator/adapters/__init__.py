@@ -1,0 +1,6 @@
+"""The driver's clients of the actors: each presents an actor as the Protocol a loop declares.
+
+Modules:
+  clients.py   TrainerClient (Trainer), BufferStore (SampleStore), GatewayProbe, EngineLoads
+  colocate.py  SleepingTrainer: cluster=colocated, the engines sleep while the trainer updates
+"""

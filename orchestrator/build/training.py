@@ -1,0 +1,264 @@
+"""Training wiring: start every actor of a training run and hand the loop its parts.
+
+`build_parts` places actors, starts the inference replicas, trainer ranks, gateway, trajectory
+buffer, rollout pool, weight sync, metric logger and checkpointer, and returns the loop's parts
+(`LoopParts`). What does not need a running engine (the trainer, the gateway's tokenizer, the
+buffer, the rollout actors) starts while the engines start, the longest part of a start on a
+small machine.
+
+Invariant: every actor started here is registered for stopping as soon as it starts (processes
+and placement groups on the caller's ExitStack, actors' own shutdowns on the returned
+AsyncExitStack `closing`); if building fails midway, what was already started is closed before
+the error propagates. Callers: orchestrator/main.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+from orchestrator.build.actors import close_quietly, gateway_actor, replica_spawner, run_rollout_settings, start_pool
+from orchestrator.build.runtime import Runtime
+from orchestrator.config import (RunConfig, buffer_config, eval_rollout_settings, eval_settings, sampler_settings,
+                                 trainer_class, trainer_settings)
+from orchestrator.loop.common import LoopParts, LoopPosition, Trainer
+from orchestrator.tasks import TASKS
+from orchestrator.watch.metrics import MetricLogger
+from orchestrator.watch.progress import phase
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from orchestrator.control.supervise import ReplicaSupervisor, ServerWatch
+    from orchestrator.loop.concurrency import ConcurrencyGate
+    from orchestrator.loop.validation import Validator
+    from workers.buffer.store import TrajectoryBuffer
+    from workers.rollout.pool import RolloutPool
+    from workers.rollout.worker import RolloutSettings
+    from workers.weight_sync.file import WeightSync
+
+Probe = Callable[[], Awaitable[dict[str, float]]]
+
+
+@dataclass
+class BuiltRun:
+    """The loop's parts, where the loop starts, and what must be closed (`closing`, last in first out)."""
+
+    parts: LoopParts
+    start: LoopPosition | None
+    pool: RolloutPool
+    logger: MetricLogger
+    replicas: list[ActorHandle]
+    closing: contextlib.AsyncExitStack
+    watchers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # run beside the loop (supervise.run_watched)
+    trainer_ranks: list[ActorHandle] = field(default_factory=list)  # rank actors in rank order (to name a dead one)
+
+
+@dataclass
+class _Actors:
+    """What `_start_actors` started: the parts the loop's wiring is made of."""
+
+    replicas: list[ActorHandle]
+    spawn_replica: Callable[[int], ActorHandle]
+    trainer: ActorHandle
+    gateway: ActorHandle
+    buffer: TrajectoryBuffer
+    pool: RolloutPool
+    weights: WeightSync
+    settings: RolloutSettings
+    pad_id: int
+
+
+async def build_parts(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -> BuiltRun:
+    """Start every actor of the run and return the loop's parts (see the module docstring)."""
+    closing = contextlib.AsyncExitStack()
+    try:
+        actors = await _start_actors(cfg, rt, stack, closing)
+        return await _wire(cfg, rt, actors, closing)
+    except BaseException:
+        await closing.aclose()
+        raise
+
+
+async def _start_actors(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack,
+                        closing: contextlib.AsyncExitStack) -> _Actors:
+    """Placement, engines, trainer ranks, gateway, buffer, rollout pool and the weight sync, each
+    started as early as what it waits for allows."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from workers.buffer.store import TrajectoryBuffer
+    from workers.placement_groups import place
+    from workers.trainer.group import start_trainer_ranks
+    from workers.weight_sync.setup import close_weight_sync, open_weight_sync
+
+    ckpt, model_path = rt.checkpoint, rt.model_path
+    version = ckpt.state.policy_version if ckpt else 0
+    tok = AutoTokenizer.from_pretrained(model_path)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    trainer_cls, trainer_kw = trainer_class(cfg.trainer, cluster=cfg.cluster)  # trainer=verl: fails here, before any actor, when it cannot run
+    placed = place(cfg.cluster)  # GPUs checked and reserved before any actor starts (errors name the numbers)
+    stack.callback(placed.remove)
+    phase(f"starting {cfg.inference.replicas} inference replica(s) (vLLM) and the trainer")
+    spawn_replica = replica_spawner(cfg, placed, model_path, version)
+    replicas = [spawn_replica(i) for i in range(cfg.inference.replicas)]
+    engines_up = [r.start.remote() for r in replicas]  # the longest start (vLLM import, engine build): first
+    threads = {"env_vars": {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads)}}
+    trainer = await start_trainer_ranks(  # one actor, or N data-parallel ranks behind the same .remote surface
+        ray.remote(num_cpus=0)(trainer_cls),
+        trainer_settings(cfg.trainer, algorithm=cfg.algorithm, inference=cfg.inference, model_path=model_path,
+                         sampling=(cfg.rollout.temperature, cfg.rollout.top_p)),
+        world_size=len(placed.plan.trainer) if placed.plan.groups else 1,
+        rank_options=lambda r: {"runtime_env": threads, **placed.trainer_options(r)}, **trainer_kw)
+    gateway = gateway_actor(cfg, model_path)
+    close_quietly(closing, lambda: gateway.stop.remote(), what="gateway")
+    gateway_up = gateway.start.remote()  # loads the tokenizer and chat template while the engines start
+    buffer = await TrajectoryBuffer.start_async(buffer_config())  # awaited: a Ctrl-C meanwhile is seen at once
+    stack.callback(buffer.stop)
+    settings = run_rollout_settings(cfg, rt, await gateway_up)
+    pool = await start_pool(cfg, settings, gateway, buffer, closing)  # its actors start while the engines do
+
+    await asyncio.gather(*engines_up, pool.prepare())  # the rollout actors build their clients meanwhile
+    phase("engines ready; starting the weight sync")
+    if ckpt is not None:
+        await trainer.load_optimizer.remote(str(ckpt.optimizer_path))
+    weights = await open_weight_sync(cfg.trainer.weight_sync.backend, trainer, replicas,  # file, or a broadcast group
+                                     ranks_per_replica=cfg.cluster.inference.tensor_parallel_size,
+                                     initial_version=version)
+    close_quietly(closing, close_weight_sync, weights, trainer)  # the sender's /dev/shm slots, process groups
+    await gateway.set_engines.remote(replicas)  # no turn reaches the gateway before the loop starts
+    return _Actors(replicas, spawn_replica, trainer, gateway, buffer, pool, weights, settings, pad_id)
+
+
+async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.AsyncExitStack) -> BuiltRun:
+    """The loop's parts over the started actors: prompts, ledger, store, trainer, probes, checkpointer."""
+    from orchestrator.adapters.clients import BufferStore, GatewayProbe, TrainerClient
+    from orchestrator.control.run_checkpoint import ResumablePrompts, RunCheckpointer, position_of, trim_after
+    from orchestrator.control.supervise import ActorDirectory
+    from orchestrator.loop.batching import RolloutLedger
+    from orchestrator.watch.cpu_usage import CpuProbe
+    from orchestrator.watch.metrics import build_sinks
+    from workers.weight_sync.setup import FILE_BACKEND
+
+    ckpt, run_dir = rt.checkpoint, rt.run_dir
+    version = ckpt.state.policy_version if ckpt else 0
+    history = trim_after(run_dir, ckpt.state.step) if ckpt else []  # steps the dead run logged after its checkpoint
+    logger = MetricLogger(build_sinks(cfg.logger.sinks, run_dir, cfg.trainer.total_steps, cfg.logger.wandb_project,
+                                      cfg.logger.wandb_mode, asdict(cfg)), history)
+    closing.callback(logger.close)
+    prompts = ResumablePrompts.restore(TASKS[cfg.task.name].rows(cfg.task, "train"), cfg.seed, ckpt.state if ckpt else None,
+                                       sampler_settings(cfg.task))
+    supervisor = _supervisor(cfg, a, version)
+    watchers = [w for w in (supervisor, _server_watch(rt)) if w is not None]
+    ranks = list(getattr(a.trainer, "ranks", [a.trainer]))
+    directory = ActorDirectory(run_dir / "actors.json", lambda: {
+        **{f"inference-{i}": r for i, r in enumerate(a.replicas)}, **{f"trainer-rank-{i}": r for i, r in enumerate(ranks)},
+        "gateway": a.gateway, **a.pool.named_actors()})
+    await directory.refresh()
+    cpu = CpuProbe(lambda: {**directory.pids(), **(rt.local.pids() if rt.local is not None else {})})
+    trainer_client = TrainerClient(a.trainer, pad_id=a.pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
+                                   weights_dir=run_dir / "weights",
+                                   export_file=cfg.trainer.weight_sync.backend == FILE_BACKEND)
+    concurrency = _concurrency(cfg, a.replicas)  # rollout.concurrency=adaptive, else None
+    ledger = RolloutLedger()
+    if ckpt is not None:
+        ledger.restore(ckpt.state.counters)  # cumulative counters go on from the checkpoint's
+    parts = LoopParts(
+        prompts=prompts, rollouts=a.pool, ledger=ledger,
+        store=BufferStore(a.buffer, cfg.rollout.n, cfg.rollout.timeout_s),
+        trainer=_colocated(cfg, trainer_client, a.replicas), weights=a.weights, logger=logger,
+        probe=_probes(_with_gate(GatewayProbe(a.gateway, a.replicas), concurrency), *(w.metrics for w in watchers),
+                      lambda: _pool_recovery_metrics(a.pool), directory.refresh, cpu),
+        checkpoint=RunCheckpointer(run_dir, a.trainer, prompts, save_freq=cfg.trainer.save_freq,
+                                   keep_last=cfg.trainer.max_ckpt_to_keep, counters=ledger.settled_counts),
+        validator=await _validator(cfg, a, closing), concurrency=concurrency)
+    return BuiltRun(parts=parts, start=position_of(ckpt.state) if ckpt else None, pool=a.pool, logger=logger,
+                    replicas=a.replicas, closing=closing, watchers=[w.run for w in watchers], trainer_ranks=ranks)
+
+
+def _supervisor(cfg: RunConfig, a: _Actors, version: int) -> ReplicaSupervisor | None:
+    """The replica supervisor (orchestrator/control/supervise.py), on the file weight sync only: a
+    broadcast group cannot take a new member, so there a dead replica fails the next push and stops the run."""
+    from orchestrator.control.supervise import ReplicaSupervisor
+    from workers.weight_sync.file import CpuWeightSync
+
+    if not isinstance(a.weights, CpuWeightSync) or cfg.cluster.name == "colocated":
+        return None
+    return ReplicaSupervisor(a.replicas, spawn=a.spawn_replica, weights=a.weights, gateway=a.gateway,
+                             loaded_version=version, max_restarts=cfg.inference.max_restarts,
+                             check_every_s=cfg.inference.health_check_s)
+
+
+def _server_watch(rt: Runtime) -> ServerWatch | None:
+    """`rollout=local`: restart a local server that died (orchestrator/control/supervise.py ServerWatch)."""
+    if rt.local is None:
+        return None
+    from orchestrator.control.supervise import ServerWatch
+
+    return ServerWatch(rt.local)
+
+
+def _probes(*probes: Probe) -> Probe:
+    async def merged() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for p in probes:
+            out.update(await p())
+        return out
+
+    return merged
+
+
+async def _pool_recovery_metrics(pool: RolloutPool) -> dict[str, float]:
+    """`rollout/actors_lost`, `rollout/redispatched` of the training pool so far (step metrics)."""
+    return {f"rollout/{k}": float(pool.counts[f"rollout/{k}"]) for k in ("actors_lost", "redispatched")}
+
+
+async def _validator(cfg: RunConfig, a: _Actors, closing: contextlib.AsyncExitStack) -> Validator | None:
+    """Validation during training (`trainer.test_freq`, `trainer.val_before_train`) on its own pool
+    with the `eval` group's sampling; None when neither is set."""
+    t = cfg.trainer
+    if t.test_freq <= 0 and not t.val_before_train:
+        return None
+    from orchestrator.adapters.clients import BufferStore
+    from orchestrator.loop.validation import Validator
+
+    pool = await start_pool(cfg, eval_rollout_settings(cfg.eval, a.settings), a.gateway, a.buffer, closing)
+    return Validator(pool=pool, store=BufferStore(a.buffer, cfg.eval.n, cfg.rollout.timeout_s),
+                     rows=TASKS[cfg.task.name].rows(cfg.task, cfg.task.val_split), settings=eval_settings(cfg.eval),
+                     test_freq=t.test_freq, val_before_train=t.val_before_train, clock=time.monotonic)
+
+
+def _concurrency(cfg: RunConfig, replicas: list[ActorHandle]) -> ConcurrencyGate | None:
+    """`rollout.concurrency=adaptive`: the group limit from the replicas' vLLM stats
+    (orchestrator/loop/concurrency.py, the same gate the simulator runs); None when fixed."""
+    if cfg.rollout.concurrency != "adaptive":
+        return None
+    from orchestrator.adapters.clients import EngineLoads
+    from orchestrator.config.rollout import concurrency_policy
+    from orchestrator.loop.concurrency import ConcurrencyGate
+
+    return ConcurrencyGate(concurrency_policy(cfg.rollout), EngineLoads(replicas), clock=time.monotonic)
+
+
+def _with_gate(probe: Probe, gate: ConcurrencyGate | None) -> Probe:
+    """The per-step probe, plus the adaptive gate's metrics when there is one."""
+    if gate is None:
+        return probe
+
+    async def both() -> dict[str, float]:
+        return {**gate.metrics(), **await probe()}  # the probe's engine stats are the fresher
+
+    return both
+
+
+def _colocated(cfg: RunConfig, trainer_client: Trainer, replicas: list[ActorHandle]) -> Trainer:
+    """cluster=colocated: the engines sleep while the trainer updates on their GPUs (orchestrator/adapters/colocate.py)."""
+    if cfg.cluster.name != "colocated":
+        return trainer_client
+    from orchestrator.adapters.colocate import SleepingTrainer
+
+    return SleepingTrainer(trainer_client, replicas)

@@ -1,0 +1,255 @@
+"""The async loop: generation never stops; the trainer updates as mini-batches fill.
+
+A producer task admits groups while the staleness controller has capacity (at most
+(η + v + 1)·B groups admitted by policy version v) and runs each group's n rollouts as its own
+task; finished groups queue up. The consumer (this loop) takes finished groups, filters them,
+checks every sample's staleness (trainer version − oldest token version), trains `sync_every`
+mini-batches of B groups, pushes weights and bumps the version, which frees capacity.
+
+Invariants: every dispatched rollout reaches exactly one terminal state in the ledger
+(`completed` = trained, `filtered`, `failed`, `expired` = too stale, or still running when the
+run ended); a group that is not trained gives its admission capacity back; no sample staler
+than η is trained with a gradient. A producer task that dies stops the run.
+
+Validation (`parts.validator`) runs as its own lane (orchestrator/loop/validation.py ValidationLane):
+started when a due version is pushed, on its own rollout pool, never admitted, never trained;
+its metrics join the next step's record (`val/policy_version` names the version measured).
+
+Called by `main.py` with the same parts as the sync loop plus the staleness controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from orchestrator.loop.batching import Group, assemble
+from orchestrator.loop.common import (LoopParts, LoopPosition, LoopReport, close_trained, close_untrained, dispatch_group,
+                                       end_step, finish, ledger_key, report_groups, step_metrics,
+                                       sync_weights)
+from orchestrator.loop.staleness import AdmissionState
+from orchestrator.loop.staleness import SampleStaleness, StalenessController, StalenessPolicy, judge_samples, staleness_metrics
+from orchestrator.loop.staleness_gate import AdmissionGate
+from orchestrator.loop.validation import ValidationLane
+from workers.core.types import RolloutRequest, Sample
+
+PARTITION = "async"  # one buffer partition; groups are cleared one by one once consumed
+GROUP_WAIT_S = 0.5  # the consumer re-checks the producer's health at least this often (seconds)
+
+
+@dataclass(frozen=True)
+class AsyncLoopSettings:
+    total_steps: int  # weight syncs; each follows `sync_every` optimizer updates
+    groups_per_update: int  # B: trainable groups per mini-batch
+    n: int  # samples per group
+    sync_every: int
+    max_staleness: int  # η, in policy versions
+    on_stale: str  # "drop" | "train_masked"
+    filter_zero_variance: bool
+    drain_timeout_s: float = 300.0  # bound on waiting for in-flight groups at the end (seconds)
+
+
+@dataclass
+class _Version:
+    value: int = 0
+
+    def current(self) -> int:
+        return self.value
+
+
+@dataclass
+class _InFlight:
+    """Groups admitted and not yet taken by an update: their dataset rows, for checkpoints."""
+
+    next_group: int = 0
+    rows: dict[int, dict] = field(default_factory=dict)
+    errors: list[BaseException] = field(default_factory=list)  # raised by group tasks: they stop the run
+
+    def on_group_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.errors.append(task.exception())
+
+    def admit(self, row: dict) -> int:
+        gid, self.next_group = self.next_group, self.next_group + 1
+        self.rows[gid] = row
+        return gid
+
+
+@dataclass
+class _StepStats:
+    facts: list[SampleStaleness] = field(default_factory=list)
+    masked: set[str] = field(default_factory=set)  # ledger keys trained with a zero loss mask
+    wait_s: float = 0.0
+    samples: list[Sample] = field(default_factory=list)
+
+
+async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosition | None = None) -> LoopReport:
+    """Run async steps up to `cfg.total_steps` (from `start.step + 1` when resuming from a
+    checkpoint: the staleness counters are re-seeded from the restored version, and the pending
+    rows of `start` are dispatched first by the prompt source); returns ledger counts and the
+    final policy version."""
+    start = start or LoopPosition(0, 0, 0, 0)
+    version = _Version(start.policy_version)
+    controller = StalenessController(version, max_staleness=cfg.max_staleness,
+                                     groups_per_update=cfg.groups_per_update, updates_per_version=cfg.sync_every)
+    if start.step:
+        controller.restore(AdmissionState(start.policy_version, start.trained_groups))
+    inflight = _InFlight(next_group=start.next_group_id)
+    policy = StalenessPolicy(cfg.max_staleness, cfg.on_stale)
+    gate = AdmissionGate(controller)
+    ready: asyncio.Queue[int] = asyncio.Queue()
+    running: set[asyncio.Task] = set()
+    stop = asyncio.Event()
+    producer = asyncio.create_task(_produce(parts, cfg, gate, ready, running, stop, inflight), name="producer")
+    lane = ValidationLane(parts.validator, cfg.total_steps) if parts.validator is not None else None
+    if lane is not None:
+        lane.on_version(version.value, start.step)
+    finished = False  # an error or an interrupt cancels in-flight groups at once instead of waiting
+    try:
+        for step in range(start.step + 1, cfg.total_steps + 1):
+            t_step = parts.clock()
+            st = _StepStats()
+            update_metrics: list[dict[str, float]] = []
+            t_update = 0.0
+            for _ in range(cfg.sync_every):
+                groups = await _collect(parts, cfg, policy, controller, gate, ready, producer, version.value, st,
+                                        inflight)
+                t0 = parts.clock()
+                update_metrics.append(await parts.trainer.update(tuple(groups)))
+                t_update += parts.clock() - t0
+                close_trained(parts.ledger, groups, st.masked)
+                for _ in groups:
+                    controller.on_finished(kept=True)
+                controller.on_trained(len(groups))
+            t0 = parts.clock()
+            version.value = await sync_weights(parts, version.value)
+            gate.notify()
+            t_sync = parts.clock() - t0
+            if lane is not None:
+                lane.on_version(version.value, step)
+            metrics = step_metrics(parts, samples=st.samples, updates=update_metrics, t_gen=st.wait_s,
+                                   t_update=t_update, t_sync=t_sync, step_s=parts.clock() - t_step,
+                                   version=version.value)
+            metrics.update({"timing_s/wait_for_batch": st.wait_s,  # async: the wait for generation
+                            **staleness_metrics(st.facts), "async/masked_stale": float(len(st.masked))})
+            if lane is not None:
+                metrics.update(lane.take())
+            # pending rows and prompt cursor are read with no await between (end_step calls this then)
+            await end_step(parts, step, metrics, lambda: LoopPosition(step, version.value, inflight.next_group,
+                                                                      controller.counts().trained,
+                                                                      tuple(inflight.rows.values())))
+        finished = True
+    finally:
+        stop.set()
+        if lane is not None and not finished:
+            await lane.cancel()
+        gate.notify()
+        await _drain(parts, producer, running, ready, cfg.drain_timeout_s if finished else 0.0)
+    if lane is not None and (last := await lane.finish()):
+        parts.logger.log(cfg.total_steps, last)  # the validation of the final weights
+    return finish(parts, cfg.total_steps, version.value)
+
+
+async def _produce(parts: LoopParts, cfg: AsyncLoopSettings, gate: AdmissionGate, ready: asyncio.Queue,
+                   running: set[asyncio.Task], stop: asyncio.Event, inflight: "_InFlight") -> None:
+    """Admit groups while capacity lasts; each group runs as its own task and queues its id when done."""
+    limit = parts.concurrency  # rollout.concurrency=adaptive: engine load decides too (None: staleness only)
+    while not stop.is_set():
+        if not await gate.acquire(timeout_s=GROUP_WAIT_S):
+            continue
+        if limit is not None:  # after the staleness slot: a producer held by the staleness budget never looks
+            try:  # like a full concurrency window (which would grow it for nothing)
+                await limit.acquire()
+            except BaseException:  # cancelled (the run stops): the staleness slot goes back
+                gate.release()
+                raise
+        if stop.is_set():
+            gate.release()
+            if limit is not None:
+                limit.release()
+            return
+        row = parts.prompts.next_rows(1)[0]
+        gid = inflight.admit(row)
+        reqs = dispatch_group(parts.ledger, row, gid, cfg.n)
+
+        async def run_group(gid: int = gid, reqs: list[RolloutRequest] = reqs) -> None:
+            try:
+                await parts.rollouts.run_all(reqs, PARTITION)
+            finally:
+                if limit is not None:
+                    limit.release()
+            ready.put_nowait(gid)
+
+        task = asyncio.create_task(run_group(), name=f"group-{gid}")
+        running.add(task)
+        task.add_done_callback(running.discard)
+        task.add_done_callback(inflight.on_group_done)
+
+
+async def _collect(parts: LoopParts, cfg: AsyncLoopSettings, policy: StalenessPolicy,
+                   controller: StalenessController, gate: AdmissionGate, ready: asyncio.Queue,
+                   producer: asyncio.Task, version: int, st: _StepStats, inflight: "_InFlight") -> list[Group]:
+    """Take finished groups until B trainable ones are in hand; close the others in the ledger.
+
+    Staleness is judged against `version`, the trainer's version at this update: stale samples
+    are dropped (`expired`) or kept loss-masked, per `async.on_stale`.
+    """
+    groups: list[Group] = []
+    while len(groups) < cfg.groups_per_update:
+        t0 = parts.clock()
+        gid = await _next_ready(ready, producer, inflight)
+        st.wait_s += parts.clock() - t0
+        samples = await parts.store.get_groups(PARTITION, [gid])
+        await parts.store.clear_groups(PARTITION, [gid])
+        inflight.rows.pop(gid, None)  # every sample of the group reaches its terminal state below
+        st.samples.extend(samples)
+        report_groups(parts.prompts, samples)
+        completed = [s for s in samples if s.status == "completed"]
+        verdict = judge_samples(completed, version, policy)
+        st.facts.extend(verdict.facts)
+        for s in verdict.expired:
+            parts.ledger.on_terminal(ledger_key(s), "expired")
+        st.masked.update(ledger_key(s) for s, f in zip(completed, verdict.facts) if f.stale and policy.on_stale != "drop")
+        batch = assemble([*verdict.train, *(s for s in samples if s.status != "completed")],
+                         filter_zero_variance=cfg.filter_zero_variance)
+        close_untrained(parts.ledger, batch)
+        if not batch.trainable:
+            controller.on_finished(kept=False)  # capacity back: the producer may admit another group
+            gate.notify()
+            continue
+        groups.extend(batch.trainable)
+    return groups
+
+
+async def _next_ready(ready: asyncio.Queue, producer: asyncio.Task, inflight: _InFlight) -> int:
+    """Next finished group id; re-raises if the producer or a group's rollouts died (for example a
+    `ContractError`: a dataset row or an agent broke the contract), which must stop the run."""
+    while True:
+        if inflight.errors:
+            raise inflight.errors[0]
+        if producer.done():
+            producer.result()  # raises its exception
+            raise RuntimeError("the producer stopped before the run finished")
+        try:  # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a Ctrl-C's cancellation
+            async with asyncio.timeout(GROUP_WAIT_S):
+                return await ready.get()
+        except TimeoutError:
+            continue
+
+
+async def _drain(parts: LoopParts, producer: asyncio.Task, running: set[asyncio.Task], ready: asyncio.Queue,
+                 timeout_s: float) -> None:
+    """Stop admitting, let in-flight groups finish (at most `timeout_s` seconds, then cancel them),
+    close their rollouts as `expired`."""
+    producer.cancel()
+    await asyncio.gather(producer, return_exceptions=True)
+    if running:
+        _, pending = await asyncio.wait(set(running), timeout=timeout_s) if timeout_s > 0 else (set(), set(running))
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    while not ready.empty():
+        gid = ready.get_nowait()
+        await parts.store.clear_groups(PARTITION, [gid])
+    for key in parts.ledger.open_rollouts():
+        parts.ledger.on_terminal(key, "expired")  # generated after the last update: never trained

@@ -1,0 +1,216 @@
+"""What the sync and the async loop share: their parts, the dispatch of a group, the ledger
+closing of untrained samples, the weight sync, the per-step metrics and the end-of-run check.
+
+The loops are handed a `LoopParts` (built by `orchestrator/build/training.py`, or by a test with simulated
+parts) whose members are small protocols, so a simulated engine, pool, trainer or clock can stand in
+for the real ones. Invariant defended here: a loop returns its `LoopReport` only when every
+dispatched rollout has reached a terminal state in the ledger (`finish` raises otherwise).
+
+No torch, Ray or HTTP import: the loops import without them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterable, Protocol
+
+from orchestrator.loop.batching import Group, GroupBatch, RolloutLedger, reward_stats
+from workers.core.types import RolloutRequest, Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoopPosition:
+    """Where a loop stands between two steps.
+
+    step: optimizer steps done (the loop's step counter). policy_version: the version the trainer
+    weights carry now. next_group_id: the id of the next group to admit. trained_groups: groups
+    consumed by updates so far (the staleness controller's counter). pending_rows: dataset rows of
+    groups admitted but not trained (running or buffered): they are dispatched again on resume.
+    """
+
+    step: int
+    policy_version: int
+    next_group_id: int
+    trained_groups: int
+    pending_rows: tuple[dict, ...] = ()
+
+
+class PromptSource(Protocol):
+    def next_rows(self, num: int) -> list[dict]: ...
+    def on_group_rewards(self, input_id: str, rewards: list[float]) -> None: ...
+    def take_metrics(self) -> dict[str, float]: ...
+
+
+class Rollouts(Protocol):
+    async def run_all(self, reqs: list[RolloutRequest], partition: str) -> list[Any]: ...
+
+
+class SampleStore(Protocol):
+    async def get_groups(self, partition: str, group_ids: list[int]) -> list[Sample]: ...
+    async def clear(self, partition: str) -> None: ...
+    async def clear_groups(self, partition: str, group_ids: list[int]) -> None: ...
+
+
+class Trainer(Protocol):
+    async def update(self, groups: tuple[Group, ...]) -> dict[str, float]: ...
+    async def export_weights(self, version: int) -> str: ...
+
+
+class WeightPush(Protocol):
+    async def push(self, path: str, version: int) -> None: ...
+
+
+class StepLogger(Protocol):
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+
+@dataclass
+class LoopParts:
+    """Everything a loop talks to. `clock`: seconds (monotonic); `probe`: extra per-step metrics
+    (gateway, engines); `checkpoint`: called after every step with the loop's position;
+    `validator`: validation on the held-out split (orchestrator/loop/validation.py Validator), or None;
+    `concurrency`: the async producer's group limit (`rollout.concurrency=adaptive`:
+    orchestrator/loop/concurrency.py ConcurrencyGate), or None for no limit beyond staleness."""
+
+    prompts: PromptSource
+    rollouts: Rollouts
+    store: SampleStore
+    trainer: Trainer
+    weights: WeightPush
+    logger: StepLogger
+    ledger: RolloutLedger = field(default_factory=RolloutLedger)
+    clock: Callable[[], float] = time.monotonic
+    probe: Callable[[], Awaitable[dict[str, float]]] | None = None
+    checkpoint: Callable[[LoopPosition], Awaitable[None]] | None = None
+    validator: Any = None
+    concurrency: Any = None
+
+
+@dataclass(frozen=True)
+class LoopReport:
+    steps: int
+    policy_version: int
+    counts: dict[str, int]
+
+
+def ledger_key(s: Sample | RolloutRequest) -> str:
+    """The ledger's key of one rollout: `g{group_id}/s{sample_index}`."""
+    return f"g{s.group_id}/s{s.sample_index}"
+
+
+def dispatch_group(ledger: RolloutLedger, row: dict, group_id: int, n: int) -> list[RolloutRequest]:
+    """The `n` rollout requests of one group for dataset `row`, each recorded as dispatched."""
+    reqs = [RolloutRequest(group_id=group_id, input_id=str(row["input_id"]), sample_index=i, row=row)
+            for i in range(n)]
+    for r in reqs:
+        ledger.on_dispatched(ledger_key(r))
+    return reqs
+
+
+def report_groups(prompts: PromptSource, samples: list[Sample]) -> None:
+    """Feed each finished group's completed rewards back to the prompt source (one call per group;
+    a group with no completed sample is reported with no rewards)."""
+    by_group: dict[int, tuple[str, list[float]]] = {}
+    for s in samples:
+        _, rewards = by_group.setdefault(s.group_id, (s.input_id, []))
+        if s.status == "completed" and s.reward is not None:
+            rewards.append(float(s.reward))
+    for gid in sorted(by_group):
+        prompts.on_group_rewards(*by_group[gid])
+
+
+def close_untrained(ledger: RolloutLedger, batch: GroupBatch) -> None:
+    """Close the failed and filtered samples of `batch` in the ledger (failures are logged)."""
+    for s in batch.failed:
+        ledger.on_terminal(ledger_key(s), "failed")
+        log.warning("rollout %s failed: %s", s.session_id, s.error)
+    for s in batch.filtered:
+        ledger.on_terminal(ledger_key(s), "filtered")
+
+
+def close_trained(ledger: RolloutLedger, groups: Iterable[Group], masked: set[str] = frozenset()) -> None:
+    """Close every sample of trained `groups`: `completed`, or `expired` when it was trained with a
+    zero loss mask (its key in `masked`)."""
+    for g in groups:
+        ledger.on_group_trained()
+        for s in g.samples:
+            key = ledger_key(s)
+            ledger.on_terminal(key, "expired" if key in masked else "completed")
+
+
+async def sync_weights(parts: LoopParts, version: int) -> int:
+    """Export the trainer's weights as `version + 1`, push them to the engines; return the new version."""
+    path = await parts.trainer.export_weights(version + 1)
+    await parts.weights.push(path, version + 1)
+    return version + 1
+
+
+STEP_SUMS = ("actor/num_tokens", "perf/total_num_tokens")  # counts: a step's is the sum over its mini-batches
+
+
+def mean_update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
+    """Average each trainer metric over the step's mini-batches (the counts in `STEP_SUMS` are summed)."""
+    keys = {k for m in updates for k in m}
+    out = {}
+    for k in sorted(keys):
+        vals = [m[k] for m in updates if k in m]
+        out[k] = sum(vals) if k in STEP_SUMS else sum(vals) / len(vals)
+    return out
+
+
+def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[str, float]], t_gen: float,
+                 t_update: float, t_sync: float, step_s: float, version: int) -> dict[str, float]:
+    """The metrics both loops log per step (times in seconds, throughput in trained tokens/s: the
+    loss-mask tokens; `perf/total_num_tokens`, every token of the trained samples, prompts and
+    environment tokens too, is verl's measure of throughput and the trainer's to report). With
+    rollouts in `samples` (those the step took: a sync step's batch, an async step's collected
+    groups), `rollout/latency_s_p50` and `rollout/latency_s_max`: seconds from dispatch to result."""
+    trained_tokens = sum(m.get("actor/num_tokens", 0.0) for m in updates)
+    m: dict[str, float] = {
+        **reward_stats(samples),
+        "perf/throughput": trained_tokens / step_s if step_s > 0 else 0.0,
+        "perf/trained_tokens": trained_tokens,
+        "perf/total_num_tokens": 0.0,  # nothing trained; the updates' sum replaces it (mean_update_metrics)
+        "timing_s/gen": t_gen,
+        "timing_s/update_actor": t_update,
+        "timing_s/update_weights": t_sync,
+        "timing_s/step": step_s,
+        "policy_version": float(version),
+        **{k: float(v) for k, v in parts.ledger.counts().items()},
+    }
+    m.update(mean_update_metrics(updates))
+    m.update(parts.prompts.take_metrics())
+    # the short name of verl's `rollout_corr/rollout_is_mean` (mean TIS weight over trained tokens)
+    m["rollout_corr/is_mean"] = m.get("rollout_corr/rollout_is_mean", math.nan)
+    latencies = sorted(s.latency_s for s in samples)
+    if latencies:
+        m["rollout/latency_s_p50"] = latencies[len(latencies) // 2]
+        m["rollout/latency_s_max"] = latencies[-1]
+    return m
+
+
+async def end_step(parts: LoopParts, step: int, metrics: dict[str, float],
+                   position: Callable[[], LoopPosition]) -> None:
+    """Add the probe's metrics, log the step, then checkpoint at `position()`.
+
+    `position` is read after the probe's await, in the same synchronous instant as the
+    checkpointer's prompt snapshot (orchestrator/control/run_checkpoint.py): an async producer draws rows
+    during any await, and a position read before one would miss them: neither pending nor ahead
+    of the cursor, a resume would skip those prompts (seen in scripts/chaos.py, issue 14)."""
+    if parts.probe is not None:
+        metrics.update(await parts.probe())
+    parts.logger.log(step, metrics)
+    if parts.checkpoint is not None:
+        await parts.checkpoint(position())
+
+
+def finish(parts: LoopParts, steps: int, version: int) -> LoopReport:
+    """The run's report; raises RuntimeError when a dispatched rollout has no terminal state."""
+    if parts.ledger.open_rollouts():
+        raise RuntimeError(f"rollouts left open after the loop: {parts.ledger.open_rollouts()[:5]}")
+    return LoopReport(steps=steps, policy_version=version, counts=parts.ledger.counts())

@@ -1,0 +1,82 @@
+"""The sync loop: generate a whole batch, wait for it, train `sync_every` mini-batches, sync weights.
+
+Handed its `LoopParts` (orchestrator/loop/common.py) through small protocols, so a simulated engine, pool or trainer can
+stand in for the real ones. Invariant: at the end of every step, every rollout dispatched in that
+step is closed in the ledger (trained as `completed`, `filtered` or `failed`), the step's buffer
+partition is cleared, and the policy version has increased by exactly one when the step trained a
+group (a step with nothing to train neither updates nor syncs weights: the version stays). Validation
+(`parts.validator`) runs at the step boundary on the weights just synced, and before the first
+step (logged as step 0) with `trainer.val_before_train`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.loop.batching import assemble, split_groups
+from orchestrator.loop.common import (LoopParts, LoopPosition, LoopReport, close_trained, close_untrained, dispatch_group,
+                                       end_step, finish, ledger_key, report_groups, step_metrics,
+                                       sync_weights)
+from workers.core.types import RolloutRequest
+
+
+@dataclass(frozen=True)
+class SyncLoopSettings:
+    total_steps: int
+    batch_size: int  # prompts (groups) per step
+    n: int  # samples per prompt
+    sync_every: int  # mini-batches (optimizer updates) per step, then one weight sync
+    filter_zero_variance: bool
+
+
+async def run_sync(parts: LoopParts, cfg: SyncLoopSettings, *, start: LoopPosition | None = None) -> LoopReport:
+    """Run sync steps up to `cfg.total_steps` (from `start.step + 1` when resuming from a checkpoint).
+    Returns the ledger counts and the final policy version."""
+    start = start or LoopPosition(0, 0, 0, 0)
+    version, next_group, trained_groups = start.policy_version, start.next_group_id, start.trained_groups
+    if parts.validator is not None and start.step == 0 and parts.validator.due(0, cfg.total_steps):
+        parts.logger.log(0, await parts.validator.run(version))
+    for step in range(start.step + 1, cfg.total_steps + 1):
+        t_step = parts.clock()
+        reqs: list[RolloutRequest] = []
+        for row in parts.prompts.next_rows(cfg.batch_size):
+            reqs += dispatch_group(parts.ledger, row, next_group, cfg.n)
+            next_group += 1
+        partition = f"step-{step}"
+
+        t0 = parts.clock()
+        await parts.rollouts.run_all(reqs, partition)
+        samples = await parts.store.get_groups(partition, sorted({r.group_id for r in reqs}))
+        t_gen = parts.clock() - t0
+        if {ledger_key(s) for s in samples} != {ledger_key(r) for r in reqs}:
+            raise RuntimeError(f"step {step}: buffer returned {len(samples)} samples for {len(reqs)} rollouts")
+
+        report_groups(parts.prompts, samples)
+        batch = assemble(samples, filter_zero_variance=cfg.filter_zero_variance)
+        if samples and len(batch.failed) == len(samples):  # nothing can ever train: stop instead of looping
+            errors = sorted({str(s.error)[:200] for s in batch.failed})
+            raise RuntimeError(f"step {step}: all {len(samples)} rollouts failed; errors: {errors[:3]}")
+        close_untrained(parts.ledger, batch)
+
+        t0 = parts.clock()
+        updates = [await parts.trainer.update(chunk) for chunk in split_groups(batch.trainable, cfg.sync_every)]
+        close_trained(parts.ledger, batch.trainable)
+        t_update = parts.clock() - t0
+
+        t0 = parts.clock()
+        if updates:  # a step with nothing to train (all filtered) has no new weights: the version stays
+            version = await sync_weights(parts, version)
+        t_sync = parts.clock() - t0
+        await parts.store.clear(partition)
+        trained_groups += cfg.batch_size  # every group of the step is consumed (trained, filtered or failed)
+
+        metrics = step_metrics(parts, samples=samples, updates=updates, t_gen=t_gen, t_update=t_update,
+                               t_sync=t_sync, step_s=parts.clock() - t_step, version=version)
+        metrics.update({"rollout/step_completed": float(sum(len(g.samples) for g in batch.trainable)),
+                        "rollout/step_failed": float(len(batch.failed)),
+                        "rollout/step_filtered": float(len(batch.filtered))})
+        if parts.validator is not None and parts.validator.due(step, cfg.total_steps):
+            metrics.update(await parts.validator.run(version))
+        position = LoopPosition(step, version, next_group, trained_groups)  # nothing runs beside a sync step
+        await end_step(parts, step, metrics, lambda: position)
+    return finish(parts, cfg.total_steps, version)

@@ -1,0 +1,194 @@
+"""Simulated agents behind the rollout pool's seam: one ACR session per rollout, multi-turn.
+
+`SimAgents.start` plays one episode: the ACR session is created under the cluster-wide creation
+rate (`agent.session_rate_per_s`, a token bucket as ACR enforces it); on one shared CPU machine
+the rollout's start work runs (`machine.rollout_start_cpu_s`, orchestrator/planning/sim/machine.py); it
+cold-starts, then loops
+turns: the context so far goes to the inference replica the gateway's own `ReplicaRouter`
+(workers/gateway/router.py) picks, holding its lease for the turn, the agent's tokens are generated there, the tool /
+environment answers after a heavy-tailed time with its own tokens, until the episode's turn count
+or `agent.max_context_tokens` is reached; a final environment time (tests, reward) and the
+rollout's own time after its last turn (`agent.overhead_s`: CPU work on a shared machine, done
+at its speed; a delay elsewhere) end it.
+
+The finished rollout becomes a real `Sample` (workers/core/types.py). Its rows are compact: one
+generated "token" per distinct policy version of each turn, which is exactly what staleness needs
+(`Sample.version_range`); the real token counts go to `SimAgents.tokens[session_id]`
+(trained tokens, generated tokens), which the simulated trainer reads.
+
+`SimRolloutActor.run_many` is what the real `RolloutPool` (workers/rollout/pool.py) calls on each
+actor, so the pool's own request spreading runs unchanged. Invariant: every started episode
+calls its `on_done` exactly once with a sample whose status is terminal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections import defaultdict
+from typing import Callable
+
+from orchestrator.planning.sim.clock import VirtualLoop
+from orchestrator.planning.sim.engine import CacheOwner, Request, SimReplica
+from orchestrator.planning.sim.machine import SharedCpu
+from orchestrator.planning.sim.workload import AgentSpec
+from workers.core.types import RolloutRequest, Sample, TrajectoryRow
+from workers.gateway.router import ReplicaRouter
+
+
+class Session(CacheOwner):
+    """One episode in flight."""
+
+    __slots__ = ("req", "sid", "t0", "ctx", "turns_left", "generated", "versions", "lease", "on_done",
+                 "reward")
+
+    def __init__(self, req: RolloutRequest, sid: str, t0: float, on_done: Callable[[Sample], None]) -> None:
+        super().__init__()
+        self.req, self.sid, self.t0, self.on_done = req, sid, t0, on_done
+        self.ctx = self.turns_left = self.generated = 0
+        self.versions: list[int] = []
+        self.lease = None  # the router's lease of the turn in flight
+        self.reward = 0.0
+
+
+class SimAgents:
+    """Plays episodes on `replicas` (see the module docstring); `env_scale` multiplies every
+    environment time (the calibrated free parameter)."""
+
+    def __init__(self, loop: VirtualLoop, replicas: list[SimReplica], spec: AgentSpec, *, seed: int,
+                 env_scale: float = 1.0) -> None:
+        self.loop, self.replicas, self.spec, self.env_scale = loop, replicas, spec, env_scale
+        self.router = ReplicaRouter(replicas)  # type: ignore[arg-type]
+        self.rng = random.Random(seed)
+        self.tokens: dict[str, tuple[int, int]] = {}
+        self._next_session_t = 0.0
+        self._ids = itertools.count()
+        self.episodes = self.turns = self.context_capped = 0
+        self.cpu: SharedCpu | None = None  # one shared CPU machine: the rollouts' own work runs on it
+
+    def start(self, req: RolloutRequest, on_done: Callable[[Sample], None]) -> None:
+        now = self.loop.now
+        t_create = max(now, self._next_session_t)  # ACR's session-creation rate
+        self._next_session_t = t_create + 1.0 / self.spec.session_rate_per_s
+        s = Session(req, f"g{req.group_id}-s{req.sample_index}-{next(self._ids)}", now, on_done)
+        sp, rng = self.spec, self.rng
+        s.turns_left = max(1, int(round(sp.turns.draw(rng))))
+        s.ctx = max(1, int(sp.prompt_tokens.draw(rng)))
+        p = float(req.row.get("p_success", 0.5))
+        if sp.constant_reward_fraction is None:
+            s.reward = 1.0 if rng.random() < p else 0.0
+        else:  # a constant prompt rewards every sample alike; the others draw distinct rewards
+            s.reward = p if req.row.get("constant") else rng.random()
+        self.episodes += 1
+        cold_s = sp.cold_start_s.draw(rng)
+        if self.cpu is None or self.cpu.spec.rollout_start_cpu_s <= 0:
+            self.loop.schedule(t_create + cold_s, self._turn, s)
+        else:  # the start work (invoke, the agent taking the task) on the machine, then the cold start
+            self.loop.schedule(t_create, self.cpu.start, self.cpu.spec.rollout_start_cpu_s,
+                               lambda: self.loop.schedule(self.loop.now + cold_s, self._turn, s))
+
+    def _turn(self, s: Session) -> None:
+        need = min(max(1, int(self.spec.agent_tokens_per_turn.draw(self.rng))),
+                   self.spec.max_context_tokens - s.ctx)
+        if need < 1:
+            self.context_capped += 1
+            self._finish(s)
+            return
+        self.turns += 1
+        s.lease = self.router.lease(s.sid)
+        replica: SimReplica = s.lease.__enter__()  # released when the turn ends, as the gateway's call does
+        replica.submit(Request(s.ctx, need, s, self._turn_done))
+
+    def _turn_done(self, req: Request) -> None:
+        s: Session = req.session  # type: ignore[assignment]
+        s.lease.__exit__(None, None, None)
+        end = req.ctx + req.need  # a preempted request resumes with its decoded tokens in its context
+        s.generated += end - s.ctx
+        s.ctx = end
+        s.versions.append(req.v_first if req.v_first is not None else req.v_last)
+        if req.v_last != s.versions[-1]:
+            s.versions.append(req.v_last)
+        s.turns_left -= 1
+        rng, sp = self.rng, self.spec
+        if s.turns_left <= 0:
+            self.loop.schedule(self.loop.now + self.env_scale * sp.final_time_s.draw(rng), self._overhead, s)
+            return
+        s.ctx = min(sp.max_context_tokens, s.ctx + max(0, int(sp.env_tokens_per_turn.draw(rng))))
+        self.loop.schedule(self.loop.now + self.env_scale * sp.env_time_s.draw(rng), self._turn, s)
+
+    def _overhead(self, s: Session) -> None:
+        """The rollout's own time after its last turn: CPU work on a shared machine, else a delay."""
+        dt = self.spec.overhead_s.draw(self.rng)
+        if self.cpu is not None:
+            self.cpu.start(dt, lambda: self._finish(s))
+        elif dt > 0:
+            self.loop.schedule(self.loop.now + dt, self._finish, s)
+        else:
+            self._finish(s)
+
+    def _finish(self, s: Session) -> None:
+        k = max(1, len(s.versions))
+        self.router.forget(s.sid)
+        versions = tuple(s.versions) or (self.replicas[0].version,)
+        row = TrajectoryRow((0,) * k, (1,) * k, (0.0,) * k, versions[:k])
+        self.tokens[s.sid] = (s.ctx, s.generated)
+        s.on_done(Sample(session_id=s.sid, group_id=s.req.group_id, input_id=s.req.input_id,
+                         sample_index=s.req.sample_index, rows=(row,), reward=s.reward, status="completed",
+                         latency_s=self.loop.now - s.t0))
+
+
+class SimStore:
+    """The loop's SampleStore in memory: partition -> group id -> samples. Every call the loops
+    make costs `rpc_s` seconds (the product's store is a Ray actor: one round trip each), and a
+    read `sample_s` more per sample it returns: CPU work on a shared machine (`cpu`)."""
+
+    def __init__(self, rpc_s: float = 0.0, sample_s: float = 0.0, cpu: SharedCpu | None = None) -> None:
+        self._parts: dict[str, dict[int, list[Sample]]] = defaultdict(lambda: defaultdict(list))
+        self.rpc_s, self.sample_s, self._cpu = rpc_s, sample_s, cpu
+
+    async def _rpc(self, samples: int = 0) -> None:
+        dt = self.rpc_s + self.sample_s * samples
+        if self._cpu is not None:
+            await self._cpu.run(dt)
+        elif dt > 0:
+            await asyncio.sleep(dt)
+
+    def put(self, samples: list[Sample], partition: str) -> None:
+        part = self._parts[partition]
+        for s in samples:
+            part[s.group_id].append(s)
+
+    async def get_groups(self, partition: str, group_ids: list[int]) -> list[Sample]:
+        part = self._parts[partition]
+        out = [s for g in group_ids for s in part.get(g, ())]
+        await self._rpc(len(out))
+        return out
+
+    async def clear(self, partition: str) -> None:
+        await self._rpc()
+        self._parts.pop(partition, None)
+
+    async def clear_groups(self, partition: str, group_ids: list[int]) -> None:
+        await self._rpc()
+        part = self._parts.get(partition, {})
+        for g in group_ids:
+            part.pop(g, None)
+
+
+class SimRolloutActor:
+    """What `RolloutPool` calls on an actor (`run_many`), over the simulated agents."""
+
+    def __init__(self, agents: SimAgents, store: SimStore) -> None:
+        self._agents, self._store = agents, store
+
+    async def run_many(self, reqs: list[RolloutRequest], partition: str) -> list[str]:
+        loop = asyncio.get_running_loop()
+        futs = []
+        for r in reqs:
+            fut = loop.create_future()
+            self._agents.start(r, lambda s, fut=fut: fut.done() or fut.set_result(s))
+            futs.append(fut)
+        samples = await asyncio.gather(*futs)
+        self._store.put(list(samples), partition)
+        return [s.status for s in samples]

@@ -1,0 +1,214 @@
+"""The planner: simulate a workload on a cluster before renting it (orchestrator/planning/sim/).
+
+    python -m orchestrator.planning.simulate workload=reference gpus=64 hours=10 --config sync_1
+    python -m orchestrator.planning.simulate workload=reference gpus=64 --policy adaptive --out f.json
+    python -m orchestrator.planning.simulate workload=reference gpus=64 --sweep [--staleness-bound 1]
+    python -m orchestrator.planning.simulate workload=reference --calibrate   # refit the two free parameters
+
+A run prints its figures (tokens/min/GPU, inference concurrency per replica, KV usage, staleness)
+and with `run_dir=DIR` writes the real run's `metrics.jsonl` and `summary.json` plus
+`timeline.jsonl` there. `--sweep` simulates every configuration of a grid (trainer : inference
+split, η, `sync_every`, concurrency policy, and the sync modes), prints a table and the best
+configuration whose staleness stays within η (max) and the bound (mean), as the Hydra overrides
+of `python -m orchestrator.main`. `--policy adaptive` without further flags uses the workload's
+`plan` section (the split, η and `sync_every` the sweep chose).
+
+Exit status: 0 done, 2 bad arguments or workload (the message names the key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from orchestrator.planning.sim.run import CONFIGS, Scenario, SimulationTooShort, simulate
+from orchestrator.planning.sim.workload import Workload, WorkloadError, load_workload
+
+KEYS = ("workload", "gpus", "hours", "seed", "run_dir")
+COLUMNS = ("config", "tok/min/GPU", "ratio", "conc/replica", "kv_usage", "st_mean", "st_max", "expired", "cpu_s")
+
+
+def plan_scenario(w: Workload, gpus: int, *, policy: str = "adaptive", trainer_gpus: int | None = None,
+                  eta: int | None = None, sync_every: int | None = None) -> Scenario:
+    """The async, disaggregated scenario of the workload's `plan` section, flags overriding it."""
+    plan = dict(w.calibration.get("plan") or {})
+    share = float(plan.get("trainer_share", 0.5))
+    trn = trainer_gpus if trainer_gpus is not None else int(round(gpus * share))
+    return Scenario("async", int(sync_every or plan.get("sync_every", 1)), False, gpus=gpus, trainer_gpus=trn,
+                    max_staleness=int(eta if eta is not None else plan.get("max_staleness", 1)), policy=policy)
+
+
+GRIDS = {  # trainer shares, η, sync_every, policies
+    "full": ((0.375, 0.5, 0.625), (1, 2), (1, 2, 4, 8), ("fixed", "adaptive")),
+    "small": ((0.5, 0.625), (1, 2), (2, 4, 8), ("adaptive",)),
+}
+
+
+def sweep_grid(w: Workload, gpus: int, grid_name: str = "full") -> dict[str, Scenario]:
+    """Sync modes (colocated) plus async (disaggregated) over split × η × sync_every × policy."""
+    gpr = int(w.engine["gpus_per_replica"])
+    shares, etas, ks, policies = GRIDS[grid_name]
+    grid = {f"sync_{k}": Scenario("sync", k, True, gpus=gpus) for k in (1, 2)}
+    grid |= {f"async_{k}": Scenario("async", k, False, gpus=gpus) for k in (1, 2)}
+    for share in shares:
+        inf = max(gpr, int(round(gpus * (1 - share) / gpr)) * gpr)
+        if inf >= gpus:
+            continue
+        for eta in etas:
+            for k in ks:
+                for pol in policies:
+                    grid[f"async_t{gpus - inf}_eta{eta}_k{k}_{pol}"] = Scenario(
+                        "async", k, False, gpus=gpus, trainer_gpus=gpus - inf, max_staleness=eta, policy=pol)
+    return grid
+
+
+def feasible(f: dict, staleness_bound: float) -> bool:
+    """Trained staleness within η (nothing dropped as too stale) and mean within the bound."""
+    return "error" not in f and f["staleness_max"] <= max(f["eta"], 0) and f["staleness_mean"] <= staleness_bound
+
+
+def _row(name: str, f: dict, base: float) -> str:
+    cells = (name, f"{f['tokens_per_min_per_gpu']:.0f}", f"{f['tokens_per_min_per_gpu'] / base:.2f}x",
+             f"{f['inference_concurrency']:.1f}", f"{f['kv_usage_mean']:.3f}", f"{f['staleness_mean']:.2f}",
+             f"{f['staleness_max']}", f"{f.get('rollout/expired') or 0:.0f}", f"{f['cpu_s']:.1f}")
+    return " | ".join(f"{c:>12}" for c in cells)
+
+
+def overrides(w: Workload, sc: Scenario, f: dict) -> list[str]:
+    """Hydra overrides of `python -m orchestrator.main` for a simulated configuration."""
+    out = sc.overrides() + [f"rollout.batch_size={f['groups_per_update'] * sc.sync_every}",
+                            f"rollout.n={f['n']}", f"inference.replicas={f['replicas']}",
+                            f"cluster.inference.tensor_parallel_size={w.engine['gpus_per_replica']}"]
+    if not sc.colocated:
+        out.append(f"cluster.trainer.gpus_per_node={f['trainer_gpus']}")
+    return out
+
+
+def _one(args: tuple) -> dict:
+    w, sc, hours, seed = args
+    try:
+        return simulate(w, sc, hours=hours, seed=seed)
+    except SimulationTooShort as exc:  # too few steps in the horizon: reported, not fatal to the sweep
+        return {"error": str(exc)}
+
+
+def run_sweep(w: Workload, gpus: int, hours: float, seed: int, bound: float, out: Path | None,
+              grid_name: str = "full", jobs: int = 1) -> dict:
+    """Simulate every configuration of the grid (`jobs` processes); print the table and the best."""
+    grid = sweep_grid(w, gpus, grid_name)
+    work = [(w, sc, hours, seed) for sc in grid.values()]
+    if jobs > 1:
+        from multiprocessing import Pool
+
+        with Pool(jobs) as pool:
+            results = pool.map(_one, work)
+    else:
+        results = [_one(x) for x in work]
+    rows = dict(zip(grid, results))
+    base = rows["sync_1"]["tokens_per_min_per_gpu"]
+    print(" | ".join(f"{c:>12}" for c in COLUMNS), flush=True)
+    for name, f in rows.items():
+        print(_row(name, f, base) if "error" not in f else f"{name:>12} | {f['error']}", flush=True)
+    ok = {k: f for k, f in rows.items() if feasible(f, bound)}
+    best = max(ok, key=lambda k: ok[k]["tokens_per_min_per_gpu"]) if ok else None
+    result = {"gpus": gpus, "hours": hours, "staleness_bound": bound, "results": rows, "best": best}
+    if best:
+        sc = grid[best]
+        result["best_overrides"] = overrides(w, sc, rows[best])
+        print(f"\nbest within staleness max <= eta and mean <= {bound}: {best} "
+              f"({rows[best]['tokens_per_min_per_gpu'] / base:.2f}x sync_1)\n  python -m orchestrator.main "
+              + " ".join(result["best_overrides"]))
+    else:
+        print(f"\nno configuration keeps staleness within eta and mean <= {bound}")
+    if out:
+        out.write_text(json.dumps(result, indent=2, allow_nan=True) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("settings", nargs="*", help="key=value: " + ", ".join(KEYS))
+    ap.add_argument("--config", choices=sorted(CONFIGS), help="one of the blog's four configurations")
+    ap.add_argument("--policy", choices=("fixed", "adaptive"), help="rollout.concurrency (async, planned split)")
+    ap.add_argument("--trainer-gpus", type=int)
+    ap.add_argument("--eta", type=int, help="async.max_staleness")
+    ap.add_argument("--sync-every", type=int)
+    ap.add_argument("--local", action="store_true",
+                    help="cluster=local: trainer and engines share one machine, nothing sleeps (validation runs)")
+    ap.add_argument("--warmup-steps", type=int, default=1, help="first steps left out of the figures")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--calibrate", action="store_true", help="refit the two free parameters to sync_1")
+    ap.add_argument("--baseline", choices=("auto", "run", "stored"), default="auto",
+                    help="sync_1 for the ratio: simulated now, or the calibration's stored figure "
+                         "(auto: stored when the workload has one for this cluster size, else run)")
+    ap.add_argument("--grid", choices=sorted(GRIDS), default="full", help="--sweep: the grid")
+    ap.add_argument("--jobs", type=int, default=1, help="--sweep: simulations run in parallel")
+    ap.add_argument("--staleness-bound", type=float, default=1.0, help="largest mean staleness the sweep accepts")
+    ap.add_argument("--out", type=Path, help="write the figures as JSON")
+    args = ap.parse_args(argv)
+    kv = dict(s.split("=", 1) for s in args.settings if "=" in s)
+    bad = [s for s in args.settings if "=" not in s] + sorted(set(kv) - set(KEYS))
+    if bad:
+        print(f"config error: unknown setting(s) {bad}; known: {list(KEYS)}", file=sys.stderr)
+        return 2
+    try:
+        w = load_workload(kv.get("workload", "reference"))
+        gpus, hours, seed = int(kv.get("gpus", 64)), float(kv.get("hours", 10)), int(kv.get("seed", 0))
+        if gpus < 1 or not hours > 0:
+            raise ValueError(f"gpus must be >= 1 and hours > 0, got gpus={gpus}, hours={hours:g}")
+        if args.out and not args.out.parent.is_dir():
+            raise ValueError(f"--out {args.out}: no directory {args.out.parent}")
+    except (WorkloadError, ValueError) as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    run_dir = Path(kv["run_dir"]) if "run_dir" in kv else None
+    t0 = time.perf_counter()
+    if args.calibrate:
+        from orchestrator.planning.sim.calibrate import Target, calibrate
+
+        _, record = calibrate(w, Target(), gpus=gpus, hours=min(hours, 4.0), seed=seed)
+        print(json.dumps(record, indent=2))
+        return 0
+    if args.sweep:
+        run_sweep(w, gpus, hours, seed, args.staleness_bound, args.out, args.grid, args.jobs)
+        return 0
+    try:
+        if args.config:
+            sc = replace(CONFIGS[args.config], gpus=gpus)
+            if args.policy:
+                sc = replace(sc, policy=args.policy)
+        else:
+            sc = plan_scenario(w, gpus, policy=args.policy or "adaptive", trainer_gpus=args.trainer_gpus,
+                               eta=args.eta, sync_every=args.sync_every)
+        if args.local:
+            sc = replace(sc, colocated=True, sleeps=False)
+        f = simulate(w, sc, hours=hours, seed=seed, out_dir=run_dir, warmup_steps=args.warmup_steps)
+    except ValueError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    base_sc = replace(CONFIGS["sync_1"], gpus=gpus, sleeps=not args.local)
+    if sc == base_sc:
+        base = f["tokens_per_min_per_gpu"]
+    elif args.baseline != "run" and "measured" in w.calibration and (
+            args.baseline == "stored" or int(w.calibration.get("gpus", -1)) == gpus):
+        base = float(w.calibration["measured"]["tokens_per_min_per_gpu"])
+    else:
+        base = simulate(w, base_sc, hours=hours, seed=seed, warmup_steps=args.warmup_steps)["tokens_per_min_per_gpu"]
+    f["sync1_tokens_per_min_per_gpu"] = base
+    f["throughput_ratio_vs_sync1"] = f["tokens_per_min_per_gpu"] / base if base else math.nan
+    f["overrides"] = overrides(w, sc, f)
+    f["wall_s"] = time.perf_counter() - t0
+    text = json.dumps(f, indent=2, allow_nan=True)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
