@@ -12,7 +12,7 @@ TEST_WORKERS ?= 2
 
 .PHONY: run test install install-dev clean-venv tokenizers
 
-# make exits 2 whenever the job fails; the job's own status (README "Exit status") is in make's
+# make exits 2 whenever the job fails; the job's own status (docs/operations.md "Exit status") is in make's
 # "Error N" line, or run `$(PY) -m orchestrator.main` directly to get it.
 run: $(VENV)/.installed tokenizers
 	$(PY) -m orchestrator.main $(ARGS)

@@ -19,7 +19,7 @@ session-creation rate and the cluster-wide limiter), which a user asks AWS for a
         [--runs-dir DIR] [--report docs/img/bench_modes]
 
 `--report` overlays the four runs in one set of plots (orchestrator/watch/report.py) with a table of
-their headline figures; README shows the images of the committed run.
+their headline figures; docs/benchmarks.md shows the images of the committed run.
 
 `--validate` checks the simulator (orchestrator/planning/sim/) against this run of the bench: it fits a
 workload from ONE of its runs (`--fit-from`, default sync_1) with scripts/workload_from_run.py,

@@ -151,7 +151,7 @@ def fit_cpu(use: list[dict], prev: dict) -> dict | None:
     which the slowest rollout's environment time sets; and on a run that kept every core busy
     the CPU a step used is its length times the cores whatever it did. What runs in the background (Ray's
     loops, engines and actors polling) grows with the work: measured on this project's bench
-    (README, "Planning a cluster"), the rollout side's CPU per rollout dispatched of a saturated
+    (docs/simulator.md), the rollout side's CPU per rollout dispatched of a saturated
     async run matched its sync run's total per rollout within the run's noise, while a split
     sync fit left 0.27-0.34 cores of background that the simulator then kept from the rollouts
     at saturation (async over-predicted by 11-56 %).

@@ -22,6 +22,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
+from contextlib import suppress as contextlib_suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -453,3 +454,46 @@ class FileTrainer:
             Path(p).write_bytes(b"adam")
 
         self.save_hf, self.save_optimizer = self._Call(save_hf), self._Call(save_optimizer)
+
+
+class BlockingAcr:
+    """The product's `AsyncAcrClient` called from blocking test code: the client lives on an event
+    loop of its own in a daemon thread, and each method waits for its coroutine. Made after
+    `stack_env` set the AWS variables (the client reads them when it starts); closed at exit."""
+
+    _open: list["BlockingAcr"] = []
+
+    def __init__(self, cfg: Any = None) -> None:
+        import atexit
+
+        from workers.acr.client import AsyncAcrClient
+
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="blocking-acr", daemon=True).start()
+        self._client = self._wait(AsyncAcrClient(cfg).start())
+        if not BlockingAcr._open:
+            atexit.register(BlockingAcr._close_all)
+        BlockingAcr._open.append(self)
+
+    def _wait(self, coro: Awaitable[Any], timeout_s: float = 120.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def invoke(self, arn: str, session_id: str, payload: dict, qualifier: str | None = None) -> dict:
+        return self._wait(self._client.invoke(arn, session_id, payload, qualifier))
+
+    def stop_session(self, arn: str, session_id: str, qualifier: str | None = None) -> bool:
+        return self._wait(self._client.stop_session(arn, session_id, qualifier))
+
+    def wait_for_result(self, bucket: str, key: str, timeout_s: float) -> dict | None:
+        return self._wait(self._client.wait_for_result(bucket, key, timeout_s), timeout_s + 30)
+
+    def stats(self) -> Any:
+        return self._client.stats()
+
+    @classmethod
+    def _close_all(cls) -> None:
+        for c in cls._open:
+            with contextlib_suppress(Exception):
+                c._wait(c._client.close(), 5)
+            c._loop.call_soon_threadsafe(c._loop.stop)
+        cls._open.clear()

@@ -17,7 +17,8 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, ParamValidationError
 
 from stand_ins import ECHO_AGENT, new_session_id
-from workers.acr.client import AcrClient, AcrClientConfig
+from stand_ins import BlockingAcr
+from workers.acr.client import AcrClientConfig
 from workers.embedded.emulator_sessions import RateWindow, SessionRefused, SessionTable, TokenBucket
 
 
@@ -131,7 +132,7 @@ def test_invoke_reaches_an_agent_and_echoes_the_session_id(echo_env):
 
 
 def test_same_session_sticks_to_one_agent_and_new_sessions_spread(echo_env):
-    c = AcrClient()
+    c = BlockingAcr()
     arn = echo_env.agent_runtime_arn
     assert echo_env.stats().sessions_open == 0  # every test stops its sessions
     a, b = new_session_id(), new_session_id()
@@ -156,7 +157,7 @@ def test_short_session_id_is_a_validation_exception(echo_env):
 
 
 def test_stop_runtime_session_closes_the_session(echo_env):
-    c = AcrClient()
+    c = BlockingAcr()
     arn = echo_env.agent_runtime_arn
     before = echo_env.stats()
     sid = new_session_id()
@@ -225,7 +226,7 @@ def test_agent_error_is_runtime_client_error(echo_env):
             agentRuntimeArn=echo_env.agent_runtime_arn, runtimeSessionId=sid, payload=b'{"fail": true}'
         )
     assert "500" in e.value.response["Error"]["Message"]
-    AcrClient().stop_session(echo_env.agent_runtime_arn, sid)
+    BlockingAcr().stop_session(echo_env.agent_runtime_arn, sid)
 
 
 def test_streamed_agent_answer_passes_through(echo_env):
@@ -236,7 +237,7 @@ def test_streamed_agent_answer_passes_through(echo_env):
     assert resp["contentType"].startswith("text/event-stream")
     events = [json.loads(line[len("data: "):]) for line in resp["response"].iter_lines() if line.startswith(b"data: ")]
     assert events == [{"i": i, "session_id": sid} for i in range(3)]
-    AcrClient().stop_session(echo_env.agent_runtime_arn, sid)
+    BlockingAcr().stop_session(echo_env.agent_runtime_arn, sid)
 
 
 # ----------------------------------------------------------------------------- throttling
@@ -258,8 +259,8 @@ def test_burst_past_the_rate_is_throttled_and_botocore_retries_it(slow_stack, st
         no_retry.invoke_agent_runtime(agentRuntimeArn=arn, runtimeSessionId=new_session_id(), payload=b"{}")
     assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 429
     assert slow_stack.stats().throttled >= 1
-    # The same burst through AcrClient: botocore's standard retry mode waits and succeeds.
-    c = AcrClient(AcrClientConfig(retry_mode="standard", max_attempts=10))
+    # The same burst through the ACR client: botocore's standard retry mode waits and succeeds.
+    c = BlockingAcr(AcrClientConfig(retry_mode="standard", max_attempts=10))
     out = c.invoke(arn, new_session_id(), {"ok": True})
     assert out["payload"] == {"ok": True}
     assert c.stats().retries >= 1  # the bucket was empty: at least one 429 was retried

@@ -205,7 +205,7 @@ def test_verl_trainer_refuses_a_top_p_it_cannot_score():
 
 
 def test_readme_documents_every_exit_status_and_stderr_prefix_the_entry_point_uses():
-    """README's "Exit status" table lists each status `orchestrator/main.py` exits with (`_fail`,
+    """docs/operations.md's "Exit status" table lists each status `orchestrator/main.py` exits with (`_fail`,
     `_leave_now`) and the `kind:` its stderr line starts with; a new status must be documented."""
     import re
 
@@ -213,7 +213,8 @@ def test_readme_documents_every_exit_status_and_stderr_prefix_the_entry_point_us
     used = re.findall(r'_fail\("([a-z ]+)",.*?, (\d+)\)', main_py, flags=re.S)
     assert {code for _, code in used} >= {"1", "2", "3", "130"}, used
     readme = (CONFIGS.parent / "README.md").read_text()
-    table = readme.split("### Exit status", 1)[1].split("\n\n")[2]
+    operations = (CONFIGS.parent / "docs" / "operations.md").read_text()
+    table = operations.split("\n## Exit status", 1)[1].split("\n\n")[2]
     rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
     assert set(rows) == {"0"} | {code for _, code in used}, rows
     for kind, code in used:

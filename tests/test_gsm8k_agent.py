@@ -19,7 +19,7 @@ from aiohttp import web
 from openai import AsyncOpenAI, BadRequestError
 
 from stand_ins import REPO, ScriptedChatServer, chat_completion, load_module
-from workers.acr.client import AcrClient
+from stand_ins import BlockingAcr
 from workers.embedded.local_stack import LocalStack
 
 AGENT_DIR = REPO / "examples/agents/gsm8k_agent"
@@ -273,7 +273,7 @@ def _payload(stack: LocalStack, model: ScriptedModel, question: str, answer, inp
 @pytest.mark.timeout(120)
 def test_the_agent_app_runs_the_tool_loop_and_writes_its_reward_to_s3(gsm8k_stack, model, stack_env):
     stack_env(gsm8k_stack)
-    c = AcrClient()
+    c = BlockingAcr()
     arn = gsm8k_stack.agent_runtime_arn
     results = {}
     for input_id, question, answer in [("gsm8k-t-1", Q_TOOL, 72), ("gsm8k-t-2", Q_LOOP, 72),

@@ -119,7 +119,7 @@ def test_a_bad_line_is_refused_naming_file_and_line(tmp_path, bad, why):
 @pytest.mark.parametrize("row,missing", [({"question": "q?", "solution": "#### 3"}, "answer"),
                                          ({"problem": "q?", "solution": "#### 3"}, "question")])
 def test_a_row_without_the_documented_fields_names_them_not_verls(tmp_path, row, missing):
-    """README documents `{"question", "answer"}` rows: a row lacking one is refused naming that field
+    """docs/agents.md documents `{"question", "answer"}` rows: a row lacking one is refused naming that field
     and the layout, not verl's `reward_model.ground_truth`; pre-flight adds the config key."""
     from orchestrator.control.preflight import check_task_data
 

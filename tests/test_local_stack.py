@@ -2,7 +2,7 @@
 
 The model endpoint is a small real OpenAI-compatible aiohttp app on 127.0.0.1 (its own thread
 and event loop) that answers a fixed completion; the agent reaches it with the official openai
-SDK. Results travel the production path: agent -> S3 (moto) -> AcrClient.wait_for_result.
+SDK. Results travel the production path: agent -> S3 (moto) -> AsyncAcrClient.wait_for_result.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import psutil
 import pytest
 
 from stand_ins import ECHO_AGENT, LETTERS_AGENT, TOOLKIT_S3_AGENT, ScriptedChatServer, chat_completion, wait_until
-from workers.acr.client import AcrClient, AsyncAcrClient
+from stand_ins import BlockingAcr
+from workers.acr.client import AsyncAcrClient
 from workers.embedded.local_stack import LocalStack, LocalStackError
 
 COMPLETION = "q q q q"
@@ -92,7 +93,7 @@ def agent_ping(port: int) -> str:
 
 
 def test_agent_writes_its_reward_to_s3_and_wait_for_result_finds_it(letters_env, fake_model):
-    c = AcrClient()
+    c = BlockingAcr()
     arn = letters_env.agent_runtime_arn
     sid = f"rollout-{uuid.uuid4()}"
     # count 8, answer "q q q q": 4 right of max(8, 4) -> reward 0.5 (reward.py formula)
@@ -108,7 +109,7 @@ def test_agent_writes_its_reward_to_s3_and_wait_for_result_finds_it(letters_env,
 
 
 def test_ping_is_healthy_busy_while_a_rollout_runs(letters_env, fake_model):
-    c = AcrClient()
+    c = BlockingAcr()
     arn = letters_env.agent_runtime_arn
     sid = f"rollout-{uuid.uuid4()}"
     c.invoke(arn, sid, payload(letters_env, fake_model, prompt=HOLD_PROMPT, count=4, input_id="row-hold"))
@@ -124,7 +125,7 @@ def test_ping_is_healthy_busy_while_a_rollout_runs(letters_env, fake_model):
 
 
 def test_model_error_writes_an_error_object_and_no_reward(letters_env, fake_model):
-    c = AcrClient()
+    c = BlockingAcr()
     arn = letters_env.agent_runtime_arn
     sid = f"rollout-{uuid.uuid4()}"
     c.invoke(arn, sid, payload(letters_env, fake_model, prompt=ERROR_PROMPT, count=4, input_id="row-err"))
@@ -187,7 +188,7 @@ def test_agents_die_with_a_killed_emulator(tmp_path):
 def test_agentcore_rl_toolkit_agent_runs_unchanged(tmp_path, stack_env):
     with LocalStack(TOOLKIT_S3_AGENT, num_agents=1, log_dir=tmp_path) as stack:
         stack_env(stack)
-        c = AcrClient()
+        c = BlockingAcr()
         sid = f"rollout-{uuid.uuid4()}"
         rollout = {"exp_id": "exp-tk", "input_id": "row-7", "s3_bucket": stack.bucket}
         ack = c.invoke(stack.agent_runtime_arn, sid, {"answer": "yes", "_rollout": rollout})

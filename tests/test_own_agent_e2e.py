@@ -1,4 +1,4 @@
-"""README "Train your own agent", end to end with rollout=local: the example agentcore-rl-toolkit
+"""docs/agents.md "Train your own agent", end to end with rollout=local: the example agentcore-rl-toolkit
 agent (examples/agents/arith_agent), its dataset (examples/data/arith) and the documented command
 (task=custom + rollout.acr.agent_cmd). Every rollout must reach the agent with the row's own fields
 (`prompt`, `answer`: the agent raises without them, which fails the rollout) and come back with a
@@ -22,7 +22,7 @@ README_COMMAND = re.compile(r"python -m orchestrator\.main task=custom task\.dat
 
 @pytest.mark.timeout(600)  # Ray + vLLM startup dominate
 def test_the_readme_example_trains_the_toolkit_agent(tmp_path):
-    data, agent = README_COMMAND.search((REPO / "README.md").read_text()).groups()  # the command users copy
+    data, agent = README_COMMAND.search((REPO / "docs" / "agents.md").read_text()).groups()  # the command users copy
     run_dir = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "orchestrator.main", "task=custom", f"task.data_path={data}",

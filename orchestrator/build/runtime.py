@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.config import ConfigError, RunConfig
-from orchestrator.config.rollout import local_fault_rates
+from orchestrator.config.rollout import acr_region, local_fault_rates
 from orchestrator.control.checkpoint import Checkpoint
 from orchestrator.control.preflight import Preflight, check_kv_cache
 from orchestrator.control.preflight_aws import forwarded_aws_env
@@ -108,7 +108,7 @@ def _start_local_stack(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStac
 
     acr = cfg.rollout.acr
     local = LocalStack(agent_command(cfg), num_agents=acr.num_agents, session_rate_per_s=acr.session_rate_per_s,
-                       bucket=acr.s3_bucket, region=acr.region, agent_runtime_arn=acr.agent_runtime_arn,
+                       bucket=acr.s3_bucket, region=acr_region(acr), agent_runtime_arn=acr.agent_runtime_arn,
                        log_dir=run_dir / "logs", agent_env={k: str(v) for k, v in acr.agent_env.items()},
                        faults=local_fault_rates(acr))
     try:

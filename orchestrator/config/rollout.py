@@ -14,7 +14,7 @@ from orchestrator.loop.concurrency import CONCURRENCY_CHOICES, AdaptiveConcurren
 from orchestrator.config.errors import ConfigError, check, one_of
 from workers.acr.arn import check_bucket_name, parse_runtime_arn
 from workers.acr.limits import AcrLimitsConfig
-from workers.acr.client import RETRY_MODES
+from workers.acr.client import POLL_INITIAL_S, POLL_MAX_S
 from workers.rollout.contract import Contract
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class AcrConfig:
     agent_cmd: str | None = None
     agent_env: dict[str, str] = field(default_factory=dict)  # extra env vars of the agent processes
     limits: AcrLimitsSchema = field(default_factory=lambda: AcrLimitsSchema())
-    retry_mode: str = "standard"  # botocore retry mode for throttling / 5xx
+    retry_mode: str = "standard"  # botocore retry mode for throttling / 5xx (defaults and checks: AcrClientConfig)
     max_attempts: int = 8  # botocore total attempts per call
     runtime_error_attempts: int = 3  # invocations of one session on RuntimeClientError (424)
     # rollout=local only: fault injection rates of the emulator (workers/embedded/faults.py FaultRates
@@ -104,8 +104,8 @@ class RolloutConfig:
     top_p: float = 1.0
     timeout_s: float = 120.0
     acr: AcrConfig = field(default_factory=AcrConfig)  # the endpoint, its agents, limits and retries
-    poll_initial_s: float = 0.02
-    poll_max_s: float = 0.5
+    poll_initial_s: float = POLL_INITIAL_S  # S3 result polling backoff (workers/acr/client.py owns the values)
+    poll_max_s: float = POLL_MAX_S
     max_context_tokens: int = 512
     contract: str = "s3"  # s3: `_rollout` + result in S3 | http: `_config` + `_agentcore_runtime` records
     http_background: bool = False  # http: start in the background and poll `get` (else the start answers)
@@ -119,31 +119,23 @@ class RolloutConfig:
     adaptive: AdaptiveConcurrencyConfig = field(default_factory=AdaptiveConcurrencyConfig)
 
     def __post_init__(self) -> None:
+        """Checks of this group's own values; the values the rollout workers and the ACR client take
+        are checked by their settings' own `__post_init__` (one check per value), reached here by
+        building them once with placeholders for what only the run knows."""
         one_of(self.name, "rollout.name", ROLLOUT_BACKENDS)
         check(self.n >= 1, "rollout.n", "must be >= 1", self.n)
         check(self.batch_size >= 1, "rollout.batch_size", "must be >= 1", self.batch_size)
         check(self.num_workers >= 1, "rollout.num_workers", "must be >= 1", self.num_workers)
-        check(self.max_tokens >= 1, "rollout.max_tokens", "must be >= 1", self.max_tokens)
-        check(self.temperature > 0, "rollout.temperature", "must be > 0", self.temperature)
-        check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]", self.top_p)
-        check(self.timeout_s > 0, "rollout.timeout_s", "must be > 0", self.timeout_s)
-        one_of(self.contract, "rollout.contract", get_args(Contract))
-        check(self.push_grace_s >= 0, "rollout.push_grace_s", "must be >= 0", self.push_grace_s)
-        check(self.max_consecutive_bad_results >= 1, "rollout.max_consecutive_bad_results", "must be >= 1",
-              self.max_consecutive_bad_results)
         check(self.redispatch_lost >= 0, "rollout.redispatch_lost", "must be >= 0", self.redispatch_lost)
-        one_of(self.acr.retry_mode, "rollout.acr.retry_mode", RETRY_MODES)
-        check(self.acr.max_attempts >= 1, "rollout.acr.max_attempts", "must be >= 1", self.acr.max_attempts)
-        check(self.acr.runtime_error_attempts >= 1, "rollout.acr.runtime_error_attempts", "must be >= 1",
-              self.acr.runtime_error_attempts)
-        check(self.poll_initial_s > 0, "rollout.poll_initial_s", "must be > 0", self.poll_initial_s)
-        check(self.poll_max_s >= self.poll_initial_s, "rollout.poll_max_s", "must be >= rollout.poll_initial_s",
-              self.poll_max_s)
-        check(self.max_context_tokens > self.max_tokens, "rollout.max_context_tokens",
-              f"must be > rollout.max_tokens={self.max_tokens} (prompt + answer must fit)", self.max_context_tokens)
         if self.name == "aws":
             _check_aws(self.acr)
-        check(bool(self.acr.region), "rollout.acr.region", "must not be empty", self.acr.region)
+        check(bool(acr_region(self.acr)), "rollout.acr.region", "must not be empty", self.acr.region)
+        try:
+            rollout_settings(self, exp_id="exp-check", agent_runtime_arn=self.acr.agent_runtime_arn,
+                             gateway_base_url="", model_id="check")
+            acr_client_config(self)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.acr.faults:
             check(self.name == "local", "rollout.acr.faults", "needs rollout=local (the emulator injects them)",
                   dict(self.acr.faults))
@@ -161,6 +153,16 @@ class RolloutConfig:
               self.acr.session_rate_per_s)
 
 
+def acr_region(acr: AcrConfig) -> str | None:
+    """The region the ACR and S3 clients use: `rollout.acr.region`, or (null) the runtime ARN's."""
+    if acr.region:
+        return acr.region
+    try:
+        return parse_runtime_arn(acr.agent_runtime_arn).region
+    except ValueError:
+        return None
+
+
 def _check_aws(acr: AcrConfig) -> None:
     """rollout=aws: the runtime ARN's form, the bucket name's form, and the region (from the ARN)."""
     for key, value in (("agent_runtime_arn", acr.agent_runtime_arn), ("s3_bucket", acr.s3_bucket)):
@@ -175,7 +177,8 @@ def _check_aws(acr: AcrConfig) -> None:
         raise ConfigError(f"rollout.acr.s3_bucket {exc}, got {acr.s3_bucket!r}") from None
     check(acr.region in (None, arn.region), "rollout.acr.region",
           f"must be null or the runtime's region {arn.region!r} (from rollout.acr.agent_runtime_arn)", acr.region)
-    acr.region = arn.region
+
+
 def concurrency_policy(r: RolloutConfig, min_groups: int = 1) -> AdaptiveConcurrency:
     """The adaptive policy of `rollout.adaptive` (also validates it; ValueError names the key)."""
     a = r.adaptive
@@ -214,7 +217,7 @@ def acr_client_config(r: RolloutConfig) -> AcrClientConfig:
     from workers.acr.client import AcrClientConfig
 
     acr = r.acr
-    return AcrClientConfig(region_name=acr.region, retry_mode=acr.retry_mode,  # type: ignore[arg-type]
+    return AcrClientConfig(region_name=acr_region(acr), retry_mode=acr.retry_mode,  # type: ignore[arg-type]
                            max_attempts=acr.max_attempts, runtime_error_attempts=acr.runtime_error_attempts,
                            poll_initial_s=r.poll_initial_s, poll_max_s=r.poll_max_s)
 

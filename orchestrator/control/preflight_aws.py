@@ -21,6 +21,7 @@ import uuid
 from typing import Mapping
 
 from orchestrator.config import ConfigError, RunConfig, gateway_net
+from orchestrator.config.rollout import acr_region
 from workers.core.netaddr import AUTO, reach_warning, routable_address
 
 PREFLIGHT_TIMEOUT_S = 10  # per S3 call: a wrong endpoint or a blocked network fails in seconds, not minutes
@@ -42,8 +43,9 @@ def check_aws(cfg: RunConfig, exp_id: str) -> list[str]:
     from botocore.exceptions import BotoCoreError, ClientError, ProfileNotFound
 
     acr = cfg.rollout.acr
+    region = acr_region(acr)
     try:
-        session = boto3.Session(region_name=acr.region)
+        session = boto3.Session(region_name=region)
         credentials = session.get_credentials()
     except ProfileNotFound as exc:
         raise ConfigError(f"rollout=aws: {exc} (AWS_PROFILE names a profile missing from the AWS config files)") from None
@@ -68,7 +70,7 @@ def check_aws(cfg: RunConfig, exp_id: str) -> list[str]:
         code = exc.response.get("Error", {}).get("Code", "?")
         what = {"404": "does not exist", "NoSuchBucket": "does not exist", "403": "is not accessible (access denied)",
                 "AccessDenied": "is not writable (access denied)"}.get(str(code), f"failed {step} ({code})")
-        raise ConfigError(f"rollout.acr.s3_bucket={bucket!r} {what} in {acr.region} with the resolved credentials "
+        raise ConfigError(f"rollout.acr.s3_bucket={bucket!r} {what} in {region} with the resolved credentials "
                           f"({credentials.method}); agents write their results there") from None
     except BotoCoreError as exc:
         raise ConfigError(f"rollout.acr.s3_bucket={bucket!r}: S3 {step} failed: {exc}") from None

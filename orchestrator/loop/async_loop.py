@@ -28,7 +28,7 @@ from orchestrator.loop.common import (LoopParts, LoopPosition, LoopReport, close
                                        end_step, finish, ledger_key, report_groups, step_metrics,
                                        sync_weights)
 from orchestrator.loop.staleness import AdmissionState
-from orchestrator.loop.staleness import SampleStaleness, StalenessController, StalenessPolicy, judge_samples, staleness_metrics
+from orchestrator.loop.staleness import Admission, SampleStaleness, StalenessPolicy, judge_samples, staleness_metrics
 from orchestrator.loop.staleness_gate import AdmissionGate
 from orchestrator.loop.validation import ValidationLane
 from workers.core.types import RolloutRequest, Sample
@@ -90,7 +90,7 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
     final policy version."""
     start = start or LoopPosition(0, 0, 0, 0)
     version = _Version(start.policy_version)
-    controller = StalenessController(version, max_staleness=cfg.max_staleness,
+    controller = Admission(version, max_staleness=cfg.max_staleness,
                                      groups_per_update=cfg.groups_per_update, updates_per_version=cfg.sync_every)
     if start.step:
         controller.restore(AdmissionState(start.policy_version, start.trained_groups))
@@ -187,7 +187,7 @@ async def _produce(parts: LoopParts, cfg: AsyncLoopSettings, gate: AdmissionGate
 
 
 async def _collect(parts: LoopParts, cfg: AsyncLoopSettings, policy: StalenessPolicy,
-                   controller: StalenessController, gate: AdmissionGate, ready: asyncio.Queue,
+                   controller: Admission, gate: AdmissionGate, ready: asyncio.Queue,
                    producer: asyncio.Task, version: int, st: _StepStats, inflight: "_InFlight") -> list[Group]:
     """Take finished groups until B trainable ones are in hand; close the others in the ledger.
 

@@ -260,7 +260,6 @@ class Admission:
             raise StalenessError(f"admission invariant broken: {c}")
 
 
-StalenessController = Admission  # the name the async-mode issue uses
 
 
 # --- per-sample verdict ------------------------------------------------------------------------

@@ -67,12 +67,6 @@ class EvalRecord:
         return asdict(self)
 
 
-def eval_requests(rows: list[dict], n: int, group_offset: int = 0) -> list[RolloutRequest]:
-    """`n` requests per row; group id = `group_offset` + the row's index (prompt index)."""
-    return [RolloutRequest(group_id=group_offset + i, input_id=str(row["input_id"]), sample_index=j, row=row)
-            for i, row in enumerate(rows) for j in range(n)]
-
-
 def to_record(outcome: Any, group_offset: int = 0) -> EvalRecord:
     """The record of a `workers.rollout.worker.RolloutOutcome`."""
     return EvalRecord(prompt_index=outcome.group_id - group_offset, sample_index=outcome.sample_index,

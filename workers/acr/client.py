@@ -1,11 +1,7 @@
 """ACR data-plane client: invoke an agent runtime, stop its session, poll S3 for the agent's result.
 
-Two flavours with the same methods and semantics:
-
-- `AcrClient`: plain boto3, blocking; safe to share between threads (boto3 clients are
-  thread-safe), so callers may run it with `asyncio.to_thread`;
-- `AsyncAcrClient`: aiobotocore, coroutines; use it from async actors with many rollouts in
-  flight, where a blocked thread per polling rollout would exhaust the default thread pool.
+`AsyncAcrClient` (aiobotocore, coroutines): one instance serves the many rollouts in flight of an
+async rollout actor, where a blocked thread per polling rollout would exhaust a thread pool.
 
 Endpoints, region and credentials come from the standard AWS configuration only
 (`AWS_ENDPOINT_URL_BEDROCK_AGENTCORE`, `AWS_ENDPOINT_URL_S3`, `AWS_DEFAULT_REGION`, ...): the
@@ -36,13 +32,12 @@ from typing import Any, Literal, get_args
 
 from typing import Protocol
 
-import boto3
 import tenacity
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-POLL_INITIAL_S = 0.05  # first wait between two HEADs of the result key
-POLL_MAX_S = 1.0  # cap of the wait: bounds the latency added to a finished rollout
+POLL_INITIAL_S = 0.02  # first wait between two HEADs of the result key (rollout.poll_initial_s)
+POLL_MAX_S = 0.5  # cap of the wait: bounds the latency added to a finished rollout (rollout.poll_max_s)
 RUNTIME_ERROR_CODE = "RuntimeClientError"  # ACR's 424: retried by tenacity, not by botocore
 
 
@@ -81,14 +76,20 @@ class AcrClientConfig:
     poll_max_s: float = POLL_MAX_S
 
     def __post_init__(self) -> None:
+        """The one check of these values; each message starts with the config key that sets it
+        (orchestrator/config/rollout.py turns the ValueError into a ConfigError)."""
+        if self.retry_mode not in RETRY_MODES:
+            raise ValueError(f"rollout.acr.retry_mode must be one of {list(RETRY_MODES)}, got {self.retry_mode!r}")
         if self.max_attempts < 1:
-            raise ValueError(f"acr.max_attempts must be >= 1, got {self.max_attempts}")
+            raise ValueError(f"rollout.acr.max_attempts must be >= 1, got {self.max_attempts}")
         if self.runtime_error_attempts < 1:
-            raise ValueError(f"acr.runtime_error_attempts must be >= 1, got {self.runtime_error_attempts}")
-        if not 0 < self.poll_initial_s <= self.poll_max_s:
-            raise ValueError(f"need 0 < poll_initial_s <= poll_max_s, got {self.poll_initial_s}, {self.poll_max_s}")
+            raise ValueError(f"rollout.acr.runtime_error_attempts must be >= 1, got {self.runtime_error_attempts}")
+        if self.poll_initial_s <= 0:
+            raise ValueError(f"rollout.poll_initial_s must be > 0, got {self.poll_initial_s}")
+        if self.poll_max_s < self.poll_initial_s:
+            raise ValueError(f"rollout.poll_max_s must be >= rollout.poll_initial_s, got {self.poll_max_s}")
         if self.max_pool_connections < 1:
-            raise ValueError(f"acr.max_pool_connections must be >= 1, got {self.max_pool_connections}")
+            raise ValueError(f"max_pool_connections must be >= 1, got {self.max_pool_connections}")
 
     def botocore_kwargs(self) -> dict[str, Any]:
         return dict(
@@ -207,77 +208,6 @@ def _stop_kwargs(arn: str, session_id: str, qualifier: str | None) -> dict[str, 
     return kwargs
 
 
-class AcrClient:
-    """Blocking ACR + S3 client on boto3. Thread-safe.
-
-    Raises botocore `ClientError` subclasses from the service as-is (e.g.
-    `client.acr.exceptions.ThrottlingException` once retries are spent).
-    """
-
-    def __init__(self, cfg: AcrClientConfig | None = None) -> None:
-        self.cfg = cfg or AcrClientConfig()
-        config = Config(**self.cfg.botocore_kwargs())
-        self.acr = boto3.client("bedrock-agentcore", region_name=self.cfg.region_name, config=config)
-        self.s3 = boto3.client("s3", region_name=self.cfg.region_name, config=config)
-        self._counters = _Counters()
-        self.acr.meta.events.register("before-send.bedrock-agentcore", self._counters.count_request)
-
-    def stats(self) -> AcrCallStats:
-        return self._counters.snapshot()
-
-    def invoke(self, arn: str, session_id: str, payload: dict, qualifier: str | None = None) -> dict:
-        """InvokeAgentRuntime; read the whole (possibly streamed) body and parse it as a JSON object.
-
-        RuntimeClientError (424) is retried (see module docstring); throttling and 5xx by botocore.
-        Raises ValueError when the body is not a JSON object, ClientError when retries are spent.
-        """
-        for attempt in tenacity.Retrying(**_retry_424(self.cfg, self._counters)):
-            with attempt:
-                return self._invoke_once(_invoke_kwargs(arn, session_id, payload, qualifier), session_id)
-        raise AssertionError("unreachable: tenacity reraises")
-
-    def _invoke_once(self, kwargs: dict[str, Any], session_id: str) -> dict:
-        try:
-            resp = self.acr.invoke_agent_runtime(**kwargs)
-        except ClientError as e:
-            self._counters.count_error(e)
-            raise
-        self._counters.add(invocations=1, retries=resp["ResponseMetadata"].get("RetryAttempts", 0))
-        with resp["response"] as body:
-            raw = body.read()
-        return _parse_body(raw, session_id, resp.get("contentType", ""))
-
-    def stop_session(self, arn: str, session_id: str, qualifier: str | None = None) -> bool:
-        """StopRuntimeSession. True when stopped now; False when ACR did not know the session
-        (already stopped or expired), so a retried stop is harmless."""
-        try:
-            resp = self.acr.stop_runtime_session(**_stop_kwargs(arn, session_id, qualifier))
-        except ClientError as e:
-            self._counters.count_error(e)
-            if _is_not_found(e):
-                return False
-            raise
-        self._counters.add(stops=1, retries=resp["ResponseMetadata"].get("RetryAttempts", 0))
-        return True
-
-    def wait_for_result(self, bucket: str, key: str, timeout_s: float) -> dict | None:
-        """Poll `s3://bucket/key` with HEAD (bounded exponential backoff with jitter, see
-        AcrClientConfig) until it exists, then GET and parse it as JSON. None when `timeout_s`
-        passes first. Raises ClientError for S3 errors other than not-found, ValueError on bad JSON."""
-        return tenacity.Retrying(**_poll(self.cfg, timeout_s))(self._get_if_exists, bucket, key)
-
-    def _get_if_exists(self, bucket: str, key: str) -> dict | None:
-        try:
-            self.s3.head_object(Bucket=bucket, Key=key)
-        except ClientError as e:
-            if _is_not_found(e):
-                return None
-            raise
-        obj = self.s3.get_object(Bucket=bucket, Key=key)
-        with obj["Body"] as body:
-            return _parse_body(body.read(), key, obj.get("ContentType", ""))
-
-
 class AsyncAcrClient:
     """The same calls on aiobotocore, as coroutines. Use as `async with AsyncAcrClient(cfg) as c:`
     (or `await c.start()` / `await c.close()`); one instance serves many concurrent rollouts.
@@ -341,7 +271,11 @@ class AsyncAcrClient:
             raise RuntimeError("AsyncAcrClient used before start() or after close()")
 
     async def invoke(self, arn: str, session_id: str, payload: dict, qualifier: str | None = None) -> dict:
-        """See AcrClient.invoke."""
+        """InvokeAgentRuntime; read the whole (possibly streamed) body and parse it as a JSON object.
+
+        RuntimeClientError (424) is retried (see module docstring); throttling and 5xx by botocore.
+        Raises ValueError when the body is not a JSON object, ClientError when retries are spent.
+        """
         self._require_started()
         kwargs = _invoke_kwargs(arn, session_id, payload, qualifier)
         async for attempt in tenacity.AsyncRetrying(**_retry_424(self.cfg, self._counters)):
@@ -361,7 +295,8 @@ class AsyncAcrClient:
         return _parse_body(raw, session_id, resp.get("contentType", ""))
 
     async def stop_session(self, arn: str, session_id: str, qualifier: str | None = None) -> bool:
-        """See AcrClient.stop_session."""
+        """StopRuntimeSession. True when stopped now; False when ACR did not know the session
+        (already stopped or expired), so a retried stop is harmless."""
         self._require_started()
         try:
             resp = await self.acr.stop_runtime_session(**_stop_kwargs(arn, session_id, qualifier))
@@ -374,7 +309,9 @@ class AsyncAcrClient:
         return True
 
     async def wait_for_result(self, bucket: str, key: str, timeout_s: float) -> dict | None:
-        """See AcrClient.wait_for_result."""
+        """Poll `s3://bucket/key` with HEAD (bounded exponential backoff with jitter, see
+        AcrClientConfig) until it exists, then GET and parse it as JSON. None when `timeout_s`
+        passes first. Raises ClientError for S3 errors other than not-found, ValueError on bad JSON."""
         self._require_started()
         return await tenacity.AsyncRetrying(**_poll(self.cfg, timeout_s))(self._get_if_exists, bucket, key)
 

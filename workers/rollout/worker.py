@@ -33,7 +33,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, get_args
 
 import tenacity
 
@@ -98,15 +98,33 @@ class RolloutSettings:
     http_background: bool = False
     http_poll_initial_s: float = 0.05
     http_poll_max_s: float = 1.0
-    push_grace_s: float = 0.0
+    push_grace_s: float = 5.0
     max_consecutive_bad_results: int = 32
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.contract not in ("s3", "http"):
-            raise ValueError(f"rollout.contract must be 's3' or 'http', got {self.contract!r}")
+        """The one check of these values; each message starts with the config key that sets it
+        (orchestrator/config/rollout.py turns the ValueError into a ConfigError)."""
+        if self.contract not in get_args(Contract):
+            raise ValueError(f"rollout.contract must be one of {list(get_args(Contract))}, got {self.contract!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"rollout.timeout_s must be > 0, got {self.timeout_s}")
+        if self.push_grace_s < 0:
+            raise ValueError(f"rollout.push_grace_s must be >= 0, got {self.push_grace_s}")
+        if self.max_consecutive_bad_results < 1:
+            raise ValueError(f"rollout.max_consecutive_bad_results must be >= 1, got {self.max_consecutive_bad_results}")
+        if not 0 < self.http_poll_initial_s <= self.http_poll_max_s:
+            raise ValueError(f"need 0 < http_poll_initial_s <= http_poll_max_s, got {self.http_poll_initial_s}, "
+                             f"{self.http_poll_max_s}")
+        if self.temperature <= 0:
+            raise ValueError(f"rollout.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"rollout.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_context_tokens <= self.max_tokens:
+            raise ValueError(f"rollout.max_context_tokens must be > rollout.max_tokens={self.max_tokens} "
+                             f"(prompt + answer must fit), got {self.max_context_tokens}")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""A complete agent for your own task, written with agentcore-rl-toolkit (README: "Train your own agent").
+"""A complete agent for your own task, written with agentcore-rl-toolkit (docs/agents.md: "Train your own agent").
 
 The task: add two numbers. Each dataset row (examples/data/arith/train.jsonl) is
 `{"prompt": "What is 17 + 25? ...", "answer": 42}`; the orchestrator (task=custom) sends the row
