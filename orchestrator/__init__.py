@@ -1,6 +1,6 @@
 """The driver: a control plane that composes a run, admits rollouts, orders updates and syncs weights.
 
-Packages (imports run downward: a package imports only those below it, never one beside or above):
+Packages:
   config/    the Hydra config groups as typed dataclasses, validated where declared; the mapping onto
              each worker's own settings
   loop/      the sync and async loops and their pure controllers (ledger and batching, staleness and
@@ -17,6 +17,13 @@ Modules:
   main.py      `python -m orchestrator.main`: config -> pre-flight -> build -> loop -> outputs
   evaluate.py  `mode=eval`: evaluate a split, write eval.jsonl and eval_summary.json
   tasks.py     the task registry: `task.name` -> row loader, agent app, data-file check
+
+Imports run one way, down these floors (a floor imports only floors below it; layers.py checks it):
+  main.py, evaluate.py
+  build/, planning/
+  control/, adapters/
+  config/
+  loop/, watch/, tasks.py   (nothing else of orchestrator/)
 
 Nothing in this package serves HTTP or holds model weights; heavy imports (Ray, vLLM, torch) happen
 inside the functions that start actors, never at package import.

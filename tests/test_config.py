@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from orchestrator.control.checkpoint import CheckpointError
-from orchestrator.config import ConfigError, RunConfig
+from orchestrator.config import ConfigError
 from orchestrator.control.preflight import preflight
 from stand_ins import CONFIGS, compose_config
 
@@ -28,11 +28,42 @@ REQUIRED = {("rollout", "aws"): AWS, **{("model", m): ["model.path=/models/x"]
 )
 def test_every_shipped_config_loads(group, choice):
     prefix = "+" if group == "experiment" else ""  # experiments are optional presets
-    cfg = compose_config([f"{prefix}{group}={choice}", *REQUIRED.get((group, choice), [])])
-    assert isinstance(cfg, RunConfig)
+    required = REQUIRED.get((group, choice), [])
+    cfg = compose_config([f"{prefix}{group}={choice}", *required])
+    overridden = {o.split("=", 1)[0] for o in required}
+    for key, value in _file_values(CONFIGS / group / f"{choice}.yaml", group):
+        if key not in overridden:  # every value the file sets reaches the typed config
+            assert _typed_value(cfg, key) == value, (key, _typed_value(cfg, key), value)
     if group == "experiment" and choice.startswith("blog_"):  # blog_<mode>_<sync_every>
         _, mode, k = choice.split("_")
         assert (cfg.mode.name, cfg.mode.sync_every) == (mode, int(k))
+
+
+def _file_values(path, group):
+    """(dotted key, value) of every plain leaf a config file sets (no interpolations, no defaults list)."""
+    import yaml
+
+    text = path.read_text()
+    data = yaml.safe_load(text) or {}
+    data.pop("defaults", None)
+    root = "" if "@package _global_" in text else f"{group}."
+
+    def leaves(prefix, node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                yield from leaves(f"{prefix}{k}.", v)
+        elif not (isinstance(node, str) and "${" in node):
+            yield prefix[:-1], node
+
+    return list(leaves(root, data))
+
+
+def _typed_value(cfg, dotted):
+    """The typed config's value at `dotted` (`async` is the field `async_`), lists as lists."""
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part if hasattr(node, part) else part + "_")
+    return list(node) if isinstance(node, tuple) else node
 
 
 def test_default_config_is_the_embedded_default():

@@ -49,7 +49,9 @@ def test_main_job_runs_end_to_end_on_real_parts(tmp_path):
         # where the CPU went (orchestrator/watch/cpu_usage.py): each part that works in a step used some
         assert all(s[f"perf/cpu_s/{p}"] > 0 for p in ("driver", "inference", "gateway", "rollout", "local_stack",
                                                        "total")), s
-        assert s["perf/cpu_s/trainer"] >= 0 and s["perf/cpu_s/other"] >= 0
+        parts = ("driver", "trainer", "inference", "gateway", "rollout", "local_stack", "other")
+        assert s["perf/cpu_s/total"] == pytest.approx(sum(s[f"perf/cpu_s/{p}"] for p in parts)), s  # parts sum to total
+    assert sum(s["perf/cpu_s/trainer"] for s in steps) > 0  # the trainer ranks did the updates
     assert sum(s["perf/total_num_tokens"] for s in steps) > sum(s["perf/trained_tokens"] for s in steps) > 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rollout/dispatched"] == 3 * 4 * 4

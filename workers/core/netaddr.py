@@ -70,9 +70,9 @@ def reach_warning(url_or_host: str, what: str) -> str | None:
         return None if host and host != "localhost" else f"{what}={url_or_host!r} is this machine only: agents in ACR cannot reach it"
     if ip.is_loopback or ip.is_unspecified or ip.is_link_local:
         return (f"{what}={url_or_host!r} is reachable from this machine only: agents running in AgentCore "
-                "Runtime cannot call it (set it to an address they can reach; see README, 'Network path')")
+                "Runtime cannot call it (set it to an address they can reach; see docs/agents.md, 'Network path')")
     if ip.is_private:
         return (f"{what}={url_or_host!r} is a private address: agents in AgentCore Runtime reach it only when the "
                 "runtime uses VPC network mode in this VPC and a security group admits the port "
-                "(see README, 'Network path')")
+                "(see docs/agents.md, 'Network path')")
     return None

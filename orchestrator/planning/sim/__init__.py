@@ -7,6 +7,7 @@
     workload.py  workloads as YAML (workloads/*.yaml)
     run.py       simulate(): one configuration, the figures, metrics.jsonl / summary.json / timeline.jsonl
     calibrate.py the two free time scales fitted to one measured row
+    machine.py   SharedCpu: one CPU machine shared by every part (processor sharing), for CPU-run fits
 
 The planner on top is orchestrator/planning/simulate.py. Nothing here imports Ray, vLLM or torch.
 """

@@ -1,7 +1,7 @@
 """One simulated run: the product's loop (orchestrator/loop/sync_loop.py or async_loop.py) on the
 virtual clock, over simulated engines, agents, trainer and weight push, for `hours` of simulated time.
 
-What runs unchanged: `run_sync` / `run_async` with everything they call (loop_common, the
+What runs unchanged: `run_sync` / `run_async` with everything they call (loop/common.py, the
 staleness controller and admission gate, batching, filters and the rollout ledger), the prompt
 cycle (`ResumablePrompts`), the rollout pool's spreading (`RolloutPool`), colocated sleep/wake
 (`SleepingTrainer`), the metric logger, and with `policy=adaptive` the `ConcurrencyGate`. What

@@ -32,7 +32,7 @@ REPO_ROOT: Path = Path(__file__).resolve().parents[3]  # workers/core/tasks/gsm8
 SAMPLE_DIR = "examples/data/gsm8k"  # the in-repository sample, relative to REPO_ROOT
 DATA_PATH_KEY = "task.data_path"
 # "#### 1,234.5" at the end of a GSM8K solution; thousands commas allowed, as in the dataset.
-# What a row must hold, in the words of README's task data section (named in row errors).
+# What a row must hold, in the words of docs/configuration.md, 'Datasets' (named in row errors).
 ROW_LAYOUTS = ('a GSM8K row is {"question": str, "answer": "... #### <number>"} '
                "(or verl's layout: prompt, reward_model.ground_truth)")
 _FINAL = re.compile(r"####\s*(-?\d[\d,]*(?:\.\d+)?)\s*$")
