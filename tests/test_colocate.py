@@ -48,9 +48,6 @@ class ScriptedTrainer:
             raise ValueError("bad batch")
         return {"actor/pg_loss": 0.5}
 
-    async def export_weights(self, version: int) -> str:
-        return f"v{version}"
-
 
 async def test_update_runs_between_sleep_and_wake_and_reports_it():
     log: list[str] = []
@@ -60,8 +57,7 @@ async def test_update_runs_between_sleep_and_wake_and_reports_it():
     assert log[:2] == ["r0.sleep", "r1.sleep"] and log[2] == "update" and sorted(log[3:]) == ["r0.wake", "r1.wake"]
     assert metrics == {"actor/pg_loss": 0.5, "perf/inference_sleep_s": 1.5, "perf/inference_sleep_level": 0.0,
                        "perf/inference_released_memory": 0.0}
-    assert await trainer.export_weights(3) == "v3"  # the push that follows finds the engines awake
-    assert not any(r.asleep for r in replicas)
+    assert not any(r.asleep for r in replicas)  # the weight sync that follows finds the engines awake
 
 
 async def test_gpu_sleep_mode_is_reported_as_released():

@@ -43,16 +43,12 @@ class RecordingTrainer:
         batch = build_train_batch(groups, pad_id=0, norm_adv_by_std=True)
         return {"actor/num_tokens": float(batch.num_loss_tokens), "rollout_corr/rollout_is_mean": 1.0}
 
-    async def export_weights(self, version):
-        return f"/weights/v{version}"
-
 
 class RecordingPush:
     def __init__(self):
         self.versions = [0]
 
-    async def push(self, path, version):
-        assert path == f"/weights/v{version}"
+    async def sync(self, version):
         self.versions.append(version)
 
 

@@ -16,8 +16,11 @@ AWS = ["rollout=aws", f"rollout.acr.agent_runtime_arn={ARN}", "rollout.acr.s3_bu
 
 
 def test_aws_region_comes_from_the_runtime_arn():
+    from orchestrator.config.rollout import acr_client_config, acr_region
+
     cfg = compose_config(AWS)
-    assert cfg.rollout.name == "aws" and cfg.rollout.acr.region == "eu-central-1"
+    assert cfg.rollout.name == "aws" and cfg.rollout.acr.region is None  # validation writes nothing back
+    assert acr_region(cfg.rollout.acr) == acr_client_config(cfg.rollout).region_name == "eu-central-1"
     assert cfg.rollout.result_host == "auto"
 
 

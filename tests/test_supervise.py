@@ -118,3 +118,51 @@ async def test_session_cap_gives_back_the_slots_of_a_dead_owner_once():
     assert cap.stats().in_use == 1
     await cap.release(1, owner="rollout-1-bb")
     assert cap.stats().in_use == 0
+
+
+class Exporter:
+    """The trainer seam of the file sync: writes a file per export and records the paths."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    async def export_weights(self, path: str) -> str:
+        from pathlib import Path
+
+        Path(path).write_bytes(b"weights")
+        self.paths.append(path)
+        return path
+
+
+async def test_one_sync_call_exports_pushes_and_removes_the_superseded_file(tmp_path):
+    """`sync(v)` is the loop's only weight call (issue 24 item 4): the file backend exports
+    `policy-v{v}.safetensors`, every replica loads it, and the previous version's file goes only
+    after the new one was confirmed; a replacement admitted later still finds the current file."""
+    a, b, trainer = Replica(), Replica(), Exporter()
+    sync = CpuWeightSync([a, b], trainer=trainer, weights_dir=tmp_path / "weights")
+    await sync.sync(1)
+    v1 = str(tmp_path / "weights" / "policy-v1.safetensors")
+    assert a.loads == b.loads == [(v1, 1)] and trainer.paths == [v1]
+    await sync.sync(2)
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["policy-v2.safetensors"]
+    c = Replica()
+    await sync.admit(1, c, loaded_version=0)
+    assert c.loads == [(str(tmp_path / "weights" / "policy-v2.safetensors"), 2)]
+    with pytest.raises(ValueError, match="must increase"):
+        await sync.sync(2)
+    assert trainer.paths[-1].endswith("policy-v2.safetensors")  # a refused version exports nothing
+
+
+async def test_a_failed_push_keeps_both_files_and_the_version(tmp_path):
+    a, trainer = Replica(), Exporter()
+    sync = CpuWeightSync([a], trainer=trainer, weights_dir=tmp_path)
+    await sync.sync(1)
+
+    async def broken(path: str, version: int) -> None:
+        raise OSError("disk full")
+
+    a.update_weights = broken
+    with pytest.raises(RuntimeError, match="version 2 failed"):
+        await sync.sync(2)
+    assert sync.version() == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy-v1.safetensors", "policy-v2.safetensors"]

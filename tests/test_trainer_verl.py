@@ -152,7 +152,7 @@ async def test_broadcast_weights_sends_the_engine_weights(decoupled_pair):
     receiver = TensorReceiver(target)
     info = new_group_info("shm", 1, timeout_s=60.0)
     sync = BroadcastWeightSync([InThread(ours)], [InThread(receiver)], info)
-    report = await asyncio.wait_for(sync.push("trainer", 1), 60.0)
+    report = await asyncio.wait_for(sync.sync(1), 60.0)
     assert report.version == 1 and receiver.version() == 1
     assert all(torch.equal(target[n], full[n]) for n in full)
     receiver.close()

@@ -88,7 +88,7 @@ async def test_broadcast_sync_copies_trainer_weights_into_receivers(backend, ran
         receivers = [TensorReceiver(t) for t in targets]
         info = new_group_info(backend, NUM_RECEIVERS, timeout_s=T_TIMEOUT_S)
         sync = BroadcastWeightSync([InThread(trainer)], [InThread(r) for r in receivers], info)
-        report = await asyncio.wait_for(sync.push("trainer", 1), T_TIMEOUT_S)
+        report = await asyncio.wait_for(sync.sync(1), T_TIMEOUT_S)
         assert report.version == 1 and sync.version() == 1 and report.num_replicas == NUM_RECEIVERS
         assert sync.last_send.num_buckets > 2  # 10 KiB buckets on a ~150 KiB model
         for t in targets:
@@ -97,11 +97,11 @@ async def test_broadcast_sync_copies_trainer_weights_into_receivers(backend, ran
         assert all(r.version() == 1 for r in receivers)
 
         with pytest.raises(ValueError, match="must increase"):
-            await sync.push("trainer", 1)
+            await sync.sync(1)
         del targets[0][next(iter(full))]  # receiver 0 no longer knows the first tensor
         receivers[0]._targets = targets[0]
         with pytest.raises(RuntimeError, match="receiver 0: KeyError"):
-            await asyncio.wait_for(sync.push("trainer", 2), T_TIMEOUT_S)
+            await asyncio.wait_for(sync.sync(2), T_TIMEOUT_S)
         assert sync.version() == 1
         for r in receivers:
             r.close()

@@ -22,7 +22,7 @@ import torch
 
 from stand_ins import InThread
 from workers.core.types import GenerateRequest
-from workers.weight_sync.setup import broadcast_label, close_weight_sync, open_weight_sync
+from workers.weight_sync.setup import close_weight_sync, open_weight_sync
 
 T_TIMEOUT_S = 120.0
 SHM_DIR = Path("/dev/shm")
@@ -72,7 +72,7 @@ async def test_shm_push_reaches_a_generating_engine_and_matches_the_trainer():
             request_id="in-flight", prompt_ids=(3, 4, 5), max_tokens=256, seed=1)))
         while engine.num_in_flight() == 0:  # admitted: the push below lands while it generates
             await asyncio.sleep(0.01)
-        report = await asyncio.wait_for(sync.push(broadcast_label(1), 1), T_TIMEOUT_S)
+        report = await asyncio.wait_for(sync.sync(1), T_TIMEOUT_S)
         assert report.version == 1 and sync.version() == 1 and engine.policy_version() == 1
         result = await asyncio.wait_for(running, T_TIMEOUT_S)
         assert len(result.output_ids) == 256
@@ -89,7 +89,7 @@ async def test_shm_push_reaches_a_generating_engine_and_matches_the_trainer():
         assert send.version == 1 and isinstance(recv, ValueError) and "must increase" in str(recv)
         assert engine.policy_version() == 1
         with pytest.raises(ValueError, match="must increase"):
-            await sync.push(broadcast_label(1), 1)
+            await sync.sync(1)
         await close_weight_sync(sync, InThread(trainer))
         assert _weight_sync_slots() <= slots_before  # the sender removed its slots
     finally:

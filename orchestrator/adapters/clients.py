@@ -8,7 +8,6 @@ exactly the rows of the given groups, each row carrying its sample's GRPO advant
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,16 +53,10 @@ def total_num_tokens(groups: tuple[Group, ...]) -> int:
 class TrainerClient:
     """Loop-facing trainer: builds the batch on the driver, updates on the trainer actor."""
 
-    def __init__(self, actor: Any, *, pad_id: int, norm_adv_by_std: bool, weights_dir: Path,
-                 export_file: bool = True) -> None:
-        """export_file=False (broadcast weight sync, workers/weight_sync/setup.py): `export_weights`
-        writes nothing and returns a label; the push itself makes the trainer send its weights."""
+    def __init__(self, actor: Any, *, pad_id: int, norm_adv_by_std: bool) -> None:
         self._actor = actor
         self._pad_id = pad_id
         self._norm = norm_adv_by_std
-        self._weights_dir = weights_dir
-        self._export_file = export_file
-        self._last_path: Path | None = None
 
     async def update(self, groups: tuple[Group, ...]) -> dict[str, float]:
         """One optimizer step on `groups`; no step when no token is trainable (all masked). Adds
@@ -72,21 +65,6 @@ class TrainerClient:
             return {"actor/num_tokens": 0.0, "perf/total_num_tokens": 0.0, "actor/step_skipped": 1.0}
         batch = build_train_batch(groups, pad_id=self._pad_id, norm_adv_by_std=self._norm)
         return await self._actor.update.remote(batch) | {"perf/total_num_tokens": float(total_num_tokens(groups))}
-
-    async def export_weights(self, version: int) -> str:
-        """Write the trainer's full weights for `version`; the previous file is removed once
-        superseded (the inference replicas have already loaded it)."""
-        if not self._export_file:
-            from workers.weight_sync.setup import broadcast_label
-
-            return broadcast_label(version)
-        self._weights_dir.mkdir(parents=True, exist_ok=True)
-        path = self._weights_dir / f"policy-v{version}.safetensors"
-        out = await self._actor.export_weights.remote(str(path))
-        if self._last_path is not None and self._last_path != path:
-            self._last_path.unlink(missing_ok=True)
-        self._last_path = path
-        return out
 
 
 class BufferStore:

@@ -28,7 +28,8 @@ class SleepingTrainer:
     """A Trainer whose `update` runs while the co-located inference replicas sleep."""
 
     def __init__(self, trainer: Any, replicas: Sequence[Any], *, clock: Callable[[], float] = time.monotonic) -> None:
-        """trainer: the loop's Trainer (update, export_weights); replicas: at least one engine."""
+        """trainer: the loop's Trainer; replicas: at least one engine (awake again when `update`
+        returns, so the weight sync that follows finds them serving)."""
         if not replicas:
             raise ValueError("SleepingTrainer needs at least one inference replica")
         self._trainer = trainer
@@ -52,9 +53,6 @@ class SleepingTrainer:
                 "perf/inference_sleep_s": self._clock() - t0,
                 "perf/inference_sleep_level": float(max(r.level for r in reports)),
                 "perf/inference_released_memory": float(all(r.released_memory for r in reports))}
-
-    async def export_weights(self, version: int) -> str:
-        return await self._trainer.export_weights(version)
 
     def __getattr__(self, name: str) -> Any:  # checkpointing and other trainer calls pass through
         return getattr(self._trainer, name)

@@ -128,7 +128,7 @@ async def _start_actors(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack
         await trainer.load_optimizer.remote(str(ckpt.optimizer_path))
     weights = await open_weight_sync(cfg.trainer.weight_sync.backend, trainer, replicas,  # file, or a broadcast group
                                      ranks_per_replica=cfg.cluster.inference.tensor_parallel_size,
-                                     initial_version=version)
+                                     initial_version=version, weights_dir=rt.run_dir / "weights")
     close_quietly(closing, close_weight_sync, weights, trainer)  # the sender's /dev/shm slots, process groups
     await gateway.set_engines.remote(replicas)  # no turn reaches the gateway before the loop starts
     return _Actors(replicas, spawn_replica, trainer, gateway, buffer, pool, weights, settings, pad_id)
@@ -142,7 +142,6 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
     from orchestrator.loop.batching import RolloutLedger
     from orchestrator.watch.cpu_usage import CpuProbe
     from orchestrator.watch.metrics import build_sinks
-    from workers.weight_sync.setup import FILE_BACKEND
 
     ckpt, run_dir = rt.checkpoint, rt.run_dir
     version = ckpt.state.policy_version if ckpt else 0
@@ -160,9 +159,7 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
         "gateway": a.gateway, **a.pool.named_actors()})
     await directory.refresh()
     cpu = CpuProbe(lambda: {**directory.pids(), **(rt.local.pids() if rt.local is not None else {})})
-    trainer_client = TrainerClient(a.trainer, pad_id=a.pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
-                                   weights_dir=run_dir / "weights",
-                                   export_file=cfg.trainer.weight_sync.backend == FILE_BACKEND)
+    trainer_client = TrainerClient(a.trainer, pad_id=a.pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std)
     concurrency = _concurrency(cfg, a.replicas)  # rollout.concurrency=adaptive, else None
     ledger = RolloutLedger()
     if ckpt is not None:

@@ -58,11 +58,10 @@ class SampleStore(Protocol):
 
 class Trainer(Protocol):
     async def update(self, groups: tuple[Group, ...]) -> dict[str, float]: ...
-    async def export_weights(self, version: int) -> str: ...
 
 
-class WeightPush(Protocol):
-    async def push(self, path: str, version: int) -> None: ...
+class WeightSync(Protocol):
+    async def sync(self, version: int) -> object: ...  # export and push, any backend
 
 
 class StepLogger(Protocol):
@@ -81,7 +80,7 @@ class LoopParts:
     rollouts: Rollouts
     store: SampleStore
     trainer: Trainer
-    weights: WeightPush
+    weights: WeightSync
     logger: StepLogger
     ledger: RolloutLedger = field(default_factory=RolloutLedger)
     clock: Callable[[], float] = time.monotonic
@@ -144,9 +143,9 @@ def close_trained(ledger: RolloutLedger, groups: Iterable[Group], masked: set[st
 
 
 async def sync_weights(parts: LoopParts, version: int) -> int:
-    """Export the trainer's weights as `version + 1`, push them to the engines; return the new version."""
-    path = await parts.trainer.export_weights(version + 1)
-    await parts.weights.push(path, version + 1)
+    """Sync the trainer's weights to the engines as `version + 1` (one call: the backend exports and
+    pushes); return the new version."""
+    await parts.weights.sync(version + 1)
     return version + 1
 
 

@@ -207,8 +207,8 @@ class BroadcastWeightSync:
         await self._gather(calls, what="joining the weight-sync group")
         self._connected = True
 
-    async def push(self, source: str, version: int) -> WeightSyncReport:
-        """Broadcast the trainer's current weights as `version` (`source` is only a label here).
+    async def sync(self, version: int) -> WeightSyncReport:
+        """Broadcast the trainer's current weights as `version` to every receiver.
 
         Raises ValueError for a version that does not increase, RuntimeError if any party failed.
         """

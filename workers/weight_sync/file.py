@@ -1,15 +1,17 @@
 """Trainer -> inference weight transfer, versioned. The CPU path goes through a safetensors file.
 
 Protocol (any `WeightSync` implementation follows it, so the loop does not care which one runs):
-  1. The trainer materializes the full weights for version v (CPU: `TrainerWorker.export_weights(
-     path)` writes one safetensors file of the fp32 HF state dict; GPU: the trainer's rank 0
-     gathers full tensors bucket by bucket).
-  2. `sync.push(source, v)` hands them to every inference replica; each replica handles its
+the loop calls `sync.sync(v)` once; the backend owns export and push:
+  1. The trainer materializes the full weights for version v (file: `TrainerWorker.export_weights(
+     path)` writes one safetensors file of the fp32 HF state dict under `weights_dir`; broadcast:
+     the trainer's rank 0 gathers full tensors bucket by bucket).
+  2. They reach every inference replica (file: `push(path, v)`); each replica handles its
      in-flight requests per `inference.in_flight` (drain, continue, abort_resume), loads the weights, resets its prefix cache and sets its policy version
      to v (`InferenceWorker.update_weights`). CPU: every replica reads the file. GPU (later, same
      interface): replicas join an NCCL group with the trainer once, then receive a broadcast per
      bucket into their model (`load_weights` per bucket), with the source naming the trainer.
-  3. `push` returns only when every replica confirmed; then the sync's version becomes v.
+  3. `sync` returns only when every replica confirmed; then the sync's version becomes v. The
+     previous version's file is removed once superseded (the replicas have loaded the new one).
 
 Invariant: versions only increase. `push` raises ValueError for v <= the current version (and a
 replica raises too). If any replica fails, `push` raises RuntimeError naming the failed replicas
@@ -43,6 +45,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from workers.core.calls import actor_died, call
@@ -58,11 +61,17 @@ class WeightSyncReport:
 
 
 class WeightSync(Protocol):
-    """What the training loop needs to publish new weights (CPU file path or GPU NCCL)."""
+    """What the training loop needs to publish new weights: one call per version, any backend."""
 
     def version(self) -> int: ...
 
-    async def push(self, source: str, version: int) -> WeightSyncReport: ...
+    async def sync(self, version: int) -> WeightSyncReport: ...
+
+
+class WeightExporter(Protocol):
+    """The trainer as the file backend sees it (TrainerWorker, TrainerGroup, or an actor handle)."""
+
+    async def export_weights(self, path: str) -> str: ...
 
 
 class WeightReceiver(Protocol):
@@ -74,8 +83,11 @@ class WeightReceiver(Protocol):
 class CpuWeightSync:
     """Pushes a safetensors file written by the trainer to every replica; see the module docstring."""
 
-    def __init__(self, replicas: Sequence[Any], *, initial_version: int = 0) -> None:
-        """replicas: InferenceWorker-like objects or Ray actor handles of them (at least one)."""
+    def __init__(self, replicas: Sequence[Any], *, initial_version: int = 0, trainer: Any = None,
+                 weights_dir: Path | None = None) -> None:
+        """replicas: InferenceWorker-like objects or Ray actor handles of them (at least one);
+        trainer (a `WeightExporter` or its actor handle) and weights_dir: where `sync` exports
+        `policy-v{version}.safetensors` (both needed by `sync`, not by `push`)."""
         if not replicas:
             raise ValueError("CpuWeightSync needs at least one inference replica")
         if initial_version < 0:
@@ -85,6 +97,7 @@ class CpuWeightSync:
         self._source: str | None = None  # the file of `_version`; None: the weights the replicas started from
         self._lost: set[int] = set()  # indices of replicas that died, until admit() replaces them
         self._lock: asyncio.Lock | None = None  # push and admit, one at a time (made in the running loop)
+        self._trainer, self._weights_dir = trainer, weights_dir
 
     def version(self) -> int:
         """Version every live replica confirmed last (initial_version before the first push)."""
@@ -98,6 +111,22 @@ class CpuWeightSync:
         if self._lock is None:
             self._lock = asyncio.Lock()
         return self._lock
+
+    async def sync(self, version: int) -> WeightSyncReport:
+        """Export the trainer's weights as `version` into `weights_dir`, push them to every live
+        replica, then remove the superseded file. Raises RuntimeError without a trainer and
+        weights_dir, and what `push` raises (the new file is kept then, the old one too)."""
+        if self._trainer is None or self._weights_dir is None:
+            raise RuntimeError("CpuWeightSync.sync needs the trainer and weights_dir it exports with")
+        if version <= self._version:
+            raise ValueError(f"policy version must increase: current {self._version}, got {version}")
+        self._weights_dir.mkdir(parents=True, exist_ok=True)
+        path = str(await call(self._trainer, "export_weights", str(self._weights_dir / f"policy-v{version}.safetensors")))
+        previous = self._source
+        report = await self.push(path, version)
+        if previous is not None and previous != path and Path(previous).parent == self._weights_dir:
+            Path(previous).unlink(missing_ok=True)
+        return report
 
     async def push(self, source: str, version: int) -> WeightSyncReport:
         """Make every live replica load the weights file `source` as policy version `version`.

@@ -1,15 +1,14 @@
 """The run's weight sync, chosen by `trainer.weight_sync.backend`, formed once and closed at the end.
 
-- "file": `CpuWeightSync` (workers/weight_sync/file.py). The trainer writes a safetensors file per
-  version (`TrainerClient.export_weights`), every replica reloads it.
+- "file": `CpuWeightSync` (workers/weight_sync/file.py). `sync(v)` has the trainer write a
+  safetensors file for version v under `weights_dir`, every replica reloads it.
 - "shm" | "cuda_ipc" | "gloo" | "nccl": `BroadcastWeightSync` (workers/weight_sync/broadcast.py).
-  The trainer writes no file (the loop's `export_weights` returns only a label); `push` makes the
-  trainer's rank 0 broadcast its weights in buckets while every replica receives them
+  The trainer writes no file; `sync(v)` makes the trainer's rank 0 broadcast its weights in buckets while every replica receives them
   (`InferenceWorker.receive_weights`, pausing generation only for the swap), and bumps the version
   only after the trainer and every replica confirmed.
 
-Both satisfy the loop's `WeightPush` protocol (`push(source, version)`), so the loops do not
-change with the backend. Invariant: the broadcast group is formed here (`open_weight_sync`), before
+Both satisfy the loop's `WeightSync` protocol (`sync(version)`: export and push in one call), so
+the loops do not change with the backend. Invariant: the broadcast group is formed here (`open_weight_sync`), before
 the first push, at a TCPStore served by the trainer's rank-0 process on a port the OS bound for it
 and kept bound (workers/weight_sync/rendezvous.py: no close-and-reuse race);
 `close_weight_sync` releases the sender's side (its shared-memory slots: files under /dev/shm).
@@ -22,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from workers.core.calls import call, is_actor_method
@@ -33,24 +33,20 @@ BROADCAST_BACKENDS = ("shm", "cuda_ipc", "gloo", "nccl")
 CLOSE_TIMEOUT_S = 30.0
 
 
-def broadcast_label(version: int) -> str:
-    """What `TrainerClient.export_weights` returns instead of a file path on a broadcast backend
-    (`BroadcastWeightSync.push` takes it as a label only)."""
-    return f"broadcast:v{version}"
-
-
 async def open_weight_sync(backend: str, trainer: Any, replicas: Sequence[Any], *, ranks_per_replica: int = 1,
-                           initial_version: int = 0, timeout_s: float = 300.0) -> WeightSync:
+                           initial_version: int = 0, timeout_s: float = 300.0,
+                           weights_dir: Path | None = None) -> WeightSync:
     """The WeightSync for `backend` (see the module docstring), ready to push.
 
     trainer: the sender (TrainerWorker-like: `open_weight_group`, `broadcast_weights`; one rank).
     replicas: InferenceWorker-like receivers; ranks_per_replica: each replica's tensor-parallel
     size (its workers take consecutive ranks). timeout_s: bound on every wait of the group.
+    weights_dir: the file backend's folder of `policy-v{version}.safetensors`.
     Raises ValueError for an unknown backend, RuntimeError (naming who failed) when the group
     cannot be formed, e.g. "nccl" / "cuda_ipc" without a CUDA device.
     """
     if backend == FILE_BACKEND:
-        return CpuWeightSync(replicas, initial_version=initial_version)
+        return CpuWeightSync(replicas, initial_version=initial_version, trainer=trainer, weights_dir=weights_dir)
     if backend not in BROADCAST_BACKENDS:
         raise ValueError(f"weight sync backend must be {FILE_BACKEND} or one of {BROADCAST_BACKENDS}, got {backend!r}")
     from workers.weight_sync.broadcast import BroadcastWeightSync, new_group_info

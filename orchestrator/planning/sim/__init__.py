@@ -3,7 +3,7 @@
     clock.py     VirtualLoop: asyncio whose time jumps to the next timer or hardware event
     engine.py    SimReplica: continuous batching over a KV cache in tokens, preemption, prefix cache
     agent.py     SimAgents: multi-turn ACR episodes; SimRolloutActor (RolloutPool's seam), SimStore
-    parts.py     SimTrainer, SimWeightPush, replica sleep/wake, the per-step probe, the timeline
+    parts.py     SimTrainer, SimWeightSync, replica sleep/wake, the per-step probe, the timeline
     workload.py  workloads as YAML (workloads/*.yaml)
     run.py       simulate(): one configuration, the figures, metrics.jsonl / summary.json / timeline.jsonl
     calibrate.py the two free time scales fitted to one measured row

@@ -90,19 +90,16 @@ class SimTrainer:
         return {"actor/num_tokens": float(generated), "perf/total_num_tokens": float(tokens),
                 "rollout_corr/rollout_rs_masked_fraction": min(1.0, self._masked_base + self._masked_per_st * mean_st)}
 
-    async def export_weights(self, version: int) -> str:
-        self.version = version
-        return f"sim://policy-v{version}"
+class SimWeightSync:
+    """The loops' WeightSync: the trainer's weights become `version`, transfer time, then every
+    replica loads the version."""
 
-
-class SimWeightPush:
-    """The loops' WeightPush: transfer time, then every replica loads the version."""
-
-    def __init__(self, replicas: list[SimReplica], *, transfer_s: float, reload_s: float) -> None:
-        self._replicas, self.transfer_s, self.reload_s = replicas, transfer_s, reload_s
+    def __init__(self, replicas: list[SimReplica], trainer: SimTrainer, *, transfer_s: float, reload_s: float) -> None:
+        self._replicas, self._trainer, self.transfer_s, self.reload_s = replicas, trainer, transfer_s, reload_s
         self.pushes = 0
 
-    async def push(self, path: str, version: int) -> None:
+    async def sync(self, version: int) -> None:
+        self._trainer.version = version
         await asyncio.sleep(self.transfer_s)
         for r in self._replicas:
             r.load_weights(version, self.reload_s)

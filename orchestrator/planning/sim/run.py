@@ -33,7 +33,7 @@ from orchestrator.planning.sim.agent import SimAgents, SimRolloutActor, SimStore
 from orchestrator.planning.sim.clock import VirtualLoop
 from orchestrator.planning.sim.engine import EngineSpec, SimReplica
 from orchestrator.planning.sim.machine import MachineSpec, SharedCpu
-from orchestrator.planning.sim.parts import SimProbe, SimReplicaHandle, SimTrainer, SimWeightPush, Timeline, engine_loads
+from orchestrator.planning.sim.parts import SimProbe, SimReplicaHandle, SimTrainer, SimWeightSync, Timeline, engine_loads
 from orchestrator.planning.sim.workload import Workload
 from workers.rollout.pool import RolloutPool
 
@@ -196,7 +196,7 @@ def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_s
     trainer = SimTrainer(agents, gpus=lay.trainer_gpus, tokens_per_s_per_gpu=trainer_tokens_per_s_per_gpu(w),
                          fixed_s=float(w.trainer["fixed_s"]), masked_base=float(alg.get("masked_fraction_base", 0.0)),
                          masked_per_staleness=float(alg.get("masked_fraction_per_staleness", 0.0)), cpu=cpu)
-    push = SimWeightPush(replicas, transfer_s=ws["model_bytes"] / ws["bandwidth_bytes_per_s"], reload_s=ws["reload_s"])
+    push = SimWeightSync(replicas, trainer, transfer_s=ws["model_bytes"] / ws["bandwidth_bytes_per_s"], reload_s=ws["reload_s"])
     gate = None
     if sc.policy == "adaptive":
         gate = ConcurrencyGate(AdaptiveConcurrency(kv_target=sc.kv_target, min_groups=lay.groups_per_update),
