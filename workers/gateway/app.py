@@ -119,6 +119,81 @@ async def _body(request: web.Request) -> Any:
         raise bad_request(f"request body is not valid JSON: {e}") from e
 
 
+class _Routes:
+    """The gateway's route handlers over one TurnRunner: each authenticates, parses, runs the turn
+    through pure code and shapes the answer in its API's format (errors: `api_errors`)."""
+
+    def __init__(self, cfg: GatewayConfig, capture: CaptureStore, router: ReplicaRouter, renderer: ChatRenderer,
+                 runner: TurnRunner) -> None:
+        self._cfg, self._capture, self._router, self._renderer, self._runner = cfg, capture, router, renderer, runner
+        self._started_s = int(time.time())
+
+    def _logprobs(self, req: ChatRequest, out: TurnOutcome) -> dict[str, Any] | None:
+        if not req.logprobs:
+            return None
+        return logprobs_body(self._renderer.token_texts(out.result.output_ids), out.result.logprobs)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI Chat Completions."""
+        session = self._capture.authenticate(session_token(request.headers))
+        req = ChatRequest.parse(await _body(request))
+        out = await self._runner.run(session, req)
+        shape = dict(
+            completion_id=out.completion_id,
+            created_s=out.created_s,
+            model=self._cfg.model_id,
+            content=out.parsed.content,
+            tool_calls=out.parsed.tool_calls,
+            finish_reason=out.result.finish_reason,
+            prompt_tokens=len(out.prompt_ids),
+            completion_tokens=len(out.result.output_ids),
+            logprobs=self._logprobs(req, out),
+        )
+        if req.stream:
+            return await send_sse(request, openai_sse(chat_completion_chunks(**shape, include_usage=req.include_usage)))
+        return _json(chat_completion_body(**shape))
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic Messages."""
+        session = self._capture.authenticate(session_token(request.headers))
+        req = anthropic_api.parse_messages_request(await _body(request))
+        out = await self._runner.run(session, req, id_prefix="msg_")
+        shape = dict(
+            message_id=out.completion_id,
+            model=self._cfg.model_id,
+            content=out.parsed.content,
+            tool_calls=out.parsed.tool_calls,
+            finish_reason=out.result.finish_reason,
+            input_tokens=len(out.prompt_ids),
+            output_tokens=len(out.result.output_ids),
+            stop_sequence=out.stop_sequence,
+        )
+        if req.stream:
+            return await send_sse(request, anthropic_sse(anthropic_api.message_events(**shape)))
+        return _json(anthropic_api.message_body(**shape))
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic token count."""
+        self._capture.authenticate(session_token(request.headers))
+        req = anthropic_api.parse_messages_request(await _body(request), require_max_tokens=False)
+        return _json({"input_tokens": len(self._runner.prompt_ids(req))})
+
+    async def models(self, request: web.Request) -> web.Response:
+        self._capture.authenticate(session_token(request.headers))  # OpenAI requires the key here too
+        return _json(models_body(self._cfg.model_id, self._started_s))
+
+    async def health(self, request: web.Request) -> web.Response:
+        return _json(
+            {
+                "status": "ok",
+                "replicas": self._router.num_replicas(),
+                "healthy_replicas": self._router.num_healthy(),
+                "open_sessions": self._capture.num_open(),
+                "tool_format": self._renderer.tool_format,
+            }
+        )
+
+
 def create_app(
     cfg: GatewayConfig,
     capture: CaptureStore,
@@ -139,74 +214,11 @@ def create_app(
     app[COUNTERS_KEY] = counters
     runner = TurnRunner(capture, router, renderer, counters, continuity=cfg.token_continuity,
                         replica_wait_s=cfg.replica_wait_s)
-    started_s = int(time.time())
-
-    def logprobs_of(req: ChatRequest, out: TurnOutcome) -> dict[str, Any] | None:
-        if not req.logprobs:
-            return None
-        return logprobs_body(renderer.token_texts(out.result.output_ids), out.result.logprobs)
-
-    async def chat(request: web.Request) -> web.StreamResponse:
-        session = capture.authenticate(session_token(request.headers))
-        req = ChatRequest.parse(await _body(request))
-        out = await runner.run(session, req)
-        shape = dict(
-            completion_id=out.completion_id,
-            created_s=out.created_s,
-            model=cfg.model_id,
-            content=out.parsed.content,
-            tool_calls=out.parsed.tool_calls,
-            finish_reason=out.result.finish_reason,
-            prompt_tokens=len(out.prompt_ids),
-            completion_tokens=len(out.result.output_ids),
-            logprobs=logprobs_of(req, out),
-        )
-        if req.stream:
-            return await send_sse(request, openai_sse(chat_completion_chunks(**shape, include_usage=req.include_usage)))
-        return _json(chat_completion_body(**shape))
-
-    async def messages(request: web.Request) -> web.StreamResponse:
-        session = capture.authenticate(session_token(request.headers))
-        req = anthropic_api.parse_messages_request(await _body(request))
-        out = await runner.run(session, req, id_prefix="msg_")
-        shape = dict(
-            message_id=out.completion_id,
-            model=cfg.model_id,
-            content=out.parsed.content,
-            tool_calls=out.parsed.tool_calls,
-            finish_reason=out.result.finish_reason,
-            input_tokens=len(out.prompt_ids),
-            output_tokens=len(out.result.output_ids),
-            stop_sequence=out.stop_sequence,
-        )
-        if req.stream:
-            return await send_sse(request, anthropic_sse(anthropic_api.message_events(**shape)))
-        return _json(anthropic_api.message_body(**shape))
-
-    async def count_tokens(request: web.Request) -> web.Response:
-        capture.authenticate(session_token(request.headers))
-        req = anthropic_api.parse_messages_request(await _body(request), require_max_tokens=False)
-        return _json({"input_tokens": len(runner.prompt_ids(req))})
-
-    async def models(request: web.Request) -> web.Response:
-        capture.authenticate(session_token(request.headers))  # OpenAI requires the key here too
-        return _json(models_body(cfg.model_id, started_s))
-
-    async def health(request: web.Request) -> web.Response:
-        return _json(
-            {
-                "status": "ok",
-                "replicas": router.num_replicas(),
-                "healthy_replicas": router.num_healthy(),
-                "open_sessions": capture.num_open(),
-                "tool_format": renderer.tool_format,
-            }
-        )
-
+    routes = _Routes(cfg, capture, router, renderer, runner)
     for prefix in ROUTE_PREFIXES:
-        app.router.add_post(f"{prefix}/chat/completions", chat)
-        app.router.add_post(f"{prefix}/messages", messages)
-        app.router.add_post(f"{prefix}/messages/count_tokens", count_tokens)
-        app.router.add_get(f"{prefix}/models", models)
-    app.router.add_get("/health", health)
+        app.router.add_post(f"{prefix}/chat/completions", routes.chat)
+        app.router.add_post(f"{prefix}/messages", routes.messages)
+        app.router.add_post(f"{prefix}/messages/count_tokens", routes.count_tokens)
+        app.router.add_get(f"{prefix}/models", routes.models)
+    app.router.add_get("/health", routes.health)
     return app
