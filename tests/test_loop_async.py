@@ -123,3 +123,42 @@ async def test_an_error_raised_by_a_groups_rollouts_stops_the_run():
     parts.rollouts = ContractBreaking()
     with pytest.raises(ValueError, match="reserved field"):
         await asyncio.wait_for(run_async(parts, settings()), timeout=20)
+
+
+async def test_the_end_of_a_run_dispatches_nothing_it_cannot_train():
+    """Issue 26 item 5: admission stops once the last update's groups are in flight, so a finished
+    run expires nothing and its drain waits for nothing (it used to admit through the final update
+    and sync, then wait up to 300 s to mark those groups expired). Every group here is trainable
+    (no filter, no failure), so exactly total_steps x sync_every x B groups are dispatched."""
+    parts, trainer, _, rollouts = build(alternating_reward, seed=5, max_latency_s=0.05)
+    cfg = settings(total_steps=3, sync_every=2, groups_per_update=2, max_staleness=2,
+                   filter_zero_variance=False, drain_timeout_s=30)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    report = await asyncio.wait_for(run_async(parts, cfg), timeout=60)
+    assert report.counts["rollout/expired"] == 0
+    assert rollouts.dispatched == 3 * 2 * 2 * cfg.n == report.counts["rollout/completed"]
+    assert loop.time() - t0 < 10  # no drain wait at the end
+
+
+async def test_fixed_concurrency_caps_the_groups_in_flight():
+    """`max_running_groups` bounds the groups dispatched and not yet trained, whatever the staleness
+    budget would allow ((η + 1)·k·B = 12 groups here; the cap is 3)."""
+    parts, trainer, _, rollouts = build(alternating_reward, seed=2, max_latency_s=0.03)
+    peak, live = 0, 0
+    inner = rollouts.run_all
+
+    async def counting(reqs, partition):
+        nonlocal peak, live
+        live += 1
+        peak = max(peak, live)
+        try:
+            return await inner(reqs, partition)
+        finally:
+            live -= 1
+
+    rollouts.run_all = counting
+    cfg = settings(total_steps=4, sync_every=2, groups_per_update=2, max_staleness=2, max_running_groups=3)
+    report = await asyncio.wait_for(run_async(parts, cfg), timeout=60)
+    assert report.policy_version == 4
+    assert peak == 3

@@ -20,6 +20,7 @@ from orchestrator.loop.staleness import (
     Admission,
     AdmissionState,
     StalenessError,
+    SampleStaleness,
     StalenessPolicy,
     judge_samples,
     sample_staleness,
@@ -454,3 +455,46 @@ async def test_gate_expired_wakes_waiters():
     assert not waiter.done()
     gate.expired(1)                          # the accepted group was too stale: its slot comes back
     assert await asyncio.wait_for(waiter, timeout=2)
+
+
+def test_fixed_max_running_is_eta_plus_one_mini_batches():
+    from orchestrator.loop.staleness import fixed_max_running
+
+    assert fixed_max_running(max_staleness=1, groups_per_update=64) == 128
+    assert fixed_max_running(max_staleness=0, groups_per_update=4) == 4
+    assert fixed_max_running(max_staleness=2, groups_per_update=3) == 9
+    with pytest.raises(ValueError, match="max_staleness"):
+        fixed_max_running(max_staleness=-1, groups_per_update=4)
+    with pytest.raises(ValueError, match="groups_per_update"):
+        fixed_max_running(max_staleness=1, groups_per_update=0)
+
+
+def test_admission_stops_at_the_runs_last_update():
+    """total_groups: no group is admitted that the run could never train; a returned (filtered)
+    group's slot comes back, so the last update can still fill."""
+    c = Admission(ManualVersions(0), max_staleness=5, groups_per_update=2, total_groups=3)
+    for _ in range(3):
+        c.on_admitted()
+    assert c.free_slots() == 0
+    c.on_finished(kept=False)  # filtered: its slot comes back
+    assert c.free_slots() == 1
+    c.on_admitted()
+    for _ in range(3):
+        c.on_finished(kept=True)
+    c.on_trained(3)
+    assert c.free_slots() == 0
+    with pytest.raises(ValueError, match="total_groups"):
+        Admission(ManualVersions(0), max_staleness=1, groups_per_update=2, total_groups=-1)
+
+
+def test_admission_resumed_counts_the_trained_groups_against_the_total():
+    c = Admission(ManualVersions(3), max_staleness=1, groups_per_update=2, total_groups=10)
+    c.restore(AdmissionState(policy_version=3, trained_groups=8))
+    assert c.free_slots() == 2
+
+
+def test_trained_staleness_metrics_leave_out_the_stale_samples():
+    facts = [SampleStaleness("a", 0, 0, 0, False), SampleStaleness("b", 0, 0, 1, False), SampleStaleness("c", 0, 0, 2, True)]
+    m = staleness_metrics(facts)
+    assert m["staleness/max"] == 2.0 and m["staleness/trained_max"] == 1.0
+    assert m["staleness/trained_hist/1"] == 1.0 and "staleness/trained_hist/2" not in m

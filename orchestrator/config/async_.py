@@ -19,21 +19,27 @@ ASYNC_IN_FLIGHT_MODES = tuple(m for m in IN_FLIGHT_MODES if m != SYNC_IN_FLIGHT)
 class AsyncConfig:
     """Async mode (`mode=async`; the config key is `async`, the attribute `RunConfig.async_`).
 
-    max_staleness: η in policy versions; at most (η + v + 1)·B groups admitted by version v.
+    max_staleness: η in policy versions; at most (η + v + 1)·k·B groups admitted by version v and,
+        with `rollout.concurrency=fixed`, at most (η + 1)·B in flight (orchestrator/loop/staleness.py).
     on_stale: a sample older than η at update time is dropped (`expired`) or trained with its
         loss mask zeroed (`train_masked`: kept for group statistics, no gradient).
     in_flight: generation in flight at a weight sync keeps running (`continue`; tokens carry the
         version that produced them) or is aborted and resumed (`abort_resume`).
     resume_aborted: with `abort_resume`, resume aborted requests (False: they fail and are never trained).
+    drain_timeout_s: seconds the end of a finished run waits for groups still generating before it
+        cancels them (their rollouts end `expired`). Admission stops once the last update's groups
+        are in flight, so normally nothing is left to wait for; 0 cancels at once.
     """
 
     max_staleness: int = 1
     on_stale: str = "drop"
     in_flight: str = "continue"
     resume_aborted: bool = True
+    drain_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         check(self.max_staleness >= 0, "async.max_staleness", "must be >= 0", self.max_staleness)
         one_of(self.on_stale, "async.on_stale", ON_STALE_CHOICES)
         one_of(self.in_flight, "async.in_flight", ASYNC_IN_FLIGHT_MODES)
+        check(self.drain_timeout_s >= 0, "async.drain_timeout_s", "must be >= 0 (seconds)", self.drain_timeout_s)
 

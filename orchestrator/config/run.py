@@ -104,13 +104,18 @@ def sync_loop_settings(run: RunConfig) -> SyncLoopSettings:
 
 
 def async_loop_settings(run: RunConfig) -> AsyncLoopSettings:
-    """The async loop's settings (orchestrator/loop/async_loop.py): B groups per update, staleness bound."""
+    """The async loop's settings (orchestrator/loop/async_loop.py): B groups per update, staleness
+    bound, and with `rollout.concurrency=fixed` the in-flight cap (η + 1)·B groups
+    (orchestrator/loop/staleness.py `fixed_max_running`; adaptive: the AIMD window instead)."""
     from orchestrator.loop.async_loop import AsyncLoopSettings
+    from orchestrator.loop.staleness import fixed_max_running
 
+    b, eta = run.rollout.batch_size // run.mode.sync_every, run.async_.max_staleness
+    cap = fixed_max_running(max_staleness=eta, groups_per_update=b) if run.rollout.concurrency == "fixed" else None
     return AsyncLoopSettings(
-        total_steps=run.trainer.total_steps, groups_per_update=run.rollout.batch_size // run.mode.sync_every,
-        n=run.rollout.n, sync_every=run.mode.sync_every, max_staleness=run.async_.max_staleness,
-        on_stale=run.async_.on_stale, filter_zero_variance=run.algorithm.filter_zero_variance)
+        total_steps=run.trainer.total_steps, groups_per_update=b, n=run.rollout.n, sync_every=run.mode.sync_every,
+        max_staleness=eta, on_stale=run.async_.on_stale, filter_zero_variance=run.algorithm.filter_zero_variance,
+        drain_timeout_s=run.async_.drain_timeout_s, max_running_groups=cap)
 
 
 # config group -> its schema; each group's yaml files extend `/schema/<group>` (see configs/)

@@ -1,8 +1,10 @@
 """The async loop: generation never stops; the trainer updates as mini-batches fill.
 
 A producer task admits groups while the staleness controller has capacity (at most
-(η + v + 1)·B groups admitted by policy version v) and runs each group's n rollouts as its own
-task; finished groups queue up. The consumer (this loop) takes finished groups, filters them,
+(η + v + 1)·k·B groups admitted by policy version v, at most `max_running_groups` in flight, and
+none past the run's last update: orchestrator/loop/staleness.py) and runs each group's n
+rollouts as its own task; finished groups queue up. The consumer (this loop) takes finished
+groups, filters them,
 checks every sample's staleness (trainer version − oldest token version), trains `sync_every`
 mini-batches of B groups, pushes weights and bumps the version, which frees capacity.
 
@@ -46,7 +48,8 @@ class AsyncLoopSettings:
     max_staleness: int  # η, in policy versions
     on_stale: str  # "drop" | "train_masked"
     filter_zero_variance: bool
-    drain_timeout_s: float = 300.0  # bound on waiting for in-flight groups at the end (seconds)
+    drain_timeout_s: float = 60.0  # bound on waiting for in-flight groups at the end (seconds; async.drain_timeout_s)
+    max_running_groups: int | None = None  # groups in flight at once (staleness.fixed_max_running; None: no cap)
 
 
 @dataclass
@@ -90,8 +93,9 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
     final policy version."""
     start = start or LoopPosition(0, 0, 0, 0)
     version = _Version(start.policy_version)
-    controller = Admission(version, max_staleness=cfg.max_staleness,
-                                     groups_per_update=cfg.groups_per_update, updates_per_version=cfg.sync_every)
+    controller = Admission(version, max_staleness=cfg.max_staleness, groups_per_update=cfg.groups_per_update,
+                           updates_per_version=cfg.sync_every, max_running=cfg.max_running_groups,
+                           total_groups=cfg.total_steps * cfg.sync_every * cfg.groups_per_update)
     if start.step:
         controller.restore(AdmissionState(start.policy_version, start.trained_groups))
     inflight = _InFlight(next_group=start.next_group_id)

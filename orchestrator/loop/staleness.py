@@ -3,14 +3,23 @@
 Pure logic: no Ray, asyncio, HTTP or clock. Facts go in through `on_*` methods, decisions come out
 as return values. Blocking ("wait until a slot frees") lives in `orchestrator/loop/staleness_gate.py`.
 
-Admission (AReaL `areal/infra/staleness_manager.py`; Fu et al. 2025, "AReaL", §5.1): with max
-staleness η (policy versions) and G groups consumed per policy version (groups per optimizer
-update B times updates per version), the groups admitted at policy version v that are still
-counted (running, or kept for training) never exceed (η + v + 1)·G. Group number k (0-based, in
-admission order) is then trained in version period ⌊k / G⌋ <= η + v, so a FIFO consumer trains
-it at staleness <= η. Groups that end filtered, failed or expired give their capacity back (they
-are never trained, so they must not use up a version's quota, or a run whose groups are all
-filtered would never reach the next version: deadlock).
+Admission (AReaL `areal/infra/staleness_manager.py` `StalenessManager.get_capacity`; Fu et al.
+2025, "AReaL", §5.1): with max staleness η (policy versions) and G groups consumed per policy
+version (groups per optimizer update B times updates per version), the groups admitted at policy
+version v that are still counted (running, or kept for training) never exceed (η + v + 1)·G. Group
+number k (0-based, in admission order) is then trained in version period ⌊k / G⌋ <= η + v, so a
+FIFO consumer trains it at staleness <= η. Groups that end filtered, failed or expired give their
+capacity back (they are never trained, so they must not use up a version's quota, or a run whose
+groups are all filtered would never reach the next version: deadlock).
+
+Two more bounds: `max_running` caps the groups in flight (dispatched, not yet trained or
+returned; AReaL's `max_concurrent_rollouts`; fixed concurrency sets it to `fixed_max_running`). The
+staleness budget alone is no concurrency limit: a weight sync frees a whole version's G groups at
+once, and with `sync_every` = k it lets (η + 1)·k·B groups run, more than the engines serve, and
+the slowest of them finish too late to train (see `fixed_max_running` for the figures). And
+`total_groups` (the groups the whole run trains) stops admission once the last update's groups are
+in flight: a group admitted past it could never be trained, which is known at dispatch time
+(admission instead of discard: discard-and-requeue starves long rollouts, tinker-cookbook PR #822).
 
 Invariant (checked after every event, defended by `tests/test_staleness.py`):
     admitted == running + accepted + returned,   trained <= accepted,   expired <= returned,
@@ -107,7 +116,10 @@ class Admission:
         max_staleness: η >= 0, in policy versions.
         groups_per_update: B >= 1, groups in one optimizer update (mini-batch size in groups).
         updates_per_version: optimizer updates between two weight syncs (`mode.sync_every`), >= 1.
-        max_running: optional cap on concurrently running groups (None: no cap).
+        max_running: optional cap on concurrently running groups (None: no cap; AReaL's
+            `max_concurrent_rollouts`, in groups; see `fixed_max_running`).
+        total_groups: optional number of groups the run trains in all (None: no end); admission
+            stops when running + accepted reaches it (accepted counts the trained ones).
 
     Invariant: admitted == running + accepted + returned at every call boundary; no counter
     goes negative; illegal transitions raise `StalenessError`.
@@ -127,6 +139,7 @@ class Admission:
         groups_per_update: int,
         updates_per_version: int = 1,
         max_running: int | None = None,
+        total_groups: int | None = None,
     ) -> None:
         StalenessPolicy(max_staleness)  # validates η
         if groups_per_update < 1:
@@ -135,10 +148,13 @@ class Admission:
             raise ValueError(f"updates_per_version (mode.sync_every) must be >= 1, got {updates_per_version}")
         if max_running is not None and max_running < 1:
             raise ValueError(f"max_running must be >= 1 or None, got {max_running}")
+        if total_groups is not None and total_groups < 0:
+            raise ValueError(f"total_groups must be >= 0 or None, got {total_groups}")
         self._versions = versions
         self.max_staleness = max_staleness
         self.groups_per_version = groups_per_update * updates_per_version
         self.max_running = max_running
+        self.total_groups = total_groups
         self._admitted = self._running = self._accepted = self._returned = 0
         self._trained = self._expired = 0
 
@@ -153,10 +169,13 @@ class Admission:
 
     def free_slots(self) -> int:
         """Groups that may be admitted now: capacity - (running + accepted), also limited by
-        `max_running`; never negative."""
+        `max_running` (minus the running groups) and `total_groups` (minus running + accepted);
+        never negative."""
         free = self.capacity() - (self._running + self._accepted)
         if self.max_running is not None:
             free = min(free, self.max_running - self._running)
+        if self.total_groups is not None:
+            free = min(free, self.total_groups - (self._running + self._accepted))
         return max(0, free)
 
     def counts(self) -> AdmissionCounts:
@@ -262,6 +281,34 @@ class Admission:
 
 
 
+def fixed_max_running(*, max_staleness: int, groups_per_update: int) -> int:
+    """The in-flight cap of fixed concurrency (`rollout.concurrency=fixed`, async mode), in groups:
+
+        (η + 1)·B
+
+    with η = `async.max_staleness` and B = `groups_per_update` (groups per optimizer update): the
+    mini-batch being generated plus η mini-batches of look-ahead, AReaL's
+    `max_concurrent_rollouts` (`areal/infra/staleness_manager.py`, the running term of
+    `get_capacity`) set from the staleness bound instead of left unlimited. A group counts from its
+    dispatch until it is trained or returned (a finished group waiting for the trainer still ages).
+
+    Why not the staleness budget alone, (η + 1)·k·B with k = `mode.sync_every`: with k = 2 it let
+    256 groups (4,096 rollouts) run on the simulator's reference workload at 64 GPUs, four times
+    what its 4 replicas of 256 sequences serve; requests queued (~347 per replica), the slowest
+    finished more than η versions late and 1,470 rollouts expired (0.86x sync-1). The same run
+    capped at 2B, 2.5B, 3B groups: 1.74x / 2.01x / 2.23x sync-1 with 0.00 % / 2.1 % / 3.4 % of the
+    dispatched rollouts expired (docs/simulator.md, "Admission"): 2B is the widest window that
+    trains what it dispatches. The engines' own limit is the adaptive policy's to measure
+    (orchestrator/loop/concurrency.py): an agent rollout spends most of its life outside the engine,
+    so a cap of replicas × `max_num_seqs` / n groups (64 there) idles it (0.91x).
+
+    Raises ValueError on η < 0 or B < 1."""
+    if max_staleness < 0 or groups_per_update < 1:
+        raise ValueError(f"fixed_max_running: need async.max_staleness >= 0 and groups_per_update >= 1, "
+                         f"got {max_staleness}, {groups_per_update}")
+    return (max_staleness + 1) * groups_per_update
+
+
 # --- per-sample verdict ------------------------------------------------------------------------
 
 
@@ -354,12 +401,21 @@ def judge_samples(samples: list[Sample], trainer_version: int, policy: Staleness
 def staleness_metrics(facts: list[SampleStaleness] | tuple[SampleStaleness, ...]) -> dict[str, float]:
     """`staleness/mean`, `staleness/max`, `staleness/hist/{k}` (samples at staleness k),
     `staleness/version_span` (newest - oldest generated-token version over all samples) and
-    `async/dropped_stale` (stale samples; dropped or masked per `async.on_stale`).
-    Samples that generated nothing are left out; with none left, only `async/dropped_stale`."""
+    `async/dropped_stale` (stale samples; dropped or masked per `async.on_stale`): over every
+    JUDGED sample, the stale ones included. `staleness/trained_mean`, `staleness/trained_max` and
+    `staleness/trained_hist/{k}`: over the samples trained with a gradient only (not stale), the
+    ones the bound `staleness <= η` is about. Samples that generated nothing are left out; with
+    none left, only `async/dropped_stale`."""
     measured = [f for f in facts if f.staleness is not None]
     out: dict[str, float] = {"async/dropped_stale": float(sum(f.stale for f in facts))}
     if not measured:
         return out
+    trained = [f.staleness for f in measured if not f.stale]
+    if trained:
+        out["staleness/trained_mean"] = sum(trained) / len(trained)  # type: ignore[arg-type]
+        out["staleness/trained_max"] = float(max(trained))  # type: ignore[type-var]
+        for k in sorted(set(trained)):  # type: ignore[type-var]
+            out[f"staleness/trained_hist/{k}"] = float(trained.count(k))
     values = [f.staleness for f in measured]
     out["staleness/mean"] = sum(values) / len(values)  # type: ignore[arg-type]
     out["staleness/max"] = float(max(values))  # type: ignore[type-var]

@@ -67,9 +67,14 @@ def sweep_grid(w: Workload, gpus: int, grid_name: str = "full") -> dict[str, Sce
     return grid
 
 
+MAX_EXPIRED_FRACTION = 0.01  # a configuration that expires more of what it dispatched wastes ACR invocations
+
+
 def feasible(f: dict, staleness_bound: float) -> bool:
-    """Trained staleness within η (nothing dropped as too stale) and mean within the bound."""
-    return "error" not in f and f["staleness_max"] <= max(f["eta"], 0) and f["staleness_mean"] <= staleness_bound
+    """Trained staleness within η, mean within the bound, and under 1 % of the dispatched rollouts
+    expired as too stale (each is a paid invocation whose tokens are thrown away)."""
+    return ("error" not in f and f["staleness_max"] <= max(f["eta"], 0) and f["staleness_mean"] <= staleness_bound
+            and f.get("expired_fraction", 0.0) < MAX_EXPIRED_FRACTION)
 
 
 def _row(name: str, f: dict, base: float) -> str:
@@ -120,7 +125,7 @@ def run_sweep(w: Workload, gpus: int, hours: float, seed: int, bound: float, out
     if best:
         sc = grid[best]
         result["best_overrides"] = overrides(w, sc, rows[best])
-        print(f"\nbest within staleness max <= eta and mean <= {bound}: {best} "
+        print(f"\nbest within staleness max <= eta, mean <= {bound}, expired < 1 %: {best} "
               f"({rows[best]['tokens_per_min_per_gpu'] / base:.2f}x sync_1)\n  python -m orchestrator.main "
               + " ".join(result["best_overrides"]))
     else:

@@ -26,6 +26,7 @@ from orchestrator.adapters.colocate import SleepingTrainer
 from orchestrator.loop.concurrency import AdaptiveConcurrency, ConcurrencyGate
 from orchestrator.loop.async_loop import AsyncLoopSettings, run_async
 from orchestrator.loop.common import LoopParts
+from orchestrator.loop.staleness import fixed_max_running
 from orchestrator.loop.sync_loop import SyncLoopSettings, run_sync
 from orchestrator.watch.metrics import JsonlSink, MetricLogger
 from orchestrator.control.run_checkpoint import ResumablePrompts
@@ -222,6 +223,8 @@ def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_s
                       probe=SimProbe(replicas, gate), concurrency=gate)
     timeline = Timeline(loop, replicas, TIMELINE_EVERY_S)
     big = 10 ** 9
+    max_running = None if sc.policy == "adaptive" else fixed_max_running(  # what the product runs: config/run.py
+        max_staleness=sc.max_staleness, groups_per_update=lay.groups_per_update)
     filt = bool(alg["filter_zero_variance"])
     n = int(w.batch["n"])
 
@@ -232,7 +235,8 @@ def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_s
                                                        filt))
             else:
                 await run_async(parts, AsyncLoopSettings(big, lay.groups_per_update, n, sc.sync_every,
-                                                         sc.max_staleness, sc.on_stale, filt, drain_timeout_s=0.0))
+                                                         sc.max_staleness, sc.on_stale, filt, drain_timeout_s=0.0,
+                                                         max_running_groups=max_running))
         except SimHorizon:
             pass
 
@@ -257,6 +261,16 @@ def finished_rollouts(metrics: dict) -> float:
     return sum(metrics.get(f"rollout/{k}", 0.0) for k in ("completed", "filtered", "failed", "expired"))
 
 
+def _hist(records: list[dict], prefix: str) -> dict[int, float]:
+    """Samples per staleness k, summed over the step records' `{prefix}{k}` metrics."""
+    hist: dict[int, float] = {}
+    for r in records:
+        for k, v in r.items():
+            if k.startswith(prefix):
+                hist[int(k[len(prefix):])] = hist.get(int(k[len(prefix):]), 0.0) + v
+    return hist
+
+
 def _figures(w: Workload, sc: Scenario, lay: Layout, rec: _Recorder, agents: SimAgents, replicas: list,
              hours: float, events: int) -> dict:
     a, b = rec.marks.get("start"), rec.marks.get("end")
@@ -265,11 +279,7 @@ def _figures(w: Workload, sc: Scenario, lay: Layout, rec: _Recorder, agents: Sim
                          f"more than the {rec.warmup_steps} warm-up step(s) left out: simulate more hours")
     dt, awake = b["t_s"] - a["t_s"], b["awake"] - a["awake"]
     steps = [r for r in rec.records if r["step"] > rec.warmup_steps]
-    hist: dict[int, float] = {}
-    for r in steps:
-        for k, v in r.items():
-            if k.startswith("staleness/hist/"):
-                hist[int(k.rsplit("/", 1)[1])] = hist.get(int(k.rsplit("/", 1)[1]), 0.0) + v
+    hist, judged = _hist(steps, "staleness/trained_hist/"), _hist(steps, "staleness/hist/")
     total = sum(hist.values())
     masked = [r.get("rollout_corr/rollout_rs_masked_fraction", math.nan) for r in steps]
     last = rec.records[-1]
@@ -291,11 +301,16 @@ def _figures(w: Workload, sc: Scenario, lay: Layout, rec: _Recorder, agents: Sim
         "staleness_mean": sum(k * v for k, v in hist.items()) / total if total else 0.0,
         "staleness_max": max(hist) if hist else 0,
         "staleness_hist": {str(k): hist[k] for k in sorted(hist)},
+        # every judged sample, the ones dropped as too stale included (the loop's staleness/max)
+        "staleness_judged_max": max(judged) if judged else 0,
+        "staleness_judged_hist": {str(k): judged[k] for k in sorted(judged)},
         "eta": sc.max_staleness if sc.mode == "async" else 0,
         "masked_fraction": sum(masked) / len(masked) if masked else math.nan,
         "step_s_mean": dt / max(1, len(steps)),
         "rollout/dispatched": last.get("rollout/dispatched"), "rollout/expired": last.get("rollout/expired"),
         "rollout/filtered": last.get("rollout/filtered"),
+        # share of the dispatched rollouts (each a paid ACR invocation) that expired as too stale
+        "expired_fraction": (last.get("rollout/expired") or 0.0) / max(1.0, last.get("rollout/dispatched") or 0.0),
         "episodes": agents.episodes, "turns": agents.turns, "context_capped": agents.context_capped,
         "prefix_cache_hit": sum(r.cached_tokens for r in replicas) / max(1, sum(r.cached_tokens + r.prefill_tokens
                                                                               for r in replicas)),
