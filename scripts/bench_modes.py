@@ -7,7 +7,9 @@ group and sample, so every configuration draws the same delays for the same roll
 the table compares them: trained tokens per minute of loop time (startup and the first
 `--warmup-steps` steps excluded: they hold engine warm-up and, in async mode, the pipeline fill),
 optimizer steps per minute, time-average inference concurrency (Little's law at the gateway),
-KV-cache usage when the engine reports it, mean staleness, masked fraction, final reward, speedup
+KV-cache usage when the engine reports it, mean staleness, masked fraction, the share of the
+dispatched rollouts that expired, final reward, reward gain per CPU-hour (the report's reward gain
+per GPU-hour, on this machine: every process's CPU seconds, `perf/cpu_s/total`), speedup
 over sync-1 (in trained tokens per minute; tokens per sample change as the policy learns, so the
 step-rate speedup is printed beside it).
 
@@ -88,6 +90,10 @@ def _figures(name: str, args: argparse.Namespace, run_dir: Path, wall_s: float) 
 
     finished = finished_rollouts(all_steps[-1]) - finished_rollouts(base)
     masked = [s.get("rollout_corr/rollout_rs_masked_fraction", 0.0) for s in steps]
+    # the report's final measure, reward gain per GPU-hour, here per CPU-hour: every step's CPU
+    # seconds of all the run's processes (perf/cpu_s/total, orchestrator/watch/cpu_usage.py)
+    cpu_s = sum(s.get("perf/cpu_s/total", 0.0) for s in all_steps)
+    gain = summary["reward/final"] - summary["reward/initial"]
     return {
         "config": name,
         "trained_tokens_per_min": 60.0 * tokens / loop_s if loop_s > 0 else 0.0,
@@ -105,6 +111,9 @@ def _figures(name: str, args: argparse.Namespace, run_dir: Path, wall_s: float) 
         "masked_fraction": _mean(masked),
         "reward_initial": summary["reward/initial"],
         "reward_final": summary["reward/final"],
+        "cpu_s": cpu_s,
+        "reward_gain_per_cpu_hour": gain / (cpu_s / 3600.0) if cpu_s > 0 else math.nan,
+        "expired_fraction": summary.get("rollout/expired", 0.0) / max(1.0, summary["rollout/dispatched"]),
         "loop_s": loop_s,
         "wall_s": wall_s,
         "rollouts": summary["rollout/dispatched"],
@@ -215,14 +224,15 @@ def main() -> None:
     for r in rows:
         r["speedup"] = r["trained_tokens_per_min"] / base["trained_tokens_per_min"] if base["trained_tokens_per_min"] else math.nan
         r["speedup_steps"] = r["steps_per_min"] / base["steps_per_min"] if base["steps_per_min"] else math.nan
-    header = ("config", "tok/min", "steps/min", "concurrency", "kv_usage", "staleness", "masked", "reward 0->T",
-              "speedup", "step speedup")
+    header = ("config", "tok/min", "steps/min", "concurrency", "kv_usage", "staleness", "masked", "expired",
+              "reward 0->T", "reward/CPU-h", "speedup", "step speedup")
     print("\n" + " | ".join(f"{h:>12}" for h in header))
     for r in rows:
         cells = (r["config"], f"{r['trained_tokens_per_min']:.0f}", f"{r['steps_per_min']:.1f}",
                  f"{r['inference_concurrency']:.2f}",
                  f"{r['kv_cache_usage']:.3f}", f"{r['staleness_mean']:.2f}", f"{r['masked_fraction']:.3f}",
-                 f"{r['reward_initial']:.2f}->{r['reward_final']:.2f}", f"{r['speedup']:.2f}x",
+                 f"{100 * r['expired_fraction']:.1f}%", f"{r['reward_initial']:.2f}->{r['reward_final']:.2f}",
+                 f"{r['reward_gain_per_cpu_hour']:.2f}", f"{r['speedup']:.2f}x",
                  f"{r['speedup_steps']:.2f}x")
         print(" | ".join(f"{c:>12}" for c in cells))
     if checks:

@@ -2,7 +2,10 @@
 agent (examples/agents/arith_agent), its dataset (examples/data/arith) and the documented command
 (task=custom + rollout.acr.agent_cmd). Every rollout must reach the agent with the row's own fields
 (`prompt`, `answer`: the agent raises without them, which fails the rollout) and come back with a
-reward read from S3, and the step must train."""
+reward read from S3, and the step must train. It runs in async mode, the suite's one async run of the
+main job to its end: admission stops once the last update's groups are in flight, so the run
+dispatches exactly the rollouts it trains and expires none (it used to admit through the final
+update and sync, then wait to mark those expired: 24 % of a 3-step run)."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ def test_the_readme_example_trains_the_toolkit_agent(tmp_path):
     data, agent = README_COMMAND.search((REPO / "docs" / "agents.md").read_text()).groups()  # the command users copy
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator.main", "task=custom", f"task.data_path={data}",
+        [sys.executable, "-m", "orchestrator.main", "mode=async", "task=custom", f"task.data_path={data}",
          f"rollout.acr.agent_cmd={sys.executable} {agent}", "trainer.total_steps=1", "rollout.batch_size=2",
          "rollout.n=2", "rollout.max_tokens=8", "rollout.timeout_s=60", "algorithm.filter_zero_variance=false",
          "logger=console", f"run_dir={run_dir}"],
@@ -33,5 +36,6 @@ def test_the_readme_example_trains_the_toolkit_agent(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["rollout/completed"], summary["rollout/failed"]) == (4, 0), proc.stdout[-3000:]
+    assert (summary["rollout/dispatched"], summary["rollout/expired"]) == (4, 0), summary
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1] and steps[0]["perf/trained_tokens"] > 0
