@@ -610,3 +610,23 @@ def test_a_fixed_batch_per_step_is_split_into_sync_every_mini_batches_and_filter
     raw["machine"]["cores"] = 0
     with pytest.raises(WorkloadError, match="machine.cores"):
         parse_workload(raw)
+
+
+def test_the_sweep_says_why_it_recommends_a_configuration():
+    from orchestrator.planning.simulate import feasible, recommendation_reasons
+
+    def fig(rate, *, eta=1, st_max=1, st_mean=0.5, expired=0.0):
+        return {"tokens_per_min_per_gpu": rate, "eta": eta, "staleness_max": st_max, "staleness_mean": st_mean,
+                "expired_fraction": expired}
+
+    rows = {"sync_1": fig(100, eta=0, st_max=0, st_mean=0), "async_t4_eta1_k2_fixed": fig(150),
+            "async_t4_eta1_k2_adaptive": fig(210), "async_t4_eta2_k2_fixed": fig(300, eta=2, expired=0.03),
+            "async_t5_eta1_k4_adaptive": fig(180), "async_t4_eta2_k4_adaptive": fig(250, st_mean=1.5, eta=2)}
+    ok = {k: f for k, f in rows.items() if feasible(f, 1.0)}
+    assert "async_t4_eta2_k2_fixed" not in ok  # 3 % of its rollouts expired: ruled out however fast
+    why = recommendation_reasons(rows, ok, "async_t4_eta1_k2_adaptive", 1.0)
+    assert why[0].startswith("4 of 6 configurations feasible; ruled out: 1 expired >= 1 %") and "1 mean staleness" in why[0]
+    assert "1.17x the next feasible one (async_t5_eta1_k4_adaptive)" in why[1]
+    assert "2.10x sync_1" in why[2]
+    assert any(line.startswith("policy: adaptive 1.00, fixed 0.71") for line in why)
+    assert any(line.startswith("sync_every: 2 1.00, 4 0.86") for line in why)

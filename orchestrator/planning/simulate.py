@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from dataclasses import replace
@@ -77,6 +78,42 @@ def feasible(f: dict, staleness_bound: float) -> bool:
             and f.get("expired_fraction", 0.0) < MAX_EXPIRED_FRACTION)
 
 
+def recommendation_reasons(rows: dict[str, dict], ok: dict[str, dict], best: str | None, bound: float) -> list[str]:
+    """Why the sweep recommends `best` (or nothing): what it beat, what was ruled out and by which
+    rule, and which of the four knobs (split, η, `sync_every`, concurrency policy) mattered, each
+    as the best feasible throughput per value of that knob. Pure: figures in, sentences out."""
+    def rate(name: str) -> float:
+        return rows[name]["tokens_per_min_per_gpu"]
+
+    out: list[str] = []
+    failed = {k: f for k, f in rows.items() if "error" in f}
+    stale = [k for k, f in rows.items() if k not in failed and f["staleness_max"] > max(f["eta"], 0)]
+    drift = [k for k, f in rows.items() if k not in failed and f["staleness_mean"] > bound]
+    waste = [k for k, f in rows.items() if k not in failed and f.get("expired_fraction", 0.0) >= MAX_EXPIRED_FRACTION]
+    out.append(f"{len(ok)} of {len(rows)} configurations feasible; ruled out: {len(waste)} expired >= 1 % of "
+               f"their rollouts, {len(drift)} mean staleness > {bound}, {len(stale)} trained staler than eta, "
+               f"{len(failed)} too short to measure")
+    if best is None:
+        return out
+    ranked = sorted(ok, key=rate, reverse=True)
+    if len(ranked) > 1:
+        out.append(f"{best} is {rate(best) / rate(ranked[1]):.2f}x the next feasible one ({ranked[1]})")
+    if "sync_1" in rows and "error" not in rows["sync_1"]:
+        out.append(f"{best} is {rate(best) / rate('sync_1'):.2f}x sync_1")
+    for knob, pattern in (("trainer GPUs", r"_t(\d+)_"), ("eta", r"_eta(\d+)_"), ("sync_every", r"_k(\d+)_"),
+                          ("policy", r"_(fixed|adaptive)$")):
+        by: dict[str, float] = {}
+        for name in ok:
+            m = re.search(pattern, name)
+            if m:
+                by[m.group(1)] = max(by.get(m.group(1), 0.0), rate(name))
+        if len(by) > 1:
+            top = max(by.values())
+            out.append(f"{knob}: " + ", ".join(f"{v} {by[v] / top:.2f}" for v in sorted(by, key=by.get, reverse=True))
+                       + " (best feasible throughput per value, relative to the best)")
+    return out
+
+
 def _row(name: str, f: dict, base: float) -> str:
     cells = (name, f"{f['tokens_per_min_per_gpu']:.0f}", f"{f['tokens_per_min_per_gpu'] / base:.2f}x",
              f"{f['inference_concurrency']:.1f}", f"{f['kv_usage_mean']:.3f}", f"{f['staleness_mean']:.2f}",
@@ -121,7 +158,8 @@ def run_sweep(w: Workload, gpus: int, hours: float, seed: int, bound: float, out
         print(_row(name, f, base) if "error" not in f else f"{name:>12} | {f['error']}", flush=True)
     ok = {k: f for k, f in rows.items() if feasible(f, bound)}
     best = max(ok, key=lambda k: ok[k]["tokens_per_min_per_gpu"]) if ok else None
-    result = {"gpus": gpus, "hours": hours, "staleness_bound": bound, "results": rows, "best": best}
+    result = {"gpus": gpus, "hours": hours, "staleness_bound": bound, "results": rows, "best": best,
+              "why": recommendation_reasons(rows, ok, best, bound)}
     if best:
         sc = grid[best]
         result["best_overrides"] = overrides(w, sc, rows[best])
@@ -129,7 +167,8 @@ def run_sweep(w: Workload, gpus: int, hours: float, seed: int, bound: float, out
               f"({rows[best]['tokens_per_min_per_gpu'] / base:.2f}x sync_1)\n  python -m orchestrator.main "
               + " ".join(result["best_overrides"]))
     else:
-        print(f"\nno configuration keeps staleness within eta and mean <= {bound}")
+        print(f"\nno configuration keeps staleness within eta, mean <= {bound} and expired < 1 %")
+    print("why:\n" + "\n".join(f"  - {line}" for line in result["why"]))
     if out:
         out.write_text(json.dumps(result, indent=2, allow_nan=True) + "\n")
     return result
