@@ -9,7 +9,8 @@ the table compares them: trained tokens per minute of loop time (startup and the
 optimizer steps per minute, time-average inference concurrency (Little's law at the gateway),
 KV-cache usage when the engine reports it, mean staleness, masked fraction, the share of the
 dispatched rollouts that expired, final reward, reward gain per CPU-hour (the report's reward gain
-per GPU-hour, on this machine: every process's CPU seconds, `perf/cpu_s/total`), speedup
+per GPU-hour on this machine: its cores times the run's loop time, as GPU-hours count the GPUs
+held times the hours), speedup
 over sync-1 (in trained tokens per minute; tokens per sample change as the policy learns, so the
 step-rate speedup is printed beside it).
 
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -90,8 +92,10 @@ def _figures(name: str, args: argparse.Namespace, run_dir: Path, wall_s: float) 
 
     finished = finished_rollouts(all_steps[-1]) - finished_rollouts(base)
     masked = [s.get("rollout_corr/rollout_rs_masked_fraction", 0.0) for s in steps]
-    # the report's final measure, reward gain per GPU-hour, here per CPU-hour: every step's CPU
-    # seconds of all the run's processes (perf/cpu_s/total, orchestrator/watch/cpu_usage.py)
+    # the report's final measure, reward gain per GPU-hour, here per CPU-hour: as GPU-hours count
+    # the GPUs held times the hours, the machine's cores times the run's loop time (every step);
+    # the CPU its processes actually used (perf/cpu_s/total) is reported beside it
+    cpu_hours = os.cpu_count() * sum(s["timing_s/step"] for s in all_steps) / 3600.0
     cpu_s = sum(s.get("perf/cpu_s/total", 0.0) for s in all_steps)
     gain = summary["reward/final"] - summary["reward/initial"]
     return {
@@ -111,8 +115,9 @@ def _figures(name: str, args: argparse.Namespace, run_dir: Path, wall_s: float) 
         "masked_fraction": _mean(masked),
         "reward_initial": summary["reward/initial"],
         "reward_final": summary["reward/final"],
-        "cpu_s": cpu_s,
-        "reward_gain_per_cpu_hour": gain / (cpu_s / 3600.0) if cpu_s > 0 else math.nan,
+        "cpu_hours": cpu_hours,
+        "cpu_s_used": cpu_s,
+        "reward_gain_per_cpu_hour": gain / cpu_hours if cpu_hours > 0 else math.nan,
         "expired_fraction": summary.get("rollout/expired", 0.0) / max(1.0, summary["rollout/dispatched"]),
         "loop_s": loop_s,
         "wall_s": wall_s,

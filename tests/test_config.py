@@ -88,6 +88,8 @@ def test_default_config_is_the_embedded_default():
         ("rollout.poll_initial_s=-1", "rollout.poll_initial_s"),
         ("async.max_staleness=-1", "async.max_staleness"),
         ("async.on_stale=keep", "async.on_stale"),
+        ("async.drain_timeout_s=-1", "async.drain_timeout_s"),
+        ("async.max_concurrent_rollouts=31", "async.max_concurrent_rollouts"),  # < one mini-batch (8 x 4)
         ("+trainer.total_stepz=3", "trainer.total_stepz"),  # a typo inside a group, added with +
         ("+rollout.acr.limits.rps=9", "rollout.acr.limits.rps"),  # ... and in a nested dataclass
         ("run_dir=", "run_dir"),  # empty: would write the run into the current directory
@@ -252,3 +254,15 @@ def test_readme_documents_every_exit_status_and_stderr_prefix_the_entry_point_us
         assert f"`{kind}:`" in rows[code], (kind, code)
     assert re.findall(r"_leave_now\((\d+)\)", main_py) == ["130"]
     assert "`make run` exits 2 on any failure" in readme  # make's own status, not the job's
+
+
+def test_fixed_concurrency_caps_the_async_loop_in_flight():
+    """rollout.concurrency=fixed: (η + 1)·B groups in flight, or async.max_concurrent_rollouts in
+    whole groups; adaptive: no cap of the admission's own (its window decides)."""
+    from orchestrator.config.run import async_loop_settings
+
+    cfg = compose_config(["mode=async", "mode.sync_every=2", "async.max_staleness=2"])
+    s = async_loop_settings(cfg)
+    assert (s.groups_per_update, s.max_running_groups, s.drain_timeout_s) == (4, 12, 60.0)
+    assert async_loop_settings(compose_config(["mode=async", "async.max_concurrent_rollouts=50"])).max_running_groups == 12
+    assert async_loop_settings(compose_config(["mode=async", "rollout.concurrency=adaptive"])).max_running_groups is None

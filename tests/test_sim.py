@@ -327,12 +327,36 @@ def test_planner_refuses_a_bad_setting(capsys):
     (["gpus=8", "hours=0.2", "--config", "sync_1", "--out", "/nonexistent/d/f.json"], "--out /nonexistent/d/f.json: no directory"),
     (["gpus=8", "hours=0.0005", "--config", "sync_1"], "hours=0.0005: the simulation ended after"),
     (["gpus=8", "hours=0.2", "--policy", "fixed"], "gpus=8 leaves no inference replica of 8 GPUs (engine.gpus_per_replica; disaggregated: 4 trainer, 4 inference; it needs at least 9"),
+    # issue 29: what a new user hit
+    (["gpus=16", "hours=0.01", "--sweep", "--grid", "small"], "--sweep: the sync_1 baseline could not be measured: hours=0.01"),
+    (["gpus=abc"], "gpus must be an integer, got 'abc'"),
+    (["hours=soon"], "hours must be a number, got 'soon'"),
+    (["gpus=16", "--sync-every", "0"], "--sync-every must be >= 1, got 0"),
+    (["gpus=16", "--eta", "-1"], "--eta must be >= 0, got -1"),
+    (["gpus=16", "--config", "sync_1", "--eta", "2"], "--config sync_1 is a sync configuration (colocated, no staleness): --eta do not apply"),
+    (["gpus=16", "--config", "sync_2", "--trainer-gpus", "4"], "--trainer-gpus do not apply"),
 ])
 def test_planner_names_a_bad_horizon_size_or_out_path_before_it_runs(argv, message, capsys):
     """A new user's mistakes: exit 2 with one line, never a traceback after the whole simulation."""
     assert planner(["workload=reference", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("config error: ") and message in err, err
+
+
+def test_planner_refuses_a_run_dir_that_is_a_file(tmp_path, capsys):
+    f = tmp_path / "notes.txt"
+    f.write_text("x")
+    assert planner(["workload=gsm8k_tools", "gpus=4", "hours=0.02", f"run_dir={f}"]) == 2
+    assert f"run_dir={f} is a file" in capsys.readouterr().err
+
+
+def test_the_flags_apply_on_top_of_a_named_configuration(tmp_path):
+    """`--config async_2 --eta 2 --sync-every 4 --trainer-gpus 2` simulates that, not async_2 as is."""
+    out = tmp_path / "f.json"
+    assert planner(["workload=gsm8k_tools", "gpus=4", "hours=0.05", "--config", "async_2", "--eta", "2",
+                    "--sync-every", "4", "--trainer-gpus", "1", "--out", str(out)]) == 0
+    sc = json.loads(out.read_text())["scenario"]
+    assert (sc["mode"], sc["max_staleness"], sc["sync_every"], sc["trainer_gpus"]) == ("async", 2, 4, 1)
 
 
 ROLLOUT_SIDE = ("driver", "inference", "gateway", "rollout", "local_stack", "other")

@@ -26,6 +26,9 @@ class AsyncConfig:
     in_flight: generation in flight at a weight sync keeps running (`continue`; tokens carry the
         version that produced them) or is aborted and resumed (`abort_resume`).
     resume_aborted: with `abort_resume`, resume aborted requests (False: they fail and are never trained).
+    max_concurrent_rollouts: with `rollout.concurrency=fixed`, the rollouts in flight at once
+        (AReaL's `max_concurrent_rollouts`), in whole groups of `rollout.n`; null: (η + 1)·B groups
+        (orchestrator/loop/staleness.py `fixed_max_running`). At least one mini-batch (B·n).
     drain_timeout_s: seconds the end of a finished run waits for groups still generating before it
         cancels them (their rollouts end `expired`). Admission stops once the last update's groups
         are in flight, so normally nothing is left to wait for; 0 cancels at once.
@@ -35,11 +38,14 @@ class AsyncConfig:
     on_stale: str = "drop"
     in_flight: str = "continue"
     resume_aborted: bool = True
+    max_concurrent_rollouts: int | None = None
     drain_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         check(self.max_staleness >= 0, "async.max_staleness", "must be >= 0", self.max_staleness)
         one_of(self.on_stale, "async.on_stale", ON_STALE_CHOICES)
         one_of(self.in_flight, "async.in_flight", ASYNC_IN_FLIGHT_MODES)
+        check(self.max_concurrent_rollouts is None or self.max_concurrent_rollouts >= 1,
+              "async.max_concurrent_rollouts", "must be >= 1 or null", self.max_concurrent_rollouts)
         check(self.drain_timeout_s >= 0, "async.drain_timeout_s", "must be >= 0 (seconds)", self.drain_timeout_s)
 

@@ -115,7 +115,7 @@ class RolloutConfig:
     result_host: str = "127.0.0.1"
     max_consecutive_bad_results: int = 32  # agent results in a row without a usable reward: stop the run
     redispatch_lost: int = 1  # times a rollout whose actor died runs again (new session id), then failed actor_lost
-    concurrency: str = "fixed"  # fixed: staleness admission only | adaptive: also fill the engines' KV cache
+    concurrency: str = "fixed"  # fixed: (η + 1)·B groups in flight | adaptive: an AIMD window on the engines' KV cache
     adaptive: AdaptiveConcurrencyConfig = field(default_factory=AdaptiveConcurrencyConfig)
 
     def __post_init__(self) -> None:

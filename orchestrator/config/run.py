@@ -60,6 +60,11 @@ class RunConfig:
         check(groups % self.mode.sync_every == 0, "mode.sync_every",
               f"must divide rollout.batch_size={groups} so each mini-batch holds whole groups",
               self.mode.sync_every)
+        cap = self.async_.max_concurrent_rollouts
+        mini_batch = groups // self.mode.sync_every * self.rollout.n
+        check(cap is None or cap >= mini_batch, "async.max_concurrent_rollouts",
+              f"must be >= one mini-batch of rollouts (rollout.batch_size / mode.sync_every x rollout.n = "
+              f"{mini_batch}), or no mini-batch could ever fill", cap)
         if self.algorithm.name == "grpo":
             check(self.rollout.n >= 2, "rollout.n", "must be >= 2 for GRPO (a group of one has no baseline)",
                   self.rollout.n)
@@ -110,10 +115,13 @@ def async_loop_settings(run: RunConfig) -> AsyncLoopSettings:
     from orchestrator.loop.async_loop import AsyncLoopSettings
     from orchestrator.loop.staleness import fixed_max_running
 
-    b, eta = run.rollout.batch_size // run.mode.sync_every, run.async_.max_staleness
-    cap = fixed_max_running(max_staleness=eta, groups_per_update=b) if run.rollout.concurrency == "fixed" else None
+    b, eta, n = run.rollout.batch_size // run.mode.sync_every, run.async_.max_staleness, run.rollout.n
+    cap = None
+    if run.rollout.concurrency == "fixed":
+        given = run.async_.max_concurrent_rollouts
+        cap = fixed_max_running(max_staleness=eta, groups_per_update=b) if given is None else given // n
     return AsyncLoopSettings(
-        total_steps=run.trainer.total_steps, groups_per_update=b, n=run.rollout.n, sync_every=run.mode.sync_every,
+        total_steps=run.trainer.total_steps, groups_per_update=b, n=n, sync_every=run.mode.sync_every,
         max_staleness=eta, on_stale=run.async_.on_stale, filter_zero_variance=run.algorithm.filter_zero_variance,
         drain_timeout_s=run.async_.drain_timeout_s, max_running_groups=cap)
 

@@ -1,7 +1,8 @@
 """Rollout concurrency policy (`rollout.concurrency`): how many groups may generate at once.
 
-`fixed`: no limit of its own (the async loop's staleness admission, orchestrator/loop/staleness.py,
-is the only bound; the sync loop dispatches whole batches). `adaptive`: admit groups while the
+`fixed`: no window of its own: the async loop's admission (orchestrator/loop/staleness.py) caps
+the groups in flight at (η + 1)·B (`fixed_max_running`, or `async.max_concurrent_rollouts`); the
+sync loop dispatches whole batches. `adaptive`: admit groups while the
 inference engines' KV cache is below a target and nothing is queued or preempted, so the cache
 fills instead of idling at the 25 % an agent workload leaves it at with a fixed concurrency.
 

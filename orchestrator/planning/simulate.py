@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from orchestrator.planning.sim.run import CONFIGS, Scenario, SimulationTooShort, simulate
 from orchestrator.planning.sim.workload import Workload, WorkloadError, load_workload
@@ -40,7 +41,8 @@ def plan_scenario(w: Workload, gpus: int, *, policy: str = "adaptive", trainer_g
     plan = dict(w.calibration.get("plan") or {})
     share = float(plan.get("trainer_share", 0.5))
     trn = trainer_gpus if trainer_gpus is not None else int(round(gpus * share))
-    return Scenario("async", int(sync_every or plan.get("sync_every", 1)), False, gpus=gpus, trainer_gpus=trn,
+    k = sync_every if sync_every is not None else int(plan.get("sync_every", 1))
+    return Scenario("async", k, False, gpus=gpus, trainer_gpus=trn,
                     max_staleness=int(eta if eta is not None else plan.get("max_staleness", 1)), policy=policy)
 
 
@@ -152,6 +154,8 @@ def run_sweep(w: Workload, gpus: int, hours: float, seed: int, bound: float, out
     else:
         results = [_one(x) for x in work]
     rows = dict(zip(grid, results))
+    if "error" in rows["sync_1"]:  # every ratio is against it
+        raise SimulationTooShort(f"--sweep: the sync_1 baseline could not be measured: {rows['sync_1']['error']}")
     base = rows["sync_1"]["tokens_per_min_per_gpu"]
     print(" | ".join(f"{c:>12}" for c in COLUMNS), flush=True)
     for name, f in rows.items():
@@ -172,6 +176,30 @@ def run_sweep(w: Workload, gpus: int, hours: float, seed: int, bound: float, out
     if out:
         out.write_text(json.dumps(result, indent=2, allow_nan=True) + "\n")
     return result
+
+
+def _number(kv: dict[str, str], key: str, default: float, kind: type) -> Any:
+    """`kv[key]` as `kind` (int or float), or `default`; ValueError naming the key otherwise."""
+    if key not in kv:
+        return default
+    try:
+        return kind(kv[key])
+    except ValueError:
+        raise ValueError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {kv[key]!r}") from None
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The scenario flags' ranges, and the ones a `--config` cannot take (ValueError names the flag)."""
+    for flag, value, low in (("--eta", args.eta, 0), ("--sync-every", args.sync_every, 1),
+                             ("--trainer-gpus", args.trainer_gpus, 1), ("--jobs", args.jobs, 1),
+                             ("--warmup-steps", args.warmup_steps, 0)):
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if args.config and CONFIGS[args.config].mode == "sync":
+        given = [f for f, v in (("--eta", args.eta), ("--trainer-gpus", args.trainer_gpus)) if v is not None]
+        if given:
+            raise ValueError(f"--config {args.config} is a sync configuration (colocated, no staleness): "
+                             f"{', '.join(given)} do not apply to it")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,11 +230,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         w = load_workload(kv.get("workload", "reference"))
-        gpus, hours, seed = int(kv.get("gpus", 64)), float(kv.get("hours", 10)), int(kv.get("seed", 0))
+        gpus, hours, seed = (_number(kv, "gpus", 64, int), _number(kv, "hours", 10.0, float),
+                             _number(kv, "seed", 0, int))
         if gpus < 1 or not hours > 0:
             raise ValueError(f"gpus must be >= 1 and hours > 0, got gpus={gpus}, hours={hours:g}")
+        _check_flags(args)
         if args.out and not args.out.parent.is_dir():
             raise ValueError(f"--out {args.out}: no directory {args.out.parent}")
+        if args.out and args.out.is_dir():
+            raise ValueError(f"--out {args.out} is a directory; give a file name")
+        if "run_dir" in kv and Path(kv["run_dir"]).exists() and not Path(kv["run_dir"]).is_dir():
+            raise ValueError(f"run_dir={kv['run_dir']} is a file; give a directory (created if missing)")
     except (WorkloadError, ValueError) as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -219,13 +253,18 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(record, indent=2))
         return 0
     if args.sweep:
-        run_sweep(w, gpus, hours, seed, args.staleness_bound, args.out, args.grid, args.jobs)
+        try:
+            run_sweep(w, gpus, hours, seed, args.staleness_bound, args.out, args.grid, args.jobs)
+        except SimulationTooShort as exc:
+            print(f"config error: {exc}", file=sys.stderr)
+            return 2
         return 0
     try:
-        if args.config:
+        if args.config:  # the blog's configuration, with the flags given on top of it
             sc = replace(CONFIGS[args.config], gpus=gpus)
-            if args.policy:
-                sc = replace(sc, policy=args.policy)
+            given = {"policy": args.policy, "max_staleness": args.eta, "sync_every": args.sync_every,
+                     "trainer_gpus": args.trainer_gpus}
+            sc = replace(sc, **{k: v for k, v in given.items() if v is not None})
         else:
             sc = plan_scenario(w, gpus, policy=args.policy or "adaptive", trainer_gpus=args.trainer_gpus,
                                eta=args.eta, sync_every=args.sync_every)
