@@ -202,6 +202,33 @@ def _check_flags(args: argparse.Namespace) -> None:
                              f"{', '.join(given)} do not apply to it")
 
 
+def scenario_of(args: argparse.Namespace, w: Workload, gpus: int) -> Scenario:
+    """The scenario the flags name: `--config` with the flags given on top of it, else the
+    workload's plan (`plan_scenario`); `--local` makes it one shared machine. ValueError on a bad one."""
+    if args.config:
+        sc = replace(CONFIGS[args.config], gpus=gpus)
+        given = {"policy": args.policy, "max_staleness": args.eta, "sync_every": args.sync_every,
+                 "trainer_gpus": args.trainer_gpus}
+        sc = replace(sc, **{k: v for k, v in given.items() if v is not None})
+    else:
+        sc = plan_scenario(w, gpus, policy=args.policy or "adaptive", trainer_gpus=args.trainer_gpus,
+                           eta=args.eta, sync_every=args.sync_every)
+    return replace(sc, colocated=True, sleeps=False) if args.local else sc
+
+
+def sync1_baseline(args: argparse.Namespace, w: Workload, sc: Scenario, f: dict, *, gpus: int, hours: float,
+                   seed: int) -> float:
+    """sync_1's tokens/min/GPU for the ratio: this run's when it is sync_1, the calibration's stored
+    figure (`--baseline stored`, or auto at the calibrated size), else simulated now."""
+    base_sc = replace(CONFIGS["sync_1"], gpus=gpus, sleeps=not args.local)
+    if sc == base_sc:
+        return f["tokens_per_min_per_gpu"]
+    if args.baseline != "run" and "measured" in w.calibration and (
+            args.baseline == "stored" or int(w.calibration.get("gpus", -1)) == gpus):
+        return float(w.calibration["measured"]["tokens_per_min_per_gpu"])
+    return simulate(w, base_sc, hours=hours, seed=seed, warmup_steps=args.warmup_steps)["tokens_per_min_per_gpu"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("settings", nargs="*", help="key=value: " + ", ".join(KEYS))
@@ -260,28 +287,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     try:
-        if args.config:  # the blog's configuration, with the flags given on top of it
-            sc = replace(CONFIGS[args.config], gpus=gpus)
-            given = {"policy": args.policy, "max_staleness": args.eta, "sync_every": args.sync_every,
-                     "trainer_gpus": args.trainer_gpus}
-            sc = replace(sc, **{k: v for k, v in given.items() if v is not None})
-        else:
-            sc = plan_scenario(w, gpus, policy=args.policy or "adaptive", trainer_gpus=args.trainer_gpus,
-                               eta=args.eta, sync_every=args.sync_every)
-        if args.local:
-            sc = replace(sc, colocated=True, sleeps=False)
+        sc = scenario_of(args, w, gpus)
         f = simulate(w, sc, hours=hours, seed=seed, out_dir=run_dir, warmup_steps=args.warmup_steps)
     except ValueError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    base_sc = replace(CONFIGS["sync_1"], gpus=gpus, sleeps=not args.local)
-    if sc == base_sc:
-        base = f["tokens_per_min_per_gpu"]
-    elif args.baseline != "run" and "measured" in w.calibration and (
-            args.baseline == "stored" or int(w.calibration.get("gpus", -1)) == gpus):
-        base = float(w.calibration["measured"]["tokens_per_min_per_gpu"])
-    else:
-        base = simulate(w, base_sc, hours=hours, seed=seed, warmup_steps=args.warmup_steps)["tokens_per_min_per_gpu"]
+    base = sync1_baseline(args, w, sc, f, gpus=gpus, hours=hours, seed=seed)
     f["sync1_tokens_per_min_per_gpu"] = base
     f["throughput_ratio_vs_sync1"] = f["tokens_per_min_per_gpu"] / base if base else math.nan
     f["overrides"] = overrides(w, sc, f)
