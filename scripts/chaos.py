@@ -265,9 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     kinds = [k for k in args.kill.split(",") if k]
     bad = sorted(set(kinds) - set(KINDS))
-    if bad or not kinds or args.steps < 2:
-        p.error(f"--kill takes {','.join(KINDS)} (got {bad or 'none'}); --steps must be >= 2")
+    if bad or not kinds:
+        p.error(f"--kill takes {','.join(KINDS)} (got {bad or 'none'})")
+    if args.steps < 2:
+        p.error(f"--steps must be >= 2 (a fault lands between two checkpointed steps), got {args.steps}")
     modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - {"sync", "async"}:
+        p.error(f"--modes takes sync,async (got {args.modes!r})")
+    if args.runs < 1:
+        p.error(f"--runs must be >= 1, got {args.runs}")
     out = Path(args.out).resolve()
     work = Path(args.work_dir).resolve() if args.work_dir else out.with_suffix("")
     work.mkdir(parents=True, exist_ok=True)

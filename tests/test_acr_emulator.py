@@ -286,3 +286,44 @@ def test_all_calls_share_the_request_rate_cap_and_the_peak_is_measured(slow_stac
     # refused calls count too; some 1 s bin of the ceil(elapsed_s) bins held >= 40 / bins calls
     assert stats.peak_request_rate >= 40 / math.ceil(elapsed_s)
     assert stats.stops >= 40 and stats.throttled >= errors.count("ThrottlingException")
+
+
+def test_the_emulator_binds_the_host_it_is_given(tmp_path):
+    """Issue 29: `--host` (like moto_s3's) so the emulator can serve agents on another network, as
+    ACR does; with 0.0.0.0 the agents it starts still reach it through loopback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from stand_ins import ECHO_AGENT, REPO
+    from workers.embedded.emulator_config import DEFAULT_RUNTIME_ARN
+
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen([sys.executable, "-m", "workers.embedded.emulator", "--host", "0.0.0.0",
+                             "--ready-file", str(ready), "--num-agents", "1",
+                             "--agent-cmd", " ".join(ECHO_AGENT)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.is_file() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.is_file(), "the emulator never became ready"
+        endpoint = json.loads(ready.read_text())["endpoint"]
+        port = int(endpoint.rsplit(":", 1)[1])
+        listening = [c for c in psutil.Process(proc.pid).net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert listening and listening[0].laddr.ip == "0.0.0.0"
+        assert endpoint.startswith("http://127.0.0.1:")  # what its own agents are told
+        client = boto3.client("bedrock-agentcore", endpoint_url=endpoint, region_name="us-west-2",
+                              aws_access_key_id="x", aws_secret_access_key="x")
+        resp = client.invoke_agent_runtime(
+            agentRuntimeArn=DEFAULT_RUNTIME_ARN,
+            runtimeSessionId=new_session_id(), payload=json.dumps({"x": 1}))
+        assert json.loads(resp["response"].read())["payload"] == {"x": 1}
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)

@@ -266,3 +266,14 @@ def test_fixed_concurrency_caps_the_async_loop_in_flight():
     assert (s.groups_per_update, s.max_running_groups, s.drain_timeout_s) == (4, 12, 60.0)
     assert async_loop_settings(compose_config(["mode=async", "async.max_concurrent_rollouts=50"])).max_running_groups == 12
     assert async_loop_settings(compose_config(["mode=async", "rollout.concurrency=adaptive"])).max_running_groups is None
+
+
+@pytest.mark.parametrize("faults, message", [
+    ("{crsh: 0.05}", "unknown fault kind(s) ['crsh']; known: ['throttle', 'server_error'"),
+    ("{crash: 1.5}", "faults.crash must be in [0, 1], got 1.5"),
+])
+def test_a_bad_fault_names_the_valid_kinds(faults, message):
+    """Issue 29: a typo in a fault name gave a raw FaultRates.__init__() error."""
+    with pytest.raises(ConfigError, match=r"^rollout\.acr\.faults") as exc:
+        compose_config([f"+rollout.acr.faults={faults}"])
+    assert message in str(exc.value)

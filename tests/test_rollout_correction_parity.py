@@ -228,3 +228,15 @@ def test_mode_decides_whether_weights_are_applied():
     assert RolloutCorrectionConfig(mode="decoupled").applies_weights
     assert not RolloutCorrectionConfig(mode="bypass").applies_weights
     assert not RolloutCorrectionConfig(mode="decoupled", is_level=None).applies_weights
+
+
+def test_k3_kl_is_never_negative_on_near_on_policy_tokens():
+    """Issue 29: ρ - log ρ - 1 >= 0 by definition, but in float32 exp(x) rounds to 1 for |x| < 6e-8
+    and the mean came out at -1.3e-9 on on-policy steps; the metric is clamped at 0."""
+    from workers.core.algorithms.rollout_correction import offpolicy_metrics
+
+    old = torch.full((2, 5), -1e-3)  # near-certain tokens: float32 resolves a 3e-8 difference here
+    rollout = old - 3e-8  # log ratio 3e-8: exp rounds to 1.0, so each term is -3e-8
+    mask = torch.ones(2, 5)
+    assert float((torch.exp(old - rollout) - (old - rollout) - 1).mean()) < 0  # what the raw estimator gives
+    assert offpolicy_metrics(old, rollout, mask)["k3_kl"] == 0.0

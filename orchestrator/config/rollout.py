@@ -7,7 +7,7 @@ The contract names are workers/rollout/contract.py's `Contract`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Optional, get_args
 
 from orchestrator.loop.concurrency import CONCURRENCY_CHOICES, AdaptiveConcurrency
@@ -209,6 +209,10 @@ def local_fault_rates(acr: AcrConfig) -> Any:
     from workers.embedded.faults import FaultRates
 
     f = dict(acr.faults)
+    known = [fl.name for fl in fields(FaultRates)]
+    unknown = sorted(set(f) - set(known))
+    if unknown:
+        raise ValueError(f"unknown fault kind(s) {unknown}; known: {known}")
     return FaultRates(**{k: (int(v) if k in ("seed", "repeats") else float(v)) for k, v in f.items()})
 
 

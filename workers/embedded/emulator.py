@@ -77,9 +77,10 @@ __all__ = ["serve", "main"]
 LISTEN_BACKLOG = 128  # connections queued before accept (aiohttp's TCPSite default)
 
 
-async def serve(cfg: EmulatorConfig, port: int, stop: asyncio.Event, ready_file: str | Path | None = None) -> None:
-    """Bind 127.0.0.1:port (0: a port the kernel picks), start agents, serve until `stop` is set,
-    then stop agents.
+async def serve(cfg: EmulatorConfig, port: int, stop: asyncio.Event, ready_file: str | Path | None = None,
+                host: str = "127.0.0.1") -> None:
+    """Bind host:port (0: a port the kernel picks; `host` 0.0.0.0 serves agents on other machines,
+    as ACR reaches them), start agents, serve until `stop` is set, then stop agents.
 
     The socket is bound and listening before the agents start, so they get the emulator's own
     endpoint in AWS_ENDPOINT_URL_BEDROCK_AGENTCORE; calls arriving before the routes run wait in
@@ -88,10 +89,11 @@ async def serve(cfg: EmulatorConfig, port: int, stop: asyncio.Event, ready_file:
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart on its old port (TIME_WAIT left)
-    sock.bind(("127.0.0.1", port))
+    sock.bind((host, port))
     sock.listen(LISTEN_BACKLOG)
-    host, bound_port = sock.getsockname()[:2]
-    endpoint = f"http://{host}:{bound_port}"
+    bound_host, bound_port = sock.getsockname()[:2]
+    # agents on this machine reach a wildcard bind through loopback
+    endpoint = f"http://{'127.0.0.1' if bound_host in ('0.0.0.0', '') else bound_host}:{bound_port}"
     agent_env = {**cfg.agent_env, "AWS_ENDPOINT_URL_BEDROCK_AGENTCORE": endpoint}
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=cfg.invoke_read_timeout_s)
     with sock:
@@ -122,6 +124,7 @@ async def serve(cfg: EmulatorConfig, port: int, stop: asyncio.Event, ready_file:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Local AgentCore Runtime data-plane emulator")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: every interface, like moto_s3's --host)")
     p.add_argument("--port", type=int, default=0, help="0 (default): a free port, bound by the emulator itself")
     p.add_argument("--ready-file", default=None, help="where to write the bound endpoint as JSON once ready")
     p.add_argument("--agent-cmd", required=True, help="agent command line; {port} is substituted, PORT env set")
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(cfg, args.port, stop, args.ready_file)
+        await serve(cfg, args.port, stop, args.ready_file, host=args.host)
 
     asyncio.run(run())
     return 0

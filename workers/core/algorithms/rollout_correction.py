@@ -333,7 +333,8 @@ def offpolicy_metrics(
             "training_ppl": torch.exp(-mean_lp_old).mean().item(),
             "training_log_ppl": (-mean_lp_old).mean().item(),
             "kl": masked_mean(rollout_logprobs - old_logprobs, loss_mask).item(),
-            "k3_kl": masked_mean(torch.exp(log_ratio) - log_ratio - 1, loss_mask).item(),
+            # ρ - log ρ - 1 >= 0 for every ρ > 0; float rounding gives -1e-9 on on-policy tokens
+            "k3_kl": max(0.0, masked_mean(torch.exp(log_ratio) - log_ratio - 1, loss_mask).item()),
             "rollout_ppl": torch.exp(-mean_lp_rollout).mean().item(),
             "rollout_log_ppl": (-mean_lp_rollout).mean().item(),
             "log_ppl_diff": log_ppl_diff.mean().item(),
