@@ -64,7 +64,8 @@ def run_point(mode: str, sampler: str, args: argparse.Namespace, work: Path) -> 
     if proc.returncode != 0:
         raise RuntimeError(f"{mode}/{sampler} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = {k: math.nan if v is None else v  # null in summary.json: not measured
+               for k, v in json.loads((run_dir / "summary.json").read_text()).items()}
     dispatched = summary["rollout/dispatched"]
     gain = summary["reward/final"] - summary["reward/initial"]
     val_gain = summary.get("val/reward/final", math.nan) - summary.get("val/reward/initial", math.nan)

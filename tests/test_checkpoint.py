@@ -256,3 +256,31 @@ def test_run_state_of_another_format_is_refused():
         RunState.from_json(d | {"format": 99})
     with pytest.raises(CheckpointError, match="malformed"):
         RunState.from_json({k: v for k, v in d.items() if k != "prompts"})
+
+
+def test_the_documented_eval_command_resolves_checkpoints_latest(tmp_path):
+    """Issue 29: `model.path=RUN/checkpoints/latest/model` (docs/training.md's evaluation command)
+    exited 2: `latest` is a pointer file naming the newest checkpoint, not a directory."""
+    import re
+
+    from orchestrator.config import ConfigError
+    from orchestrator.control.checkpoint import CheckpointError, resolve_latest
+    from orchestrator.control.preflight import check_model
+    from stand_ins import REPO, compose_config
+
+    documented = re.search(r"model\.path=(\S+)", (REPO / "docs" / "training.md").read_text()).group(1)
+    assert documented.endswith("checkpoints/latest/model")
+    run = tmp_path / documented.split("/checkpoints/")[0]
+    model = run / "checkpoints" / "step-00000004" / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (run / "checkpoints" / "latest").write_text("step-00000004\n")
+    cfg = compose_config(["mode=eval", f"model.path={tmp_path / documented}"])
+    check_model(cfg)
+    assert cfg.model.path == str(model)
+    assert resolve_latest(tmp_path / "elsewhere" / "latest" / "model") == tmp_path / "elsewhere" / "latest" / "model"
+    (run / "checkpoints" / "latest").write_text("step-00000009\n")  # names a checkpoint that is gone
+    with pytest.raises(CheckpointError, match="step-00000009"):
+        resolve_latest(tmp_path / documented)
+    with pytest.raises(ConfigError, match="^model.path"):
+        check_model(compose_config(["mode=eval", f"model.path={tmp_path / documented}"]))

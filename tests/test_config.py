@@ -277,3 +277,17 @@ def test_a_bad_fault_names_the_valid_kinds(faults, message):
     with pytest.raises(ConfigError, match=r"^rollout\.acr\.faults") as exc:
         compose_config([f"+rollout.acr.faults={faults}"])
     assert message in str(exc.value)
+
+
+def test_colocated_replicas_beyond_the_trainers_gpus_name_the_key_to_set_and_the_fix():
+    """Issue 29: the message named cluster.inference.replicas (interpolated, never set by the user)."""
+    with pytest.raises(ConfigError, match=r"^inference\.replicas=3 must be <= the trainer's 1 GPUs") as exc:
+        compose_config(["cluster=colocated", "inference.replicas=3"])
+    assert "set inference.replicas<=1" in str(exc.value)
+
+
+def test_eval_takes_rollout_n_1_since_it_samples_eval_n():
+    """Issue 29: `mode=eval rollout.n=1` was refused with GRPO's group-baseline message."""
+    assert compose_config(["mode=eval", "rollout.n=1"]).rollout.n == 1
+    with pytest.raises(ConfigError, match=r"^rollout\.n"):
+        compose_config(["rollout.n=1"])  # training still needs a group

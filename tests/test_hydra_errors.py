@@ -28,6 +28,12 @@ REPO = Path(__file__).resolve().parent.parent
     ("+trainer.lr=1", "trainer.lr: already set by the defaults"),
     ("+experiment=nope", "experiment: no choice 'nope'; valid choices: blog_async_1"),
     ("trainer.lr=[1", "cannot parse the override 'trainer.lr=[1'"),
+    # issue 29: tracebacks or silent truncation before
+    ("trainer=null", "trainer: a config group needs a choice, not null; valid choices: fsdp"),
+    ("mode=null", "mode: a config group needs a choice, not null; valid choices: async, eval, sync"),
+    ("seed=abc", "seed: must be an integer, got 'abc'"),
+    ("seed=1.7", "seed: must be an integer, got 1.7"),
+    ("dry_run=maybe", "dry_run: must be true or false, got 'maybe'"),
 ])
 def test_hydra_failure_names_the_key(override, expected):
     msg = check_overrides([override])

@@ -57,7 +57,7 @@ def test_bad_specs_name_the_key():
         PlacementSpec("disaggregated", trainer_gpus_per_node=0)
     with pytest.raises(ValueError, match="tensor_parallel_size must be 1 with cluster=colocated"):
         PlacementSpec("colocated", tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="cluster.inference.replicas=3 must be <= the trainer's 2 GPUs"):
+    with pytest.raises(ValueError, match="inference.replicas=3 must be <= the trainer.s 2 GPUs"):
         PlacementSpec("colocated", trainer_gpus_per_node=2, inference_replicas=3)
 
 

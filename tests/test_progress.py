@@ -125,3 +125,15 @@ def test_summary_text_says_how_many_rollouts_an_interrupted_run_left_running():
     assert summary_text(base | {"rollout/open": 32}).splitlines()[1].startswith(
         "rollouts: 128 dispatched: 44 trained, 52 filtered, 0 failed, 0 expired, 32 still running when it stopped;")
     assert "still running" not in summary_text(base | {"rollout/open": 0})
+
+
+def test_summary_json_is_standard_json_with_null_for_what_was_not_measured():
+    """Issue 29: a task=gsm8k run's summary.json held a bare NaN, which strict parsers reject."""
+    import json
+    import math
+
+    from orchestrator.watch.metrics import finite_json
+
+    summary = {"reward/initial": math.nan, "reward/final": 0.5, "x": [math.inf, 1.0, {"y": -math.inf}], "n": 3}
+    text = json.dumps(finite_json(summary), allow_nan=False)  # would raise on any NaN left
+    assert json.loads(text) == {"reward/initial": None, "reward/final": 0.5, "x": [None, 1.0, {"y": None}], "n": 3}

@@ -81,9 +81,29 @@ def check_overrides(overrides: list[str], config_name: str = "config") -> str | 
     from hydra import compose, initialize_config_dir
 
     mine = [o for o in overrides if not _override_key(o).startswith("hydra.")]
+    for o in mine:  # `trainer=null`: Hydra raises a bare ValueError about the override's type
+        key, _, value = o.partition("=")
+        if value in ("null", "~") and (CONFIG_DIR / key.lstrip("+~")).is_dir():
+            group = key.lstrip("+~")
+            return f"{group}: a config group needs a choice, not {value}; valid choices: {', '.join(_choices(group))}"
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            compose(config_name, overrides=mine)
+            cfg = compose(config_name, overrides=mine)
     except (ConfigCompositionException, OverrideParseException, OmegaConfBaseException) as exc:
         return describe(exc, mine)
+    return _top_level_types(cfg)
+
+
+def _choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+
+
+def _top_level_types(cfg) -> str | None:
+    """The root keys outside every group's schema (`seed`, `dry_run`): Hydra takes any value there,
+    and `seed=1.7` used to become 1 silently."""
+    seed, dry_run = cfg.get("seed"), cfg.get("dry_run")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        return f"seed: must be an integer, got {seed!r}"
+    if not isinstance(dry_run, bool):
+        return f"dry_run: must be true or false, got {dry_run!r}"
     return None

@@ -65,7 +65,7 @@ class RunConfig:
         check(cap is None or cap >= mini_batch, "async.max_concurrent_rollouts",
               f"must be >= one mini-batch of rollouts (rollout.batch_size / mode.sync_every x rollout.n = "
               f"{mini_batch}), or no mini-batch could ever fill", cap)
-        if self.algorithm.name == "grpo":
+        if self.algorithm.name == "grpo" and self.mode.name != "eval":  # eval samples eval.n, trains nothing
             check(self.rollout.n >= 2, "rollout.n", "must be >= 2 for GRPO (a group of one has no baseline)",
                   self.rollout.n)
         check(self.cluster.inference.replicas == self.inference.replicas, "cluster.inference.replicas",

@@ -334,3 +334,22 @@ def load_latest(run_dir: Path | str) -> Checkpoint | None:
     if not target.is_dir():
         raise CheckpointError(f"{pointer} names {name}, which does not exist")
     return load_checkpoint(target)
+
+
+def resolve_latest(path: Path | str) -> Path:
+    """`path` with a `checkpoints/latest` component replaced by the checkpoint it names, so the
+    documented `model.path=RUN/checkpoints/latest/model` loads the newest checkpoint's model
+    (`latest` is a pointer file, not a directory). Any other path comes back unchanged. Raises
+    CheckpointError when the pointer is there but names nothing usable."""
+    p = Path(path)
+    for i, part in enumerate(p.parts):
+        if part != LATEST_FILENAME or i == 0 or p.parts[i - 1] != CHECKPOINTS_DIRNAME:
+            continue
+        pointer = Path(*p.parts[:i + 1])
+        if not pointer.is_file():
+            return p
+        name = pointer.read_text(encoding="utf-8").strip()
+        if not name or "/" in name or name.startswith(".") or not (pointer.parent / name).is_dir():
+            raise CheckpointError(f"{pointer} names {name!r}, which is not a checkpoint there")
+        return Path(*p.parts[:i], name, *p.parts[i + 1:])
+    return p

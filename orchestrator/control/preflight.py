@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.control.checkpoint import Checkpoint, CheckpointError, remove_staging
+from orchestrator.control.checkpoint import Checkpoint, CheckpointError, remove_staging, resolve_latest
 from orchestrator.config import ConfigError, RunConfig
 from orchestrator.config.errors import check
 from orchestrator.control.run_checkpoint import find_resume_checkpoint
@@ -39,12 +39,17 @@ class Preflight:
 
 
 def check_model(cfg: RunConfig) -> None:
-    """`model.path` (when set) is a local HF model directory, else `model.name` is an embedded model
+    """`model.path` (when set) is a local HF model directory (a `checkpoints/latest` in it is
+    resolved to the checkpoint it names, in `cfg`), else `model.name` is an embedded model
     (qwen3_random: its tokenizer is cached); `model.chat_template` (when set) a file."""
     m = cfg.model
     if m.chat_template is not None:
         check(Path(m.chat_template).is_file(), "model.chat_template", "must be a Jinja file", m.chat_template)
     if m.path is not None:
+        try:  # RUN/checkpoints/latest/model: the pointer file names the newest checkpoint
+            m.path = str(resolve_latest(m.path))
+        except CheckpointError as exc:
+            raise ConfigError(f"model.path {exc}") from None
         check(Path(m.path).is_dir() and (Path(m.path) / "config.json").is_file(), "model.path",
               "must be a local Hugging Face model directory (with config.json)", m.path)
         return

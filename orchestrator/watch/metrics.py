@@ -118,6 +118,18 @@ class MetricLogger:
             s.close()
 
 
+def finite_json(value: Any) -> Any:
+    """`value` with every NaN or infinite float (in dicts and lists, at any depth) replaced by None,
+    so `json.dumps` writes standard JSON (`null`, not the bare `NaN` that other parsers reject)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
 def reward_initial_final(rewards: list[float], fraction: float = 0.1) -> tuple[float, float]:
     """Mean reward over the first and last `fraction` of steps (at least one step each).
 

@@ -122,6 +122,7 @@ def summary_text(summary: dict) -> str:
     if summary.get("rollout/open"):  # an interrupted run: the step in progress never ended
         counts += f", {int(summary['rollout/open'])} still running when it stopped"
     return (f"done: {summary.get('steps', 0)} steps, policy version {summary.get('policy_version', 0)}, "
-            f"reward {num('reward/initial')} -> {num('reward/final')}, {summary.get('wall_s', 0):.0f} s\n"
+            f"reward {num('reward/initial')} -> {num('reward/final')} (mean of the first and last 10 % of steps), "
+            f"{summary.get('wall_s', 0):.0f} s\n"
             f"rollouts: {int(summary.get('rollout/dispatched', 0))} dispatched: {counts}; "
             f"ACR throttled {summary.get('acr/throttled', 0)}")

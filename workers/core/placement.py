@@ -68,8 +68,10 @@ class PlacementSpec:
                 raise ValueError("cluster.inference.tensor_parallel_size must be 1 with cluster=colocated "
                                  f"(a replica shares one GPU with one trainer rank), got {self.tensor_parallel_size}")
             if self.inference_replicas > self.trainer_world_size:
-                raise ValueError(f"cluster.inference.replicas={self.inference_replicas} must be <= the trainer's "
-                                 f"{self.trainer_world_size} GPUs with cluster=colocated (one replica per shared GPU)")
+                raise ValueError(f"inference.replicas={self.inference_replicas} must be <= the trainer's "
+                                 f"{self.trainer_world_size} GPUs with cluster=colocated (one replica per shared GPU): "
+                                 f"set inference.replicas<={self.trainer_world_size}, or give the trainer more GPUs "
+                                 f"(cluster.trainer.gpus_per_node x cluster.trainer.nodes = {self.inference_replicas})")
 
     @property
     def trainer_world_size(self) -> int:
