@@ -116,6 +116,34 @@ def test_a_resumed_run_keeps_the_last_record_of_a_repeated_step(tmp_path):
 def test_not_a_run_dir_is_a_clear_error(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
-    (tmp_path / "metrics.jsonl").write_text("{not json\n")
-    assert main([str(tmp_path)]) == 2
+    (tmp_path / "metrics.jsonl").write_text('{not json\n{"step": 1, "timing_s/step": 1.0}\n')
+    assert main([str(tmp_path)]) == 2  # a bad line in the middle is corruption, not a torn write
     assert "metrics.jsonl:1: not JSON" in capsys.readouterr().err
+
+
+def test_the_report_cli_papercuts_a_new_user_hit(tmp_path, capsys):
+    """Issue 29: an empty metrics.jsonl exited 0 with an empty report; a truncated last line (what a
+    killed run writes) failed the whole report; two runs named `run` were both labelled "run";
+    `--out <a file>` gave a traceback."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    assert main([str(empty)]) == 2
+    assert "no step was logged" in capsys.readouterr().err
+
+    killed = make_run(tmp_path / "killed", steps=4, val=False)
+    with (killed / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "reward/me')
+    with pytest.warns(UserWarning, match="truncated last line"):
+        assert [r["step"] for r in load_run(killed).steps] == [1, 2, 3, 4]
+
+    a, b = make_run(tmp_path / "a" / "run", steps=3), make_run(tmp_path / "b" / "run", steps=3, seed=1)
+    html, _ = build_report([a, b], tmp_path / "cmp")
+    text = html.read_text()
+    assert "a/run" in text and "b/run" in text
+
+    a_file = tmp_path / "out.txt"
+    a_file.write_text("x")
+    with pytest.raises(SystemExit) as exc:
+        main([str(a), "--out", str(a_file)])
+    assert exc.value.code == 2 and f"--out {a_file} is a file" in capsys.readouterr().err

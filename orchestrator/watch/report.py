@@ -288,11 +288,26 @@ def write_html(runs: list[RunData], plots: list[Plot], out: Path, warmup_steps: 
     return path
 
 
+def distinct_labels(run_dirs: list[Path]) -> list[str]:
+    """One label per run: its folder name, with as many parent folders as it takes to tell two runs
+    of the same name apart (`a/run`, `b/run`)."""
+    paths = [Path(d).resolve() for d in run_dirs]
+    depth = 1
+    while True:
+        labels = ["/".join(p.parts[-depth:]) for p in paths]
+        if len(set(labels)) == len(labels) or depth >= max(len(p.parts) for p in paths):
+            return labels
+        depth += 1
+
+
 def build_report(run_dirs: list[Path], out: Path, *, names: list[str] | None = None,
                  warmup_steps: int = 0) -> tuple[Path, list[Plot]]:
     """Load `run_dirs`, write the plots and report.html into `out`; returns (report.html, plots).
     Raises FileNotFoundError / ValueError from `load_run` for a dir that is not a run."""
     runs = [load_run(Path(d), names[i] if names else None) for i, d in enumerate(run_dirs)]
+    if names is None:
+        for run, label in zip(runs, distinct_labels([Path(d) for d in run_dirs])):
+            run.name = label
     plots = write_plots(runs, out)
     return write_html(runs, plots, out, warmup_steps), plots
 
@@ -317,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         if len(args.run_dirs) > 1:
             ap.error("--out is required with several run dirs")
         args.out = args.run_dirs[0] / "report"
+    if args.out.exists() and not args.out.is_dir():
+        ap.error(f"--out {args.out} is a file; give a directory (created if missing)")
     try:
         path, plots = build_report(args.run_dirs, args.out, warmup_steps=args.warmup_steps)
     except (FileNotFoundError, ValueError) as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,19 +98,25 @@ def load_run(run_dir: Path, name: str | None = None) -> RunData:
     """Read `run_dir`'s metrics.jsonl, config.yaml and summary.json.
 
     Raises FileNotFoundError when metrics.jsonl is missing, ValueError naming the file and line
-    when a line is not a JSON object."""
+    when a line is not a JSON object (a truncated LAST line, what a killed run writes, is skipped
+    with a warning), and ValueError when no step was logged."""
     run_dir = Path(run_dir)
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics.jsonl (is this a run dir?)")
     by_step: dict[int, dict[str, float]] = {}
     validations: list[dict[str, float]] = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    lines = path.read_text(encoding="utf-8").splitlines()
+    last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
+            if n == last:  # a run killed mid-write leaves exactly this: the records before it stand
+                warnings.warn(f"{path}:{n}: a truncated last line, left out ({exc.msg})", stacklevel=2)
+                continue
             raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
         if not isinstance(rec, dict) or "step" not in rec:
             raise ValueError(f"{path}:{n}: a record must be a JSON object with a step")
@@ -123,6 +130,8 @@ def load_run(run_dir: Path, name: str | None = None) -> RunData:
     summary: dict[str, Any] = {}
     if (run_dir / "summary.json").is_file():
         summary = json.loads((run_dir / "summary.json").read_text())
+    if not by_step and not validations:
+        raise ValueError(f"{path}: no step was logged (the run ended before its first step): nothing to report")
     return RunData(name=name or run_dir.name, path=run_dir, steps=[by_step[s] for s in sorted(by_step)],
                    validations=validations, config=config, summary=summary)
 
