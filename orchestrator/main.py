@@ -46,7 +46,7 @@ from omegaconf import DictConfig, OmegaConf
 from orchestrator.config import ConfigError, RunConfig, async_loop_settings, register, sync_loop_settings, to_run_config
 from orchestrator.watch.console_log import quiet_console
 from orchestrator.watch.progress import phase, summary_text
-from orchestrator.watch.run_watch import nothing_trained
+from orchestrator.watch.run_watch import nothing_trained, stopped_early
 
 register()
 ENGINE_STOP_S = 2.0  # a vLLM engine-core process still there this long after SIGTERM is killed (seconds)
@@ -227,6 +227,7 @@ async def _summary(report, built, local) -> dict:
         "steps": report.steps if report is not None else int(last.get("step", 0)),
         "policy_version": report.policy_version if report is not None else int(last.get("policy_version", 0)),
         "interrupted": report is None,
+        "stopped": report.stopped if report is not None else None,  # the loop ended early: why
         "reward/initial": initial,
         "reward/final": final,
         **(built.parts.validator.initial_final() if built.parts.validator is not None else {}),
@@ -342,6 +343,8 @@ def _run_and_exit(cfg: RunConfig) -> None:
     if cfg.mode.name == "eval":
         if summary.get("rollout/completed", 0) == 0 and summary.get("rollout/failed", 0) > 0:
             _fail("run failed", f"no rollout completed ({summary['rollout/failed']} failed; see logs/)", 1)
+    elif summary.get("stopped"):  # a step in which every rollout failed: nothing could ever train
+        _fail("run failed", stopped_early(summary), 1)
     elif (why := nothing_trained(summary)) is not None:  # every group filtered, or every rollout failed
         _fail("run failed", why, 1)
 

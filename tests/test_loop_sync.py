@@ -2,6 +2,8 @@
 
 import math
 
+import re
+
 import pytest
 
 from orchestrator.loop.batching import RolloutLedger
@@ -123,9 +125,12 @@ async def test_a_step_where_every_rollout_failed_stops_the_run():
     rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(10)]
     parts = LoopParts(prompts=PromptCycle(rows, seed=0), rollouts=AllFail(store, push.versions), store=store,
                           trainer=trainer, weights=push, logger=logger, ledger=RolloutLedger())
-    with pytest.raises(RuntimeError, match="step 1: all 8 rollouts failed.*could not connect"):
-        await run_sync(parts, SyncLoopSettings(total_steps=3, batch_size=2, n=4, sync_every=1,
-                                               filter_zero_variance=True))
+    report = await run_sync(parts, SyncLoopSettings(total_steps=3, batch_size=2, n=4, sync_every=1,
+                                                    filter_zero_variance=True))
+    # issue 29: it ends like any other run (a report, summary.json, `run failed:` from main), not a traceback
+    assert report.stopped is not None and re.search("step 1: all 8 rollouts failed .*could not connect", report.stopped)
+    assert report.steps == 1 and report.counts["rollout/failed"] == 8 and not parts.ledger.open_rollouts()
+    assert [step for step, _ in logger.steps] == [1]  # the failed step is logged: the report shows it
     assert not trainer.updates and push.versions == [0]
 
 

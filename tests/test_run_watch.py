@@ -45,3 +45,13 @@ def test_nothing_trained_names_what_happened():
         "no rollout completed (8 of 8 failed")
     assert nothing_trained({"steps": 1, "rollout/dispatched": 8, "rollout/completed": 4,
                             "rollout/trained_groups": 1}) is None
+
+
+def test_a_run_stopped_by_failures_names_the_most_common_reason_and_what_to_check():
+    from orchestrator.watch.run_watch import stopped_early
+
+    summary = {"stopped": "step 1: all 4 rollouts failed (1 distinct error(s); e.g. x)", "rollout/failed": 4,
+               "rollout/failed/agent_error": 3, "rollout/failed/timeout": 1}
+    text = stopped_early(summary)
+    assert text.startswith("step 1: all 4 rollouts failed")
+    assert "most common reason: agent_error (3 of 4 failed)" in text and "gateway.advertise_url" in text

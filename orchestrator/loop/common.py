@@ -95,6 +95,7 @@ class LoopReport:
     steps: int
     policy_version: int
     counts: dict[str, int]
+    stopped: str | None = None  # why the loop ended before its last step (None: it ran them all)
 
 
 def ledger_key(s: Sample | RolloutRequest) -> str:
@@ -208,8 +209,9 @@ async def end_step(parts: LoopParts, step: int, metrics: dict[str, float],
         await parts.checkpoint(position())
 
 
-def finish(parts: LoopParts, steps: int, version: int) -> LoopReport:
-    """The run's report; raises RuntimeError when a dispatched rollout has no terminal state."""
+def finish(parts: LoopParts, steps: int, version: int, stopped: str | None = None) -> LoopReport:
+    """The run's report (`stopped`: why it ended early); raises RuntimeError when a dispatched
+    rollout has no terminal state."""
     if parts.ledger.open_rollouts():
         raise RuntimeError(f"rollouts left open after the loop: {parts.ledger.open_rollouts()[:5]}")
-    return LoopReport(steps=steps, policy_version=version, counts=parts.ledger.counts())
+    return LoopReport(steps=steps, policy_version=version, counts=parts.ledger.counts(), stopped=stopped)

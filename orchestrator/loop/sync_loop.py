@@ -4,7 +4,9 @@ Handed its `LoopParts` (orchestrator/loop/common.py) through small protocols, so
 stand in for the real ones. Invariant: at the end of every step, every rollout dispatched in that
 step is closed in the ledger (trained as `completed`, `filtered` or `failed`), the step's buffer
 partition is cleared, and the policy version has increased by exactly one when the step trained a
-group (a step with nothing to train neither updates nor syncs weights: the version stays). Validation
+group (a step with nothing to train neither updates nor syncs weights: the version stays); a step in
+which every rollout failed ends the run there (`LoopReport.stopped` says why: nothing could ever
+train). Validation
 (`parts.validator`) runs at the step boundary on the weights just synced, and before the first
 step (logged as step 0) with `trainer.val_before_train`.
 """
@@ -53,10 +55,16 @@ async def run_sync(parts: LoopParts, cfg: SyncLoopSettings, *, start: LoopPositi
 
         report_groups(parts.prompts, samples)
         batch = assemble(samples, filter_zero_variance=cfg.filter_zero_variance)
-        if samples and len(batch.failed) == len(samples):  # nothing can ever train: stop instead of looping
-            errors = sorted({str(s.error)[:200] for s in batch.failed})
-            raise RuntimeError(f"step {step}: all {len(samples)} rollouts failed; errors: {errors[:3]}")
         close_untrained(parts.ledger, batch)
+        if samples and len(batch.failed) == len(samples):  # nothing can ever train: stop instead of looping
+            await parts.store.clear(partition)
+            errors = sorted({str(s.error)[:200] for s in batch.failed})
+            parts.logger.log(step, {**step_metrics(parts, samples=samples, updates=[], t_gen=t_gen, t_update=0.0,
+                                                   t_sync=0.0, step_s=parts.clock() - t_step, version=version),
+                                    "rollout/step_failed": float(len(batch.failed))})
+            return finish(parts, step, version,
+                          stopped=f"step {step}: all {len(samples)} rollouts failed ({len(errors)} distinct "
+                                  f"error(s); e.g. {errors[0][:160]})")
 
         t0 = parts.clock()
         updates = [await parts.trainer.update(chunk) for chunk in split_groups(batch.trainable, cfg.sync_every)]

@@ -79,3 +79,31 @@ def nothing_trained(summary: dict) -> str | None:
     return (f"nothing was trained: of {n['dispatched']} rollouts, {n['filtered']} completed and were filtered "
             f"(every group's rewards were equal: no learning signal; algorithm.filter_zero_variance), "
             f"{n['failed']} failed, {n['expired']} expired; the policy did not change (see summary.json)")
+
+
+FAILURE_HINTS = {  # rollout/failed/{reason} (workers/rollout/failures.py) -> what to check first
+    "agent_error": "the agent raised or could not finish (its log in RUN_DIR/logs/); an agent that cannot reach "
+                   "the gateway fails this way: gateway.advertise_url must be reachable from where the agent runs",
+    "timeout": "rollouts ran past rollout.timeout_s",
+    "bad_result": "the agent's results broke the rollout contract (rollout.contract, docs/agents.md)",
+    "throttled": "ACR throttled the calls: lower rollout.acr.limits.requests_per_s or raise the account's quota",
+    "acr_error": "ACR refused the calls: check rollout.acr.agent_runtime_arn, its qualifier and the credentials",
+    "acr_unavailable": "the ACR endpoint could not be reached",
+    "s3_unavailable": "the result bucket could not be reached (rollout.acr.s3_bucket)",
+    "transport": "the connection to the agent dropped",
+    "engine_lost": "no inference replica answered the agent's model calls",
+    "actor_lost": "the rollout actors died (RUN_DIR/logs/)",
+}
+
+
+def stopped_early(summary: dict) -> str:
+    """The exit message of a run its loop stopped early (`summary["stopped"]`): why, the most common
+    failure reason with its count, and what to check for it."""
+    reasons = {k.split("/", 2)[2]: int(v) for k, v in summary.items()
+               if k.startswith("rollout/failed/") and isinstance(v, (int, float)) and v}
+    text = str(summary["stopped"])
+    if reasons:
+        top = max(reasons, key=reasons.get)
+        text += (f"; most common reason: {top} ({reasons[top]} of {int(summary.get('rollout/failed', 0))} failed)"
+                 + (f": {FAILURE_HINTS[top]}" if top in FAILURE_HINTS else ""))
+    return text + " (summary.json, report/)"
