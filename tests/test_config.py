@@ -291,3 +291,13 @@ def test_eval_takes_rollout_n_1_since_it_samples_eval_n():
     assert compose_config(["mode=eval", "rollout.n=1"]).rollout.n == 1
     with pytest.raises(ConfigError, match=r"^rollout\.n"):
         compose_config(["rollout.n=1"])  # training still needs a group
+
+
+def test_rollout_aws_on_the_embedded_model_says_which_defaults_clash_and_the_fix():
+    """Issue 29: `rollout=aws` (max_tokens 1024, for a real model) on the embedded default
+    (vllm_cpu, max_model_len 512) failed on a key the user never set, with no way out named."""
+    arn = "arn:aws:bedrock-agentcore:us-west-2:123456789012:runtime/my_agent-AbCd"
+    with pytest.raises(ConfigError, match=r"^rollout\.max_tokens") as exc:
+        compose_config(["rollout=aws", f"rollout.acr.agent_runtime_arn={arn}", "rollout.acr.s3_bucket=my-bucket"])
+    assert "rollout=aws sets max_tokens, inference=vllm_cpu the context" in str(exc.value)
+    assert "set rollout.max_tokens below 512 or raise inference.max_model_len" in str(exc.value)

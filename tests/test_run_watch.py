@@ -55,3 +55,22 @@ def test_a_run_stopped_by_failures_names_the_most_common_reason_and_what_to_chec
     text = stopped_early(summary)
     assert text.startswith("step 1: all 4 rollouts failed")
     assert "most common reason: agent_error (3 of 4 failed)" in text and "gateway.advertise_url" in text
+
+
+async def test_the_throttle_warning_fires_from_the_per_step_acr_count():
+    """Issue 29: the throttled-ACR warning never fired: the step records had no `acr/throttled`
+    (only summary.json did). The step probe now adds the pool's running count."""
+    from orchestrator.build.training import _pool_recovery_metrics
+
+    class Pool:  # the two things the probe reads of workers/rollout/pool.py RolloutPool
+        counts = {"rollout/actors_lost": 0, "rollout/redispatched": 0}
+        throttled = 0
+
+        async def acr_stats(self):
+            return {"throttled": self.throttled, "invocations": 10}
+
+    pool, w = Pool(), StepWatch()
+    assert w.on_step(1, {**rec(completed=16), **await _pool_recovery_metrics(pool)}) == []
+    pool.throttled = 5
+    [warning] = w.on_step(2, {**rec(completed=32), **await _pool_recovery_metrics(pool)})
+    assert "step 2: ACR throttled 5 requests" in warning

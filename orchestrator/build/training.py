@@ -209,9 +209,20 @@ def _probes(*probes: Probe) -> Probe:
     return merged
 
 
+ACR_STATS_WAIT_S = 5.0  # a step's probe waits this long for the actors' ACR counts, then goes without
+
+
 async def _pool_recovery_metrics(pool: RolloutPool) -> dict[str, float]:
-    """`rollout/actors_lost`, `rollout/redispatched` of the training pool so far (step metrics)."""
-    return {f"rollout/{k}": float(pool.counts[f"rollout/{k}"]) for k in ("actors_lost", "redispatched")}
+    """`rollout/actors_lost`, `rollout/redispatched` of the training pool so far, and `acr/throttled`
+    (ACR requests throttled so far, summed over the actors: the console warns on a step that adds
+    some, orchestrator/watch/run_watch.py); step metrics."""
+    out = {f"rollout/{k}": float(pool.counts[f"rollout/{k}"]) for k in ("actors_lost", "redispatched")}
+    try:  # an actor stuck in a call must not hold the step's record
+        async with asyncio.timeout(ACR_STATS_WAIT_S):
+            out["acr/throttled"] = float((await pool.acr_stats()).get("throttled", 0))
+    except TimeoutError:
+        pass
+    return out
 
 
 async def _validator(cfg: RunConfig, a: _Actors, closing: contextlib.AsyncExitStack) -> Validator | None:

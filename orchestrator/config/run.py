@@ -72,7 +72,9 @@ class RunConfig:
               f"must equal inference.replicas={self.inference.replicas} (set inference.replicas)",
               self.cluster.inference.replicas)
         check(self.rollout.max_tokens < self.inference.max_model_len, "rollout.max_tokens",
-              f"must be < inference.max_model_len={self.inference.max_model_len}", self.rollout.max_tokens)
+              f"must be < inference.max_model_len={self.inference.max_model_len} (rollout={self.rollout.name} sets "
+              f"max_tokens, inference={self.inference.name} the context): set rollout.max_tokens below "
+              f"{self.inference.max_model_len} or raise inference.max_model_len", self.rollout.max_tokens)
         check(self.trainer.weight_sync.backend not in CUDA_WEIGHT_SYNC_BACKENDS or self.cluster.name != "local",
               "trainer.weight_sync.backend", "needs CUDA GPUs: use cluster=disaggregated or cluster=colocated "
               "(cluster=local runs on CPU; use file, shm or gloo)", self.trainer.weight_sync.backend)
