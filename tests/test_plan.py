@@ -196,3 +196,20 @@ def test_embedded_model_built_says_whether_the_cache_holds_it(tiny_model_dir, mo
     assert embedded_model_built("tiny") and not embedded_model_built("nope")
     monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))  # nothing built there
     assert not embedded_model_built("tiny")
+
+
+def test_a_dry_run_plans_the_embedded_model_the_experiment_trains(monkeypatch, tmp_path):
+    """Issue 29: `+experiment=qwen3_random_gsm8k dry_run=true` planned the tiny model (513,152
+    parameters), not the random Qwen3 it trains. Unbuilt, the recipe's shape with the real Qwen3
+    vocabulary gives the same count the built model's config.json does."""
+    from workers.embedded.qwen3_random import built_qwen3_random
+
+    built = built_qwen3_random()
+    if built is not None:  # the shipped recipe's build, where the suite has made it: the counts agree
+        real = ModelShape.from_hf_config(json.loads((built / "config.json").read_text())).num_params
+        assert build_plan(compose_config(["+experiment=qwen3_random_gsm8k"])).header[1].startswith(
+            f"model: qwen3_random: {param_count(real)} parameters")
+    monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))  # nothing built there
+    header = build_plan(compose_config(["+experiment=qwen3_random_gsm8k"])).header
+    assert header[1].startswith("model: qwen3_random (built on first use): 19.50 M parameters ("), header[1]
+    assert "151669 tokens of vocabulary" in header[1]

@@ -46,7 +46,7 @@ def model_shape(cfg: RunConfig) -> tuple[ModelShape, str]:
     a known name gives it."""
     path = cfg.model.path
     if not path:
-        return _tiny_model_shape()
+        return _qwen3_random_shape() if cfg.model.name == "qwen3_random" else _tiny_model_shape()
     config = Path(path) / "config.json"
     if config.is_file():
         try:
@@ -60,10 +60,26 @@ def model_shape(cfg: RunConfig) -> tuple[ModelShape, str]:
     return shape, f"the {Path(path).name} preset shape (no config.json here)"
 
 
-def _tiny_label(source: str) -> str:
-    """The embedded tiny model's name in the plan: whether it is built (its shape read from its
-    config.json) or will be on first use."""
-    return "tiny" if source.endswith("config.json") else "tiny (built on first use)"
+def _embedded_label(name: str, source: str) -> str:
+    """An embedded model's name in the plan (`tiny`, `qwen3_random`): whether it is built (its shape
+    read from its config.json) or will be on first use."""
+    return name if source.endswith("config.json") else f"{name} (built on first use)"
+
+
+def _qwen3_random_shape() -> tuple[ModelShape, str]:
+    """`model=qwen3_random`'s shape: its config.json once built; before, its recipe with the real
+    Qwen3 tokenizer's vocabulary (workers/embedded/qwen3_random.py)."""
+    from workers.embedded.qwen3_random import DEFAULT_RECIPE as r, QWEN3_VOCAB_SIZE, built_qwen3_random
+
+    built = built_qwen3_random()
+    if built is not None:
+        config = built / "config.json"
+        return ModelShape.from_hf_config(json.loads(config.read_text())), str(config)
+    shape = ModelShape(hidden_size=r.hidden_size, num_hidden_layers=r.num_hidden_layers,
+                       num_attention_heads=r.num_attention_heads, num_key_value_heads=r.num_key_value_heads,
+                       head_dim=r.head_dim, intermediate_size=r.intermediate_size, vocab_size=QWEN3_VOCAB_SIZE,
+                       tie_word_embeddings=False, qk_norm=True)  # a Qwen3 model (qwen3_random.py's build)
+    return shape, f"the qwen3_random recipe, not built yet: {QWEN3_VOCAB_SIZE} tokens of vocabulary"
 
 
 def _tiny_model_shape() -> tuple[ModelShape, str]:
@@ -110,7 +126,8 @@ def build_plan(cfg: RunConfig) -> RunPlan:
     per_node = c.gpus_per_node if c.gpus_per_node is not None else math.ceil(placement.num_gpus)
     gpu_bytes = int(c.gpu_memory_gib * GIB)
     header = [_hardware_line(cfg, per_node),
-              f"model: {cfg.model.path or _tiny_label(source)}: {param_count(shape.num_params)} parameters "
+              f"model: {cfg.model.path or _embedded_label(cfg.model.name, source)}: "
+              f"{param_count(shape.num_params)} parameters "
               f"({source})"]
     if not placement.groups:
         header.append("cluster=local: no GPUs are placed; the trainer and the engine run on CPU (no GPU memory plan)")

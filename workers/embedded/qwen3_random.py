@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workers.embedded.real_tokenizers import NPM_PINS, tokenizer_dir
-from workers.embedded.tiny_model import BUILD_THREADS, cached_model_dir
+from workers.embedded.tiny_model import BUILD_THREADS, built_model_dir, cached_model_dir
 
+QWEN3_VOCAB_SIZE = 151_669  # len() of the pinned Qwen3 tokenizer: the built model's vocab_size
 RECIPE_VERSION = 1  # bump when the build code changes in a way the recipe fields don't capture
 
 
@@ -62,6 +63,11 @@ def ensure_qwen3_random(cache_dir: str | Path | None = None, recipe: Qwen3Random
     """
     tokenizer_dir("qwen3")  # fail early, naming the fetch command
     return cached_model_dir(cache_dir, recipe.key(), lambda out: build_qwen3_random(out, recipe))
+
+
+def built_qwen3_random(cache_dir: str | Path | None = None, recipe: Qwen3RandomRecipe = DEFAULT_RECIPE) -> Path | None:
+    """The folder `ensure_qwen3_random` returns if it is already built, else None (builds nothing)."""
+    return built_model_dir(cache_dir, recipe.key())
 
 
 def build_qwen3_random(out_dir: str | Path, recipe: Qwen3RandomRecipe = DEFAULT_RECIPE) -> Path:

@@ -167,7 +167,12 @@ def ensure_tiny_model(
 
 def built_tiny_model(cache_dir: str | Path | None = None, recipe: TinyModelRecipe = DEFAULT_RECIPE) -> Path | None:
     """The folder `ensure_tiny_model` returns if it is already built, else None (builds nothing)."""
-    final = _cache_root(cache_dir) / recipe.key()
+    return built_model_dir(cache_dir, recipe.key())
+
+
+def built_model_dir(cache_dir: str | Path | None, key: str) -> Path | None:
+    """`<cache root>/<key>` if that model is built completely, else None (builds nothing)."""
+    final = _cache_root(cache_dir) / key
     return final if _is_complete(final) else None
 
 
