@@ -104,6 +104,6 @@ def write_outputs(run_dir: Path, records: list[EvalRecord], summary: dict[str, A
     with (run_dir / "eval.jsonl").open("w", encoding="utf-8") as f:
         for r in records:
             f.write(json.dumps(r.to_json(), allow_nan=True) + "\n")
-    from orchestrator.watch.metrics import finite_json
+    from orchestrator.watch.metrics import write_summary
 
-    (run_dir / "eval_summary.json").write_text(json.dumps(finite_json(summary), indent=2, allow_nan=False) + "\n")
+    write_summary(run_dir / "eval_summary.json", summary)

@@ -59,10 +59,9 @@ _REPORT_DRAWN: list[Path] = []  # the report.html it wrote
 def _write_summary(run_dir: Path, summary: dict, pre, t_start: float) -> None:
     summary["resumed_from_step"] = pre.checkpoint.state.step if pre.checkpoint else None
     summary["wall_s"] = time.monotonic() - t_start
-    from orchestrator.watch.metrics import finite_json
+    from orchestrator.watch.metrics import write_summary
 
-    # standard JSON: a value that could not be measured (NaN) is null
-    (run_dir / "summary.json").write_text(json.dumps(finite_json(summary), indent=2, allow_nan=False) + "\n")
+    write_summary(run_dir / "summary.json", summary)
 
 
 def _draw_report_while_stopping(run_dir: Path) -> None:

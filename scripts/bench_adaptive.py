@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the product's modules, imported where used
 POLICIES = ("fixed", "adaptive")
 FINISHED = ("rollout/completed", "rollout/failed", "rollout/expired", "rollout/filtered")
 KV_BINDING = ("inference.max_model_len=128", "rollout.max_context_tokens=128")
@@ -112,8 +113,8 @@ def run_policy(policy: str, args: argparse.Namespace, work: Path) -> dict:
         if proc.returncode != 0:
             raise RuntimeError(f"{policy} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    summary = {k: math.nan if v is None else v  # null in summary.json: not measured
-               for k, v in json.loads((run_dir / "summary.json").read_text()).items()}
+    from orchestrator.watch.metrics import read_summary  # the product's reader
+    summary = read_summary(run_dir / "summary.json")  # null (not measured) read as NaN
     cfg = summary_budget(run_dir, args.max_staleness)
     return {"policy": policy, "wall_s": wall_s, "overrides": cmd[3:],
             **figures(steps, summary, target=args.kv_target, warmup_steps=args.warmup_steps, in_flight_budget=cfg)}

@@ -81,8 +81,8 @@ def run_config(name: str, args: argparse.Namespace, work: Path) -> dict:
 def _figures(name: str, args: argparse.Namespace, run_dir: Path, wall_s: float) -> dict:
     all_steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = all_steps[args.warmup_steps:]
-    summary = {k: math.nan if v is None else v  # null in summary.json: not measured
-               for k, v in json.loads((run_dir / "summary.json").read_text()).items()}
+    from orchestrator.watch.metrics import read_summary
+    summary = read_summary(run_dir / "summary.json")  # null (not measured) read as NaN
     loop_s = sum(s["timing_s/step"] for s in steps)
     tokens = sum(s.get("perf/trained_tokens", 0.0) for s in steps)
     total_tokens = sum(s.get("perf/total_num_tokens", math.nan) for s in steps)  # NaN: a run before it was logged

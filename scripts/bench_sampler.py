@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the product's modules, imported where used
 SAMPLERS = ("uniform", "difficulty")
 
 
@@ -64,8 +65,8 @@ def run_point(mode: str, sampler: str, args: argparse.Namespace, work: Path) -> 
     if proc.returncode != 0:
         raise RuntimeError(f"{mode}/{sampler} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    summary = {k: math.nan if v is None else v  # null in summary.json: not measured
-               for k, v in json.loads((run_dir / "summary.json").read_text()).items()}
+    from orchestrator.watch.metrics import read_summary  # the product's reader
+    summary = read_summary(run_dir / "summary.json")  # null (not measured) read as NaN
     dispatched = summary["rollout/dispatched"]
     gain = summary["reward/final"] - summary["reward/initial"]
     val_gain = summary.get("val/reward/final", math.nan) - summary.get("val/reward/initial", math.nan)

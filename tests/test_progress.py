@@ -127,7 +127,7 @@ def test_summary_text_says_how_many_rollouts_an_interrupted_run_left_running():
     assert "still running" not in summary_text(base | {"rollout/open": 0})
 
 
-def test_summary_json_is_standard_json_with_null_for_what_was_not_measured():
+def test_summary_json_is_standard_json_with_null_for_what_was_not_measured(tmp_path):
     """Issue 29: a task=gsm8k run's summary.json held a bare NaN, which strict parsers reject."""
     import json
     import math
@@ -137,3 +137,10 @@ def test_summary_json_is_standard_json_with_null_for_what_was_not_measured():
     summary = {"reward/initial": math.nan, "reward/final": 0.5, "x": [math.inf, 1.0, {"y": -math.inf}], "n": 3}
     text = json.dumps(finite_json(summary), allow_nan=False)  # would raise on any NaN left
     assert json.loads(text) == {"reward/initial": None, "reward/final": 0.5, "x": [None, 1.0, {"y": None}], "n": 3}
+    from orchestrator.watch.metrics import read_summary, write_summary
+
+    path = tmp_path / "summary.json"
+    write_summary(path, {"reward/initial": math.nan, "reward/final": 0.5})
+    assert "NaN" not in path.read_text()
+    back = read_summary(path)  # what the bench scripts do arithmetic on: NaN again, not None
+    assert math.isnan(back["reward/initial"]) and back["reward/final"] == 0.5

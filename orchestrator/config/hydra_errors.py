@@ -15,6 +15,7 @@ import dataclasses
 from pathlib import Path
 
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from orchestrator.config.errors import unknown_key
@@ -98,7 +99,7 @@ def _choices(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
 
 
-def _top_level_types(cfg) -> str | None:
+def _top_level_types(cfg: DictConfig) -> str | None:
     """The root keys outside every group's schema (`seed`, `dry_run`): Hydra takes any value there,
     and `seed=1.7` used to become 1 silently."""
     seed, dry_run = cfg.get("seed"), cfg.get("dry_run")

@@ -323,17 +323,20 @@ def load_checkpoint(path: Path | str) -> Checkpoint:
 def load_latest(run_dir: Path | str) -> Checkpoint | None:
     """The checkpoint `RUN_DIR/checkpoints/latest` names, verified; None when there is no pointer
     (a fresh run). Raises CheckpointError when the pointer names a missing or bad checkpoint."""
-    root = checkpoints_dir(run_dir)
-    pointer = root / LATEST_FILENAME
-    if not pointer.is_file():
-        return None
+    pointer = checkpoints_dir(run_dir) / LATEST_FILENAME
+    return load_checkpoint(_pointed_to(pointer)) if pointer.is_file() else None
+
+
+def _pointed_to(pointer: Path) -> Path:
+    """The checkpoint directory the `latest` file `pointer` names; CheckpointError when it names
+    none (not a plain checkpoint name, or a directory that does not exist)."""
     name = pointer.read_text(encoding="utf-8").strip()
     if not name or "/" in name or name.startswith("."):
         raise CheckpointError(f"{pointer} holds {name!r}, not a checkpoint name")
-    target = root / name
+    target = pointer.parent / name
     if not target.is_dir():
         raise CheckpointError(f"{pointer} names {name}, which does not exist")
-    return load_checkpoint(target)
+    return target
 
 
 def resolve_latest(path: Path | str) -> Path:
@@ -348,8 +351,5 @@ def resolve_latest(path: Path | str) -> Path:
         pointer = Path(*p.parts[:i + 1])
         if not pointer.is_file():
             return p
-        name = pointer.read_text(encoding="utf-8").strip()
-        if not name or "/" in name or name.startswith(".") or not (pointer.parent / name).is_dir():
-            raise CheckpointError(f"{pointer} names {name!r}, which is not a checkpoint there")
-        return Path(*p.parts[:i], name, *p.parts[i + 1:])
+        return Path(_pointed_to(pointer), *p.parts[i + 1:])
     return p

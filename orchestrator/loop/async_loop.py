@@ -4,9 +4,9 @@ A producer task admits groups while the staleness controller has capacity (at mo
 (η + v + 1)·k·B groups admitted by policy version v, at most `max_running_groups` in flight, and
 none past the run's last update: orchestrator/loop/staleness.py) and runs each group's n
 rollouts as its own task; finished groups queue up. The consumer (this loop) takes finished
-groups, filters them,
-checks every sample's staleness (trainer version − oldest token version), trains `sync_every`
-mini-batches of B groups, pushes weights and bumps the version, which frees capacity.
+groups, filters them, checks every sample's staleness (trainer version − oldest token version),
+trains `sync_every` mini-batches of B groups, pushes weights and bumps the version, which frees
+capacity.
 
 Invariants: every dispatched rollout reaches exactly one terminal state in the ledger
 (`completed` = trained, `filtered`, `failed`, `expired` = too stale, or still running when the

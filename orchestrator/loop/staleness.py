@@ -398,6 +398,14 @@ def judge_samples(samples: list[Sample], trainer_version: int, policy: Staleness
     return StaleSplit(tuple(train), tuple(expired), facts)
 
 
+def _distribution(prefix: str, values: list[int]) -> dict[str, float]:
+    """`{prefix}mean`, `{prefix}max` and `{prefix}hist/{k}` of staleness `values` ({} when empty)."""
+    if not values:
+        return {}
+    out = {f"{prefix}mean": sum(values) / len(values), f"{prefix}max": float(max(values))}
+    return out | {f"{prefix}hist/{k}": float(values.count(k)) for k in sorted(set(values))}
+
+
 def staleness_metrics(facts: list[SampleStaleness] | tuple[SampleStaleness, ...]) -> dict[str, float]:
     """`staleness/mean`, `staleness/max`, `staleness/hist/{k}` (samples at staleness k),
     `staleness/version_span` (newest - oldest generated-token version over all samples) and
@@ -410,17 +418,8 @@ def staleness_metrics(facts: list[SampleStaleness] | tuple[SampleStaleness, ...]
     out: dict[str, float] = {"async/dropped_stale": float(sum(f.stale for f in facts))}
     if not measured:
         return out
-    trained = [f.staleness for f in measured if not f.stale]
-    if trained:
-        out["staleness/trained_mean"] = sum(trained) / len(trained)  # type: ignore[arg-type]
-        out["staleness/trained_max"] = float(max(trained))  # type: ignore[type-var]
-        for k in sorted(set(trained)):  # type: ignore[type-var]
-            out[f"staleness/trained_hist/{k}"] = float(trained.count(k))
-    values = [f.staleness for f in measured]
-    out["staleness/mean"] = sum(values) / len(values)  # type: ignore[arg-type]
-    out["staleness/max"] = float(max(values))  # type: ignore[type-var]
-    for k in sorted(set(values)):  # type: ignore[type-var]
-        out[f"staleness/hist/{k}"] = float(values.count(k))
+    out |= _distribution("staleness/", [f.staleness for f in measured])  # type: ignore[misc]
+    out |= _distribution("staleness/trained_", [f.staleness for f in measured if not f.stale])  # type: ignore[misc]
     lo = min(f.min_version for f in measured)  # type: ignore[type-var]
     hi = max(f.max_version for f in measured)  # type: ignore[type-var]
     out["staleness/version_span"] = float(hi - lo)

@@ -6,9 +6,8 @@ step is closed in the ledger (trained as `completed`, `filtered` or `failed`), t
 partition is cleared, and the policy version has increased by exactly one when the step trained a
 group (a step with nothing to train neither updates nor syncs weights: the version stays); a step in
 which every rollout failed ends the run there (`LoopReport.stopped` says why: nothing could ever
-train). Validation
-(`parts.validator`) runs at the step boundary on the weights just synced, and before the first
-step (logged as step 0) with `trainer.val_before_train`.
+train). Validation (`parts.validator`) runs at the step boundary on the weights just synced, and
+before the first step (logged as step 0) with `trainer.val_before_train`.
 """
 
 from __future__ import annotations
@@ -56,15 +55,11 @@ async def run_sync(parts: LoopParts, cfg: SyncLoopSettings, *, start: LoopPositi
         report_groups(parts.prompts, samples)
         batch = assemble(samples, filter_zero_variance=cfg.filter_zero_variance)
         close_untrained(parts.ledger, batch)
-        if samples and len(batch.failed) == len(samples):  # nothing can ever train: stop instead of looping
-            await parts.store.clear(partition)
+        stopped = None
+        if samples and len(batch.failed) == len(samples):  # nothing can ever train: end after this step
             errors = sorted({str(s.error)[:200] for s in batch.failed})
-            parts.logger.log(step, {**step_metrics(parts, samples=samples, updates=[], t_gen=t_gen, t_update=0.0,
-                                                   t_sync=0.0, step_s=parts.clock() - t_step, version=version),
-                                    "rollout/step_failed": float(len(batch.failed))})
-            return finish(parts, step, version,
-                          stopped=f"step {step}: all {len(samples)} rollouts failed ({len(errors)} distinct "
-                                  f"error(s); e.g. {errors[0][:160]})")
+            stopped = (f"step {step}: all {len(samples)} rollouts failed ({len(errors)} distinct error(s); "
+                       f"e.g. {errors[0][:160]})")
 
         t0 = parts.clock()
         updates = [await parts.trainer.update(chunk) for chunk in split_groups(batch.trainable, cfg.sync_every)]
@@ -87,4 +82,6 @@ async def run_sync(parts: LoopParts, cfg: SyncLoopSettings, *, start: LoopPositi
             metrics.update(await parts.validator.run(version))
         position = LoopPosition(step, version, next_group, trained_groups)  # nothing runs beside a sync step
         await end_step(parts, step, metrics, lambda: position)
+        if stopped is not None:
+            return finish(parts, step, version, stopped=stopped)
     return finish(parts, cfg.total_steps, version)

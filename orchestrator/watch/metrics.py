@@ -130,6 +130,18 @@ def finite_json(value: Any) -> Any:
     return value
 
 
+def write_summary(path: Path, summary: dict) -> None:
+    """Write a run's summary (summary.json, eval_summary.json) as standard JSON: null where a value
+    could not be measured (NaN)."""
+    path.write_text(json.dumps(finite_json(summary), indent=2, allow_nan=False) + "\n")
+
+
+def read_summary(path: Path) -> dict:
+    """A summary written by `write_summary`, with its nulls read back as NaN (a figure that was not
+    measured), so arithmetic on it gives NaN rather than a TypeError."""
+    return {k: math.nan if v is None else v for k, v in json.loads(Path(path).read_text()).items()}
+
+
 def reward_initial_final(rewards: list[float], fraction: float = 0.1) -> tuple[float, float]:
     """Mean reward over the first and last `fraction` of steps (at least one step each).
 

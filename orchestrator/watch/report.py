@@ -304,10 +304,8 @@ def build_report(run_dirs: list[Path], out: Path, *, names: list[str] | None = N
                  warmup_steps: int = 0) -> tuple[Path, list[Plot]]:
     """Load `run_dirs`, write the plots and report.html into `out`; returns (report.html, plots).
     Raises FileNotFoundError / ValueError from `load_run` for a dir that is not a run."""
-    runs = [load_run(Path(d), names[i] if names else None) for i, d in enumerate(run_dirs)]
-    if names is None:
-        for run, label in zip(runs, distinct_labels([Path(d) for d in run_dirs])):
-            run.name = label
+    labels = names or distinct_labels([Path(d) for d in run_dirs])
+    runs = [load_run(Path(d), label) for d, label in zip(run_dirs, labels)]
     plots = write_plots(runs, out)
     return write_html(runs, plots, out, warmup_steps), plots
 
