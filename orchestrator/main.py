@@ -43,7 +43,8 @@ from typing import NoReturn
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator.config import ConfigError, RunConfig, async_loop_settings, register, sync_loop_settings, to_run_config
+from orchestrator.config import (ConfigError, RunConfig, acr_region, async_loop_settings, register, sync_loop_settings,
+                                 to_run_config)
 from orchestrator.watch.console_log import quiet_console
 from orchestrator.watch.progress import phase, summary_text
 from orchestrator.watch.run_watch import nothing_trained, stopped_early
@@ -51,6 +52,7 @@ from orchestrator.watch.run_watch import nothing_trained, stopped_early
 register()
 ENGINE_STOP_S = 2.0  # a vLLM engine-core process still there this long after SIGTERM is killed (seconds)
 _STARTED: list[Path] = []  # the run_dir of the run this process started (pre-flight passed)
+LEFT_SESSIONS_S = 60.0  # bound on stopping the ACR sessions an earlier run left open, at start (seconds)
 REPORT_JOIN_S = 20.0  # an interrupted run waits this long at most for its report, drawn while it stops (seconds)
 _INTERRUPTED_REPORT: list[threading.Thread] = []  # that report's drawing thread
 _REPORT_DRAWN: list[Path] = []  # the report.html it wrote
@@ -100,6 +102,22 @@ def run(cfg: RunConfig) -> dict:
         return summary
 
 
+def _stop_left_sessions(cfg: RunConfig, run_dir: Path) -> None:
+    """Stop the ACR sessions an earlier run of `run_dir` left open (its driver was killed with its
+    reaper: a lost node), before this run opens any; one line says what was found."""
+    from orchestrator.control.reaper import stop_left_sessions
+
+    acr = cfg.rollout.acr
+    swept = stop_left_sessions(run_dir, region=acr_region(acr), requests_per_s=acr.limits.requests_per_s,
+                               deadline_s=LEFT_SESSIONS_S)
+    if swept.found:
+        kept = (f"; {swept.kept} could not be stopped now and stay in {run_dir}/acr_sessions/ for the next start "
+                "(they end at ACR's idle timeout otherwise)" if swept.kept else "")
+        print(f"an earlier run of this run_dir left {swept.found} ACR session(s) in its journal: {swept.stopped} "
+              f"stopped now, {swept.not_open} already closed, {swept.local} on its own local emulator (gone with "
+              f"it){kept}", flush=True)
+
+
 def _interrupted_before_a_step(pre) -> dict:
     """The summary of a run stopped before its loop ran a step: the resumed checkpoint's step, if any."""
     return {"steps": pre.checkpoint.state.step if pre.checkpoint else 0, "interrupted": True}
@@ -115,7 +133,10 @@ def _run_started(cfg: RunConfig, pre, t_start: float) -> dict:
 
     run_dir = pre.run_dir
     (run_dir / "logs").mkdir(exist_ok=True)
-    start_reaper(run_dir, run_dir / "logs" / "reaper.log")  # however this process ends, what it started ends too
+    acr = cfg.rollout.acr
+    start_reaper(run_dir, run_dir / "logs" / "reaper.log", acr_region=acr_region(acr),  # however this process
+                 acr_requests_per_s=acr.limits.requests_per_s)  # ends, what it started ends too
+    _stop_left_sessions(cfg, run_dir)
     if pre.checkpoint is not None:
         state = pre.checkpoint.state
         print(f"resuming from {pre.checkpoint.path} (step {state.step}, policy version {state.policy_version})",
@@ -209,17 +230,20 @@ async def _summary(report, built, local) -> dict:
     """The run's totals: steps, rewards, the ledger's terminal counts, ACR calls and sessions.
     `report` None: the run was interrupted; steps and version are those of the last logged step.
     After a resume the counts and rewards cover the whole run (the checkpoint's counters and the
-    kept metrics records are the first part); ACR call counts are this process's."""
+    kept metrics records are the first part), and so do the `acr/*` call counters (the checkpoint's
+    plus this process's: calls a killed process made after its last checkpoint are not counted);
+    `rollout/failed/{reason}` and `acr/emulator_throttled` are this process's."""
     from orchestrator.watch.metrics import reward_initial_final
 
     initial, final = reward_initial_final(built.logger.rewards)
     last = built.logger.last
     counts = report.counts if report is not None else built.parts.ledger.counts()
-    acr_stats, pool_counts = {}, {}  # rollout/failed/{reason}, acr/stop_failed; bounded: actors may be stuck
+    acr_stats, pool_counts, acr_totals = {}, {}, {}  # bounded: actors may be stuck
 
     async def pool_stats() -> None:
         acr_stats.update(await built.pool.acr_stats())
         pool_counts.update(await built.pool.rollout_counts())
+        acr_totals.update(await built.acr_totals())
 
     await _bounded(pool_stats())
     return {
@@ -235,13 +259,11 @@ async def _summary(report, built, local) -> dict:
                                                  if counts.get("rollout/trained_groups") else math.nan),
         # the emulator's own count when local (the server's view), else what the workers left open
         "acr/sessions_open_at_exit": local.stats().sessions_open if local else acr_stats.get("sessions_open", 0),
-        # the same meaning local and on AWS: ThrottlingExceptions that reached a rollout after botocore's
-        # retries (acr/retries counts the retried ones); locally also the emulator's own count of refusals
-        "acr/throttled": acr_stats.get("throttled", 0),
+        # acr/throttled, the same meaning local and on AWS: ThrottlingExceptions that reached a rollout after
+        # botocore's retries (acr/retries counts the retried ones); locally also the emulator's own count of refusals
+        **{k: 0 for k in ("acr/throttled", "acr/retries", "acr/requests")}, **acr_totals,
         **({"acr/emulator_throttled": local.stats().throttled} if local else {}),
-        "acr/retries": acr_stats.get("retries", 0),
-        "acr/requests": acr_stats.get("requests", 0),
-        **{k: pool_counts[k] for k in sorted(pool_counts) if k.startswith(("rollout/failed/", "acr/"))},
+        **{k: pool_counts[k] for k in sorted(pool_counts) if k.startswith("rollout/failed/")},
     }
 
 

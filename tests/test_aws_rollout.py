@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -95,3 +98,73 @@ def test_actors_on_a_joined_cluster_get_the_users_aws_configuration():
            "HOME": "/home/u", "PATH": "/bin"}
     assert forwarded_aws_env(env) == {k: v for k, v in env.items() if k.startswith("AWS_")}
     assert forwarded_aws_env({"HOME": "/home/u"}) == {}  # nothing set: actors use their node's instance role
+
+
+def _popen_main(stack, run_dir, env, *overrides: str) -> tuple[subprocess.Popen, list[str]]:
+    """`main`'s job started in the background; its console lines collect in the returned list."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.main", "rollout=aws", f"rollout.acr.agent_runtime_arn={stack.agent_runtime_arn}",
+         f"rollout.acr.s3_bucket={stack.bucket}", "rollout.max_tokens=16", "rollout.max_context_tokens=512",
+         "rollout.n=2", "rollout.batch_size=2", "rollout.num_workers=1", "gateway.host=127.0.0.1",
+         "rollout.result_host=127.0.0.1", "logger=console", f"run_dir={run_dir}", *overrides],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True).start()
+    return proc, lines
+
+
+def _wait_for(pred, what: str, timeout_s: float, lines: list[str]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s}s:\n" + "".join(lines[-40:])
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(600)
+def test_sessions_of_a_driver_killed_with_its_reaper_are_stopped_by_the_next_start(tmp_path, stack, stack_env):
+    """Issue 29: a driver SIGKILLed with ACR sessions open, its reaper with it (the node was lost):
+    the open-session journal in run_dir names them, and the next start of the same run_dir stops
+    every one of them through StopRuntimeSession before it opens any of its own."""
+    from orchestrator.control.reaper import Record, reap
+    from stand_ins import BlockingAcr
+    from workers.acr.journal import SessionJournal
+
+    import psutil
+
+    run_dir, env = tmp_path / "run", aws_env(tmp_path, stack)
+    baseline = stack.stats().sessions_open
+    proc, lines = _popen_main(stack, run_dir, env, "trainer.total_steps=50", "rollout.timeout_s=60")
+    tree = Record(proc.pid)
+    try:
+        _wait_for(lambda: stack.stats().sessions_open > baseline, "ACR session opened", 480, lines)
+        assert tree.scan()  # everything the driver started, to clean up by PID once the test is done
+        reaper = next(c for c in psutil.Process(proc.pid).children()
+                      if "orchestrator.control.reaper" in " ".join(c.cmdline()))
+        reaper.kill()  # first: a lost node takes the reaper with the driver
+        proc.kill()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reap(tree, None)  # its rollout actors, Ray and the engines too (by PID and start time): the node is gone
+    left_open = stack.stats().sessions_open - baseline
+    journaled = [e for e in SessionJournal(run_dir).entries() if not e.local]
+    assert left_open >= 1 and len(journaled) >= left_open, (left_open, journaled)  # every open one is journaled
+
+    again, lines = _popen_main(stack, run_dir, env, "trainer.total_steps=1")
+    try:
+        _wait_for(lambda: any("ACR session(s) in its journal" in line for line in lines), "sweep line", 120, lines)
+        again.send_signal(signal.SIGTERM)  # the rest of the run is not what this test is about
+        again.wait(timeout=120)
+    finally:
+        if again.poll() is None:
+            again.kill()
+            again.wait()
+    said = next(line for line in lines if "ACR session(s) in its journal" in line)
+    assert f"left {len(journaled)} ACR session(s)" in said and f"{left_open} stopped now" in said, said
+    assert not {e.session_id for e in journaled} & {e.session_id for e in SessionJournal(run_dir).entries()}
+    stack_env(stack)
+    acr = BlockingAcr()  # every session the killed run left is gone: a stop now finds none of them
+    assert [acr.stop_session(e.arn, e.session_id, e.qualifier) for e in journaled] == [False] * len(journaled)
+    assert stack.stats().sessions_open == baseline

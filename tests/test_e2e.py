@@ -244,6 +244,8 @@ def test_driver_killed_mid_checkpoint_resumes_with_every_prompt_trained_once(tmp
     assert not list((run_dir / "checkpoints").glob(".step-*"))
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-00000001"
     assert not (run_dir / "summary.json").exists()
+    carried = json.loads((run_dir / "checkpoints" / "step-00000001" / "run_state.json").read_text())["counters"]
+    assert carried["acr/requests"] >= 2 * 8  # step 1's invokes and stops, kept for the resumed run's summary
     uninterrupted = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in uninterrupted] == [1, 2]
 
@@ -273,3 +275,5 @@ def test_driver_killed_mid_checkpoint_resumes_with_every_prompt_trained_once(tmp
     assert summary["rollout/dispatched"] == 32 == (summary["rollout/completed"] + summary["rollout/failed"]
                                                    + summary["rollout/filtered"] + summary["rollout/expired"])
     assert summary["acr/sessions_open_at_exit"] == 0
+    # acr/* counts the whole run (issue 29): step 1's calls from the checkpoint plus the 3 steps run after it
+    assert summary["acr/requests"] >= carried["acr/requests"] + 3 * 2 * 8, (summary["acr/requests"], carried)

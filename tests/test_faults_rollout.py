@@ -27,6 +27,7 @@ ray = pytest.importorskip("ray")
 
 from stand_ins import REPO, STUB_AGENT, own_ray  # noqa: E402
 from workers.acr.client import AcrClientConfig  # noqa: E402
+from workers.acr.journal import JournalWriter, SessionJournal  # noqa: E402
 from workers.acr.limits import AcrLimitsConfig, limit_stats, start_limit_actors  # noqa: E402
 from workers.buffer.codec import SampleInfo  # noqa: E402
 from workers.core.types import RolloutRequest, Sample  # noqa: E402
@@ -66,7 +67,7 @@ def cluster(stack):
         yield
 
 
-async def _pool(stack, redispatch: int, timeout_s: float = 30.0):
+async def _pool(stack, redispatch: int, timeout_s: float = 30.0, journal: JournalWriter | None = None):
     sink = ray.remote(num_cpus=0)(Collector).remote()
     limits = await start_limit_actors(AcrLimitsConfig(requests_per_s=300.0, max_open_sessions=64),
                                 suffix=f"-{uuid.uuid4().hex[:6]}")
@@ -78,16 +79,19 @@ async def _pool(stack, redispatch: int, timeout_s: float = 30.0):
     spawn = rollout_actor_spawner(s, None, sink, options=opts, runtime_env={"env_vars": stack.env})
     actors, names = zip(*(spawn() for _ in range(2)))
     pool = RolloutPool(list(actors), names=names, recovery=PoolRecovery(
-        spawn=spawn, store=sink, exp_id=exp_id, sessions_cap=limits.sessions, max_redispatch=redispatch))
+        spawn=spawn, store=sink, exp_id=exp_id, sessions_cap=limits.sessions, max_redispatch=redispatch),
+        journal=journal)
     return pool, list(actors), sink, limits
 
 
-async def _kill_while_running(stack, pool, victim, reqs, partition):
+async def _kill_while_running(stack, pool, victim, reqs, partition, journal: SessionJournal | None = None):
     run = asyncio.ensure_future(pool.run_all(reqs, partition))
     deadline = time.monotonic() + TIMEOUT_S
     while stack.stats().sessions_open < len(reqs):  # every rollout invoked: all in flight
         assert time.monotonic() < deadline and not run.done(), "rollouts never all started"
         await asyncio.sleep(0.05)
+    if journal is not None:  # journaled before dispatch: what a driver killed now would leave
+        assert len(journal.entries()) == len(reqs)
     pid = await victim.__ray_call__.remote(lambda self: os.getpid())
     os.kill(pid, signal.SIGKILL)
     return await asyncio.wait_for(run, TIMEOUT_S)
@@ -105,10 +109,12 @@ async def _settled(stack, limits) -> None:
         await asyncio.sleep(0.1)
 
 
-async def test_lost_actor_rollouts_rerun_once_under_new_sessions(stack, cluster):
-    pool, actors, sink, limits = await _pool(stack, redispatch=1)
+async def test_lost_actor_rollouts_rerun_once_under_new_sessions(stack, cluster, tmp_path):
+    journal = SessionJournal(tmp_path)
+    pool, actors, sink, limits = await _pool(stack, redispatch=1, journal=JournalWriter(
+        journal, stack.agent_runtime_arn, None, local=True))
     reqs = _reqs(8)
-    outcomes = await _kill_while_running(stack, pool, actors[0], reqs, "p1")
+    outcomes = await _kill_while_running(stack, pool, actors[0], reqs, "p1", journal)
     assert [(o.group_id, o.sample_index) for o in outcomes] == [(r.group_id, r.sample_index) for r in reqs]
     assert {o.status for o in outcomes} == {"completed"}  # the 4 lost ones ran again and finished
     stored = await sink.all.remote("p1")
@@ -119,6 +125,7 @@ async def test_lost_actor_rollouts_rerun_once_under_new_sessions(stack, cluster)
     assert counts["rollout/lost_sessions_stopped"] == 4  # the dead actor's open ACR sessions
     assert counts["rollout/slots_released"] == 4  # the session-cap slots it held
     await _settled(stack, limits)  # no ACR session or slot left behind
+    assert journal.entries() == []  # every session, the lost and the re-dispatched, known stopped
     await pool.shutdown()
 
 

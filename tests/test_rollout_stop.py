@@ -106,11 +106,12 @@ async def test_a_failed_stop_keeps_its_slot_until_close_stops_it():
     at once, gives the slot back once, and leaves no task running."""
     acr, released, counts = FlakyStopAcr(fail=1), [], Counter()
     stops = SessionStops(acr, ARN, None, on_stopped=lambda: released.append(1), counts=counts)
-    stops.opened()
-    stops.opened()
+    stops.opened("s-fails")
+    stops.opened("s-ok")
     await stops.stop("s-fails")
     await stops.stop("s-ok")
     assert (stops.open, len(released), counts["acr/stop_failed"]) == (1, 1, 1)
+    assert stops.open_ids() == {"s-fails"} and stops.is_open("s-fails")  # what the run's journal keeps
     async with asyncio.timeout(TIMEOUT_S):  # well before the retry's STOP_RETRY_EVERY_S
         await stops.close()
     assert (stops.open, len(released), counts["acr/stop_recovered"]) == (0, 2, 1)
@@ -125,7 +126,7 @@ async def test_a_stop_survives_its_rollout_being_cancelled_twice():
     acr.open.add("s1")
     released: list[int] = []
     stops = SessionStops(acr, ARN, None, on_stopped=lambda: released.append(1), counts=Counter())
-    stops.opened()
+    stops.opened("s1")
     waiting = asyncio.ensure_future(stops.stop("s1"))
     await asyncio.sleep(0.01)
     waiting.cancel()

@@ -71,14 +71,19 @@ def run_rollout_settings(cfg: RunConfig, rt: Runtime, base_url: str) -> RolloutS
                             gateway_base_url=base_url, model_id=cfg.model.served_name, seed=cfg.seed)
 
 
-async def start_pool(cfg: RunConfig, settings: RolloutSettings, gateway: ActorHandle | None,
+async def start_pool(cfg: RunConfig, rt: Runtime, settings: RolloutSettings, gateway: ActorHandle | None,
                      buffer: TrajectoryBuffer, closing: contextlib.AsyncExitStack) -> RolloutPool:
-    """A rollout pool under the cluster-wide ACR limits (named actors, shared by every pool)."""
+    """A rollout pool under the cluster-wide ACR limits (named actors, shared by every pool) that
+    records its sessions in the run's open-session journal (workers/acr/journal.py)."""
+    from workers.acr.journal import JournalWriter, SessionJournal
     from workers.rollout.pool import start_rollout_pool
 
     r = cfg.rollout
+    journal = JournalWriter(SessionJournal(rt.run_dir), settings.agent_runtime_arn, settings.qualifier,
+                            local=rt.local is not None)
     pool = await start_rollout_pool(settings, num_workers=r.num_workers, limits=r.acr.limits.typed(),
                                     acr=acr_client_config(r), result_host=r.result_host, gateway=gateway,
-                                    buffer_handle=buffer.handle, store=buffer, redispatch_lost=r.redispatch_lost)
+                                    buffer_handle=buffer.handle, store=buffer, redispatch_lost=r.redispatch_lost,
+                                    journal=journal)
     close_quietly(closing, pool.shutdown, what="rollout pool")
     return pool

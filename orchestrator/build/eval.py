@@ -63,7 +63,7 @@ async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -
             await gateway.set_engines.remote(replicas)
             base_url = await gateway.start.remote()
         settings = eval_rollout_settings(cfg.eval, run_rollout_settings(cfg, rt, base_url))
-        pool = await start_pool(cfg, settings, gateway, buffer, closing)
+        pool = await start_pool(cfg, rt, settings, gateway, buffer, closing)
         return BuiltEval(pool=pool, store=BufferStore(buffer, cfg.eval.n, cfg.rollout.timeout_s), replicas=replicas,
                          closing=closing)
     except BaseException:

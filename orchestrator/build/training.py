@@ -55,6 +55,7 @@ class BuiltRun:
     closing: contextlib.AsyncExitStack
     watchers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # run beside the loop (supervise.run_watched)
     trainer_ranks: list[ActorHandle] = field(default_factory=list)  # rank actors in rank order (to name a dead one)
+    acr_totals: Callable[[], Awaitable[dict[str, int]]] | None = None  # the run's acr/* counters, resumed runs included
 
 
 @dataclass
@@ -120,7 +121,7 @@ async def _start_actors(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack
     buffer = await TrajectoryBuffer.start_async(buffer_config())  # awaited: a Ctrl-C meanwhile is seen at once
     stack.callback(buffer.stop)
     settings = run_rollout_settings(cfg, rt, await gateway_up)
-    pool = await start_pool(cfg, settings, gateway, buffer, closing)  # its actors start while the engines do
+    pool = await start_pool(cfg, rt, settings, gateway, buffer, closing)  # its actors start while the engines do
 
     await asyncio.gather(*engines_up, pool.prepare())  # the rollout actors build their clients meanwhile
     phase("engines ready; starting the weight sync")
@@ -164,6 +165,7 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
     ledger = RolloutLedger()
     if ckpt is not None:
         ledger.restore(ckpt.state.counters)  # cumulative counters go on from the checkpoint's
+    acr_totals = _acr_totals(a.pool, ckpt.state.counters if ckpt else {})
     parts = LoopParts(
         prompts=prompts, rollouts=a.pool, ledger=ledger,
         store=BufferStore(a.buffer, cfg.rollout.n, cfg.rollout.timeout_s),
@@ -171,10 +173,27 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
         probe=_probes(_with_gate(GatewayProbe(a.gateway, a.replicas), concurrency), *(w.metrics for w in watchers),
                       lambda: _pool_recovery_metrics(a.pool), directory.refresh, cpu),
         checkpoint=RunCheckpointer(run_dir, a.trainer, prompts, save_freq=cfg.trainer.save_freq,
-                                   keep_last=cfg.trainer.max_ckpt_to_keep, counters=ledger.settled_counts),
-        validator=await _validator(cfg, a, closing), concurrency=concurrency)
+                                   keep_last=cfg.trainer.max_ckpt_to_keep, counters=ledger.settled_counts,
+                                   acr_counters=acr_totals),
+        validator=await _validator(cfg, rt, a, closing), concurrency=concurrency)
     return BuiltRun(parts=parts, start=position_of(ckpt.state) if ckpt else None, pool=a.pool, logger=logger,
-                    replicas=a.replicas, closing=closing, watchers=[w.run for w in watchers], trainer_ranks=ranks)
+                    replicas=a.replicas, closing=closing, watchers=[w.run for w in watchers], trainer_ranks=ranks,
+                    acr_totals=acr_totals)
+
+
+def _acr_totals(pool: RolloutPool, restored: dict[str, int]) -> Callable[[], Awaitable[dict[str, int]]]:
+    """The run's cumulative `acr/*` counters: the checkpoint's (`restored`, the processes before a
+    resume, up to their last checkpoint) plus this process's (bounded: an actor may be stuck)."""
+    carried = {k: int(v) for k, v in restored.items() if k.startswith("acr/")}
+
+    async def totals() -> dict[str, int]:
+        now: dict[str, int] = {}
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(ACR_STATS_WAIT_S):
+                now = await pool.acr_counts()
+        return {k: carried.get(k, 0) + now.get(k, 0) for k in sorted({*carried, *now})}
+
+    return totals
 
 
 def _supervisor(cfg: RunConfig, a: _Actors, version: int) -> ReplicaSupervisor | None:
@@ -225,7 +244,7 @@ async def _pool_recovery_metrics(pool: RolloutPool) -> dict[str, float]:
     return out
 
 
-async def _validator(cfg: RunConfig, a: _Actors, closing: contextlib.AsyncExitStack) -> Validator | None:
+async def _validator(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.AsyncExitStack) -> Validator | None:
     """Validation during training (`trainer.test_freq`, `trainer.val_before_train`) on its own pool
     with the `eval` group's sampling; None when neither is set."""
     t = cfg.trainer
@@ -234,7 +253,7 @@ async def _validator(cfg: RunConfig, a: _Actors, closing: contextlib.AsyncExitSt
     from orchestrator.adapters.clients import BufferStore
     from orchestrator.loop.validation import Validator
 
-    pool = await start_pool(cfg, eval_rollout_settings(cfg.eval, a.settings), a.gateway, a.buffer, closing)
+    pool = await start_pool(cfg, rt, eval_rollout_settings(cfg.eval, a.settings), a.gateway, a.buffer, closing)
     return Validator(pool=pool, store=BufferStore(a.buffer, cfg.eval.n, cfg.rollout.timeout_s),
                      rows=TASKS[cfg.task.name].rows(cfg.task, cfg.task.val_split), settings=eval_settings(cfg.eval),
                      test_freq=t.test_freq, val_before_train=t.val_before_train, clock=time.monotonic)

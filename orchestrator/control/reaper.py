@@ -7,8 +7,12 @@ stack's servers and agents, Ray's processes and actors, vLLM's engine cores) and
 /dev/shm files they map (named semaphores `sem.mp-*`, weight-sync slots). When the driver's PID is
 gone (the pipe closing at the driver's exit, however it happens, wakes it at once), it stops every
 recorded process still alive with the same start time (SIGTERM, SIGKILL after `TERM_GRACE_S`),
-unlinks the /dev/shm entries with a recorded inode, and removes the checkpoint staging directories
-a checkpoint write left behind (orchestrator/control/checkpoint.py `remove_staging`).
+unlinks the /dev/shm entries with a recorded inode, removes the checkpoint staging directories
+a checkpoint write left behind (orchestrator/control/checkpoint.py `remove_staging`), and stops the
+ACR sessions the run's open-session journal still holds (`stop_left_sessions`: through
+StopRuntimeSession at the run's request rate, for at most `SWEEP_S`; on a run that ended normally the
+journal is empty). The next start of the same run_dir stops what is left then (orchestrator/main.py),
+e.g. when the reaper died with the driver's node.
 
 Invariants: only processes descended from the driver (seen while it lived) are killed, each
 matched by PID and start time (a reused PID is never hit); only /dev/shm files those processes
@@ -34,6 +38,7 @@ from pathlib import Path
 SCAN_INTERVAL_S = 0.5  # between two records of the driver's descendants (seconds)
 TERM_GRACE_S = 2.0  # SIGTERM -> SIGKILL for what outlived the driver: lets it run its own cleanup (seconds)
 EXIT_POLL_S = 0.05  # once the pipe has closed, how often to look for the driver's PID (seconds)
+SWEEP_S = 30.0  # the reaper's bound on stopping the ACR sessions a dead driver left open (seconds)
 SHM_DIR = Path("/dev/shm")
 
 
@@ -48,13 +53,18 @@ class Reaper:
         return self.proc.pid
 
 
-def start_reaper(run_dir: Path, log_path: Path | None = None) -> Reaper:
+def start_reaper(run_dir: Path, log_path: Path | None = None, *, acr_region: str | None = None,
+                 acr_requests_per_s: float = 25.0) -> Reaper:
     """Start the reaper of this process (see the module docstring). The pipe stays open for this
-    process's whole life: the kernel closes it when the process exits, however it exits."""
+    process's whole life: the kernel closes it when the process exits, however it exits.
+    acr_region / acr_requests_per_s: the region (None: each ARN's own) and request rate of the
+    StopRuntimeSession calls for what the run's session journal still holds."""
     log = open(log_path, "ab") if log_path is not None else subprocess.DEVNULL
+    region = ["--acr-region", acr_region] if acr_region else []
     try:
         proc = subprocess.Popen([sys.executable, "-m", "orchestrator.control.reaper", "--parent", str(os.getpid()),
-                                 "--run-dir", str(run_dir)], stdin=subprocess.PIPE, stdout=log,
+                                 "--run-dir", str(run_dir), "--acr-requests-per-s", str(acr_requests_per_s), *region],
+                                stdin=subprocess.PIPE, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                     p for p in (str(Path(__file__).resolve().parents[1]),
@@ -196,14 +206,34 @@ def watch(parent: int, stdin_fd: int, run_dir: Path | None) -> dict[str, int]:
     return reap(record, run_dir)
 
 
+def stop_left_sessions(run_dir: Path, *, region: str | None, requests_per_s: float, deadline_s: float):
+    """Stop the ACR sessions the open-session journal of `run_dir` holds (workers/acr/sweep.py);
+    returns the SweepResult. Never raises for a stop that failed (its entry stays)."""
+    import asyncio
+
+    from workers.acr.client import AcrClientConfig
+    from workers.acr.sweep import sweep_run_dir
+
+    return asyncio.run(sweep_run_dir(run_dir, AcrClientConfig(region_name=region), rate_per_s=requests_per_s,
+                                     deadline_s=deadline_s))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="kill what a driver started once the driver is gone")
     p.add_argument("--parent", type=int, required=True)
     p.add_argument("--run-dir", default=None)
+    p.add_argument("--acr-region", default=None)
+    p.add_argument("--acr-requests-per-s", type=float, default=25.0)
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only the driver's end ends the reaper
-    found = watch(args.parent, sys.stdin.fileno(), Path(args.run_dir) if args.run_dir else None)
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    found = watch(args.parent, sys.stdin.fileno(), run_dir)
     print(f"reaper: driver {args.parent} gone; {found}", flush=True)
+    if run_dir is not None:  # after the processes: no rollout actor still uses a session
+        swept = stop_left_sessions(run_dir, region=args.acr_region, requests_per_s=args.acr_requests_per_s,
+                                   deadline_s=SWEEP_S)
+        if swept.found:
+            print(f"reaper: ACR sessions left open: {swept}", flush=True)
     return 0
 
 

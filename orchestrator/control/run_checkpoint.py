@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from orchestrator.control.checkpoint import Checkpoint, RunState, load_checkpoint, load_latest, stage_checkpoint
 from orchestrator.watch.metrics import METRICS_FILENAME, keep_steps_upto
@@ -109,16 +109,20 @@ class RunCheckpointer:
         prompts: the loop's prompt source.
         save_freq: steps between checkpoints. keep_last: checkpoints kept (older ones pruned).
         counters: the run's cumulative counters now (the ledger's `settled_counts`), read with the position.
+        acr_counters: the run's cumulative `acr/*` counters now (awaited before the position is read),
+            kept beside them so that a resumed run's summary counts its ACR calls from the start.
     """
 
     def __init__(self, run_dir: Path, trainer: Any, prompts: ResumablePrompts, *, save_freq: int,
-                 keep_last: int, counters: Callable[[], dict[str, int]] = dict) -> None:
+                 keep_last: int, counters: Callable[[], dict[str, int]] = dict,
+                 acr_counters: Callable[[], Awaitable[dict[str, int]]] | None = None) -> None:
         self._run_dir = Path(run_dir)
         self._trainer = trainer
         self._prompts = prompts
         self._save_freq = save_freq
         self._keep_last = keep_last
         self._counters = counters
+        self._acr_counters = acr_counters
         self.saved: list[Path] = []
 
     async def __call__(self, pos: LoopPosition) -> None:
@@ -127,9 +131,11 @@ class RunCheckpointer:
         if self._save_freq <= 0 or pos.step % self._save_freq:
             return
         prompt_state, undrawn = self._prompts.snapshot()  # same instant as pos.pending_rows: no await before
+        counters = self._counters()
+        acr = await self._acr_counters() if self._acr_counters is not None else {}  # calls, not the position
         state = RunState(step=pos.step, policy_version=pos.policy_version, next_group_id=pos.next_group_id,
                          prompts=prompt_state, admission=AdmissionState(pos.policy_version, pos.trained_groups),
-                         pending_rows=(*pos.pending_rows, *undrawn), counters=self._counters())
+                         pending_rows=(*pos.pending_rows, *undrawn), counters={**acr, **counters})
         with stage_checkpoint(self._run_dir, pos.step, keep_last=self._keep_last) as stage:
             await self._trainer.save_hf.remote(str(stage.model_dir))
             await self._trainer.save_optimizer.remote(str(stage.optimizer_path))

@@ -19,6 +19,11 @@ workers/rollout/recovery.py decides the rest: re-dispatch once under a new sessi
 sessions of every lost attempt are stopped through a live actor. Every request still ends with
 exactly one stored sample and one outcome. To kill one for a chaos test: the actors are named
 `rollout-{i}-{6 hex}`; the driver lists their PIDs in `run_dir/actors.json`; SIGKILL one.
+
+The open-session journal (workers/acr/journal.py, with `journal`): every attempt's session is
+recorded before its dispatch and forgotten when its outcome says it was stopped, when the stop of
+a lost session ended (stopped or not open), or at `shutdown` (all but what the actors still hold
+open). What a driver killed outright leaves there, its reaper and the next start stop.
 """
 
 from __future__ import annotations
@@ -31,11 +36,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from workers.acr.journal import JournalWriter
 from workers.core.calls import actor_died, call, is_actor_method
 from workers.core.netaddr import listen_and_advertise
 from workers.core.types import RolloutRequest, Sample, SessionCapture
 from workers.rollout.contract import new_session_id
 from workers.rollout.recovery import ACTOR_LOST, Attempt, plan_lost
+from workers.rollout.stops import LostStop
 from workers.rollout.worker import NoGateway, RolloutOutcome, RolloutSettings, RolloutWorker
 from workers.rollout.results import ResultBoard, ResultServer
 
@@ -125,11 +132,11 @@ class RolloutActor:
         finally:
             self._tasks.difference_update(tasks)
 
-    async def stop_lost_sessions(self, session_ids: list[str]) -> int:
-        """Stop the ACR sessions and close the gateway sessions of rollouts whose actor died;
-        returns how many ACR sessions were still open and are now stopped."""
+    async def stop_lost_sessions(self, session_ids: list[str]) -> list[LostStop]:
+        """Stop the ACR sessions and close the gateway sessions of rollouts whose actor died; how
+        each stop ended ("stopped", "not_open", "failed"), in order."""
         worker = await self._ensure()
-        return sum(await asyncio.gather(*(worker.stop_lost_session(s) for s in session_ids)))
+        return list(await asyncio.gather(*(worker.stop_lost_session(s) for s in session_ids)))
 
     def acr_stats(self) -> dict[str, int]:
         """ACR call counters of this actor (invocations, stops, retries, throttled, requests,
@@ -143,18 +150,22 @@ class RolloutActor:
         """`rollout/{completed,failed}`, `rollout/failed/{reason}`, `acr/stop_failed` of this actor."""
         return self._worker.rollout_counts() if self._worker is not None else {}
 
-    async def shutdown(self) -> None:
+    async def shutdown(self) -> list[str]:
         """Cancel rollouts still running (each stops its ACR session on the way out), wait for
-        every ACR stop in flight, then close."""
+        every ACR stop in flight, then close. Returns the ACR sessions still open (stops that failed
+        even when tried once more)."""
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        still_open: list[str] = []
         if self._worker is not None:  # every ACR stop ends before the client (and the emulator) goes
             await self._worker.close()
+            still_open = sorted(self._worker.open_session_ids())
         if self._server is not None:
             await self._server.stop()
         if self._acr is not None:
             await self._acr.close()
+        return still_open
 
 
 class GatewayActorClient:
@@ -223,13 +234,19 @@ class PoolRecovery:
 class RolloutPool:
     """Driver-side handle on the rollout actors (Ray handles, or RolloutActor objects in one
     process): spreads requests over them round-robin; with `recovery`, replaces a dead actor and
-    settles its rollouts (names: the actors' Ray names, in order)."""
+    settles its rollouts (names: the actors' Ray names, in order); with `journal` (it needs
+    `recovery`, which names the sessions before dispatch), records every session in the run's
+    open-session journal before its dispatch and forgets it once it is known to be stopped."""
 
-    def __init__(self, actors: list[Any], *, recovery: PoolRecovery | None = None, names: Sequence[str] = ()) -> None:
+    def __init__(self, actors: list[Any], *, recovery: PoolRecovery | None = None, names: Sequence[str] = (),
+                 journal: JournalWriter | None = None) -> None:
         if not actors:
             raise ValueError("RolloutPool needs at least one rollout actor")
         if recovery is not None and len(names) != len(actors):
             raise ValueError(f"a recovering pool needs one name per actor: {len(names)} names, {len(actors)} actors")
+        if journal is not None and recovery is None:
+            raise ValueError("a journaling pool needs PoolRecovery: it names each session before dispatch")
+        self._journal = journal
         self._actors = list(actors)
         self._names = list(names) or [""] * len(actors)
         self._recovery = recovery
@@ -264,12 +281,17 @@ class RolloutPool:
 
     async def _run_shard(self, actor: Any, attempts: list[Attempt], partition: str) -> list[RolloutOutcome]:
         reqs = [replace(a.req, session_id=a.session_id or None) for a in attempts]
+        if self._journal is not None:
+            self._journal.record(a.session_id for a in attempts)
         try:
-            return await call(actor, "run_many", reqs, partition)
+            outcomes = await call(actor, "run_many", reqs, partition)
         except Exception as exc:
             if self._recovery is None or not actor_died(exc):
                 raise
             return await self._recover(actor, attempts, partition, exc)
+        if self._journal is not None:
+            self._journal.forget(o.session_id for o in outcomes if not o.session_open)
+        return outcomes
 
     async def _recover(self, dead: Any, attempts: list[Attempt], partition: str,
                        exc: BaseException) -> list[RolloutOutcome]:
@@ -323,11 +345,14 @@ class RolloutPool:
         if not session_ids:
             return
         try:
-            self.counts["rollout/lost_sessions_stopped"] += await call(self._actors[0], "stop_lost_sessions",
-                                                                       session_ids)
-        except Exception as exc:  # noqa: BLE001 - visible; the sessions end at ACR's idle timeout
+            ends = await call(self._actors[0], "stop_lost_sessions", session_ids)
+        except Exception as exc:  # noqa: BLE001 - visible; kept in the journal (the reaper or the next start stops them)
             log.warning("stopping %d sessions of a lost rollout actor failed: %s", len(session_ids), exc)
             self.counts["acr/stop_failed"] += len(session_ids)
+            return
+        self.counts["rollout/lost_sessions_stopped"] += sum(e == "stopped" for e in ends)
+        if self._journal is not None:
+            self._journal.forget(s for s, e in zip(session_ids, ends) if e != "failed")
 
     def named_actors(self) -> dict[str, Any]:
         """The live rollout actors by Ray name (replacements included)."""
@@ -335,6 +360,14 @@ class RolloutPool:
 
     async def acr_stats(self) -> dict[str, int]:
         return _sum(await self._each("acr_stats"))
+
+    async def acr_counts(self) -> dict[str, int]:
+        """This process's cumulative ACR counters, summed over the live actors: `acr/requests` (HTTP
+        attempts), `acr/retries`, `acr/throttled` (throttles that reached a rollout) and the stop
+        counters (`acr/stop_failed`, `acr/stop_recovered`, the pool's own included)."""
+        stats, counts = await asyncio.gather(self.acr_stats(), self.rollout_counts())
+        return {**{f"acr/{k}": int(stats.get(k, 0)) for k in ("requests", "retries", "throttled")},
+                **{k: v for k, v in counts.items() if k.startswith("acr/")}}
 
     async def rollout_counts(self) -> dict[str, int]:
         """Summed `rollout/...` counts of every live actor (terminal states and failure reasons),
@@ -349,7 +382,11 @@ class RolloutPool:
         return [g for g in got if not isinstance(g, BaseException)]  # a dead actor, not replaced yet: nothing
 
     async def shutdown(self) -> None:
-        await asyncio.gather(*(call(a, "shutdown") for a in self._actors), return_exceptions=True)
+        """Shut every actor down (each stops the sessions of its cancelled rollouts). When all of
+        them answered, the journal forgets every session of this run but those still open."""
+        got = await asyncio.gather(*(call(a, "shutdown") for a in self._actors), return_exceptions=True)
+        if self._journal is not None and not any(isinstance(g, BaseException) for g in got):
+            self._journal.forget_all_but(s for g in got for s in (g or ()))
 
 
 def _outcome_of(info: Any) -> RolloutOutcome:
@@ -395,13 +432,14 @@ def start_rollout_actors(num: int, settings: RolloutSettings, gateway_handle: An
 
 async def start_rollout_pool(settings: RolloutSettings, *, num_workers: int, limits: Any, acr: Any, result_host: str,
                              gateway: Any, buffer_handle: Any, store: Any = None,
-                             redispatch_lost: int = 1) -> RolloutPool:
+                             redispatch_lost: int = 1, journal: JournalWriter | None = None) -> RolloutPool:
     """Start the named cluster-wide limit actors (`limits`: workers.acr.limits.AcrLimitsConfig)
     and `num_workers` rollout actors whose ACR clients use `acr` (workers.acr.client.AcrClientConfig);
     return the pool, which replaces a dead actor and re-dispatches its rollouts `redispatch_lost`
     times (`store`: the caller's TrajectoryBuffer, else one connected to `buffer_handle`). The
     driver maps its `rollout` config group to these typed settings. Awaits the limit actors (not
-    the rollout actors: `RolloutPool.prepare`), so a driver's event loop stays free meanwhile."""
+    the rollout actors: `RolloutPool.prepare`), so a driver's event loop stays free meanwhile.
+    `journal`: the run's open-session journal (workers/acr/journal.py), or None."""
     from workers.acr.limits import start_limit_actors
 
     handles = await start_limit_actors(limits)
@@ -410,4 +448,4 @@ async def start_rollout_pool(settings: RolloutSettings, *, num_workers: int, lim
     actors, names = zip(*(spawn() for _ in range(num_workers)))
     recovery = PoolRecovery(spawn=spawn, store=store if store is not None else _sink_for(buffer_handle), exp_id=settings.exp_id,
                             sessions_cap=handles.sessions, max_redispatch=redispatch_lost)
-    return RolloutPool(list(actors), recovery=recovery, names=names)
+    return RolloutPool(list(actors), recovery=recovery, names=names, journal=journal)

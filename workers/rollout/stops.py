@@ -8,7 +8,7 @@ stops waiting, but the stop itself goes on and `close` waits for it. A stop that
 endpoint is restarting) is tried again in the background every STOP_RETRY_EVERY_S for
 STOP_RETRY_FOR_S; `close` tries each of them once more, at once.
 
-Invariant: `open` counts the sessions `opened` and not yet stopped; the session-cap slot of a
+Invariant: `open_ids()` are the sessions `opened` and not yet stopped; the session-cap slot of a
 session is given back (`on_stopped`) exactly once, when its stop succeeds; when `close` returns,
 no stop of this worker is in flight or scheduled, so the ACR endpoint (the local emulator) may go.
 
@@ -22,11 +22,13 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Protocol
+from typing import Literal, Protocol
 
 from workers.rollout.failures import STOP_RETRY_EVERY_S, STOP_RETRY_FOR_S
 
 log = logging.getLogger(__name__)
+
+LostStop = Literal["stopped", "not_open", "failed"]  # how the stop of a dead actor's session ended
 
 
 class StopCalls(Protocol):
@@ -49,22 +51,35 @@ class SessionStops:
         self._on_stopped = on_stopped
         self._counts = counts
         self._clock = clock
-        self.open = 0  # sessions opened (invoked) and not stopped yet
+        self._open: set[str] = set()  # sessions opened (invoked) and not stopped yet
         self._inflight: set[asyncio.Future] = set()  # stops started, not finished
         self._retries: dict[str, asyncio.Future] = {}  # session id -> its background retry loop
 
-    def opened(self) -> None:
-        """A session was (or may have been) opened at ACR: count it before the invoke."""
-        self.open += 1
+    @property
+    def open(self) -> int:
+        """How many sessions were opened and are not stopped yet."""
+        return len(self._open)
+
+    def open_ids(self) -> set[str]:
+        """The sessions opened and not stopped yet (their stop failed and is retried, or runs now)."""
+        return set(self._open)
+
+    def is_open(self, session_id: str) -> bool:
+        return session_id in self._open
+
+    def opened(self, session_id: str) -> None:
+        """`session_id` was (or may have been) opened at ACR: record it before the invoke."""
+        self._open.add(session_id)
 
     async def stop(self, session_id: str) -> None:
         """Stop `session_id` (opened before); returns once the stop ended, or raises CancelledError
         when the caller is cancelled meanwhile (the stop goes on: `close` waits for it)."""
         await asyncio.shield(self._track(self._stop(session_id)))
 
-    async def stop_lost(self, session_id: str) -> bool:
-        """Stop a session this worker did not open (a rollout of a dead actor): True when ACR
-        stopped it, False when it was not open or the stop failed (counted in `acr/stop_failed`)."""
+    async def stop_lost(self, session_id: str) -> LostStop:
+        """Stop a session this worker did not open (a rollout of a dead actor): "stopped" when ACR
+        stopped it, "not_open" when ACR did not know it, "failed" when the stop raised (counted in
+        `acr/stop_failed`)."""
         return await asyncio.shield(self._track(self._stop_lost(session_id)))
 
     async def close(self) -> None:
@@ -94,7 +109,7 @@ class SessionStops:
                 log.warning("StopRuntimeSession failed for %s: %s", session_id, exc)
                 self._counts["acr/stop_failed"] += 1
             return False
-        self.open -= 1
+        self._open.discard(session_id)
         if recovered:
             self._counts["acr/stop_recovered"] += 1
         self._on_stopped()  # a session whose stop failed keeps its slot: never over the cap
@@ -108,10 +123,10 @@ class SessionStops:
                 break
         self._retries.pop(session_id, None)
 
-    async def _stop_lost(self, session_id: str) -> bool:
+    async def _stop_lost(self, session_id: str) -> LostStop:
         try:
-            return await self._acr.stop_session(self._arn, session_id, self._qualifier)
+            return "stopped" if await self._acr.stop_session(self._arn, session_id, self._qualifier) else "not_open"
         except Exception as exc:  # noqa: BLE001 - counted and visible; the rollout's fate is already decided
             log.warning("StopRuntimeSession failed for lost session %s: %s", session_id, exc)
             self._counts["acr/stop_failed"] += 1
-            return False
+            return "failed"

@@ -32,7 +32,7 @@ import logging
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol, get_args
 
 import tenacity
@@ -58,7 +58,7 @@ from workers.rollout.contract import (
 )
 from workers.rollout.failures import FailReason, fail_reason, reaching as _reaching
 from workers.rollout.results import ResultBoard
-from workers.rollout.stops import SessionStops
+from workers.rollout.stops import LostStop, SessionStops
 
 __all__ = ["RESERVED_KEYS", "ContractError", "BadResult", "NoGateway", "RolloutSettings", "RolloutOutcome", "RolloutWorker",
            "build_payload", "new_session_id", "parse_reward", "result_key", "FailReason"]
@@ -135,7 +135,9 @@ class RolloutOutcome:
     hit) to the sample being in the buffer; None when no result arrived.
     num_input_tokens: recorded tokens the model did not generate (prompts, tool results);
     num_turns: model turns the gateway served; policy_version: the oldest policy version of a
-    generated token (None: nothing generated through the gateway).
+    generated token (None: nothing generated through the gateway); session_open: the rollout's ACR
+    session is not known to be stopped yet (its stop failed and is retried in the background), so
+    the run's session journal keeps it (workers/acr/journal.py).
     """
 
     session_id: str
@@ -151,6 +153,7 @@ class RolloutOutcome:
     num_input_tokens: int = 0
     num_turns: int = 0
     policy_version: int | None = None
+    session_open: bool = False
 
 
 class GatewaySessions(Protocol):
@@ -256,15 +259,24 @@ class RolloutWorker:
         """ACR sessions this worker invoked and has not stopped yet (0 between rollouts)."""
         return self._stops.open
 
+    def open_session_ids(self) -> set[str]:
+        """The ACR sessions this worker invoked and has not stopped yet (a failed stop is retried)."""
+        return self._stops.open_ids()
+
     def rollout_counts(self) -> dict[str, int]:
         """`rollout/{completed,failed}` and `rollout/failed/{reason}` so far, plus stop failures."""
         return dict(self.counts)
 
     async def run(self, req: RolloutRequest, partition: str) -> RolloutOutcome:
-        """Run one rollout to a terminal state, store its sample in `partition`, return the outcome.
+        """Run one rollout to a terminal state, store its sample in `partition`, stop its ACR
+        session, return the outcome (`session_open`: that stop has not succeeded yet).
 
         Raises ContractError (reserved key in the row, or a streak of bad results): stop the run.
         """
+        out = await self._run(req, partition)
+        return replace(out, session_open=True) if self._stops.is_open(out.session_id) else out
+
+    async def _run(self, req: RolloutRequest, partition: str) -> RolloutOutcome:
         check_row(req.row, req.input_id)
         sid = req.session_id or new_session_id(self._s.exp_id, req.group_id, req.sample_index)
         if self._slots is not None:
@@ -283,7 +295,7 @@ class RolloutWorker:
                 if self._results is not None:
                     self._results.expect(sid, api_key)
                 invoked = True  # counted before the call: a timed-out invoke may still open it
-                self._stops.opened()
+                self._stops.opened(sid)
                 v = await self._attempt(req, sid, api_key)
             finally:
                 if self._results is not None:
@@ -411,10 +423,10 @@ class RolloutWorker:
 
     # -- cleanup ----------------------------------------------------------------------------
 
-    async def stop_lost_session(self, session_id: str) -> bool:
+    async def stop_lost_session(self, session_id: str) -> LostStop:
         """Close the gateway session and stop the ACR session of a rollout whose actor died (the
-        pool asks a live actor). True when ACR stopped it; False when it was not open (or the stop
-        failed: counted in `acr/stop_failed`). Never raises for a session that is already gone."""
+        pool asks a live actor): "stopped", "not_open" (ACR did not know it) or "failed" (counted in
+        `acr/stop_failed`). Never raises for a session that is already gone."""
         try:
             await self._gateway.close_session(session_id)
         except Exception:  # noqa: BLE001 - not open at the gateway (closed before the death, or never opened)
