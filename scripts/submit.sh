@@ -6,7 +6,8 @@
 #
 # Runs `ray job submit --address ... --working-dir . -- $PYTHON -m orchestrator.main "$@"` from the
 # repo root (the working dir is uploaded without .gitignore'd paths and .git). Environment:
-#   RAY_ADDRESS    the head's dashboard/job server (default http://127.0.0.1:8265)
+#   RAY_ADDRESS    the head's dashboard/job server (default http://127.0.0.1:8265); when nothing answers
+#                  there, one line names it and the script exits 2 before submitting
 #   PYTHON         python on the cluster nodes that has the project installed (default: python)
 #   SUBMISSION_ID  job id (default: orch-<UTC time>-<pid>); Ctrl-C stops the job with `ray job stop`
 #   RAY            the ray CLI (default: ray)
@@ -37,6 +38,28 @@ print(json.dumps({"excludes": [".git"], "env_vars": {k: os.environ[k] for k in k
 PY
 )"
 
+# one line, not the job client's tracebacks, when nothing answers at the address (any HTTP answer,
+# a 401 of token auth included, counts as a job server; a scheme other than http(s) is left to ray)
+if ! python3 - "$ADDRESS" <<'PY'
+import ssl, sys, urllib.error, urllib.request
+address = sys.argv[1]
+url = address if "://" in address else f"http://{address}"
+if url.startswith(("http://", "https://")):
+    try:
+        urllib.request.urlopen(f"{url.rstrip('/')}/api/version", timeout=5)
+    except urllib.error.HTTPError:
+        pass
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        if not isinstance(reason, ssl.SSLError):
+            sys.exit(f"submit.sh: no Ray job server answers at {address} ({reason}); set RAY_ADDRESS to the head's "
+                     "dashboard address (RAY_ADDRESS=http://HEAD:8265; default http://127.0.0.1:8265) or start a "
+                     "head here with `ray start --head`")
+PY
+then
+  exit 2
+fi
+
 stop_job() {
   echo "submit.sh: stopping job ${ID}" >&2
   "$RAY" job stop --address "$ADDRESS" "$ID" >&2 || true
@@ -50,7 +73,7 @@ echo "submit.sh: job ${ID} -> ${ADDRESS} (auth: ${RAY_AUTH_MODE:-disabled})" >&2
   -- "$JOB_PYTHON" -m orchestrator.main "$@" || true
 trap - INT TERM
 
-STATUS="$("$RAY" job status --address "$ADDRESS" "$ID" 2>&1 | tail -n 20)"
+STATUS="$("$RAY" job status --address "$ADDRESS" "$ID" 2>&1 | tail -n 20)" || true  # e.g. the head went away
 if grep -qF "Job '${ID}' succeeded" <<<"$STATUS"; then  # what `ray job status` prints for SUCCEEDED
   echo "submit.sh: job ${ID} SUCCEEDED" >&2
   exit 0

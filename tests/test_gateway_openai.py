@@ -230,7 +230,7 @@ async def test_raw_http_errors_use_openai_shape_and_health_is_open(gateway):
     root = gateway.base_url.removesuffix("/v1")
     auth = {"Authorization": f"Bearer {token}"}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as http:
-        async with http.get(f"{root}/health") as r:
+        async with http.get(f"{root}/health", headers=auth) as r:  # an open session's token sees the count
             assert r.status == 200 and (await r.json())["open_sessions"] == 1
         async with http.post(f"{gateway.base_url}/chat/completions", data=b"{not json", headers=auth) as r:
             body = await r.json()
@@ -242,6 +242,39 @@ async def test_raw_http_errors_use_openai_shape_and_health_is_open(gateway):
         async with http.get(f"{gateway.base_url}/models") as r:  # no key at all
             assert r.status == 401
     await gateway.close_session(SESSION)
+
+
+async def test_health_hides_the_open_session_count_from_callers_without_a_session_token(gateway):
+    """Issue 29: /health answered anyone with the number of running rollouts. Liveness stays open;
+    the count goes only to a caller whose token authenticates (none, unknown, closed: no count)."""
+    import aiohttp
+
+    token = await gateway.open_session(SESSION)
+    root = gateway.base_url.removesuffix("/v1")
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as http:
+        for headers in ({}, {"Authorization": "Bearer not-a-session-token"}, {"x-api-key": "k" * 600}):
+            async with http.get(f"{root}/health", headers=headers) as r:
+                body = await r.json()
+                assert r.status == 200 and body["status"] == "ok" and "open_sessions" not in body, headers
+        async with http.get(f"{root}/health", headers={"x-api-key": token}) as r:
+            assert (await r.json())["open_sessions"] == 1
+        await gateway.close_session(SESSION)
+        async with http.get(f"{root}/health", headers={"x-api-key": token}) as r:  # closed: liveness only
+            assert "open_sessions" not in await r.json()
+
+
+async def test_an_over_long_token_is_reported_as_malformed_not_missing(gateway):
+    """Issue 29: a 600-character key got 401 "missing session token"; the caller did send one."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as http:
+        async with http.get(f"{gateway.base_url}/models", headers={"Authorization": f"Bearer {'t' * 600}"}) as r:
+            message = (await r.json())["error"]["message"]
+            assert r.status == 401 and "missing" not in message
+            assert "malformed session token: 600 characters, longer than any session token (at most 512)" in message
+            assert "t" * 50 not in message  # the value is never echoed
+        async with http.get(f"{gateway.base_url}/models") as r:  # none at all is still "missing"
+            assert r.status == 401 and "missing session token" in (await r.json())["error"]["message"]
 
 
 async def test_enforced_session_sampling_overrides_the_agent(gateway, engine):

@@ -15,8 +15,8 @@ import pytest
 from orchestrator.config import ConfigError
 from orchestrator.planning.dry_run import build_plan, check_plan, format_plan, param_count
 from stand_ins import CONFIGS, REPO, compose_config
-from workers.core.memory_plan import (GIB, KNOWN_SHAPES, EngineLoad, ModelShape, TrainerLoad, engine_memory,
-                                      known_shape, trainer_memory)
+from workers.core.memory_plan import (GIB, KNOWN_SHAPES, EngineLoad, GpuMemory, ModelShape, TrainerLoad,
+                                      engine_memory, host_memory, known_shape, trainer_memory)
 from workers.core.placement import assign_bundles, plan_placement
 
 EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
@@ -25,8 +25,8 @@ EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml"))
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_shipped_experiment_plans_on_the_gpus_it_names(name):
     cfg = compose_config([f"+experiment={name}"])
-    plan = build_plan(cfg)
-    check_plan(plan)  # raises ConfigError when a GPU does not fit
+    plan = build_plan(cfg, machine_bytes=16 * GIB)  # cluster=local: a 16 GiB machine
+    check_plan(plan)  # raises ConfigError when a GPU (or the local machine) does not fit
     text = format_plan(plan)
     if cfg.cluster.name == "local":
         assert plan.gpus == [] and "no GPUs" in text
@@ -63,6 +63,42 @@ def test_local_dry_run_names_cpus_and_the_tiny_models_real_parameter_count(tiny_
     assert header[1].startswith("model: tiny (built on first use): ") and "not built yet" in header[1]
     assert " B parameters" not in header[1]
     assert param_count(7_615_616_512) == "7.62 B" and param_count(1_250_000) == "1.25 M" and param_count(513) == "513"
+
+
+def test_local_dry_run_of_an_8b_model_on_a_24_gib_machine_does_not_fit():
+    """Issue 29: `cluster=local dry_run=true` said "the plan fits" for an 8B model on 2 CPUs without
+    checking anything. The trainer rank and the CPU engine share this machine's memory: the 8B
+    trainer alone holds 16 bytes per parameter (fp32 master, gradients, two Adam moments), ~122 GiB."""
+    big = compose_config(["cluster=local", "model=qwen3", "model.path=/models/Qwen3-8B"])
+    plan = build_plan(big, machine_bytes=24 * GIB)
+    assert plan.gpus == [] and plan.host is not None and plan.host.roles == ["trainer rank 0", "inference replica 0"]
+    assert plan.host.memory.optimizer + plan.host.memory.gradients == 12 * KNOWN_SHAPES["qwen3-8b"].num_params
+    assert "in this machine's 24.0 GiB of memory" in plan.header[-1]
+    with pytest.raises(ConfigError, match=r"^dry run: cluster=local: this machine \(trainer rank 0, inference "
+                                          r"replica 0\) needs about [\d,]+ bytes \(\d+\.\d GiB: .*\) but has "
+                                          r"25,769,803,776 bytes \(24\.0 GiB\); use a smaller model"):
+        check_plan(plan)
+    tiny = build_plan(compose_config(["cluster=local"]), machine_bytes=24 * GIB)
+    check_plan(tiny)  # the tiny model fits: ~1 GiB of KV cache and little else
+    assert 1 * GIB <= tiny.host.memory.total < 4 * GIB
+    text = format_plan(tiny)
+    assert "this machine (CPU, estimate):" in text and "trainer rank 0, inference replica 0" in text
+    assert text.splitlines()[-2].endswith(" / 24.0")
+
+
+def test_local_dry_run_joining_a_ray_cluster_says_its_memory_is_not_checked():
+    plan = build_plan(compose_config(["cluster=local", "cluster.address=10.0.0.5:6379"]), machine_bytes=1)
+    assert plan.host is None and "memory of the Ray cluster at 10.0.0.5:6379 is not checked" in plan.header[-1]
+    check_plan(plan)  # nothing known to refuse
+
+
+def test_host_memory_sums_ranks_and_engines_without_cuda_overhead():
+    trainer = GpuMemory(weights=10, gradients=4, optimizer=8, activations=3)
+    engine = GpuMemory(weights=2, activations=1, kv_cache=5, other=0)
+    m = host_memory(trainer, 1, engine, 2)
+    # 1 trainer rank + 2 engines: weights 10 + 2·2, activations 3 + 2·1, KV 2·5
+    assert (m.weights, m.gradients, m.optimizer, m.activations, m.kv_cache, m.other) == (14, 4, 8, 5, 10, 0)
+    assert m.total == 41
 
 
 @pytest.mark.parametrize("key,published_b", [("qwen2.5-7b", 7.62), ("qwen3-8b", 8.19), ("qwen3-14b", 14.77),

@@ -31,12 +31,33 @@ def test_aws_region_comes_from_the_runtime_arn():
      "rollout.acr.agent_runtime_arn must be an AgentCore Runtime ARN"),
     ("rollout.acr.agent_runtime_arn=arn:aws:bedrock-agentcore:eu-central-1:1234:runtime/x",
      "rollout.acr.agent_runtime_arn must be an AgentCore Runtime ARN"),
+    ("rollout.acr.agent_runtime_arn=arn:aws:bedrock-agentcore:us-east-9:123456789012:runtime/x",
+     "rollout.acr.agent_runtime_arn names the region 'us-east-9', which is not a region of the aws partition "
+     "in botocore's endpoint data; use a valid one such as us-east-2, us-east-1, us-west-2"),
+    ("rollout.acr.agent_runtime_arn=arn:aws-cn:bedrock-agentcore:us-east-1:123456789012:runtime/x",
+     "rollout.acr.agent_runtime_arn names the region 'us-east-1', which is not a region of the aws-cn partition"),
     ("rollout.acr.s3_bucket=My_Bucket", "rollout.acr.s3_bucket must be an S3 bucket name"),
     ("rollout.acr.region=us-east-1", "rollout.acr.region must be null or the runtime's region 'eu-central-1'"),
 ])
 def test_aws_values_are_checked_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         compose_config([*AWS, override])
+
+
+def test_arn_regions_come_from_botocore_and_the_emulators_arn_stays_valid():
+    """Issue 29: `us-east-9` passed the ARN's form check. The known regions are botocore's endpoint data,
+    per partition; the ARN the local emulator serves (and the config's default) still parses."""
+    from orchestrator.config.rollout import AcrConfig
+    from workers.acr.arn import parse_runtime_arn, partition_regions
+    from workers.embedded.emulator_config import DEFAULT_RUNTIME_ARN
+
+    aws = partition_regions("aws")
+    assert {"us-east-1", "eu-central-1"} <= set(aws) and "us-east-9" not in aws
+    assert "cn-north-1" in partition_regions("aws-cn") and partition_regions("nowhere") == ()
+    assert parse_runtime_arn(DEFAULT_RUNTIME_ARN).region == "us-west-2"
+    assert parse_runtime_arn(AcrConfig().agent_runtime_arn).region == "us-west-2"
+    gov = "arn:aws-us-gov:bedrock-agentcore:us-gov-west-1:123456789012:runtime/a"
+    assert parse_runtime_arn(gov).partition == "aws-us-gov"
 
 
 def test_aws_without_values_names_the_first_missing_key():

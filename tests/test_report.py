@@ -13,14 +13,15 @@ import pytest
 import yaml
 from report_checks import MIN_COLORED_PIXELS, check_report, colored_pixels
 
-from orchestrator.watch.report import PLOTS, build_report, main
+from orchestrator.watch.report import PLOTS, build_report, draw_plot, main
 from orchestrator.watch.report_data import headline, load_run
 
 ALL_PLOTS = {p[0] for p in PLOTS}
 
 
-def make_run(path, *, mode="async", steps=12, gpus=0, seed=0, masked=True, val=True, step_s=2.0):
-    """A run dir with every metric the loops log, values drawn from a seeded generator."""
+def make_run(path, *, mode="async", steps=12, gpus=0, seed=0, masked=True, val=True, step_s=2.0, kv_usage=None):
+    """A run dir with every metric the loops log, values drawn from a seeded generator (the KV-cache
+    usage `kv_usage` x (1, 1.1, 1.2) by step when given)."""
     rng = random.Random(seed)
     path.mkdir(parents=True)
     cluster = ({"name": "local"} if not gpus else
@@ -43,6 +44,8 @@ def make_run(path, *, mode="async", steps=12, gpus=0, seed=0, masked=True, val=T
                       "staleness/hist/1": 5, "staleness/hist/2": rng.randint(0, 2)})
         if masked:
             r["rollout_corr/rollout_rs_masked_fraction"] = 0.02 * rng.random()
+        if kv_usage is not None:
+            r["perf/kv_cache_usage"] = kv_usage * (1 + 0.1 * (s % 3))
         if s == 3:
             r["perf/kv_cache_usage"] = math.nan  # a step without the engine's figure is left out
         recs.append(r)
@@ -147,3 +150,38 @@ def test_the_report_cli_papercuts_a_new_user_hit(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main([str(a), "--out", str(a_file)])
     assert exc.value.code == 2 and f"--out {a_file} is a file" in capsys.readouterr().err
+
+
+def _drawn(fig):
+    """`fig` laid out by the Agg canvas (what savefig does), so text extents are known."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig).draw()
+    return fig
+
+
+def test_reward_plot_has_no_blank_gpu_hours_panel_on_cpu(tmp_path):
+    """Issue 29: a CPU run's reward plot had a blank third panel (no GPU-hours); only panels with
+    data are drawn, and a GPU run keeps its GPU-hours panel."""
+    cpu, _ = draw_plot("reward.png", [load_run(make_run(tmp_path / "cpu"))])
+    assert [ax.get_xlabel() for ax in cpu.axes] == ["step", "loop wall time (min)"]
+    assert all(ax.get_visible() and ax.get_lines() for ax in cpu.axes)
+    gpu, _ = draw_plot("reward.png", [load_run(make_run(tmp_path / "gpu", gpus=4))])
+    assert [ax.get_xlabel() for ax in gpu.axes] == ["step", "loop wall time (min)", "GPU-hours"]
+    assert all(ax.get_lines() for ax in gpu.axes)
+
+
+@pytest.mark.parametrize("usage", [0.0003, 0.05, 0.7])
+def test_kv_cache_plot_shows_small_usages_and_keeps_its_y_label(tmp_path, usage):
+    """Issue 29: usages near 0.0003 (the tiny model) looked like an empty chart and the y label was
+    cut off by the long tick labels (0.000300). Now percent on an axis from 0 to 15 % above the
+    peak (the line fills the top of the panel), the peak in the title, and short tick labels."""
+    fig, points = draw_plot("kv_cache.png", [load_run(make_run(tmp_path / "run", kv_usage=usage))])
+    ax = _drawn(fig).axes[0]
+    assert points == 11  # 12 steps, step 3 NaN
+    peak = 100 * usage * 1.2  # percent; the steps' factors are 1, 1.1, 1.2
+    assert max(ax.get_lines()[0].get_ydata()) == pytest.approx(peak)
+    assert ax.get_ylim() == pytest.approx((0.0, peak * 1.15))
+    assert f"(peak {peak:.3g} %)" in ax.get_title() and ax.get_ylabel() == "KV blocks used (%)"
+    assert ax.yaxis.label.get_window_extent().x0 >= 0  # inside the figure, not cut off
+    assert all(len(t.get_text()) <= 4 for t in ax.get_yticklabels())

@@ -6,6 +6,7 @@ test's, never ~/.ray/auth_token), 2 CPUs and 1 logical GPU. Two submissions shar
   exit 0 on SUCCEEDED) and, inside the job, the GPU placement check on the cluster's logical GPU
   and the colocated sleep/wake of the real vLLM CPU engine (level 0: nothing released, reported);
 - a run with a bad override: the job FAILS and submit.sh exits non-zero.
+Without a head (nothing listening at RAY_ADDRESS) submit.sh says so in one line and exits 2.
 The head's processes are found by the temp dir in their command lines (plus their descendants)
 and stopped by PID at the end; never `ray stop`, never by name.
 """
@@ -136,3 +137,19 @@ def test_submit_exits_nonzero_when_the_job_fails(ray_head, tmp_path):
     assert proc.returncode == 1, log
     assert "trainer.total_steps must be >= 1" in proc.stdout + proc.stderr, log  # the job's error, followed
     assert "did not succeed" in proc.stderr and "failed" in proc.stderr, log
+
+
+def test_submit_without_a_reachable_cluster_says_so_in_one_line():
+    """Issue 29: with no cluster reachable, submit.sh printed 116 lines of the job client's tracebacks
+    and never its own message (`set -euo pipefail` exited at `ray job status` first). Now one line
+    names the address it tried and how to set it, before anything is submitted; exit 2."""
+    address = f"http://127.0.0.1:{free_port()}"  # a free port: nothing listens there
+    env = {**os.environ, "RAY_ADDRESS": address, "RAY": RAY_CLI, "PYTHON": "python"}
+    proc = subprocess.run([str(REPO / "scripts" / "submit.sh"), "trainer.total_steps=1"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith(f"submit.sh: no Ray job server answers at {address} (")
+    assert "RAY_ADDRESS=http://HEAD:8265" in lines[0]

@@ -7,11 +7,15 @@ replica goes (node and GPU, workers/core/placement.py's plan and `assign_bundles
 KV cache). The model's shape comes from `model.path`/config.json when it is readable here, else
 from the preset shapes by the directory's name (so a plan for a GPU cluster can be made on a
 laptop), else, when `model.path` is unset, from the tiny model's config.json once it is built (its
-recipe before). On cluster=local the header names the CPUs Ray gets instead of GPUs.
+recipe before). On cluster=local the header names the CPUs Ray gets instead of GPUs, and the plan
+holds this machine's memory (`HostPlan`: the trainer rank and the CPU engines, summed by
+memory_plan.host_memory) against what it has (physical memory, or a lower cgroup limit); a local
+plan that joins a Ray cluster (`cluster.address`) says that its memory is not checked.
 
 `check_plan` refuses a plan that cannot run: a GPU whose estimate exceeds `cluster.gpu_memory_gib`,
-or an engine whose KV cache cannot hold one `inference.max_model_len` sequence; the ConfigError
-names the node, the GPU, its roles and the bytes. Callers: orchestrator/main.py.
+an engine whose KV cache cannot hold one `inference.max_model_len` sequence, or a cluster=local
+machine whose estimate exceeds its memory; the ConfigError names the node, the GPU (or the
+machine), its roles and the bytes. Callers: orchestrator/main.py.
 """
 
 from __future__ import annotations
@@ -19,26 +23,53 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from orchestrator.config import ConfigError, RunConfig
 from workers.core.memory_plan import (GIB, KNOWN_SHAPES, EngineLoad, EngineMemory, GpuMemory, GpuPlan, ModelShape,
-                                      TrainerLoad, colocated_memory, engine_memory, known_shape, trainer_memory)
+                                      TrainerLoad, colocated_memory, engine_memory, host_memory, known_shape,
+                                      trainer_memory)
 from workers.core.placement import assign_bundles, plan_placement
 
 VLLM_DEFAULT_BATCHED_TOKENS = 8192  # vLLM's chunked-prefill default on GPU when max_num_batched_tokens is unset
+CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"),  # cgroup v2
+                 Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))  # cgroup v1
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """cluster=local: what one CPU machine holds at peak (estimate) and the memory it has."""
+
+    roles: list[str]
+    memory: GpuMemory
+    machine_bytes: int
 
 
 @dataclass
 class RunPlan:
-    """The plan: the hardware, the model, one `GpuPlan` per GPU in use, the engines' KV capacity."""
+    """The plan: the hardware, the model, one `GpuPlan` per GPU in use, the engines' KV capacity;
+    on cluster=local (its own machine) the `HostPlan` instead of GPUs."""
 
     header: list[str]
     gpus: list[GpuPlan]
     gpu_bytes: int
     engines: list[tuple[int, EngineMemory]]  # (replica, one of its GPUs)
     max_model_len: int
+    host: HostPlan | None = None
+
+
+def machine_memory_bytes() -> int:
+    """This machine's memory in bytes: physical memory, or the cgroup's limit when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in CGROUP_LIMITS:
+        try:
+            limit = path.read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total
 
 
 def model_shape(cfg: RunConfig) -> tuple[ModelShape, str]:
@@ -117,8 +148,45 @@ def _hardware_line(cfg: RunConfig, gpus_per_node: int) -> str:
     return f"plan: cluster=local, one machine: {cpus}, no GPUs"
 
 
-def build_plan(cfg: RunConfig) -> RunPlan:
-    """The placement and per-GPU memory of `cfg` (module docstring). Raises ConfigError /
+def _trainer_load(cfg: RunConfig, world: int) -> TrainerLoad:
+    t = cfg.trainer
+    tokens = t.max_tokens_per_micro_batch or t.micro_batch_size * cfg.rollout.max_context_tokens
+    return TrainerLoad(world, t.mixed_precision, tokens, t.activation_checkpointing)
+
+
+def _engine_load(cfg: RunConfig, gpu_bytes: int) -> EngineLoad:
+    inf = cfg.inference
+    return EngineLoad(tensor_parallel_size=cfg.cluster.inference.tensor_parallel_size, dtype=inf.dtype,
+                      gpu_bytes=gpu_bytes, gpu_memory_utilization=inf.gpu_memory_utilization,
+                      kv_cache_bytes=None if inf.kv_cache_gib is None else int(inf.kv_cache_gib * GIB),
+                      max_model_len=inf.max_model_len,
+                      max_num_batched_tokens=inf.max_num_batched_tokens or VLLM_DEFAULT_BATCHED_TOKENS,
+                      max_num_seqs=inf.max_num_seqs)
+
+
+def _local_plan(cfg: RunConfig, shape: ModelShape, header: list[str], machine_bytes: int | None) -> RunPlan:
+    """cluster=local: no GPU is placed; the trainer rank and the CPU engines share this machine's
+    memory (module docstring), not checked when the run joins a Ray cluster elsewhere."""
+    c, inf = cfg.cluster, cfg.inference
+    plan = RunPlan(header, [], int(c.gpu_memory_gib * GIB), [], inf.max_model_len)
+    if c.address:
+        header.append(f"cluster=local: no GPUs are placed; the memory of the Ray cluster at {c.address} is not "
+                      "checked by a dry run")
+        return plan
+    machine = machine_bytes if machine_bytes is not None else machine_memory_bytes()
+    ranks = c.trainer_replicas
+    trainer = trainer_memory(shape, _trainer_load(cfg, ranks))
+    engine = replace(engine_memory(shape, _engine_load(cfg, machine)).memory, other=0)  # no CUDA overhead on CPU
+    roles = [f"trainer rank {r}" for r in range(ranks)] + [f"inference replica {i}" for i in range(inf.replicas)]
+    plan.host = HostPlan(roles, host_memory(trainer, ranks, engine, inf.replicas), machine)
+    header.append(f"cluster=local: no GPUs are placed; the trainer and the engine run on CPU, in this machine's "
+                  f"{machine / GIB:.1f} GiB of memory")
+    return plan
+
+
+def build_plan(cfg: RunConfig, machine_bytes: int | None = None) -> RunPlan:
+    """The placement and per-GPU memory of `cfg` (module docstring); on cluster=local the memory of
+    this machine, whose size `machine_bytes` gives (None: `machine_memory_bytes()`). Raises ConfigError /
     InsufficientGpusError when the shape is unknown or the placement fits no node."""
     shape, source = model_shape(cfg)
     c, inf, t = cfg.cluster, cfg.inference, cfg.trainer
@@ -130,18 +198,11 @@ def build_plan(cfg: RunConfig) -> RunPlan:
               f"{param_count(shape.num_params)} parameters "
               f"({source})"]
     if not placement.groups:
-        header.append("cluster=local: no GPUs are placed; the trainer and the engine run on CPU (no GPU memory plan)")
-        return RunPlan(header, [], gpu_bytes, [], inf.max_model_len)
-    tokens = t.max_tokens_per_micro_batch or t.micro_batch_size * cfg.rollout.max_context_tokens
+        return _local_plan(cfg, shape, header, machine_bytes)
     world = len(placement.trainer)
-    trainer = trainer_memory(shape, TrainerLoad(world, t.mixed_precision, tokens, t.activation_checkpointing))
-    tp = c.inference.tensor_parallel_size
-    load = EngineLoad(tensor_parallel_size=tp, dtype=inf.dtype, gpu_bytes=gpu_bytes,
-                      gpu_memory_utilization=inf.gpu_memory_utilization,
-                      kv_cache_bytes=None if inf.kv_cache_gib is None else int(inf.kv_cache_gib * GIB),
-                      max_model_len=inf.max_model_len,
-                      max_num_batched_tokens=inf.max_num_batched_tokens or VLLM_DEFAULT_BATCHED_TOKENS,
-                      max_num_seqs=inf.max_num_seqs)
+    trainer_load, load = _trainer_load(cfg, world), _engine_load(cfg, gpu_bytes)
+    tokens, tp = trainer_load.tokens_per_micro_batch, load.tensor_parallel_size
+    trainer = trainer_memory(shape, trainer_load)
     engine = engine_memory(shape, load)
     header += [f"trainer: {world} rank(s), FSDP2 {t.mixed_precision or 'fp32'}, {tokens} tokens per micro-batch"
                f"{', activation checkpointing' if t.activation_checkpointing else ''}",
@@ -178,6 +239,14 @@ def _gib(n: int) -> str:
     return f"{n / GIB:6.1f}"
 
 
+_COLUMNS = "weights  grads  optim  activ  kv_cache  other  total (GiB)"
+
+
+def _memory_row(roles: list[str], m: GpuMemory) -> str:
+    return (f"{', '.join(roles):<40.40} {_gib(m.weights)} {_gib(m.gradients)} {_gib(m.optimizer)} "
+            f"{_gib(m.activations)} {_gib(m.kv_cache)}   {_gib(m.other)} {_gib(m.total)}")
+
+
 def format_plan(plan: RunPlan) -> str:
     """The plan as text: the header, then one line per node and GPU with its roles and memory in GiB."""
     lines = list(plan.header)
@@ -185,11 +254,13 @@ def format_plan(plan: RunPlan) -> str:
     for p in plan.gpus:
         if p.node != node:
             node = p.node
-            lines.append(f"node {node}:{' ' * 37}weights  grads  optim  activ  kv_cache  other  total (GiB)")
-        m = p.memory
-        lines.append(f"  GPU {p.gpu}: {', '.join(p.roles):<40.40} {_gib(m.weights)} {_gib(m.gradients)} "
-                     f"{_gib(m.optimizer)} {_gib(m.activations)} {_gib(m.kv_cache)}   {_gib(m.other)} {_gib(m.total)}"
-                     f" / {plan.gpu_bytes / GIB:g}")
+            lines.append(f"node {node}:{' ' * 37}{_COLUMNS}")
+        lines.append(f"  GPU {p.gpu}: {_memory_row(p.roles, p.memory)} / {plan.gpu_bytes / GIB:g}")
+    if plan.host is not None:
+        h = plan.host
+        lines += [f"this machine (CPU, estimate):{' ' * 20}{_COLUMNS}",
+                  f"  CPU:   {_memory_row(h.roles, h.memory)} / {h.machine_bytes / GIB:.1f}",
+                  "  (Ray, the sample store, the emulator and the agents come on top)"]
     if plan.gpus:
         peak = max(plan.gpus, key=lambda p: p.memory.total)
         lines.append(f"peak: {peak.memory.total / GIB:.1f} GiB of {plan.gpu_bytes / GIB:g} GiB (node {peak.node} "
@@ -198,8 +269,9 @@ def format_plan(plan: RunPlan) -> str:
 
 
 def check_plan(plan: RunPlan) -> None:
-    """Raise ConfigError naming the GPU and the bytes when a GPU's estimate exceeds its memory or an
-    engine's KV cache cannot hold one max_model_len sequence."""
+    """Raise ConfigError naming the GPU and the bytes when a GPU's estimate exceeds its memory, an
+    engine's KV cache cannot hold one max_model_len sequence, or (cluster=local) this machine's
+    estimate exceeds its memory."""
     for p in plan.gpus:
         if p.memory.total > plan.gpu_bytes:
             m = p.memory
@@ -209,6 +281,15 @@ def check_plan(plan: RunPlan) -> None:
                 f"activations {m.activations:,}, KV cache {m.kv_cache:,}, other {m.other:,}) but has {plan.gpu_bytes:,} "
                 f"bytes ({plan.gpu_bytes / GIB:g} GiB, cluster.gpu_memory_gib); add GPUs (cluster.trainer.*), lower "
                 "trainer.max_tokens_per_micro_batch, enable trainer.activation_checkpointing or use a smaller model")
+    if plan.host is not None and plan.host.memory.total > plan.host.machine_bytes:
+        h, m = plan.host, plan.host.memory
+        raise ConfigError(
+            f"dry run: cluster=local: this machine ({', '.join(h.roles)}) needs about {m.total:,} bytes "
+            f"({m.total / GIB:.1f} GiB: weights {m.weights:,}, gradients {m.gradients:,}, optimizer {m.optimizer:,}, "
+            f"activations {m.activations:,}, KV cache {m.kv_cache:,}) but has {h.machine_bytes:,} bytes "
+            f"({h.machine_bytes / GIB:.1f} GiB); use a smaller model (model.path), lower "
+            "trainer.max_tokens_per_micro_batch or inference.kv_cache_gib, or run on GPUs (cluster=colocated or "
+            "cluster=disaggregated)")
     for replica, e in plan.engines:
         need = e.kv_bytes_per_token * plan.max_model_len
         if e.kv_tokens < plan.max_model_len:

@@ -8,9 +8,10 @@ Written at the end of every training run (orchestrator/main.py, also after an in
 failure once a step was logged) to `RUN_DIR/report/`; scripts/bench_modes.py writes one for its
 four configurations.
 
-Invariant: a plot is written only when at least one of its panels has a data point, and
-report.html references exactly the PNG files written beside it (no external resource: CSS inline,
-images by relative path). Pure except for the files it writes; no Ray or HTTP.
+Invariant: a plot has only the panels that can have data (no GPU-hours panel on CPU), is written
+only when at least one of its panels has a data point, and report.html references exactly the PNG
+files written beside it (no external resource: CSS inline, images by relative path). Pure except
+for the files it writes; no Ray or HTTP.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from typing import Callable
 from orchestrator.watch.report_data import OUTCOMES, RunData, headline, load_run
 
 PLOT_DPI = 90  # small files (docs/img) that stay legible in a browser
+KV_HEADROOM = 1.15  # the KV-cache axis ends 15 % above the peak usage
+KV_SCILIMITS = (-1, 3)  # KV-cache ticks below 0.1 % get a power-of-ten offset (labels stay 3-4 characters)
 
 
 @dataclass(frozen=True)
@@ -82,10 +85,14 @@ def _finish(ax, title: str, xlabel: str, ylabel: str, legend: bool) -> None:
         ax.legend(fontsize=7)
 
 
+def _reward_axes(runs: list[RunData]) -> list[str]:
+    """The reward plot's x axes, one panel each: GPU-hours only when a run placed GPUs."""
+    return ["step", "wall_min"] + (["gpu_h"] if any(r.num_gpus() for r in runs) else [])
+
+
 def _reward(axes, runs: list[RunData]) -> int:
-    xs_axes = ["step", "wall_min"] + (["gpu_h"] if any(r.num_gpus() for r in runs) else [])
     n = 0
-    for ax, x in zip(axes, xs_axes):
+    for ax, x in zip(axes, _reward_axes(runs)):
         n += _lines(ax, runs, "reward/mean", x, " train")
         for i, run in enumerate(runs):  # validation: its own records (step 0 included)
             if x == "step" and run.validations:
@@ -121,8 +128,19 @@ def _throughput(axes, runs: list[RunData]) -> int:
 
 
 def _kv_cache(axes, runs: list[RunData]) -> int:
-    n = _lines(axes[0], runs, "perf/kv_cache_usage", "wall_min")
-    _finish(axes[0], "KV-cache usage", "loop wall time (min)", "fraction of KV blocks used", True)
+    """KV-cache usage in percent, on an axis from 0 to just above the peak, so that a usage of 0.03 %
+    (a tiny model) is a visible line, not an empty chart; the peak is also in the title. Short tick
+    labels (a power-of-ten offset below 0.1 %) keep the y label inside the figure."""
+    ax, n, peak = axes[0], 0, 0.0
+    for i, run in enumerate(runs):
+        xs, ys = run.series("perf/kv_cache_usage", "wall_min")
+        if xs:
+            pct = [100.0 * y for y in ys]
+            ax.plot(xs, pct, color=f"C{i}", marker="." if len(xs) < 30 else None, label=run.name)
+            n, peak = n + len(xs), max(peak, *pct)
+    ax.set_ylim(0.0, peak * KV_HEADROOM if peak > 0 else 1.0)  # usage 0 throughout: 0-1 %
+    ax.ticklabel_format(axis="y", style="sci", scilimits=KV_SCILIMITS, useOffset=False)
+    _finish(ax, f"KV-cache usage (peak {peak:.3g} %)", "loop wall time (min)", "KV blocks used (%)", True)
     return n
 
 
@@ -209,29 +227,44 @@ def _outcomes(axes, runs: list[RunData]) -> int:
 
 
 PanelFn = Callable[[list, list[RunData]], int]
-# file, title, panels (0: one per run that has the data), draw
-PLOTS: tuple[tuple[str, str, int, PanelFn], ...] = (
-    ("reward.png", "Reward against step, loop wall time (and GPU-hours on GPUs)", 3, _reward),
-    ("throughput.png", "Throughput, inference concurrency, throughput against concurrency", 3, _throughput),
-    ("kv_cache.png", "KV-cache usage over time", 1, _kv_cache),
+PanelCount = Callable[[list[RunData]], int]
+
+
+def _fixed(k: int) -> PanelCount:
+    return lambda runs: k
+
+
+# file, title, number of panels (only those that can have data), draw
+PLOTS: tuple[tuple[str, str, PanelCount, PanelFn], ...] = (
+    ("reward.png", "Reward against step, loop wall time (and GPU-hours on GPUs)",
+     lambda runs: len(_reward_axes(runs)), _reward),
+    ("throughput.png", "Throughput, inference concurrency, throughput against concurrency", _fixed(3), _throughput),
+    ("kv_cache.png", "KV-cache usage over time", _fixed(1), _kv_cache),
     ("staleness.png", "Staleness of the completed samples judged per step (async; those staler than "
-     "async.max_staleness are dropped or loss-masked, async/dropped_stale)", 0, _staleness),
-    ("rollout_correction.png", "Rollout correction: masked fraction and IS-weight statistics", 2, _rollout_corr),
-    ("timing.png", "Time per step: waiting for a batch / generation, update, weight sync", 0, _timing),
-    ("outcomes.png", "Rollout outcomes over time", 4, _outcomes),
+     "async.max_staleness are dropped or loss-masked, async/dropped_stale)",
+     lambda runs: max(1, len(_with_staleness(runs))), _staleness),
+    ("rollout_correction.png", "Rollout correction: masked fraction and IS-weight statistics", _fixed(2),
+     _rollout_corr),
+    ("timing.png", "Time per step: waiting for a batch / generation, update, weight sync",
+     lambda runs: max(1, len(runs)), _timing),
+    ("outcomes.png", "Rollout outcomes over time", _fixed(4), _outcomes),
 )
+
+
+def draw_plot(file: str, runs: list[RunData]):
+    """The matplotlib Figure of the plot named `file` (one of PLOTS) over `runs`, with one panel per
+    axis that can have data, and the number of points drawn. Raises KeyError for an unknown name."""
+    panels, draw = {f: (k, d) for f, _, k, d in PLOTS}[file]
+    fig, axes = _figure(panels(runs))
+    return fig, draw(axes, runs)
 
 
 def write_plots(runs: list[RunData], out: Path) -> list[Plot]:
     """Draw every plot that has data into `out`; returns the plots written (see the invariant)."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for file, title, panels, draw in PLOTS:
-        k = panels or max(1, len(_with_staleness(runs) if file == "staleness.png" else runs))
-        fig, axes = _figure(k)
-        if file == "reward.png" and not any(r.num_gpus() for r in runs):
-            axes[2].set_visible(False)
-        points = draw(axes, runs)
+    for file, title, _, _ in PLOTS:
+        fig, points = draw_plot(file, runs)
         path = out / file
         if points > 0:
             fig.savefig(path, dpi=PLOT_DPI)

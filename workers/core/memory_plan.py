@@ -29,6 +29,11 @@ to start when the cache cannot hold one `max_model_len` sequence, and so does th
 Colocated (trainer rank i and replica i on one GPU): the trainer's shards stay resident while the
 engine serves, and the engine sleeps (weights offloaded, KV dropped) while the trainer computes,
 so the GPU must hold max(trainer resident + engine budget, trainer peak).
+
+One CPU machine (cluster=local): the trainer ranks and the vLLM CPU engines share its memory side by
+side (a CPU engine does not sleep), so it must hold their sum, each counted as above with the KV
+cache `kv_cache_bytes` (`inference.kv_cache_gib`) and without `VLLM_OVERHEAD_BYTES` (CUDA's). Ray,
+the sample store, the emulator and the agents are not counted.
 """
 
 from __future__ import annotations
@@ -240,6 +245,14 @@ def colocated_memory(trainer: GpuMemory, engine: GpuMemory, engine_budget: int) 
                          optimizer=trainer.optimizer, activations=engine.activations, kv_cache=engine.kv_cache,
                          other=serving - resident - engine.weights - engine.activations - engine.kv_cache)
     return trainer
+
+
+def host_memory(trainer: GpuMemory, num_ranks: int, engine: GpuMemory, num_replicas: int) -> GpuMemory:
+    """One CPU machine holding `num_ranks` trainer ranks and `num_replicas` CPU engines at once: the
+    sum of their bytes, the engines' CUDA overhead (`other`) left out (module docstring)."""
+    r, n, t, e = num_ranks, num_replicas, trainer, engine
+    return GpuMemory(weights=r * t.weights + n * e.weights, gradients=r * t.gradients, optimizer=r * t.optimizer,
+                     activations=r * t.activations + n * e.activations, kv_cache=n * e.kv_cache, other=r * t.other)
 
 
 @dataclass

@@ -7,7 +7,9 @@ Routes (each also served without the `/v1` prefix and with a doubled `/v1/v1`, s
   POST /v1/messages                Anthropic Messages (stream=true as SSE events)
   POST /v1/messages/count_tokens   Anthropic token count of a Messages request
   GET  /v1/models                  the served model (token required, as OpenAI does)
-  GET  /health                     open
+  GET  /health                     liveness, open to anyone; the open-session count only to a caller
+                                   whose session token authenticates (the driver reads it from
+                                   GatewayServer.num_open_sessions)
 A request is authenticated by its session token (`Authorization: Bearer` or `x-api-key`) before
 its body is read; the turn itself runs in turns.TurnRunner. Every error, whoever raises it, leaves
 through one middleware, in OpenAI's `{"error": {...}}` shape or, under `/messages`, Anthropic's
@@ -34,6 +36,7 @@ from aiohttp import web
 from workers.gateway import anthropic_api
 from workers.gateway.auth import session_token
 from workers.gateway.capture import (
+    CaptureError,
     CaptureStore,
     SessionClosed,
     SessionNotFound,
@@ -183,15 +186,20 @@ class _Routes:
         return _json(models_body(self._cfg.model_id, self._started_s))
 
     async def health(self, request: web.Request) -> web.Response:
-        return _json(
-            {
-                "status": "ok",
-                "replicas": self._router.num_replicas(),
-                "healthy_replicas": self._router.num_healthy(),
-                "open_sessions": self._capture.num_open(),
-                "tool_format": self._renderer.tool_format,
-            }
-        )
+        """Liveness for anyone (no token): status, replicas, tool format. `open_sessions` (how many
+        rollouts are running) only for a caller whose session token authenticates: an agent of an open
+        rollout; an unknown, closed or malformed token gets the same answer as none."""
+        body: dict[str, Any] = {
+            "status": "ok",
+            "replicas": self._router.num_replicas(),
+            "healthy_replicas": self._router.num_healthy(),
+            "tool_format": self._renderer.tool_format,
+        }
+        try:
+            self._capture.authenticate(session_token(request.headers))
+        except CaptureError:
+            return _json(body)
+        return _json({**body, "open_sessions": self._capture.num_open()})
 
 
 def create_app(
