@@ -86,10 +86,16 @@ def test_local_dry_run_of_an_8b_model_on_a_24_gib_machine_does_not_fit():
     assert text.splitlines()[-2].endswith(" / 24.0")
 
 
-def test_local_dry_run_joining_a_ray_cluster_says_its_memory_is_not_checked():
-    plan = build_plan(compose_config(["cluster=local", "cluster.address=10.0.0.5:6379"]), machine_bytes=1)
+def test_local_dry_run_joining_a_ray_cluster_says_its_memory_is_not_checked(capsys):
+    from orchestrator.main import _dry_run
+
+    cfg = compose_config(["cluster=local", "cluster.address=10.0.0.5:6379"])
+    plan = build_plan(cfg, machine_bytes=1)
     assert plan.host is None and "memory of the Ray cluster at 10.0.0.5:6379 is not checked" in plan.header[-1]
     check_plan(plan)  # nothing known to refuse
+    _dry_run(cfg)
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "memory not checked" in last and "fits" not in last  # the end line does not claim what was not checked
 
 
 def test_host_memory_sums_ranks_and_engines_without_cuda_overhead():
