@@ -110,6 +110,20 @@ def local_stack(tmp_path_factory) -> Iterator[Callable[..., object]]:
         yield start
 
 
+@pytest.fixture(scope="module")
+def echo_stack(local_stack):
+    """A module's local stack whose two agents echo payload, session id and headers (tests/acr_echo_agent.py)."""
+    from stand_ins import ECHO_AGENT
+
+    return local_stack(ECHO_AGENT, num_agents=2)
+
+
+@pytest.fixture()
+def echo_env(echo_stack, stack_env):
+    """`echo_stack` with boto3 in this process pointed at it."""
+    return stack_env(echo_stack)
+
+
 @pytest.fixture
 def stack_env(monkeypatch) -> Callable[[object], object]:
     """`stack_env(stack)` points boto3 in this process at `stack` for this test (the standard AWS

@@ -102,16 +102,6 @@ def test_session_table_max_lifetime_ends_even_busy_sessions():
 # ----------------------------------------------------------------------------- real server
 
 
-@pytest.fixture(scope="module")
-def echo_stack(local_stack):
-    return local_stack(ECHO_AGENT, num_agents=2)
-
-
-@pytest.fixture()
-def echo_env(echo_stack, stack_env):
-    return stack_env(echo_stack)
-
-
 def acr(**config) -> object:
     return boto3.client("bedrock-agentcore", config=Config(**config))
 

@@ -13,20 +13,10 @@ import sys
 
 import pytest
 
-from stand_ins import ECHO_AGENT, REPO, BlockingAcr, new_session_id
+from stand_ins import REPO, BlockingAcr, new_session_id
 from workers.acr.client import AcrClientConfig
 from workers.acr.journal import JournalEntry, SessionJournal
 from workers.acr.sweep import sweep_run_dir
-
-
-@pytest.fixture(scope="module")
-def echo_stack(local_stack):
-    return local_stack(ECHO_AGENT, num_agents=2)
-
-
-@pytest.fixture()
-def echo_env(echo_stack, stack_env):
-    return stack_env(echo_stack)
 
 
 def _open_sessions(stack, n: int) -> list[JournalEntry]:
