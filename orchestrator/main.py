@@ -32,6 +32,7 @@ if __name__ == "__main__":  # first, before the imports below take seconds: a Ct
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import sys
@@ -126,8 +127,6 @@ def _interrupted_before_a_step(pre) -> dict:
 def _run_started(cfg: RunConfig, pre, t_start: float) -> dict:
     """`run` once pre-flight passed: every exit path stops what it started (the ExitStack)."""
     from orchestrator.build.runtime import start_runtime
-    from orchestrator.build.training import build_parts
-    from orchestrator.control.supervise import explain_trainer_loss, run_watched
     from orchestrator.control.reaper import start_reaper
     from orchestrator.control.stopping import Interrupts, RunInterrupted, install_unwinding, mark
 
@@ -153,36 +152,13 @@ def _run_started(cfg: RunConfig, pre, t_start: float) -> dict:
         rt = start_runtime(cfg, pre, stack)
         install_unwinding()  # ray.init installed its own SIGTERM handler
 
-        async def train() -> dict:
-            interrupts.install()  # from here on the first signal stops the loop, not the process
-            built = await interrupts.guard(build_parts(cfg, rt, stack))
-            phase(f"training: {cfg.trainer.total_steps} steps; the first one waits for its first batch")
-            async with built.closing:  # rollouts stop their ACR sessions here, before the emulator stops
-                try:  # a dead replica is replaced beside the loop (run_watched)
-                    report = await interrupts.guard(run_watched(_run_loop(cfg, built), built.watchers))
-                except RunInterrupted:
-                    report = None
-                except Exception as exc:
-                    lost = await explain_trainer_loss(exc, built.trainer_ranks, run_dir)
-                    if lost is None:
-                        raise
-                    raise lost from exc
-                engines_down = asyncio.ensure_future(_stop_engines(built.replicas))  # while the parts close
-            summary = await _summary(report, built, rt.local)
-            mark("summary")
-            if report is None:  # interrupted: summary.json now (rewritten at the end), the report meanwhile
-                _write_summary(run_dir, summary, pre, t_start)
-                _draw_report_while_stopping(run_dir)
-            await engines_down
-            return summary
-
         if cfg.mode.name == "eval":
             from orchestrator.evaluate import run_eval
 
             summary = asyncio.run(run_eval(cfg, rt, stack))
         else:
             try:
-                summary = asyncio.run(train())
+                summary = asyncio.run(_train(cfg, rt, stack, interrupts, pre, t_start))
             except RunInterrupted:  # while the parts were being built: no rollout ran
                 summary = _interrupted_before_a_step(pre)
                 if rt.local is not None:
@@ -199,6 +175,59 @@ def _run_started(cfg: RunConfig, pre, t_start: float) -> dict:
         print(summary_text(summary), flush=True)
         print(f"run_dir: {run_dir} (summary.json, metrics.jsonl, logs/)", flush=True)
     return summary
+
+
+async def _train(cfg: RunConfig, rt, stack: contextlib.ExitStack, interrupts, pre, t_start: float) -> dict:
+    """The training run inside the started runtime: its attempts, then the summary."""
+    from orchestrator.control.stopping import mark
+
+    interrupts.install()  # from here on the first signal stops the loop, not the process
+    report, built, engines_down, restarts = await _train_attempts(cfg, rt, stack, interrupts)
+    summary = await _summary(report, built, rt.local)
+    summary["trainer/restarts"] = restarts
+    mark("summary")
+    if report is None:  # interrupted: summary.json now (rewritten at the end), the report meanwhile
+        _write_summary(pre.run_dir, summary, pre, t_start)
+        _draw_report_while_stopping(pre.run_dir)
+    await engines_down
+    return summary
+
+
+async def _train_attempts(cfg: RunConfig, rt, stack: contextlib.ExitStack, interrupts):
+    """Build the parts and run the loop; when a trainer rank dies with `trainer.max_restarts` left,
+    discard the attempt and build it again from the last checkpoint (orchestrator/control/trainer_restart.py).
+    Returns (report or None when interrupted, the last attempt's parts, its engines' shutdown, restarts)."""
+    from orchestrator.build.training import build_parts
+    from orchestrator.control.stopping import RunInterrupted
+    from orchestrator.control.supervise import explain_trainer_loss, run_watched
+    from orchestrator.control.trainer_restart import TrainerRestarts, discard
+
+    restarts = TrainerRestarts(rt.run_dir, cfg.trainer.max_restarts)
+    attempt_rt = rt
+    while True:
+        attempt = stack.enter_context(contextlib.ExitStack())  # its placement groups and buffer
+        built = await interrupts.guard(build_parts(cfg, attempt_rt, attempt))
+        phase(f"training: {cfg.trainer.total_steps} steps; the first one waits for its first batch")
+        restart = None
+        async with built.closing:  # rollouts stop their ACR sessions here, before the emulator stops
+            try:  # a dead replica is replaced beside the loop (run_watched)
+                report = await interrupts.guard(run_watched(_run_loop(cfg, built), built.watchers))
+            except RunInterrupted:
+                report = None
+            except Exception as exc:
+                lost = await explain_trainer_loss(exc, built.trainer_ranks, rt.run_dir)
+                if lost is None:
+                    raise
+                if (restart := restarts.next_checkpoint()) is None:
+                    raise lost from exc
+                print(restarts.line(restart, str(lost)), flush=True)
+            engines_down = asyncio.ensure_future(_stop_engines(built.replicas))  # while the parts close
+        if restart is None:
+            return report, built, engines_down, restarts.restarts
+        await engines_down
+        await discard(built.actors())
+        attempt.close()
+        attempt_rt = dataclasses.replace(rt, checkpoint=restart, model_path=str(restart.model_dir))
 
 
 async def _bounded(aw, timeout_s: float = 5.0) -> None:

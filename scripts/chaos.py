@@ -1,16 +1,23 @@
 """Chaos runs of the main job: kill a part at a random moment, resume where needed, account for
 every prompt, rollout, session and process.
 
-    python scripts/chaos.py --kill inference,trainer,rollout,driver,acr --runs 10 --seed 1 --out F.json
+    python scripts/chaos.py --runs 10 --seed 1 --out F.json
 
 Each run starts `python -m orchestrator.main` (`--steps` steps, checkpoint every step) in its own
 run_dir, waits for a random step, sleeps a random fraction of a second, and injects one fault. The
-runs go through every (kind of `--kill`, mode of `--modes`) pair in a seeded random order before any
-pair repeats (10 runs: each of the 5 kinds once in sync and once in async mode):
+order is seeded (`schedule`): every kind of `--kill` comes once, modes alternating, before any kind
+repeats; then each kind in its other mode; so 10 runs draw all 8 kinds, both modes 5 times:
 
 - driver: SIGKILL of the driver process (possibly mid-checkpoint); the run is resumed with
   `trainer.resume_mode=auto`. Checked: every process the run started is gone within
   `LEFTOVER_WAIT_S` (its reaper, orchestrator/control/reaper.py), no checkpoint staging folder is left.
+- checkpoint: SIGKILL of the driver while a checkpoint is being written (its staging folder
+  `checkpoints/.step-N-staging-*` exists; polled every `CKPT_POLL_S`), then as for driver. The
+  record says whether the kill landed mid-write (`mid_checkpoint`).
+- emulator / s3: SIGKILL of the local ACR emulator (its agents and open sessions die with it) or of
+  moto's S3 server (its objects go): an ACR or S3 outage. The driver's ServerWatch starts it again
+  on its port; rollouts that needed it meanwhile fail `acr_unavailable` / `s3_unavailable` and their
+  groups are dispatched again.
 - acr: SIGKILL of one ACR agent process of the local emulator (a runtime microVM dying); the
   emulator routes new sessions to the others, rollouts in flight on it fail with a named reason.
 - inference / trainer / rollout: SIGKILL of the Ray actor process (`ray::InferenceWorker`,
@@ -25,7 +32,8 @@ rollouts lost or duplicated (the ledger identity dispatched == completed + faile
 broken one way or the other),
 prompts consumed twice or never (consumed_prompts.jsonl across the whole run against the seeded
 prompt order), sessions leaked (the emulator's open sessions at exit, summary.json), processes
-left after a driver kill, and the wall time from the fault to the next logged step (recovery).
+left after a driver kill, and the wall time from the fault to the next logged step (recovery;
+`totals.recover_s_by_kind` per fault kind).
 
 Writes `--out` (JSON): {"runs": [...], "totals": {...}}. Exit status 0 when every run finished
 with nothing lost, duplicated, skipped or leaked.
@@ -51,7 +59,11 @@ sys.path.insert(0, str(REPO))
 
 from orchestrator.control.reaper import still_running  # noqa: E402  (the repo on sys.path first)
 
-KINDS = ("inference", "trainer", "rollout", "driver", "acr")
+KINDS = ("inference", "trainer", "rollout", "driver", "checkpoint", "emulator", "s3", "acr")
+DRIVER_KILLS = ("driver", "checkpoint")  # the run is resumed by a new driver
+SERVER_PIDS = {"emulator": "emulator", "s3": "moto"}  # kind -> its name in run_dir/pids.json
+CKPT_POLL_S = 0.002  # how often the checkpoint kind looks for a staging folder (seconds)
+CKPT_WAIT_S = 120.0  # ... and for how long before it kills the driver anyway
 ACTOR_TITLES = {"inference": "ray::InferenceWorker", "trainer": "ray::TrainerWorker", "rollout": "ray::RolloutActor"}
 LEFTOVER_WAIT_S = 15.0  # a killed driver's processes must be gone by then (seconds)
 BATCH, N = 2, 2  # groups per step, samples per group: small, the point is the faults
@@ -136,13 +148,27 @@ def find_actor_pid(driver_pid: int, kind: str) -> int | None:
     return None
 
 
+def wait_checkpoint_write(run_dir: Path, job: Job, timeout_s: float = CKPT_WAIT_S) -> bool:
+    """Poll until a checkpoint staging folder exists (a write is under way); False on timeout or exit."""
+    root = run_dir / "checkpoints"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and job.proc.poll() is None:
+        if root.is_dir() and any(p.name.startswith(".step-") for p in os.scandir(root)):
+            return True
+        time.sleep(CKPT_POLL_S)
+    return False
+
+
 def inject(kind: str, job: Job, run_dir: Path, rng: random.Random) -> dict:
     """SIGKILL the part `kind` of the running job; returns what was killed."""
-    if kind == "driver":
+    if kind in DRIVER_KILLS:
+        mid = wait_checkpoint_write(run_dir, job) if kind == "checkpoint" else None
         tree = [(p.pid, p.create_time()) for p in descendants(job.proc.pid)]
         job.kill()
-        return {"pid": job.proc.pid, "tree": tree}
-    if kind == "acr":
+        return {"pid": job.proc.pid, "tree": tree, "mid_checkpoint": mid}
+    if kind in SERVER_PIDS:
+        pid = json.loads((run_dir / "pids.json").read_text()).get(SERVER_PIDS[kind])
+    elif kind == "acr":
         pids = json.loads((run_dir / "pids.json").read_text())
         agents = sorted(v for k, v in pids.items() if k.startswith("agent-"))
         pid = rng.choice(agents) if agents else None
@@ -220,13 +246,15 @@ def one_run(i: int, kind: str, mode: str, args: argparse.Namespace, rng: random.
             t_fault = time.monotonic()
             killed = inject(kind, job, run_dir, rng)
             rec["injected"] = killed["pid"] is not None
-            if kind == "driver":
+            if kind == "checkpoint":
+                rec["mid_checkpoint"] = killed["mid_checkpoint"]
+            if kind in DRIVER_KILLS:
                 deadline = time.monotonic() + LEFTOVER_WAIT_S
                 while still_running(killed["tree"]) and time.monotonic() < deadline:
                     time.sleep(0.2)
                 rec["processes_left"] = len(still_running(killed["tree"]))
                 rec["staging_left"] = len(list((run_dir / "checkpoints").glob(".step-*")))
-            code = job.wait_exit(args.run_timeout_s) if kind != "driver" else -9
+            code = job.wait_exit(args.run_timeout_s) if kind not in DRIVER_KILLS else -9
             while code != 0 and resumed < 2:
                 if code is None:  # hung: kill it (its reaper cleans up) and resume
                     rec["hung"] = True
@@ -279,10 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     runs = []
-    combos = [(k, m) for k in kinds for m in modes]  # every kind in every mode before any repeats
-    rng.shuffle(combos)
-    for i in range(args.runs):
-        kind, mode = combos[i % len(combos)]
+    for i, (kind, mode) in enumerate(schedule(kinds, modes, args.runs, rng)):
         rec = one_run(i, kind, mode, args, random.Random(rng.random()), work)
         runs.append(rec)
         print(json.dumps(rec), flush=True)
@@ -293,6 +318,22 @@ def main(argv: list[str] | None = None) -> int:
     ok = (result["survived"] == len(runs) and not any(result[k] for k in
           ("rollouts_lost", "rollouts_duplicated", "prompts_twice", "prompts_never", "sessions_leaked", "processes_left", "duplicate_step_lines")))
     return 0 if ok else 1
+
+
+def schedule(kinds: list[str], modes: list[str], runs: int, rng: random.Random) -> list[tuple[str, str]]:
+    """`runs` (kind, mode) pairs: a seeded order of `kinds`, each once with modes alternating, then each
+    kind in the mode(s) it has not had, then again; so any len(kinds) consecutive runs from the
+    start draw every kind, and both modes come about equally often."""
+    order = list(kinds)
+    rng.shuffle(order)
+    first = rng.randrange(len(modes))
+    rounds = [[(k, modes[(first + i + r) % len(modes)]) for i, k in enumerate(order)] for r in range(len(modes))]
+    cycle = [pair for rnd in rounds for pair in rnd]
+    return [cycle[i % len(cycle)] for i in range(runs)]
+
+
+def recover_stats(values: list[float]) -> dict | None:
+    return {"max": max(values), "mean": round(sum(values) / len(values), 1), "n": len(values)} if values else None
 
 
 def totals(runs: list[dict]) -> dict:
@@ -310,7 +351,10 @@ def totals(runs: list[dict]) -> dict:
         "duplicate_step_lines": sum(r.get("duplicate_step_lines", 0) for r in runs),
         "sessions_leaked": sum(r.get("sessions_leaked", 0) or 0 for r in runs),
         "processes_left": sum(r.get("processes_left", 0) for r in runs),
-        "recover_s": {"max": max(rec), "mean": round(sum(rec) / len(rec), 1)} if rec else None,
+        "recover_s": recover_stats(rec),
+        "recover_s_by_kind": {k: recover_stats([r["recover_s"] for r in runs if r["kind"] == k and r.get("recover_s") is not None])
+                              for k in sorted({r["kind"] for r in runs})},
+        "mid_checkpoint_kills": sum(bool(r.get("mid_checkpoint")) for r in runs),
     }
 
 

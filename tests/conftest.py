@@ -5,6 +5,9 @@ Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) the HEAVY_MODULES (eac
 Ray, vLLM engines, the ACR stack, the trainer) run one test at a time, on one worker, from the start;
 every other module stays whole on one worker (its module fixtures start once) beside them. Two heavy
 tests at once would double a 2-core machine's load, and the time bounds of the Ctrl-C test with it.
+The LATE_HEAVY_MODULES (e2e runs with no time bound) are one unit queued last: the worker that
+finishes the other modules first takes them, beside the tail of the heavy unit (the Ctrl-C tests
+are long done by then), so neither worker idles for minutes at the end of the suite.
 
 The stand-ins behind them, and plain builders (samples, rows, config), are in tests/stand_ins.py,
 which test modules import by name: pyproject.toml puts tests/ on pytest's `pythonpath` (tests/ is
@@ -25,6 +28,7 @@ from stand_ins import FakeClock, random_qwen2  # noqa: E402
 
 HEAVY_MODULES = frozenset({"test_e2e.py", "test_gsm8k_e2e.py", "test_own_agent_e2e.py", "test_eval_e2e.py",
                            "test_aws_rollout.py", "test_submit.py"})
+LATE_HEAVY_MODULES = frozenset({"test_gsm8k_e2e.py", "test_eval_e2e.py"})  # of HEAVY_MODULES: no time bound, queued last
 # Markers (pyproject.toml): `e2e` the HEAVY_MODULES (each runs the main job); `integration` the
 # modules that start Ray, vLLM engines, trainer actors or the ACR stack with its agents (seconds per
 # test); `unit` everything else (pure logic, in-process servers, the simulator). `make test-fast`
@@ -44,16 +48,23 @@ def module_kind(module: str) -> str:
 
 
 def _xdist_group(nodeid: str) -> str:
-    """The work unit of a test under `--dist loadgroup`: "heavy" for the HEAVY_MODULES, else its module."""
+    """The work unit of a test under `--dist loadgroup`: "heavy-late" for the LATE_HEAVY_MODULES,
+    "heavy" for the other HEAVY_MODULES, else its module."""
     module = nodeid.split("::", 1)[0]
-    return "heavy" if Path(module).name in HEAVY_MODULES else module
+    name = Path(module).name
+    return "heavy-late" if name in LATE_HEAVY_MODULES else "heavy" if name in HEAVY_MODULES else module
+
+
+def _unit_order(nodeid: str) -> int:
+    """Where a test's unit is queued: the heavy unit first, the late heavy unit last."""
+    return {"heavy": 0, "heavy-late": 2}.get(_xdist_group(nodeid), 1)
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)  # before xdist's own
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """`--dist loadgroup` groups by `_xdist_group`, in collection order (heavy first). xdist 3.8's own
-    loadgroup groups nothing on pytest 9.2: its xdist_group marker renames node ids, which pytest 9.2
-    no longer allows (pytest-dev/pytest-xdist#1386, open)."""
+    """`--dist loadgroup` groups by `_xdist_group`, in collection order (heavy first, heavy-late last).
+    xdist 3.8's own loadgroup groups nothing on pytest 9.2: its xdist_group marker renames node ids,
+    which pytest 9.2 no longer allows (pytest-dev/pytest-xdist#1386, open)."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -73,7 +84,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         item.add_marker(getattr(pytest.mark, module_kind(Path(item.nodeid.split("::", 1)[0]).name)))
     if hasattr(config, "workerinput") and config.getvalue("loadgroup"):
-        items.sort(key=lambda item: _xdist_group(item.nodeid) != "heavy")
+        items.sort(key=lambda item: _unit_order(item.nodeid))
 
 
 @pytest.fixture

@@ -21,3 +21,26 @@ def test_chaos_names_the_bad_flag(argv, message, tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "c.json").exists()
+
+
+def _chaos_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("chaos_script", REPO / "scripts" / "chaos.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_ten_chaos_runs_draw_every_fault_kind_in_both_modes(seed):
+    """Issue 29: seed 1 with 4 runs drew only driver and ACR kills; 10 runs must draw all 8 kinds."""
+    import random
+
+    chaos = _chaos_module()
+    plan = chaos.schedule(list(chaos.KINDS), ["sync", "async"], 10, random.Random(seed))
+    assert len(plan) == 10 and {k for k, _ in plan} == set(chaos.KINDS)
+    modes = [m for _, m in plan]
+    assert modes.count("sync") == modes.count("async") == 5
+    sixteen = chaos.schedule(list(chaos.KINDS), ["sync", "async"], 16, random.Random(seed))
+    assert sorted(sixteen) == sorted((k, m) for k in chaos.KINDS for m in ("sync", "async"))  # no pair twice

@@ -301,3 +301,24 @@ def test_rollout_aws_on_the_embedded_model_says_which_defaults_clash_and_the_fix
         compose_config(["rollout=aws", f"rollout.acr.agent_runtime_arn={arn}", "rollout.acr.s3_bucket=my-bucket"])
     assert "rollout=aws sets max_tokens, inference=vllm_cpu the context" in str(exc.value)
     assert "set rollout.max_tokens below 512 or raise inference.max_model_len" in str(exc.value)
+
+
+@pytest.mark.parametrize("overrides, names", [
+    (["trainer.weight_sync.backend=gloo", "inference.max_restarts=2"], "trainer.weight_sync.backend=gloo"),
+    (["trainer.weight_sync.backend=shm", "inference.max_restarts=1"], "trainer.weight_sync.backend=shm"),
+    (["cluster=colocated", "inference.max_restarts=1"], "cluster=colocated"),
+])
+def test_replica_replacement_where_it_cannot_work_is_refused_naming_the_backend(overrides, names):
+    """Issue 29: a dead replica was replaced on the file sync only, and elsewhere the setting was
+    silently ignored; now an explicit max_restarts there is refused, naming what prevents it."""
+    with pytest.raises(ConfigError, match=r"^inference\.max_restarts") as err:
+        compose_config(overrides)
+    assert names in str(err.value) and "trainer.weight_sync.backend=file" in str(err.value) or "colocated" in names
+
+
+@pytest.mark.parametrize("overrides, restarts", [
+    ([], 3), (["trainer.weight_sync.backend=gloo"], 0), (["cluster=colocated"], 0),
+    (["trainer.weight_sync.backend=gloo", "inference.max_restarts=0"], 0), (["inference.max_restarts=5"], 5),
+])
+def test_replica_restarts_default_to_what_the_weight_sync_allows(overrides, restarts):
+    assert compose_config(overrides).replica_restarts == restarts

@@ -56,6 +56,7 @@ class BuiltRun:
     watchers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # run beside the loop (supervise.run_watched)
     trainer_ranks: list[ActorHandle] = field(default_factory=list)  # rank actors in rank order (to name a dead one)
     acr_totals: Callable[[], Awaitable[dict[str, int]]] | None = None  # the run's acr/* counters, resumed runs included
+    actors: Callable[[], list[ActorHandle]] = list  # every actor of this build, replacements included (to discard it)
 
 
 @dataclass
@@ -141,8 +142,10 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
     from orchestrator.control.run_checkpoint import ResumablePrompts, RunCheckpointer, position_of, trim_after
     from orchestrator.control.supervise import ActorDirectory
     from orchestrator.loop.batching import RolloutLedger
+    from orchestrator.loop.early_stop import FIRST_ROLLOUTS, FirstRollouts
     from orchestrator.watch.cpu_usage import CpuProbe
     from orchestrator.watch.metrics import build_sinks
+    from orchestrator.watch.resources import ResourceProbe
 
     ckpt, run_dir = rt.checkpoint, rt.run_dir
     version = ckpt.state.policy_version if ckpt else 0
@@ -171,14 +174,15 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
         store=BufferStore(a.buffer, cfg.rollout.n, cfg.rollout.timeout_s),
         trainer=_colocated(cfg, trainer_client, a.replicas), weights=a.weights, logger=logger,
         probe=_probes(_with_gate(GatewayProbe(a.gateway, a.replicas), concurrency), *(w.metrics for w in watchers),
-                      lambda: _pool_recovery_metrics(a.pool), directory.refresh, cpu),
+                      lambda: _pool_recovery_metrics(a.pool), directory.refresh, cpu, ResourceProbe(a.buffer)),
         checkpoint=RunCheckpointer(run_dir, a.trainer, prompts, save_freq=cfg.trainer.save_freq,
                                    keep_last=cfg.trainer.max_ckpt_to_keep, counters=ledger.settled_counts,
                                    acr_counters=acr_totals),
-        validator=await _validator(cfg, rt, a, closing), concurrency=concurrency)
+        validator=await _validator(cfg, rt, a, closing), concurrency=concurrency,
+        first_rollouts=None if ckpt else FirstRollouts(min(FIRST_ROLLOUTS, cfg.samples_per_step), cfg.rollout.contract))
     return BuiltRun(parts=parts, start=position_of(ckpt.state) if ckpt else None, pool=a.pool, logger=logger,
                     replicas=a.replicas, closing=closing, watchers=[w.run for w in watchers], trainer_ranks=ranks,
-                    acr_totals=acr_totals)
+                    acr_totals=acr_totals, actors=lambda: [*a.replicas, *ranks, a.gateway, *a.pool.named_actors().values()])
 
 
 def _acr_totals(pool: RolloutPool, restored: dict[str, int]) -> Callable[[], Awaitable[dict[str, int]]]:
@@ -202,10 +206,11 @@ def _supervisor(cfg: RunConfig, a: _Actors, version: int) -> ReplicaSupervisor |
     from orchestrator.control.supervise import ReplicaSupervisor
     from workers.weight_sync.file import CpuWeightSync
 
-    if not isinstance(a.weights, CpuWeightSync) or cfg.cluster.name == "colocated":
+    if not cfg.replica_replaceable:
         return None
+    assert isinstance(a.weights, CpuWeightSync), type(a.weights)
     return ReplicaSupervisor(a.replicas, spawn=a.spawn_replica, weights=a.weights, gateway=a.gateway,
-                             loaded_version=version, max_restarts=cfg.inference.max_restarts,
+                             loaded_version=version, max_restarts=cfg.replica_restarts,
                              check_every_s=cfg.inference.health_check_s)
 
 

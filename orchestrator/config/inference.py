@@ -40,7 +40,9 @@ class InferenceConfig:
     block_size: Optional[int] = None
     enable_prefix_caching: bool = True
     enforce_eager: bool = True
-    max_restarts: int = 3  # dead replicas replaced over the run (file weight sync); then the run stops
+    # dead replicas replaced over the run, then the run stops; null: DEFAULT_REPLICA_RESTARTS where a
+    # replica can be replaced (file weight sync, disaggregated), 0 elsewhere (`replica_restarts`)
+    max_restarts: Optional[int] = None
     health_check_s: float = 2.0  # seconds between the supervisor's liveness checks of the replicas
     replica_wait_s: float = 300.0  # a turn with no healthy replica waits this long for a replacement
 
@@ -68,7 +70,8 @@ class InferenceConfig:
               f"must be null (vLLM's default: 128 tokens on CPU, 16 on GPU) or a positive multiple of {step} with "
               f"inference={self.name}", self.block_size)
         one_of(self.dtype, "inference.dtype", INFERENCE_DTYPES)
-        check(self.max_restarts >= 0, "inference.max_restarts", "must be >= 0", self.max_restarts)
+        check(self.max_restarts is None or self.max_restarts >= 0, "inference.max_restarts", "must be null or >= 0",
+              self.max_restarts)
         check(self.health_check_s > 0, "inference.health_check_s", "must be > 0", self.health_check_s)
         check(self.replica_wait_s >= 0, "inference.replica_wait_s", "must be >= 0", self.replica_wait_s)
 

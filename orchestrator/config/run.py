@@ -26,8 +26,10 @@ from orchestrator.config.mode import ModeConfig
 from orchestrator.config.model import ModelConfig
 from orchestrator.config.rollout import RolloutConfig
 from orchestrator.config.task import TaskConfig
-from orchestrator.config.trainer import CUDA_WEIGHT_SYNC_BACKENDS, TrainerConfig
+from orchestrator.config.trainer import CUDA_WEIGHT_SYNC_BACKENDS, FILE_BACKEND, TrainerConfig
 from orchestrator.tasks import TASKS
+
+DEFAULT_REPLICA_RESTARTS = 3  # inference.max_restarts=null where a dead replica can be replaced
 
 if TYPE_CHECKING:
     from orchestrator.loop.async_loop import AsyncLoopSettings
@@ -94,8 +96,32 @@ class RunConfig:
               "truncation, so its log-probs could not match the engine's); use trainer=fsdp", self.rollout.top_p)
         check(self.rollout.concurrency == "fixed" or self.mode.name == "async", "rollout.concurrency",
               "adaptive needs mode=async (the sync loop dispatches whole batches)", self.rollout.concurrency)
+        check(not self.inference.max_restarts or self.replica_replaceable, "inference.max_restarts",
+              f"must be 0 (or null) with {self._why_not_replaceable()}; a dead replica stops the run there "
+              "(resume it with trainer.resume_mode=auto)", self.inference.max_restarts)
         check(self.eval.serve_model or self.mode.name == "eval", "eval.serve_model",
               "can be false only with mode=eval (training needs the served policy)", self.eval.serve_model)
+
+    @property
+    def replica_replaceable(self) -> bool:
+        """Whether a dead inference replica can be replaced inside the run: the replacement loads the
+        current weights file (file weight sync) on GPUs of its own (not cluster=colocated)."""
+        return self.trainer.weight_sync.backend == FILE_BACKEND and self.cluster.name != "colocated"
+
+    def _why_not_replaceable(self) -> str:
+        if self.trainer.weight_sync.backend != FILE_BACKEND:
+            return (f"trainer.weight_sync.backend={self.trainer.weight_sync.backend} (a broadcast group is formed once "
+                    "and cannot take a new member: use trainer.weight_sync.backend=file to replace dead replicas)")
+        return ("cluster=colocated (a replica shares its GPUs and sleep/wake cycle with a trainer rank; a "
+                "replacement would start outside that cycle)")
+
+    @property
+    def replica_restarts(self) -> int:
+        """Dead inference replicas replaced over the run: `inference.max_restarts`, or when null
+        DEFAULT_REPLICA_RESTARTS where a replica can be replaced and 0 elsewhere."""
+        if self.inference.max_restarts is not None:
+            return self.inference.max_restarts
+        return DEFAULT_REPLICA_RESTARTS if self.replica_replaceable else 0
 
     @property
     def samples_per_step(self) -> int:

@@ -85,6 +85,9 @@ class TrainerConfig:
     max_ckpt_to_keep: int = 2
     resume_mode: str = "disable"
     resume_from_path: str | None = None
+    # a dead trainer rank: restart the whole trainer group (and the replicas, the rollout pool) from the
+    # last checkpoint inside the run, this many times over the run (0: the run stops; resume it)
+    max_restarts: int = 0
     # validation on `task.val_split` (the `eval` group's n and sampling): every `test_freq` steps
     # (<= 0: never) and, with `val_before_train`, once before the first step (verl's names)
     test_freq: int = 0
@@ -103,6 +106,10 @@ class TrainerConfig:
         precisions = get_args(MixedPrecision)
         check(self.mixed_precision is None or self.mixed_precision in precisions, "trainer.mixed_precision",
               f"must be null or {' | '.join(precisions)}", self.mixed_precision)
+        check(self.max_restarts >= 0, "trainer.max_restarts", "must be >= 0", self.max_restarts)
+        check(self.max_restarts == 0 or self.save_freq > 0, "trainer.max_restarts",
+              f"needs trainer.save_freq > 0 (a restart continues from the last checkpoint; got save_freq="
+              f"{self.save_freq})", self.max_restarts)
         check(self.max_ckpt_to_keep >= 1, "trainer.max_ckpt_to_keep", "must be >= 1", self.max_ckpt_to_keep)
         one_of(self.resume_mode, "trainer.resume_mode", RESUME_MODES)
         check((self.resume_mode == "resume_path") == bool(self.resume_from_path), "trainer.resume_from_path",

@@ -9,4 +9,5 @@ Modules:
   supervise.py       replica and local-server supervision, the actor directory, trainer-loss verdicts
   checkpoint.py      the checkpoint format: staged, manifest-checked, `latest` replaced atomically
   run_checkpoint.py  when to save, the resumable prompt source, where a resumed loop starts
+  trainer_restart.py trainer.max_restarts: a dead trainer rank restarts the run's actors from the last checkpoint
 """

@@ -60,6 +60,10 @@ class _Version:
         return self.value
 
 
+class _Stopped(Exception):
+    """The loop ends early (the message says why): raised inside a step, the run ends after its last one."""
+
+
 @dataclass
 class _InFlight:
     """Groups admitted and not yet taken by an update: their dataset rows, for checkpoints."""
@@ -109,6 +113,7 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
     if lane is not None:
         lane.on_version(version.value, start.step)
     finished = False  # an error or an interrupt cancels in-flight groups at once instead of waiting
+    stopped, last_step = None, start.step
     try:
         for step in range(start.step + 1, cfg.total_steps + 1):
             t_step = parts.clock()
@@ -142,13 +147,18 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
             await end_step(parts, step, metrics, lambda: LoopPosition(step, version.value, inflight.next_group,
                                                                       controller.counts().trained,
                                                                       tuple(inflight.rows.values())))
+            last_step = step
         finished = True
+    except _Stopped as exc:  # the run cannot work (orchestrator/loop/early_stop.py): in-flight groups are cancelled
+        stopped = str(exc)
     finally:
         stop.set()
         if lane is not None and not finished:
             await lane.cancel()
         gate.notify()
         await _drain(parts, producer, running, ready, cfg.drain_timeout_s if finished else 0.0)
+    if stopped is not None:
+        return finish(parts, last_step, version.value, stopped=stopped)
     if lane is not None and (last := await lane.finish()):
         parts.logger.log(cfg.total_steps, last)  # the validation of the final weights
     return finish(parts, cfg.total_steps, version.value)
@@ -217,6 +227,8 @@ async def _collect(parts: LoopParts, cfg: AsyncLoopSettings, policy: StalenessPo
         batch = assemble([*verdict.train, *(s for s in samples if s.status != "completed")],
                          filter_zero_variance=cfg.filter_zero_variance)
         close_untrained(parts.ledger, batch)
+        if parts.first_rollouts is not None and (why := parts.first_rollouts.observe(samples)) is not None:
+            raise _Stopped(why)
         if not batch.trainable:
             controller.on_finished(kept=False)  # capacity back: the producer may admit another group
             gate.notify()

@@ -74,7 +74,9 @@ class LoopParts:
     (gateway, engines); `checkpoint`: called after every step with the loop's position;
     `validator`: validation on the held-out split (orchestrator/loop/validation.py Validator), or None;
     `concurrency`: the async producer's group limit (`rollout.concurrency=adaptive`:
-    orchestrator/loop/concurrency.py ConcurrencyGate), or None for no limit beyond staleness."""
+    orchestrator/loop/concurrency.py ConcurrencyGate), or None for no limit beyond staleness;
+    `first_rollouts`: the contract check on the run's first rollouts (orchestrator/loop/early_stop.py
+    FirstRollouts), or None (a resumed run: its first rollouts are behind it)."""
 
     prompts: PromptSource
     rollouts: Rollouts
@@ -88,6 +90,7 @@ class LoopParts:
     checkpoint: Callable[[LoopPosition], Awaitable[None]] | None = None
     validator: Any = None
     concurrency: Any = None
+    first_rollouts: Any = None
 
 
 @dataclass(frozen=True)

@@ -55,8 +55,8 @@ async def run_sync(parts: LoopParts, cfg: SyncLoopSettings, *, start: LoopPositi
         report_groups(parts.prompts, samples)
         batch = assemble(samples, filter_zero_variance=cfg.filter_zero_variance)
         close_untrained(parts.ledger, batch)
-        stopped = None
-        if samples and len(batch.failed) == len(samples):  # nothing can ever train: end after this step
+        stopped = parts.first_rollouts.observe(samples) if parts.first_rollouts is not None else None
+        if stopped is None and samples and len(batch.failed) == len(samples):  # nothing can ever train: end after this step
             errors = sorted({str(s.error)[:200] for s in batch.failed})
             stopped = (f"step {step}: all {len(samples)} rollouts failed ({len(errors)} distinct error(s); "
                        f"e.g. {errors[0][:160]})")

@@ -6,6 +6,7 @@ Modules:
   run_watch.py    warnings from consecutive step records, the nothing-trained verdict (pure)
   console_log.py  library output (Ray, vLLM, TransferQueue) into RUN_DIR/logs/
   cpu_usage.py    the per-step probe of CPU seconds per part of the run, from /proc
+  resources.py    the per-step probe of buffer rows and Ray object-store bytes held
   report_data.py  a run directory read back: step records, config, summary, series
   report.py       PNG plots and report.html (`python -m orchestrator.watch.report RUN_DIR`)
 """
