@@ -4,7 +4,7 @@
 Every prompt of the split (the first `eval.max_prompts`) x `eval.n` samples; outputs in run_dir:
 `eval.jsonl` (one line per rollout, orchestrator/loop/validation.py EvalRecord) and
 `eval_summary.json` (orchestrator/loop/validation.py `summarize`, plus the ACR session count left
-open). Progress: a tqdm bar on a terminal (done / failed / in flight, ETA), else a plain line per
+open). Progress: a tqdm bar on a terminal (done / failed / remaining, ETA), else a plain line per
 tenth of the rollouts.
 
 Invariant: eval.jsonl has exactly `rollouts` lines and `completed + failed == rollouts ==
@@ -23,11 +23,14 @@ from typing import Any, TextIO
 
 from orchestrator.config import RunConfig
 from orchestrator.config.eval import eval_settings
+from orchestrator.config.task import eval_split
 from orchestrator.tasks import TASKS
 from orchestrator.loop.validation import EvalRecord, evaluate_rows, summarize
+from orchestrator.watch.progress import phase
 
 PARTITION = "eval"
 LINES_EVERY = 10  # plain progress: a line per this many percent of the rollouts
+ETA_AFTER = 0.1  # the ETA is shown once this fraction of the rollouts is done
 
 
 class Progress:
@@ -51,13 +54,19 @@ class Progress:
         self.failed += r.status != "completed"
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix(failed=self.failed, in_flight=self._total - self.done, refresh=False)
+            self._bar.set_postfix(failed=self.failed, remaining=self._total - self.done, refresh=False)
         elif self._style == "lines" and (self.done * 100 >= self._next_line * self._total or self.done == self._total):
             elapsed = time.monotonic() - self._t0
-            eta = elapsed / self.done * (self._total - self.done) if self.done else float("nan")
-            print(f"[eval] {self.done}/{self._total} done, {self.failed} failed, {self._total - self.done} in flight, "
-                  f"{elapsed:.0f}s elapsed, ETA {eta:.0f}s", file=self._stream, flush=True)
+            print(f"[eval] {self.done}/{self._total} done, {self.failed} failed, {self._total - self.done} remaining, "
+                  f"{elapsed:.0f}s elapsed, ETA {self.eta(elapsed)}", file=self._stream, flush=True)
             self._next_line = self.done * 100 // self._total + LINES_EVERY
+
+    def eta(self, elapsed_s: float) -> str:
+        """Seconds left at the pace so far, once ETA_AFTER of the rollouts are done (the first ones
+        finish together, their pace says nothing); "n/a" before."""
+        if self.done < max(1, ETA_AFTER * self._total):
+            return "n/a"
+        return f"{elapsed_s / self.done * (self._total - self.done):.0f}s"
 
     def close(self) -> None:
         if self._bar is not None:
@@ -65,8 +74,8 @@ class Progress:
 
 
 def split_rows(cfg: RunConfig) -> list[dict]:
-    """The rows of `task.split` that are evaluated (the first `eval.max_prompts`)."""
-    rows = TASKS[cfg.task.name].rows(cfg.task, cfg.task.split)
+    """The rows of the evaluated split (`eval_split`) that are evaluated (the first `eval.max_prompts`)."""
+    rows = TASKS[cfg.task.name].rows(cfg.task, eval_split(cfg.task))
     return rows[:cfg.eval.max_prompts] if cfg.eval.max_prompts else rows
 
 
@@ -76,8 +85,10 @@ async def run_eval(cfg: RunConfig, rt: Any, stack: contextlib.ExitStack) -> dict
     from orchestrator.build.eval import build_eval
 
     rows = split_rows(cfg)
-    settings = eval_settings(cfg.eval)
+    settings = eval_settings(cfg.eval, step_rollouts=cfg.samples_per_step)
     built = await build_eval(cfg, rt, stack)
+    phase(f"evaluating {len(rows)} prompt(s) of the {eval_split(cfg.task)} split x {settings.n} samples, "
+          f"{settings.max_concurrent_rollouts} rollouts at once (eval.max_concurrent_rollouts)")
     progress = Progress(len(rows) * settings.n, cfg.eval.progress)
     async with built.closing:
         try:
@@ -89,13 +100,17 @@ async def run_eval(cfg: RunConfig, rt: Any, stack: contextlib.ExitStack) -> dict
         counts = await built.pool.rollout_counts()
         with contextlib.suppress(Exception):
             await asyncio.gather(*(r.shutdown.remote() for r in built.replicas))
-    summary = {"task": cfg.task.name, "split": cfg.task.split, "model_path": rt.model_path,
+    summary = {"task": cfg.task.name, "split": eval_split(cfg.task), "model_path": rt.model_path,
                "serve_model": cfg.eval.serve_model, "temperature": cfg.eval.temperature,
                **summarize(records, n=settings.n, pass_threshold=settings.pass_threshold, wall_s=wall_s),
                "acr/sessions_open_at_exit": rt.local.stats().sessions_open if rt.local else acr.get("sessions_open", 0),
                "acr/requests": acr.get("requests", 0), "acr/retries": acr.get("retries", 0),
                "acr/stop_failed": counts.get("acr/stop_failed", 0)}
     write_outputs(rt.run_dir, records, summary)
+    with contextlib.suppress(Exception):  # the report is best effort; eval_summary.json is the record
+        from orchestrator.watch.eval_report import write_eval_report
+
+        write_eval_report(rt.run_dir, [r.reward for r in records if r.status == "completed"], summary)
     return summary
 
 

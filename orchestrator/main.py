@@ -33,7 +33,6 @@ if __name__ == "__main__":  # first, before the imports below take seconds: a Ct
 import asyncio
 import contextlib
 import dataclasses
-import json
 import math
 import sys
 import threading
@@ -166,8 +165,12 @@ def _run_started(cfg: RunConfig, pre, t_start: float) -> dict:
                         summary["acr/sessions_open_at_exit"] = rt.local.stats().sessions_open
         install_unwinding()  # the loop's handlers went with the loop
     if cfg.mode.name == "eval":
-        print(json.dumps(summary, indent=2, allow_nan=True), flush=True)
+        from orchestrator.watch.eval_report import eval_summary_text
+
+        print(eval_summary_text(summary), flush=True)
         print(f"run_dir: {run_dir} (eval.jsonl, eval_summary.json)", flush=True)
+        if (run_dir / "report" / "report.html").is_file():
+            print(f"report: {run_dir / 'report' / 'report.html'}", flush=True)
         return {"rollout/completed": summary["completed"], "rollout/failed": summary["failed"]}
     _write_summary(run_dir, summary, pre, t_start)
     mark("summary.json written")

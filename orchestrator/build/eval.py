@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from orchestrator.build.actors import close_quietly, gateway_actor, replica_spawner, run_rollout_settings, start_pool
 from orchestrator.build.runtime import Runtime
 from orchestrator.config import RunConfig, buffer_config, eval_rollout_settings
+from orchestrator.watch.progress import phase
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -47,6 +48,9 @@ async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -
         if cfg.eval.serve_model:
             from workers.placement_groups import place
 
+            phase(f"starting {cfg.inference.replicas} inference replica(s) (vLLM) and the gateway; the engines take "
+                  "the longest")
+
             placed = place(cfg.cluster)
             stack.callback(placed.remove)
             spawn = replica_spawner(cfg, placed, rt.model_path, rt.checkpoint.state.policy_version
@@ -60,6 +64,7 @@ async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -
         stack.callback(buffer.stop)
         if gateway is not None:
             await asyncio.gather(*engines_up)
+            phase("engines ready; starting the gateway and the rollout pool")
             await gateway.set_engines.remote(replicas)
             base_url = await gateway.start.remote()
         settings = eval_rollout_settings(cfg.eval, run_rollout_settings(cfg, rt, base_url))

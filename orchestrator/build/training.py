@@ -260,7 +260,8 @@ async def _validator(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextli
 
     pool = await start_pool(cfg, rt, eval_rollout_settings(cfg.eval, a.settings), a.gateway, a.buffer, closing)
     return Validator(pool=pool, store=BufferStore(a.buffer, cfg.eval.n, cfg.rollout.timeout_s),
-                     rows=TASKS[cfg.task.name].rows(cfg.task, cfg.task.val_split), settings=eval_settings(cfg.eval),
+                     rows=TASKS[cfg.task.name].rows(cfg.task, cfg.task.val_split),
+                     settings=eval_settings(cfg.eval, step_rollouts=cfg.samples_per_step),
                      test_freq=t.test_freq, val_before_train=t.val_before_train, clock=time.monotonic)
 
 

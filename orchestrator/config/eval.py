@@ -21,7 +21,9 @@ class EvalConfig:
     split that are evaluated (null: every prompt). pass_threshold: a sample counts as correct for
     pass@k when its reward >= this. serve_model: false evaluates the agent with its own model (no
     gateway, no engine; the payload carries no base_url / api_key / model_id); mode=eval only.
-    progress: "auto" (a bar on a terminal, plain lines otherwise) | "bar" | "lines" | "none"."""
+    progress: "auto" (a bar on a terminal, plain lines otherwise) | "bar" | "lines" | "none".
+    max_concurrent_rollouts: evaluation rollouts in flight at once, as whole prompts (null: one
+    training step's, rollout.batch_size x rollout.n: the bound the ACR limits were sized for)."""
 
     n: int = 4
     temperature: float = 1.0
@@ -30,6 +32,7 @@ class EvalConfig:
     pass_threshold: float = 1.0
     serve_model: bool = True
     progress: str = "auto"
+    max_concurrent_rollouts: Optional[int] = None
 
     def __post_init__(self) -> None:
         check(self.n >= 1, "eval.n", "must be >= 1", self.n)
@@ -37,6 +40,9 @@ class EvalConfig:
         check(0 < self.top_p <= 1, "eval.top_p", "must be in (0, 1]", self.top_p)
         check(self.max_prompts is None or self.max_prompts >= 1, "eval.max_prompts", "must be null or >= 1",
               self.max_prompts)
+        check(self.max_concurrent_rollouts is None or self.max_concurrent_rollouts >= self.n,
+              "eval.max_concurrent_rollouts", f"must be null or >= eval.n={self.n} (one prompt's samples)",
+              self.max_concurrent_rollouts)
         check(self.progress in ("auto", "bar", "lines", "none"), "eval.progress",
               "must be one of ['auto', 'bar', 'lines', 'none']", self.progress)
 
@@ -48,8 +54,11 @@ def eval_rollout_settings(e: EvalConfig, base: RolloutSettings) -> RolloutSettin
                    gateway_base_url=base.gateway_base_url if e.serve_model else "")
 
 
-def eval_settings(e: EvalConfig) -> EvalSettings:
-    """The driver-side evaluation settings (orchestrator/loop/validation.py)."""
+def eval_settings(e: EvalConfig, *, step_rollouts: int) -> EvalSettings:
+    """The driver-side evaluation settings (orchestrator/loop/validation.py); `step_rollouts`: one
+    training step's rollouts (rollout.batch_size x rollout.n), the in-flight bound when
+    eval.max_concurrent_rollouts is null."""
     from orchestrator.loop.validation import EvalSettings
 
-    return EvalSettings(n=e.n, pass_threshold=e.pass_threshold, max_prompts=e.max_prompts)
+    cap = e.max_concurrent_rollouts if e.max_concurrent_rollouts is not None else max(step_rollouts, e.n)
+    return EvalSettings(n=e.n, pass_threshold=e.pass_threshold, max_prompts=e.max_prompts, max_concurrent_rollouts=cap)

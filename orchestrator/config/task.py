@@ -20,7 +20,9 @@ class TaskConfig:
         path resolves against the repository root. max_turns: model turns an agent may take per
         episode (sent to the agent in each row of multi-turn tasks).
     split: the split `mode=eval` evaluates ("train" | "test"; test prompts are never drawn for
-        training). val_split: the split validation during training reads (`trainer.test_freq`).
+        training); null: the held-out "test" split where the task has one (letters; gsm8k and
+        custom with `val_data_path`), else "train" (`eval_split`). val_split: the split validation
+        during training reads (`trainer.test_freq`).
     val_num_prompts: rows of the test split (letters: generated from the held-out pairs;
         gsm8k: drawn from `val_data_path`, null: every row). val_data_path: the test split's
         JSONL file (gsm8k); relative paths resolve against the repository root.
@@ -38,7 +40,7 @@ class TaskConfig:
     seed: int = 0
     data_path: Optional[str] = None
     max_turns: int = 1
-    split: str = "train"
+    split: Optional[str] = None
     val_split: str = "test"
     val_num_prompts: Optional[int] = 32
     val_data_path: Optional[str] = None
@@ -61,7 +63,8 @@ class TaskConfig:
         check(self.sampler_prior_strength > 0, "task.sampler_prior_strength", "must be > 0",
               self.sampler_prior_strength)
         check(self.sampler_sharpness > 0, "task.sampler_sharpness", "must be > 0", self.sampler_sharpness)
-        one_of(self.split, "task.split", SPLITS)
+        if self.split is not None:
+            one_of(self.split, "task.split", SPLITS)
         one_of(self.val_split, "task.val_split", SPLITS)
         check(self.val_num_prompts is None or self.val_num_prompts >= 1, "task.val_num_prompts",
               "must be null or >= 1", self.val_num_prompts)
@@ -74,6 +77,14 @@ class TaskConfig:
                   self.data_path)
             check(self.split != "test" or bool(self.val_data_path), "task.val_data_path",
                   f"must be set for task={self.name} with task.split=test (the test JSONL file)", self.val_data_path)
+
+
+def eval_split(task: TaskConfig) -> str:
+    """The split `mode=eval` reads: `task.split`, or when null the held-out "test" split where the
+    task has one (a generated task always; a file task when `task.val_data_path` is set), else "train"."""
+    if task.split is not None:
+        return task.split
+    return "test" if TASKS[task.name].check_data is None or task.val_data_path else "train"
 
 
 def sampler_settings(task: TaskConfig) -> SamplerSettings | None:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from orchestrator.control.checkpoint import Checkpoint, CheckpointError, remove_staging, resolve_latest
 from orchestrator.config import ConfigError, RunConfig
+from orchestrator.config.task import eval_split
 from orchestrator.config.errors import check
 from orchestrator.control.run_checkpoint import find_resume_checkpoint
 from orchestrator.tasks import TASKS
@@ -73,7 +74,7 @@ def check_task_data(cfg: RunConfig) -> None:
     task = TASKS[cfg.task.name]
     if task.check_data is None:
         return
-    splits = {cfg.task.split if cfg.mode.name == "eval" else "train"}
+    splits = {eval_split(cfg.task) if cfg.mode.name == "eval" else "train"}
     if cfg.trainer.test_freq > 0 or cfg.trainer.val_before_train:
         splits.add(cfg.task.val_split)
     for split in sorted(splits):

@@ -38,11 +38,19 @@ class PartitionStore(Protocol):
 @dataclass(frozen=True)
 class EvalSettings:
     """n: samples per prompt; pass_threshold: reward >= this is correct (pass@k); max_prompts:
-    the first prompts of the split evaluated (None: all)."""
+    the first prompts of the split evaluated (None: all); max_concurrent_rollouts: rollouts in flight
+    at once, whole prompts (at least one prompt's n; None: every prompt at once)."""
 
     n: int
     pass_threshold: float = 1.0
     max_prompts: int | None = None
+    max_concurrent_rollouts: int | None = None
+
+    def prompts_in_flight(self, prompts: int) -> int:
+        """How many of `prompts` prompts run at once."""
+        if self.max_concurrent_rollouts is None:
+            return max(1, prompts)
+        return max(1, min(prompts, self.max_concurrent_rollouts // self.n))
 
 
 @dataclass(frozen=True)
@@ -111,13 +119,19 @@ def summarize(records: list[EvalRecord], *, n: int, pass_threshold: float, wall_
 async def evaluate_rows(pool: Rollouts, store: PartitionStore | None, rows: list[dict], settings: EvalSettings,
                         partition: str, clock: Callable[[], float],
                         on_record: Callable[[EvalRecord], None] | None = None) -> tuple[list[EvalRecord], float]:
-    """Run the first `settings.max_prompts` rows x n through `pool` in `partition` (cleared after);
-    returns the records (request order) and the wall time in seconds. `on_record` is called as
-    each prompt's rollouts finish (progress). Raises what the pool raises (ContractError)."""
+    """Run the first `settings.max_prompts` rows x n through `pool` in `partition` (cleared after),
+    at most `settings.max_concurrent_rollouts` in flight (whole prompts, in row order); returns the
+    records (request order) and the wall time in seconds. `on_record` is called as each prompt's
+    rollouts finish (progress). Raises what the pool raises (ContractError)."""
     rows = rows[:settings.max_prompts] if settings.max_prompts else rows
     t0 = clock()
+    slots = asyncio.Semaphore(settings.prompts_in_flight(len(rows)))
     try:
         async def one_prompt(i: int, row: dict) -> list[EvalRecord]:
+            async with slots:  # the same in-flight bound as a training step (EvalSettings)
+                return await run_prompt(i, row)
+
+        async def run_prompt(i: int, row: dict) -> list[EvalRecord]:
             reqs = [RolloutRequest(group_id=i, input_id=str(row["input_id"]), sample_index=j, row=row)
                     for j in range(settings.n)]
             out = [to_record(o) for o in await pool.run_all(reqs, partition)]
