@@ -322,3 +322,14 @@ def test_replica_replacement_where_it_cannot_work_is_refused_naming_the_backend(
 ])
 def test_replica_restarts_default_to_what_the_weight_sync_allows(overrides, restarts):
     assert compose_config(overrides).replica_restarts == restarts
+
+
+def test_results_are_deleted_from_the_embedded_s3_but_kept_in_a_users_bucket():
+    """moto keeps every object in memory, so rollout=local deletes each result once read; a user's
+    bucket on AWS is the durable record and keeps it (a lifecycle rule bounds it)."""
+    from orchestrator.config.rollout import rollout_settings
+
+    local, aws = compose_config(), compose_config(["rollout=aws", *AWS])
+    assert local.rollout.acr.delete_results and not aws.rollout.acr.delete_results
+    s = rollout_settings(local.rollout, exp_id="e", agent_runtime_arn="a", gateway_base_url="", model_id="m")
+    assert s.delete_results

@@ -29,7 +29,7 @@ from orchestrator.config.rollout import acr_region, local_fault_rates
 from orchestrator.control.checkpoint import Checkpoint
 from orchestrator.control.preflight import Preflight, check_kv_cache
 from orchestrator.control.preflight_aws import forwarded_aws_env
-from orchestrator.control.ray_cluster import check_cluster_reachable, ray_address
+from orchestrator.control.ray_cluster import check_cluster_reachable, ray_address, ray_system_config
 from orchestrator.control.stopping import interrupt_from, mark
 from orchestrator.tasks import TASKS
 from orchestrator.watch.progress import phase
@@ -92,6 +92,7 @@ def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -
         ray.init(address=address, num_cpus=cfg.cluster.num_cpus, include_dashboard=False,
                  num_gpus=None if joining else cfg.cluster.num_gpus,  # logical GPUs of a cluster we start
                  runtime_env={"env_vars": forwarded_aws_env(os.environ)} if joining else None,
+                 **({} if joining else {"_system_config": ray_system_config(cfg)}),
                  **ray_init_options(cfg.logger.console_level))  # actors' output: RUN_DIR/logs/ray unless loud
     except SystemExit as exc:  # ray.init's own SIGTERM handler (sys.exit(15)) is in place while it runs
         interrupt_from(exc)

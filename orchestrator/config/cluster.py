@@ -34,7 +34,11 @@ class ClusterConfig:
     the machine's; ignored when joining a cluster). `placement_timeout_s`: wait for placement groups.
     `nodes` x `gpus_per_node` GPUs of `gpu_memory_gib` GiB: the hardware a plan is made for
     (`dry_run=true`, orchestrator/planning/dry_run.py; SkyPilot's num_nodes and accelerators); gpus_per_node
-    null: the GPUs the placement asks for, on one node."""
+    null: the GPUs the placement asks for, on one node. `task_events_max`: task events the GCS of a
+    cluster the driver starts keeps (Ray's `task_events_max_num_task_in_gcs`, default 100,000, about
+    3 KB each: a long async run makes millions of actor calls and the GCS would grow to ~300 MB
+    before Ray starts dropping the oldest; scripts/soak.py measures it). A cluster that is joined
+    keeps its own setting (`RAY_task_events_max_num_task_in_gcs` on `ray start`)."""
 
     name: str = "local"
     address: str | None = None
@@ -48,11 +52,13 @@ class ClusterConfig:
     nodes: int = 1
     gpus_per_node: int | None = None
     gpu_memory_gib: float = 80.0
+    task_events_max: int = 10_000
 
     def __post_init__(self) -> None:
         check(self.nodes >= 1, "cluster.nodes", "must be >= 1", self.nodes)
         check(self.gpus_per_node is None or self.gpus_per_node >= 0, "cluster.gpus_per_node", "must be null or >= 0",
               self.gpus_per_node)
+        check(self.task_events_max >= 0, "cluster.task_events_max", "must be >= 0", self.task_events_max)
         check(self.gpu_memory_gib > 0, "cluster.gpu_memory_gib", "must be > 0", self.gpu_memory_gib)
         one_of(self.name, "cluster.name", PLACEMENT_MODES)
         check(self.trainer_replicas == 1, "cluster.trainer_replicas", "must be 1 on a CPU cluster", self.trainer_replicas)

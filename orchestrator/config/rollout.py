@@ -73,6 +73,10 @@ class AcrConfig:
     # rollout=local only: fault injection rates of the emulator (workers/embedded/faults.py FaultRates
     # fields, e.g. {crash: 0.05, throttle: 0.05, seed: 1}); empty: none
     faults: dict[str, float] = field(default_factory=dict)
+    # DeleteObject on each result once read (S3 contract): rollout=local's moto keeps every object
+    # in memory (+~22 MB per 100 steps of the default run, scripts/soak.py); on AWS the bucket is
+    # the durable record, bounded by the bucket's lifecycle rule
+    delete_results: bool = False
 
 
 @dataclass
@@ -198,7 +202,8 @@ def rollout_settings(r: RolloutConfig, *, exp_id: str, agent_runtime_arn: str, g
         gateway_base_url=gateway_base_url, model_id=model_id, max_tokens=r.max_tokens,
         temperature=r.temperature, top_p=r.top_p, timeout_s=r.timeout_s, max_context_tokens=r.max_context_tokens,
         contract=r.contract, http_background=r.http_background, push_grace_s=r.push_grace_s,  # type: ignore[arg-type]
-        max_consecutive_bad_results=r.max_consecutive_bad_results, seed=seed)
+        max_consecutive_bad_results=r.max_consecutive_bad_results, seed=seed,
+        delete_results=r.acr.delete_results)
 
 
 def local_fault_rates(acr: AcrConfig) -> Any:

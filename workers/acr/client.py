@@ -315,6 +315,12 @@ class AsyncAcrClient:
         self._require_started()
         return await tenacity.AsyncRetrying(**_poll(self.cfg, timeout_s))(self._get_if_exists, bucket, key)
 
+    async def delete_result(self, bucket: str, key: str) -> None:
+        """DeleteObject `s3://bucket/key` (idempotent: a missing key is not an error). Raises
+        ClientError on other S3 errors."""
+        self._require_started()
+        await self.s3.delete_object(Bucket=bucket, Key=key)
+
     async def _get_if_exists(self, bucket: str, key: str) -> dict | None:
         try:
             await self.s3.head_object(Bucket=bucket, Key=key)

@@ -101,6 +101,7 @@ class RolloutSettings:
     push_grace_s: float = 5.0
     max_consecutive_bad_results: int = 32
     seed: int | None = None
+    delete_results: bool = False
 
     def __post_init__(self) -> None:
         """The one check of these values; each message starts with the config key that sets it
@@ -180,6 +181,7 @@ class AcrCalls(Protocol):
     async def invoke(self, arn: str, session_id: str, payload: dict, qualifier: str | None = None) -> dict: ...
     async def stop_session(self, arn: str, session_id: str, qualifier: str | None = None) -> bool: ...
     async def wait_for_result(self, bucket: str, key: str, timeout_s: float) -> dict | None: ...
+    async def delete_result(self, bucket: str, key: str) -> None: ...
 
 
 class SampleSink(Protocol):
@@ -248,6 +250,7 @@ class RolloutWorker:
         self._slots = slots
         self._results = results
         self._push_seen = False  # an agent posted a result: S3 polling waits push_grace_s from now on
+        self._deletes: set[asyncio.Task] = set()  # delete_results: DeleteObject calls in flight
         self._result_url = result_url if results is not None else None
         self._streak = BadResultStreak(settings.max_consecutive_bad_results)
         self.counts: Counter[str] = Counter()
@@ -382,9 +385,28 @@ class RolloutWorker:
         if posted is None or not posted.done():
             if got is None:
                 raise TimeoutError(f"no result at {where} within {s.timeout_s}s")
+            self._delete_result(key)
             return parse_reward(got, where), self._clock()
         self._push_seen = True
+        self._delete_result(key)  # the agent writes S3 before it posts (agent_common/rollout_contract.py)
         return parse_reward(parse_result_body(got.body, f"{where} (posted)"), f"{where} (posted)"), got.arrived_s
+
+    def _delete_result(self, key: str) -> None:
+        """With `delete_results`, DeleteObject the result just read, off the completion path; a
+        failed delete only leaves the object (counted as `result_delete_failed`)."""
+        if not self._s.delete_results:
+            return
+
+        async def delete() -> None:
+            try:
+                await self._acr.delete_result(self._s.s3_bucket, key)
+            except Exception:  # best effort: the result is already in hand
+                log.debug("delete of s3://%s/%s failed", self._s.s3_bucket, key, exc_info=True)
+                self.counts["result_delete_failed"] += 1
+
+        task = asyncio.ensure_future(delete())
+        self._deletes.add(task)
+        task.add_done_callback(self._deletes.discard)
 
     async def _poll_s3(self, key: str) -> dict | None:
         if self._results is not None and self._push_seen and self._s.push_grace_s > 0:
