@@ -263,18 +263,18 @@ async def _summary(report, built, local) -> dict:
     `report` None: the run was interrupted; steps and version are those of the last logged step.
     After a resume the counts and rewards cover the whole run (the checkpoint's counters and the
     kept metrics records are the first part), and so do the `acr/*` call counters (the checkpoint's
-    plus this process's: calls a killed process made after its last checkpoint are not counted);
-    `rollout/failed/{reason}` and `acr/emulator_throttled` are this process's."""
+    plus this process's: calls a killed process made after its last checkpoint are not counted), and
+    so do the failure reasons `rollout/failed/{reason}`; `acr/emulator_throttled` is the emulator's
+    own count since this process started it."""
     from orchestrator.watch.metrics import reward_initial_final
 
     initial, final = reward_initial_final(built.logger.rewards)
     last = built.logger.last
     counts = report.counts if report is not None else built.parts.ledger.counts()
-    acr_stats, pool_counts, acr_totals = {}, {}, {}  # bounded: actors may be stuck
+    acr_stats, acr_totals = {}, {}  # bounded: actors may be stuck
 
     async def pool_stats() -> None:
         acr_stats.update(await built.pool.acr_stats())
-        pool_counts.update(await built.pool.rollout_counts())
         acr_totals.update(await built.acr_totals())
 
     await _bounded(pool_stats())
@@ -295,7 +295,6 @@ async def _summary(report, built, local) -> dict:
         # botocore's retries (acr/retries counts the retried ones); locally also the emulator's own count of refusals
         **{k: 0 for k in ("acr/throttled", "acr/retries", "acr/requests")}, **acr_totals,
         **({"acr/emulator_throttled": local.stats().throttled} if local else {}),
-        **{k: pool_counts[k] for k in sorted(pool_counts) if k.startswith("rollout/failed/")},
     }
 
 

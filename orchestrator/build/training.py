@@ -55,7 +55,7 @@ class BuiltRun:
     closing: contextlib.AsyncExitStack
     watchers: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # run beside the loop (supervise.run_watched)
     trainer_ranks: list[ActorHandle] = field(default_factory=list)  # rank actors in rank order (to name a dead one)
-    acr_totals: Callable[[], Awaitable[dict[str, int]]] | None = None  # the run's acr/* counters, resumed runs included
+    acr_totals: Callable[[], Awaitable[dict[str, int]]] | None = None  # the run's acr/*, rollout/failed/* counters, resumed runs included
     actors: Callable[[], list[ActorHandle]] = list  # every actor of this build, replacements included (to discard it)
 
 
@@ -186,9 +186,10 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
 
 
 def _acr_totals(pool: RolloutPool, restored: dict[str, int]) -> Callable[[], Awaitable[dict[str, int]]]:
-    """The run's cumulative `acr/*` counters: the checkpoint's (`restored`, the processes before a
-    resume, up to their last checkpoint) plus this process's (bounded: an actor may be stuck)."""
-    carried = {k: int(v) for k, v in restored.items() if k.startswith("acr/")}
+    """The run's cumulative `acr/*` and `rollout/failed/{reason}` counters: the checkpoint's
+    (`restored`, the processes before a resume, up to their last checkpoint) plus this process's
+    (bounded: an actor may be stuck)."""
+    carried = {k: int(v) for k, v in restored.items() if k.startswith(("acr/", "rollout/failed/"))}
 
     async def totals() -> dict[str, int]:
         now: dict[str, int] = {}

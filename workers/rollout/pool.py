@@ -364,10 +364,11 @@ class RolloutPool:
     async def acr_counts(self) -> dict[str, int]:
         """This process's cumulative ACR counters, summed over the live actors: `acr/requests` (HTTP
         attempts), `acr/retries`, `acr/throttled` (throttles that reached a rollout) and the stop
-        counters (`acr/stop_failed`, `acr/stop_recovered`, the pool's own included)."""
+        counters (`acr/stop_failed`, `acr/stop_recovered`, the pool's own included); with them the
+        failure reasons `rollout/failed/{reason}`, which a checkpoint carries the same way."""
         stats, counts = await asyncio.gather(self.acr_stats(), self.rollout_counts())
         return {**{f"acr/{k}": int(stats.get(k, 0)) for k in ("requests", "retries", "throttled")},
-                **{k: v for k, v in counts.items() if k.startswith("acr/")}}
+                **{k: v for k, v in counts.items() if k.startswith(("acr/", "rollout/failed/"))}}
 
     async def rollout_counts(self) -> dict[str, int]:
         """Summed `rollout/...` counts of every live actor (terminal states and failure reasons),
