@@ -41,6 +41,11 @@ class TaskEntry:
     rows: Callable[[TaskParams, str], list[dict]]
     agent: Optional[Path]  # None: the user's own (rollout.acr.agent_cmd locally, the runtime ARN on AWS)
     check_data: Optional[Callable[[Optional[str]], object]] = None
+    a2a_agent: Optional[Path] = None  # its agent for rollout.contract=a2a (an A2A server), if it has one
+
+    def agent_for(self, contract: str) -> Optional[Path]:
+        """The task's own agent app for `contract` (None: the user names one)."""
+        return self.a2a_agent if contract == "a2a" else self.agent
 
 
 SPLITS: tuple[str, ...] = ("train", "test")  # every task has both; "test" is held out from training
@@ -65,7 +70,8 @@ def _custom_rows(t: TaskParams, split: str) -> list[dict]:
 
 
 TASKS: dict[str, TaskEntry] = {
-    "letters": TaskEntry(_letters_rows, AGENTS_DIR / "letters_agent" / "app.py"),
+    "letters": TaskEntry(_letters_rows, AGENTS_DIR / "letters_agent" / "app.py",
+                         a2a_agent=AGENTS_DIR / "letters_a2a_agent" / "app.py"),
     "gsm8k": TaskEntry(_gsm8k_rows, AGENTS_DIR / "gsm8k_agent" / "app.py", check_data=gsm8k.resolve_data_path),
     "custom": TaskEntry(_custom_rows, None, check_data=lambda p: gsm8k.resolve_data_path(p, task="custom")),
 }

@@ -39,6 +39,7 @@ ECHO_AGENT = [sys.executable, str(HERE / "acr_echo_agent.py")]  # echoes payload
 BEHAVIOUR_AGENT = [sys.executable, str(HERE / "rollout_behaviour_agent.py")]  # result chosen by row `behaviour`
 TOOLKIT_S3_AGENT = [sys.executable, str(HERE / "acr_toolkit_agent.py")]  # agentcore-rl-toolkit, S3 contract
 TOOLKIT_HTTP_AGENT = [sys.executable, str(HERE / "acr_toolkit_http_agent.py")]  # toolkit, HTTP contract
+TOOLKIT_A2A_AGENT = [sys.executable, str(HERE / "a2a_behaviour_agent.py")]  # toolkit, A2A contract
 STUB_AGENT = [sys.executable, "-m", "workers.embedded.stub_agent"]  # the embedded default's stub
 LETTERS_AGENT = [sys.executable, str(REPO / "examples/agents/letters_agent/app.py")]
 

@@ -53,7 +53,7 @@ def agent_command(cfg: RunConfig) -> list[str]:
     """The agent process the local emulator runs: `rollout.acr.agent_cmd`, else the task's app."""
     if cfg.rollout.acr.agent_cmd:
         return shlex.split(cfg.rollout.acr.agent_cmd)
-    agent = TASKS[cfg.task.name].agent
+    agent = TASKS[cfg.task.name].agent_for(cfg.rollout.contract)
     assert agent is not None, "config validation requires rollout.acr.agent_cmd for a task without an agent"
     return [sys.executable, str(agent)]
 
@@ -111,7 +111,7 @@ def _start_local_stack(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStac
     local = LocalStack(agent_command(cfg), num_agents=acr.num_agents, session_rate_per_s=acr.session_rate_per_s,
                        bucket=acr.s3_bucket, region=acr_region(acr), agent_runtime_arn=acr.agent_runtime_arn,
                        log_dir=run_dir / "logs", agent_env={k: str(v) for k, v in acr.agent_env.items()},
-                       faults=local_fault_rates(acr))
+                       faults=local_fault_rates(acr), protocol="A2A" if cfg.rollout.contract == "a2a" else "HTTP")
     try:
         stack.enter_context(local)
     except LocalStackError as exc:

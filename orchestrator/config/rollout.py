@@ -108,10 +108,10 @@ class RolloutConfig:
     top_p: float = 1.0
     timeout_s: float = 120.0
     acr: AcrConfig = field(default_factory=AcrConfig)  # the endpoint, its agents, limits and retries
-    poll_initial_s: float = POLL_INITIAL_S  # S3 result polling backoff (workers/acr/client.py owns the values)
+    poll_initial_s: float = POLL_INITIAL_S  # S3 result (and A2A GetTask) polling backoff (workers/acr/client.py owns the values)
     poll_max_s: float = POLL_MAX_S
     max_context_tokens: int = 512
-    contract: str = "s3"  # s3: `_rollout` + result in S3 | http: `_config` + `_agentcore_runtime` records
+    contract: str = "s3"  # s3: `_rollout` + result in S3 | http: `_config` + `_agentcore_runtime` records | a2a: one A2A task (setup, rollout)
     http_background: bool = False  # http: start in the background and poll `get` (else the start answers)
     push_grace_s: float = 5.0  # s3: once agents POST results, S3 polling starts this long after the invoke
     # where rollout actors take posted results: an interface address, "auto" (listen on every
@@ -203,6 +203,7 @@ def rollout_settings(r: RolloutConfig, *, exp_id: str, agent_runtime_arn: str, g
         temperature=r.temperature, top_p=r.top_p, timeout_s=r.timeout_s, max_context_tokens=r.max_context_tokens,
         contract=r.contract, http_background=r.http_background, push_grace_s=r.push_grace_s,  # type: ignore[arg-type]
         max_consecutive_bad_results=r.max_consecutive_bad_results, seed=seed,
+        a2a_poll_initial_s=r.poll_initial_s, a2a_poll_max_s=r.poll_max_s,
         delete_results=r.acr.delete_results)
 
 
@@ -222,13 +223,16 @@ def local_fault_rates(acr: AcrConfig) -> Any:
 
 
 def acr_client_config(r: RolloutConfig) -> AcrClientConfig:
-    """botocore, retry and S3-polling settings of each rollout actor's ACR client."""
+    """botocore, retry and S3-polling settings of each rollout actor's ACR client; an A2A runtime
+    gets the `A2A-Version` header on every invocation."""
     from workers.acr.client import AcrClientConfig
+    from workers.rollout.a2a import A2A_VERSION
 
     acr = r.acr
     return AcrClientConfig(region_name=acr_region(acr), retry_mode=acr.retry_mode,  # type: ignore[arg-type]
                            max_attempts=acr.max_attempts, runtime_error_attempts=acr.runtime_error_attempts,
-                           poll_initial_s=r.poll_initial_s, poll_max_s=r.poll_max_s)
+                           poll_initial_s=r.poll_initial_s, poll_max_s=r.poll_max_s,
+                           invoke_headers=(("A2A-Version", A2A_VERSION),) if r.contract == "a2a" else ())
 
 
 def buffer_config() -> BufferConfig:

@@ -83,8 +83,10 @@ class RunConfig:
         check(self.inference.name != "vllm" or self.cluster.name != "local", "inference.name",
               "vllm runs on CUDA GPUs: use cluster=disaggregated or cluster=colocated (inference=vllm_cpu on CPU)",
               self.inference.name)
-        check(TASKS[self.task.name].agent is not None or self.rollout.name != "local" or bool(self.rollout.acr.agent_cmd),
-              "rollout.acr.agent_cmd", f"must name your agent's command with task={self.task.name} and rollout=local "
+        check(TASKS[self.task.name].agent_for(self.rollout.contract) is not None or self.rollout.name != "local"
+              or bool(self.rollout.acr.agent_cmd),
+              "rollout.acr.agent_cmd", f"must name your agent's command with task={self.task.name}, "
+              f"rollout.contract={self.rollout.contract} and rollout=local "
               "(e.g. rollout.acr.agent_cmd='python examples/agents/arith_agent/app.py')", self.rollout.acr.agent_cmd)
         validating = self.trainer.test_freq > 0 or self.trainer.val_before_train
         check(not validating or self.task.val_split != "test" or TASKS[self.task.name].check_data is None

@@ -61,6 +61,8 @@ class AcrClientConfig:
     poll_initial_s, poll_max_s: S3 result polling backoff (first wait, cap).
     retry_mode: botocore retry mode; "adaptive" also rate-limits the client after throttles.
     read_timeout_s: socket read timeout of one call (an agent may stream slowly).
+    invoke_headers: extra HTTP headers of every InvokeAgentRuntime call, signed with it (an A2A
+        runtime needs `A2A-Version`; boto3's operation has no parameter for it).
     """
 
     region_name: str | None = None
@@ -74,6 +76,7 @@ class AcrClientConfig:
     retry_max_s: float = 2.0
     poll_initial_s: float = POLL_INITIAL_S
     poll_max_s: float = POLL_MAX_S
+    invoke_headers: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         """The one check of these values; each message starts with the config key that sets it
@@ -243,6 +246,8 @@ class AsyncAcrClient:
             await stack.aclose()
             raise
         self.acr.meta.events.register("before-send.bedrock-agentcore", self._before_send)
+        if self.cfg.invoke_headers:
+            self.acr.meta.events.register("before-sign.bedrock-agentcore.InvokeAgentRuntime", self._add_headers)
         self._stack = stack
         return self
 
@@ -251,6 +256,11 @@ class AsyncAcrClient:
         if self._gate is not None:
             await self._gate.acquire()
         self._counters.add(requests=1)
+
+    def _add_headers(self, request: Any, **_: Any) -> None:
+        """botocore hook before an InvokeAgentRuntime is signed: `invoke_headers` join it."""
+        for name, value in self.cfg.invoke_headers:
+            request.headers[name] = value
 
     async def close(self) -> None:
         if self._stack is not None:

@@ -140,6 +140,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-output-bytes", type=int, default=DEFAULT_MAX_OUTPUT_BYTES)
     p.add_argument("--faults", default=None, help="FaultRates as JSON, e.g. '{\"throttle\": 0.1, \"seed\": 3}'")
     p.add_argument("--agent-start-timeout-s", type=float, default=60.0)
+    p.add_argument("--protocol", default="HTTP", choices=("HTTP", "A2A"), help="the runtime's serverProtocol")
     return p.parse_args(argv)
 
 
@@ -158,6 +159,7 @@ def _config_from_args(a: argparse.Namespace) -> EmulatorConfig:
         max_output_bytes=a.max_output_bytes,
         faults=FaultRates.from_json(a.faults) if a.faults else None,
         agent_start_timeout_s=a.agent_start_timeout_s,
+        protocol=a.protocol,
     )
 
 

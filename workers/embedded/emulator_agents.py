@@ -2,7 +2,8 @@
 
 Each agent runs on its own loopback port (env `PORT`, and `{port}` substituted into the command;
 picked by `free_port`, the one helper with a pick-then-bind race, documented there) and serves
-the ACR container contract: `POST /invocations`, `GET /ping` -> `{"status": "Healthy" |
+the ACR container contract: `POST /invocations` (an A2A agent: `POST /`, port also in env
+`A2A_PORT`), `GET /ping` -> `{"status": "Healthy" |
 "HealthyBusy"}`. Invariant: every process `start_agents` launched is
 reaped by `stop_agents` (SIGTERM, SIGKILL after AGENT_STOP_GRACE_S), and, should the emulator
 itself die without cleaning up, gets SIGTERM from the kernel (PR_SET_PDEATHSIG, Linux).
@@ -82,7 +83,7 @@ async def start_agents(
         for i in range(num_agents):
             port = free_port()
             argv = [a.replace("{port}", str(port)) for a in agent_cmd]
-            env = {**os.environ, **agent_env, "PORT": str(port)}
+            env = {**os.environ, **agent_env, "PORT": str(port), "A2A_PORT": str(port)}
             proc = await asyncio.create_subprocess_exec(*argv, env=env, preexec_fn=die_with_parent)
             agents.append(AgentProcess(index=i, port=port, proc=proc))
         deadline = time.monotonic() + start_timeout_s

@@ -20,6 +20,8 @@ STATS_PATH = "/_emulator/stats"
 READY_LINE_PREFIX = "ACR emulator ready"
 MAX_TICK_S = 1.0  # reaper/ping period upper bound; shrunk to a quarter of small timeouts
 MIN_TICK_S = 0.02
+PROTOCOLS = ("HTTP", "A2A")  # ACR's serverProtocol: where an invocation goes in the container
+A2A_HEADERS = ("a2a-version", "a2a-extensions")  # forwarded to an A2A agent with the JSON-RPC body
 
 
 @dataclass
@@ -29,6 +31,9 @@ class EmulatorConfig:
     qualifiers: endpoint names that exist (others: ResourceNotFoundException).
     request_rate_per_s: optional cap on all data-plane calls (ThrottlingException past it).
     max_output_bytes: per-stream cap of InvokeAgentRuntimeCommand output.
+    protocol: the runtime's serverProtocol. HTTP: the body goes to the agent's `POST /invocations`;
+        A2A: the JSON-RPC body goes to the agent's `POST /` (ACR's A2A contract, port 9000 there;
+        here each agent's port is also in env A2A_PORT) with the A2A-Version header.
     """
 
     agent_cmd: list[str]
@@ -46,8 +51,11 @@ class EmulatorConfig:
     max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES
     faults: FaultRates | None = None
     agent_env: dict[str, str] = field(default_factory=dict)
+    protocol: str = "HTTP"
 
     def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {list(PROTOCOLS)}, got {self.protocol!r}")
         if not self.agent_cmd:
             raise ValueError("agent_cmd must not be empty")
         if self.num_agents < 1:

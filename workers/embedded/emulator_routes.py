@@ -26,7 +26,7 @@ from workers.embedded.emulator_commands import (
     DEFAULT_COMMAND_TIMEOUT_S, EVENTSTREAM_CONTENT_TYPE, MAX_COMMAND_CHARS, MAX_COMMAND_TIMEOUT_S,
     MIN_COMMAND_TIMEOUT_S, Workspaces, exception_event, run_command,
 )  # fmt: skip
-from workers.embedded.emulator_config import RUNTIME_ARN_RE, STATS_PATH, EmulatorConfig
+from workers.embedded.emulator_config import A2A_HEADERS, RUNTIME_ARN_RE, STATS_PATH, EmulatorConfig
 from workers.embedded.emulator_sessions import EmulatorStats, RateWindow, SessionRefused, SessionTable, TokenBucket
 from workers.embedded.faults import AGENT_FAULTS, EMULATOR_FAULT_ERRORS, EMULATOR_FAULTS, FAULT_HEADER, FaultPlan
 
@@ -97,6 +97,7 @@ class Emulator:
         app = web.Application(client_max_size=MAX_PAYLOAD_BYTES, middlewares=[self._count_calls])
         # The ARN arrives percent-encoded ('/' as %2F); aiohttp matches on the encoded path.
         app.router.add_post("/runtimes/{arn:[^/]+}/invocations", self.invoke)
+        app.router.add_post("/runtimes/{arn:[^/]+}/invocations/", self.invoke)  # A2A clients' JSON-RPC URL
         app.router.add_post("/runtimes/{arn:[^/]+}/stopruntimesession", self.stop_session)
         app.router.add_post("/runtimes/{arn:[^/]+}/commands", self.command)
         app.router.add_get(STATS_PATH, self.stats_handler)
@@ -210,13 +211,16 @@ class Emulator:
             "Content-Type": request.headers.get("Content-Type", "application/json"),
             "Accept": request.headers.get("Accept", "*/*"),
         }
+        a2a = self.cfg.protocol == "A2A"
         for name, value in request.headers.items():
-            if name.lower().startswith(CUSTOM_HEADER_PREFIX) or name == USER_ID_HEADER:
+            if name.lower().startswith(CUSTOM_HEADER_PREFIX) or name == USER_ID_HEADER or (
+                    a2a and name.lower() in A2A_HEADERS):
                 headers[name] = value
         if fault is not None:
             headers[FAULT_HEADER] = fault
         try:
-            async with self.http.post(f"{agent.url}/invocations", data=body, headers=headers) as up:
+            path = "/" if a2a else "/invocations"
+            async with self.http.post(f"{agent.url}{path}", data=body, headers=headers) as up:
                 if up.status >= 400:
                     text = (await up.text())[:AGENT_ERROR_SNIPPET_CHARS]
                     return acr_error("RuntimeClientError", f"agent returned HTTP {up.status}: {text}")

@@ -67,6 +67,7 @@ class LocalStack:
     faults: fault injection rates (workers.embedded.faults), passed to the emulator as --faults JSON.
     idle_timeout_s / max_lifetime_s: session idle timeout and maximum lifetime (ACR: 900 s / 8 h).
     request_rate_per_s: optional cap on all ACR data-plane calls (ThrottlingException past it).
+    protocol: the runtime's serverProtocol, HTTP or A2A (workers.embedded.emulator_config).
     """
 
     def __init__(
@@ -87,6 +88,7 @@ class LocalStack:
         idle_timeout_s: float | None = None,
         max_lifetime_s: float | None = None,
         request_rate_per_s: float | None = None,
+        protocol: str = "HTTP",
     ) -> None:
         self.agent_cmd = shlex.split(agent_cmd) if isinstance(agent_cmd, str) else list(agent_cmd)
         if not self.agent_cmd:
@@ -105,6 +107,7 @@ class LocalStack:
         self.idle_timeout_s = idle_timeout_s
         self.max_lifetime_s = max_lifetime_s
         self.request_rate_per_s = request_rate_per_s
+        self.protocol = protocol
         self.s3_endpoint: str | None = None
         self.acr_endpoint: str | None = None
         self._procs: list[tuple[str, subprocess.Popen, Path]] = []
@@ -137,6 +140,7 @@ class LocalStack:
                 "--session-rate", str(self.session_rate_per_s),
                 "--agent-runtime-arn", self.agent_runtime_arn,
                 "--agent-start-timeout-s", str(self.startup_timeout_s),
+                "--protocol", self.protocol,
             ]  # fmt: skip
             if self.session_burst is not None:
                 cmd += ["--session-burst", str(self.session_burst)]

@@ -38,7 +38,7 @@ from typing import Any, Literal
 RESERVED_KEYS = ("_rollout", "_config", "_agentcore_runtime")  # keys a dataset row must not carry
 ENVELOPE_KEY = "_agentcore_runtime"
 ENVELOPE_VERSION = 1  # agentcore_rl_toolkit.runtime.protocol.VERSION
-Contract = Literal["s3", "http"]
+Contract = Literal["s3", "http", "a2a"]  # a2a: workers/rollout/a2a.py
 InvocationStatus = Literal["in_progress", "completed", "interrupted", "not_found"]
 _STATUSES = ("in_progress", "completed", "interrupted", "not_found")
 

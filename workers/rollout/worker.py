@@ -20,6 +20,8 @@ contract); the HTTP contract's foreground invocation answers with the result its
 (bounded backoff) stays the fallback; it starts `push_grace_s` after the invoke when a result
 board is present. The sample is stored before the ACR session is stopped, so the stop's latency
 is not on the completion -> sample-in-buffer path.
+The A2A contract (workers/rollout/a2a.py) drives one A2A task per rollout over the same session:
+setup, then the rollout, polling GetTask; a task left before its end is cancelled before the stop.
 
 Callers: `workers.rollout.pool.RolloutActor` (Ray), tests and scripts/bench_rollout.py (direct).
 No Ray import here.
@@ -56,6 +58,7 @@ from workers.rollout.contract import (
     result_key,
     s3_payload,
 )
+from workers.rollout import a2a
 from workers.rollout.failures import FailReason, fail_reason, reaching as _reaching
 from workers.rollout.results import ResultBoard
 from workers.rollout.stops import LostStop, SessionStops
@@ -78,6 +81,8 @@ class RolloutSettings:
         invoke: a posted result wins without any S3 request, and S3 stays the durable fallback.
         Until then (agents that only write S3) polling starts at once.
     max_consecutive_bad_results: bad agent results in a row that stop the run (ContractError).
+    a2a_poll_initial_s, a2a_poll_max_s: A2A contract: GetTask polling backoff (first wait, cap;
+        rollout.poll_initial_s / poll_max_s). Every poll is one ACR request under the rate limit.
     seed: the run seed; each session samples with `session_seed(seed, input_id, group_id,
         sample_index)` (workers/core/seeds.py), so a resumed run or a re-dispatched rollout samples
         what the uninterrupted run would have; None: unseeded.
@@ -98,6 +103,8 @@ class RolloutSettings:
     http_background: bool = False
     http_poll_initial_s: float = 0.05
     http_poll_max_s: float = 1.0
+    a2a_poll_initial_s: float = 0.05
+    a2a_poll_max_s: float = 5.0
     push_grace_s: float = 5.0
     max_consecutive_bad_results: int = 32
     seed: int | None = None
@@ -349,6 +356,8 @@ class RolloutWorker:
             return _Verdict(None, reason, f"{reason}: {type(exc).__name__}: {exc}", None)
 
     def _where(self, req: RolloutRequest, sid: str) -> str:
+        if self._s.contract == "a2a":
+            return f"the A2A task of session {sid}"
         if self._s.contract == "http":
             return f"the HTTP result of session {sid}"
         return f"s3://{self._s.s3_bucket}/{result_key(self._s.exp_id, req.input_id, sid)}"
@@ -359,7 +368,31 @@ class RolloutWorker:
     async def _invoke_and_wait(self, req: RolloutRequest, sid: str, api_key: str) -> tuple[float, float]:
         if self._s.contract == "http":
             return await self._http_rollout(req, sid, api_key)
+        if self._s.contract == "a2a":
+            return await self._a2a_rollout(req, sid, api_key)
         return await self._s3_rollout(req, sid, api_key)
+
+    # -- A2A contract (workers/rollout/a2a.py) ----------------------------------------------
+
+    async def _a2a_rollout(self, req: RolloutRequest, sid: str, api_key: str) -> tuple[float, float]:
+        s = self._s
+        if not s.gateway_base_url:
+            raise ContractError("rollout.contract=a2a needs the gateway: the agent's task_input names its model")
+        sampling = {"temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens}
+        task = a2a.task_input(req.row, input_id=req.input_id, group_id=req.group_id,
+                              endpoint=model_endpoint(s, api_key), sampling=sampling, timeout_s=s.timeout_s)
+
+        async def call(body: dict) -> dict:
+            with _reaching("acr_unavailable"):
+                return await self._acr.invoke(s.agent_runtime_arn, sid, body, s.qualifier)
+
+        session = a2a.A2ASession(call, sid, poll_initial_s=s.a2a_poll_initial_s, poll_max_s=s.a2a_poll_max_s)
+        try:
+            await session.setup(task)
+            dump = await session.run(task)
+        finally:
+            await session.cancel_if_unfinished()  # before the session stop in `_run`
+        return a2a.reward_of(dump, f"the A2A task of session {sid}"), self._clock()
 
     # -- S3 contract ------------------------------------------------------------------------
 

@@ -1,0 +1,157 @@
+"""The A2A contract end to end over real parts: the toolkit's own `RolloutAgentExecutor` agent
+(tests/a2a_behaviour_agent.py, a2a-sdk's JSON-RPC server) behind the ACR emulator serving the A2A
+protocol, the `AsyncAcrClient` (every call an InvokeAgentRuntime with the `A2A-Version` header),
+the in-process `GatewayServer` and a `ScriptedEngine`. Each rollout is one A2A task: setup, park at
+input-required, rollout, terminal; the worker turns the dump into one terminal outcome and stops
+the session; a task left mid-flight is cancelled first (the agent's `cleanup` marks it)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from stand_ins import TOOLKIT_A2A_AGENT
+from workers.acr.client import AcrClientConfig, AsyncAcrClient
+from workers.core.types import RolloutRequest, Sample
+from workers.embedded.sim_engine import ScriptedEngine
+from workers.gateway.config import GatewayConfig
+from workers.gateway.server import GatewayServer
+from workers.rollout import a2a
+from workers.rollout.contract import ContractError
+from workers.rollout.worker import RolloutSettings, RolloutWorker
+
+MODEL_ID = "tiny-qwen2"
+EXP_ID = "exp-a2a"
+TIMEOUT_S = 30
+
+
+@dataclass
+class Sink:
+    samples: list[Sample]
+
+    async def put(self, samples: list[Sample], partition: str) -> None:
+        self.samples.extend(samples)
+
+
+@pytest.fixture(scope="module")
+def marks(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("a2a-marks")
+
+
+@pytest.fixture(scope="module")
+def stack(local_stack, marks):
+    s = local_stack(TOOLKIT_A2A_AGENT, num_agents=1, session_rate_per_s=200, protocol="A2A",
+                    agent_env={"A2A_MARKS_DIR": str(marks)})
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in s.env.items():
+            mp.setenv(k, v)
+        yield s
+
+
+@pytest.fixture
+async def rig(stack, tiny_model_dir, tiny_renderer):
+    tok = tiny_renderer.tokenizer
+    engine = ScriptedEngine([[*tok.encode("q q q q", add_special_tokens=False), tok.eos_token_id]], version=2)
+    gateway = GatewayServer(GatewayConfig(model_path=str(tiny_model_dir), served_model_name=MODEL_ID,
+                                          max_context_tokens=512), [engine], renderer=tiny_renderer)
+    base_url = await asyncio.wait_for(gateway.start(), TIMEOUT_S)
+    acr = await AsyncAcrClient(AcrClientConfig(invoke_headers=(("A2A-Version", a2a.A2A_VERSION),))).start()
+    settings = RolloutSettings(exp_id=EXP_ID, agent_runtime_arn=stack.agent_runtime_arn, qualifier=None,
+                               s3_bucket=stack.bucket, gateway_base_url=base_url, model_id=MODEL_ID, max_tokens=8,
+                               temperature=1.0, top_p=1.0, timeout_s=TIMEOUT_S, max_context_tokens=512,
+                               contract="a2a", a2a_poll_initial_s=0.02, a2a_poll_max_s=0.2)
+    sink = Sink([])
+    try:
+        yield stack, gateway, engine, acr, settings, sink
+    finally:
+        await acr.close()
+        await asyncio.wait_for(gateway.stop(), TIMEOUT_S)
+
+
+def req(behaviour: str, input_id: str, **row) -> RolloutRequest:
+    return RolloutRequest(group_id=3, sample_index=1, input_id=input_id,
+                          row={"behaviour": behaviour, "prompt": "Repeat the letter q 4 times.", **row})
+
+
+# behaviour -> (status, reward, reason, fragment of the error)
+CASES = {
+    "ok": ("completed", 0.75, None, None),
+    "raise": ("failed", None, "agent_error", "the rollout raised: ValueError: boom"),
+    "setup_fail": ("failed", None, "agent_error", "setup ended the task"),
+    "no_reward": ("failed", None, "bad_result", "'reward' is missing"),
+}
+
+
+@pytest.mark.parametrize("behaviour", list(CASES))
+async def test_each_a2a_task_ends_in_one_terminal_outcome_and_its_session_stops(rig, behaviour):
+    stack, gateway, engine, acr, settings, sink = rig
+    status, reward, reason, error = CASES[behaviour]
+    before = await asyncio.to_thread(stack.stats)
+    worker = RolloutWorker(settings, gateway, acr, sink)
+    out = await asyncio.wait_for(worker.run(req(behaviour, f"row-{behaviour}"), "p"), TIMEOUT_S)
+    assert (out.status, out.reward, out.reason) == (status, reward, reason), out.error
+    if error is not None:
+        assert error in out.error, out.error
+    [sample] = sink.samples
+    assert (sample.status, sample.reward) == (status, reward)
+    if behaviour == "ok":  # the agent's model call went through the gateway: its tokens were captured
+        assert len(engine.requests) == 1 and sample.num_generated_tokens == len(engine.replies[0])
+    after = await asyncio.to_thread(stack.stats)
+    assert after.sessions_open == 0 and worker.sessions_open == 0 and gateway.num_open_sessions() == 0
+    assert after.sessions_created - before.sessions_created == 1
+    # setup + rollout sends and at least one GetTask each: every call one InvokeAgentRuntime
+    assert after.invocations - before.invocations >= (2 if behaviour == "setup_fail" else 4)
+
+
+async def test_a_task_left_by_the_rollout_timeout_is_cancelled_before_its_session_stops(rig, marks):
+    stack, gateway, engine, acr, settings, sink = rig
+    from dataclasses import replace
+
+    worker = RolloutWorker(replace(settings, timeout_s=2.0), gateway, acr, sink)
+    out = await asyncio.wait_for(worker.run(req("slow", "row-slow", sleep_s=8), "p"), TIMEOUT_S)
+    assert (out.status, out.reason) == ("failed", "timeout"), out.error
+    assert (marks / f"cancelled-{out.session_id}").exists()  # CancelTask reached the agent's cleanup
+    assert (await asyncio.to_thread(stack.stats)).sessions_open == 0
+
+
+def test_task_input_is_the_toolkits_shape_and_refuses_reserved_keys():
+    endpoint = {"base_url": "http://gw/v1", "model_id": "m", "api_key": "tok"}
+    sampling = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 64}
+    got = a2a.task_input({"prompt": "p", "count": 4}, input_id="i", group_id=5, endpoint=endpoint,
+                         sampling=sampling, timeout_s=600)
+    assert got == {"prompt": "p", "count": 4, "group_id": "5", "sampling_params": sampling,
+                   "llm": {"model": "openai/m", "base_url": "http://gw/v1", "api_key": "tok", "num_retries": 0,
+                           "timeout": 600, **sampling}}
+    with pytest.raises(ContractError, match="carries 'llm'"):
+        a2a.task_input({"llm": {}}, input_id="i", group_id=0, endpoint=endpoint, sampling=sampling, timeout_s=1)
+
+
+def test_jsonrpc_errors_are_retried_or_fail_the_rollout_by_code():
+    from workers.rollout.contract import AgentFailed, BadResult
+
+    with pytest.raises(a2a.A2AConflict):
+        a2a.parse_task({"error": {"code": -32054, "message": "session operation in progress"}}, "w")
+    with pytest.raises(a2a.A2AThrottled):
+        a2a.parse_task({"error": {"code": -32053, "message": "throttled"}}, "w")
+    with pytest.raises(AgentFailed, match="-32601"):
+        a2a.parse_task({"error": {"code": -32601, "message": "Method not found"}}, "w")
+    with pytest.raises(BadResult):
+        a2a.parse_task({"result": {"no": "task"}}, "w")
+
+
+async def test_conflicts_are_retried_until_the_agent_answers(monkeypatch):
+    monkeypatch.setattr(a2a, "CONFLICT_INTERVAL_S", 0.0)
+    answers = [{"error": {"code": -32054, "message": "busy"}}] * 2 + [
+        {"result": {"task": {"id": "t1", "status": {"state": "TASK_STATE_INPUT_REQUIRED"}}}}]
+    calls = []
+
+    async def call(body):
+        calls.append(body["method"])
+        return answers[len(calls) - 1]
+
+    session = a2a.A2ASession(call, "s", poll_initial_s=0.01, poll_max_s=0.01)
+    await session.setup({"x": 1})
+    assert session.task_id == "t1" and calls == ["SendMessage"] * 3
