@@ -59,6 +59,10 @@ def job_args(args: argparse.Namespace, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "orchestrator.main", "mode=async", f"trainer.total_steps={args.steps}",
             f"rollout.batch_size={args.batch_size}", f"rollout.n={args.n}", f"rollout.timeout_s={args.timeout_s}",
             f"++rollout.acr.faults={fault_arg}", "task.num_prompts=100000", "logger=console", f"run_dir={run_dir}",
+            # every group trains: the letters policy solves its task within ~200 steps, after which
+            # filtered groups would stop the run at algorithm.max_gen_batches (the soak measures
+            # memory over a fixed rollout count per step, not learning)
+            "algorithm.filter_zero_variance=false",
             *args.overrides]
 
 
@@ -174,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--every", type=int, default=10, help="sample every this many steps")
     p.add_argument("--faults", type=float, default=0.05, help="total injected ACR fault rate (0 to 1)")
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--n", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--n", type=int, default=4)
     p.add_argument("--timeout-s", type=float, default=20.0, help="rollout.timeout_s: slow/no_result faults hit it")
     p.add_argument("--tolerance", type=float, default=0.10)
     p.add_argument("--seed", type=int, default=0, help="the fault draw's seed")

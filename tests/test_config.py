@@ -102,6 +102,7 @@ def test_default_config_is_the_embedded_default():
         ("task.data_path=/nonexistent.jsonl", "task.data_path"),  # task=letters generates its rows: was ignored
         ("inference.block_size=16", "inference.block_size"),  # vLLM's CPU attention takes multiples of 32 only
         ("inference.block_size=0", "inference.block_size"),
+        ("algorithm.max_gen_batches=-1", "algorithm.max_gen_batches"),
     ],
 )
 def test_bad_value_names_the_key(override, key):

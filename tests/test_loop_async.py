@@ -65,6 +65,27 @@ async def test_zero_variance_groups_do_not_starve_the_producer():
     assert report.counts["rollout/filtered"] > 0
 
 
+@pytest.mark.parametrize("cap", [0, 3])
+async def test_a_solved_task_stops_the_run_after_max_gen_batches_instead_of_generating_forever(cap):
+    """Soak finding: once every group's rewards were equal, an async step dispatched ~5,000
+    rollouts. With `max_gen_batches` (verl DAPO's max_num_gen_batches) the run stops after
+    cap x B filtered groups, naming the mean reward; 0 keeps the old unbounded loop (here bounded
+    by the test's timeout)."""
+    parts, trainer, logger, rollouts = build(lambda r: 1.0)
+    run = run_async(parts, settings(total_steps=2, max_gen_batches=cap))
+    if cap == 0:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(run, timeout=2)
+        assert rollouts.dispatched > 3 * 2 * 4 * 5  # it went on far past where the cap would stop it
+        return
+    report = await asyncio.wait_for(run, timeout=60)
+    assert report.stopped and "mean reward 1.000" in report.stopped and "max_gen_batches=3" in report.stopped
+    assert not trainer.trained
+    assert report.counts["rollout/filtered"] == 3 * 2 * 4  # cap x B groups of n, then nothing more trained
+    assert rollouts.dispatched <= 3 * 2 * 4 + 4 * 4  # the rest were in flight (η + 1 = 2 updates of B) and expired
+    assert not parts.ledger.open_rollouts()
+
+
 @pytest.mark.parametrize("on_stale", ["drop", "train_masked"])
 async def test_every_dispatched_rollout_reaches_one_terminal_state(on_stale):
     parts, trainer, logger, rollouts = build(alternating_reward, seed=7, max_latency_s=0.05)

@@ -80,6 +80,10 @@ class AlgorithmConfig:
     clip_ratio_high: float = 0.2
     loss_agg_mode: str = "token-mean"
     filter_zero_variance: bool = True
+    # async mode: a mini-batch that has consumed this many x B filtered groups without B trainable
+    # ones stops the run (the policy solved the task, or cannot start it); 0: no cap. verl's
+    # dynamic sampling bounds the same loop (DAPO recipe, algorithm.filter_groups.max_num_gen_batches)
+    max_gen_batches: int = 10
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     def __post_init__(self) -> None:
@@ -87,3 +91,6 @@ class AlgorithmConfig:
         check(0 < self.clip_ratio_low < 1, "algorithm.clip_ratio_low", "must be in (0, 1)", self.clip_ratio_low)
         check(self.clip_ratio_high > 0, "algorithm.clip_ratio_high", "must be > 0", self.clip_ratio_high)
         one_of(self.loss_agg_mode, "algorithm.loss_agg_mode", LOSS_AGG_MODES)
+        check(isinstance(self.max_gen_batches, int) and not isinstance(self.max_gen_batches, bool)
+              and self.max_gen_batches >= 0, "algorithm.max_gen_batches", "must be an integer >= 0 (0: no cap)",
+              self.max_gen_batches)

@@ -153,7 +153,7 @@ def async_loop_settings(run: RunConfig) -> AsyncLoopSettings:
     return AsyncLoopSettings(
         total_steps=run.trainer.total_steps, groups_per_update=b, n=n, sync_every=run.mode.sync_every,
         max_staleness=eta, on_stale=run.async_.on_stale, filter_zero_variance=run.algorithm.filter_zero_variance,
-        drain_timeout_s=run.async_.drain_timeout_s, max_running_groups=cap)
+        max_gen_batches=run.algorithm.max_gen_batches, drain_timeout_s=run.async_.drain_timeout_s, max_running_groups=cap)
 
 
 # config group -> its schema; each group's yaml files extend `/schema/<group>` (see configs/)

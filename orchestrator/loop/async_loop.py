@@ -48,6 +48,7 @@ class AsyncLoopSettings:
     max_staleness: int  # η, in policy versions
     on_stale: str  # "drop" | "train_masked"
     filter_zero_variance: bool
+    max_gen_batches: int = 0  # a mini-batch stops the run after this many x B filtered groups (0: no cap)
     drain_timeout_s: float = 60.0  # bound on waiting for in-flight groups at the end (seconds; async.drain_timeout_s)
     max_running_groups: int | None = None  # groups in flight at once (staleness.fixed_max_running; None: no cap)
 
@@ -209,6 +210,7 @@ async def _collect(parts: LoopParts, cfg: AsyncLoopSettings, policy: StalenessPo
     are dropped (`expired`) or kept loss-masked, per `async.on_stale`.
     """
     groups: list[Group] = []
+    no_signal = _NoSignal(cfg.max_gen_batches * cfg.groups_per_update)
     while len(groups) < cfg.groups_per_update:
         t0 = parts.clock()
         gid = await _next_ready(ready, producer, inflight)
@@ -232,9 +234,40 @@ async def _collect(parts: LoopParts, cfg: AsyncLoopSettings, policy: StalenessPo
         if not batch.trainable:
             controller.on_finished(kept=False)  # capacity back: the producer may admit another group
             gate.notify()
+            if (why := no_signal.observe(batch.filtered, len(groups), cfg.groups_per_update)) is not None:
+                raise _Stopped(why)
             continue
         groups.extend(batch.trainable)
     return groups
+
+
+@dataclass
+class _NoSignal:
+    """Counts the groups one mini-batch consumed that were filtered (equal rewards: no GRPO signal).
+
+    Past `limit` of them (`algorithm.max_gen_batches` x B; 0: never) the mini-batch cannot be
+    expected to fill: generation would go on forever, paying for every rollout. verl's dynamic
+    sampling stops at the same point (DAPO recipe, `max_num_gen_batches`)."""
+
+    limit: int
+    groups: int = 0
+    reward_sum: float = 0.0
+    samples: int = 0
+
+    def observe(self, filtered: tuple[Sample, ...], have: int, want: int) -> str | None:
+        """Count one untrained group; the stop message once `limit` is reached, else None."""
+        if not filtered:
+            return None  # failed or expired, not a lack of signal
+        self.groups += 1
+        self.reward_sum += sum(float(s.reward) for s in filtered)  # type: ignore[arg-type]
+        self.samples += len(filtered)
+        if not self.limit or self.groups < self.limit:
+            return None
+        mean = self.reward_sum / self.samples
+        return (f"{self.groups} groups had equal rewards within each group (mean reward {mean:.3f}: no GRPO "
+                f"signal) while one mini-batch still waited for {want - have} of {want} trainable groups; "
+                f"generation would not end (algorithm.max_gen_batches={self.limit // want}): set "
+                "algorithm.filter_zero_variance=false to train on anyway, or give the task harder prompts")
 
 
 async def _next_ready(ready: asyncio.Queue, producer: asyncio.Task, inflight: _InFlight) -> int:

@@ -6,6 +6,12 @@ take it between picking and binding), writes `{"endpoint": "http://HOST:PORT", "
 (workers.embedded.ready_file) once it listens, and serves until SIGTERM or SIGINT, then shuts the
 server down and exits 0.
 
+Invariant: the server holds what its buckets hold, nothing per request. moto itself does not: its
+`BaseModel` appends every model object it ever creates to its class's `instances_tracked` (the
+data of its /moto-api dashboard), so each request's key, ACL and grant objects stay reachable after
+the key is overwritten or deleted. `stop_tracking_instances` turns that off before the server
+starts (the stand-in serves no dashboard).
+
 Caller: workers.embedded.local_stack.LocalStack starts it as a subprocess.
 """
 
@@ -21,6 +27,21 @@ from workers.embedded.ready_file import write_ready_file
 STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
+def stop_tracking_instances() -> None:
+    """Make moto's models stop recording every instance in `instances_tracked`.
+
+    Measured on moto 5.2.5 (put, head, get of small objects): RSS +5 KB per cycle whether or not the
+    keys were deleted, and 77 -> 756 MB over a soak's 150k rollouts (scripts/soak.py); with this
+    call the objects of deleted and overwritten keys are freed. Objects are created exactly as
+    moto's `BaseModel.__new__` creates them, minus the append."""
+    from moto.core.common_models import BaseModel
+
+    def untracked_new(cls: type, *args: object, **kwargs: object) -> object:
+        return super(BaseModel, cls).__new__(cls)
+
+    BaseModel.__new__ = staticmethod(untracked_new)  # type: ignore[method-assign, assignment]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="moto S3 server on a port it binds itself")
     p.add_argument("--ready-file", required=True, help="where to write the bound endpoint as JSON")
@@ -32,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     # only the sigwait below receives them.
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     from moto.server import ThreadedMotoServer
+
+    stop_tracking_instances()
 
     server = ThreadedMotoServer(ip_address=args.host, port=args.port, verbose=False)
     server.start()

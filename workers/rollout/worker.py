@@ -392,7 +392,7 @@ class RolloutWorker:
             dump = await session.run(task)
         finally:
             await session.cancel_if_unfinished()  # before the session stop in `_run`
-        return a2a.reward_of(dump, f"the A2A task of session {sid}"), self._clock()
+        return a2a.reward_of(dump, self._where(req, sid)), self._clock()
 
     # -- S3 contract ------------------------------------------------------------------------
 
