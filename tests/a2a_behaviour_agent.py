@@ -5,6 +5,7 @@ the A2A contract tests (run as a script, `stand_ins.TOOLKIT_A2A_AGENT`; not coll
 - ok: one model call through the gateway (`llm.base_url`, `llm.api_key`), reward 0.75;
 - raise: the rollout reports an exception in its dump (attempted, failed);
 - setup_fail: setup raises, so the task ends FAILED before the rollout;
+- any row with `setup_s`: setup sleeps that long first (a container image being unpacked);
 - no_reward: a dump with neither reward nor exception;
 - slow: the rollout sleeps `sleep_s`; a CancelTask runs `cleanup`, which writes
   `$A2A_MARKS_DIR/cancelled-<contextId>` (the test reads it).
@@ -32,6 +33,7 @@ class Behaviour(RolloutAgentExecutor):
         await super().cancel(context, event_queue)
 
     def run_setup(self, task_input: dict) -> None:
+        time.sleep(float(task_input.get("setup_s", 0)))
         if task_input.get("behaviour") == "setup_fail":
             raise RuntimeError("setup failed on purpose")
 

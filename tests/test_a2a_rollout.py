@@ -80,7 +80,7 @@ def req(behaviour: str, input_id: str, **row) -> RolloutRequest:
 CASES = {
     "ok": ("completed", 0.75, None, None),
     "raise": ("failed", None, "agent_error", "the rollout raised: ValueError: boom"),
-    "setup_fail": ("failed", None, "agent_error", "setup ended the task"),
+    "setup_fail": ("failed", None, "setup_failed", "setup ended the task"),
     "no_reward": ("failed", None, "bad_result", "'reward' is missing"),
 }
 
@@ -115,6 +115,69 @@ async def test_a_task_left_by_the_rollout_timeout_is_cancelled_before_its_sessio
     assert (out.status, out.reason) == ("failed", "timeout"), out.error
     assert (marks / f"cancelled-{out.session_id}").exists()  # CancelTask reached the agent's cleanup
     assert (await asyncio.to_thread(stack.stats)).sessions_open == 0
+
+
+async def test_a_setup_past_its_timeout_fails_as_setup_timeout_and_never_holds_a_rollout_slot(rig):
+    """Issue 25: the container slot (open-session cap) is held from before the invoke; the rollout
+    slot only once setup parked the task. A setup past `rollout.setup_timeout_s` fails with its own
+    reason, its task is cancelled and its session stopped, and no rollout slot was taken."""
+    stack, gateway, engine, acr, settings, sink = rig
+    from dataclasses import replace
+
+    from workers.acr.limits import AcrLimitsConfig, limit_clients, local_limits
+
+    handles = local_limits(AcrLimitsConfig(max_open_sessions=4, rollout_slots=1))
+    clients = limit_clients(handles)
+    worker = RolloutWorker(replace(settings, setup_timeout_s=1.5, run_timeout_s=TIMEOUT_S), gateway, acr, sink,
+                           slots=clients.sessions, rollout_slots=clients.rollouts)
+    run = asyncio.ensure_future(worker.run(req("ok", "row-setup-slow", setup_s=6), "p"))
+    await asyncio.sleep(1.0)  # inside setup
+    containers, rollouts = handles.sessions.stats(), handles.rollouts.stats()
+    assert (containers.in_use, rollouts.in_use) == (1, 0)
+    out = await asyncio.wait_for(run, TIMEOUT_S)
+    assert (out.status, out.reason) == ("failed", "setup_timeout"), out.error
+    assert "rollout.setup_timeout_s=1.5s" in out.error and out.reward is None
+    assert out.setup_s is not None and 1.5 <= out.setup_s < 3 and out.rollout_slot_wait_s is None
+    await clients.sessions.drain()
+    assert handles.rollouts.stats().granted == 0 and handles.sessions.stats().in_use == 0
+    assert (await asyncio.to_thread(stack.stats)).sessions_open == 0
+
+    ok = await asyncio.wait_for(worker.run(req("ok", "row-setup-quick", setup_s=0.2), "p"), TIMEOUT_S)
+    assert (ok.status, ok.reward) == ("completed", 0.75), ok.error
+    assert handles.rollouts.stats().granted == 1 and ok.setup_s >= 0.2 and ok.rollout_slot_wait_s is not None
+
+
+async def test_a_warm_pool_keeps_rollout_slots_busy_while_containers_set_up(rig):
+    """Issue 25: with container slots = rollout slots every container sets up while its rollout
+    slot idles; with twice as many, the next containers set up while the first ones run, so the
+    rollout slots are busier (the toolkit reports 1.20x requests/min from its warm pool)."""
+    stack, gateway, engine, acr, settings, sink = rig
+    from dataclasses import replace
+
+    from workers.acr.limits import AcrLimitsConfig, limit_clients, local_limits
+
+    async def utilisation(containers: int) -> float:
+        handles = local_limits(AcrLimitsConfig(max_open_sessions=containers, rollout_slots=2))
+        clients = limit_clients(handles)
+        worker = RolloutWorker(replace(settings, run_timeout_s=TIMEOUT_S), gateway, acr, sink,
+                               slots=clients.sessions, rollout_slots=clients.rollouts)
+        runs = [asyncio.ensure_future(worker.run(RolloutRequest(
+            group_id=i // 2, sample_index=i % 2, input_id=f"row-warm-{containers}-{i}",
+            row={"behaviour": "slow", "sleep_s": 1.0, "setup_s": 1.0}), "p")) for i in range(8)]
+        loop = asyncio.get_running_loop()
+        t0, busy = loop.time(), 0.0
+        while not all(r.done() for r in runs):
+            await asyncio.sleep(0.05)
+            busy += 0.05 * handles.rollouts.stats().in_use  # slot-seconds held
+        outs = [r.result() for r in runs]
+        assert all(o.status == "completed" for o in outs), [o.error for o in outs]
+        assert handles.rollouts.stats().peak_in_use == 2 and handles.sessions.stats().peak_in_use == containers
+        if containers > 2:  # somebody waited for a rollout slot after setting up
+            assert max(o.rollout_slot_wait_s for o in outs) > 0.3
+        return busy / (2 * (loop.time() - t0))
+
+    cold, warm = await utilisation(2), await utilisation(4)
+    assert warm > cold + 0.1, (cold, warm)
 
 
 def test_task_input_is_the_toolkits_shape_and_refuses_reserved_keys():

@@ -103,11 +103,15 @@ def test_default_config_is_the_embedded_default():
         ("inference.block_size=16", "inference.block_size"),  # vLLM's CPU attention takes multiples of 32 only
         ("inference.block_size=0", "inference.block_size"),
         ("algorithm.max_gen_batches=-1", "algorithm.max_gen_batches"),
+        ("rollout.setup_timeout_s=60", "rollout.setup_timeout_s"),  # contract=s3 has no setup phase
+        ("rollout.rollout_slots=4", "rollout.rollout_slots"),
+        ("rollout.contract=a2a rollout.run_timeout_s=0", "rollout.run_timeout_s"),
+        ("rollout.contract=a2a rollout.rollout_slots=0", "rollout.rollout_slots"),
     ],
 )
 def test_bad_value_names_the_key(override, key):
     with pytest.raises(ConfigError, match=rf"^{key.replace('.', chr(92) + '.')}"):
-        compose_config([override])
+        compose_config(override.split())  # several keys: space-separated
 
 
 def test_cli_bad_value_exits_nonzero_before_ray_with_the_key(tmp_path):
@@ -334,3 +338,16 @@ def test_results_are_deleted_from_the_embedded_s3_but_kept_in_a_users_bucket():
     assert local.rollout.acr.delete_results and not aws.rollout.acr.delete_results
     s = rollout_settings(local.rollout, exp_id="e", agent_runtime_arn="a", gateway_base_url="", model_id="m")
     assert s.delete_results
+
+
+def test_a2a_lifecycle_keys_reach_the_workers_and_the_slot_cap():
+    from orchestrator.config import pool_limits
+    from orchestrator.config.rollout import rollout_settings
+
+    cfg = compose_config(["rollout.contract=a2a", "rollout.setup_timeout_s=1200", "rollout.run_timeout_s=900",
+                          "rollout.rollout_slots=128", "rollout.acr.limits.max_open_sessions=256"])
+    s = rollout_settings(cfg.rollout, exp_id="e", agent_runtime_arn="a", gateway_base_url="", model_id="m")
+    assert (s.setup_timeout_s, s.run_timeout_s) == (1200, 900)
+    limits = pool_limits(cfg.rollout)
+    assert (limits.rollout_slots, limits.max_open_sessions) == (128, 256)
+    assert pool_limits(compose_config().rollout).rollout_slots is None

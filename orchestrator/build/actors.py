@@ -13,7 +13,8 @@ import contextlib
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from orchestrator.build.runtime import Runtime
-from orchestrator.config import RunConfig, acr_client_config, gateway_config, inference_settings, rollout_settings
+from orchestrator.config import (RunConfig, acr_client_config, gateway_config, inference_settings, pool_limits,
+                                 rollout_settings)
 from orchestrator.control.stopping import mark
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ async def start_pool(cfg: RunConfig, rt: Runtime, settings: RolloutSettings, gat
     r = cfg.rollout
     journal = JournalWriter(SessionJournal(rt.run_dir), settings.agent_runtime_arn, settings.qualifier,
                             local=rt.local is not None)
-    pool = await start_rollout_pool(settings, num_workers=r.num_workers, limits=r.acr.limits.typed(),
+    pool = await start_rollout_pool(settings, num_workers=r.num_workers, limits=pool_limits(r),
                                     acr=acr_client_config(r), result_host=r.result_host, gateway=gateway,
                                     buffer_handle=buffer.handle, store=buffer, redispatch_lost=r.redispatch_lost,
                                     journal=journal)

@@ -7,7 +7,7 @@ The contract names are workers/rollout/contract.py's `Contract`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Optional, get_args
 
 from orchestrator.loop.concurrency import CONCURRENCY_CHOICES, AdaptiveConcurrency
@@ -119,6 +119,12 @@ class RolloutConfig:
     result_host: str = "127.0.0.1"
     max_consecutive_bad_results: int = 32  # agent results in a row without a usable reward: stop the run
     redispatch_lost: int = 1  # times a rollout whose actor died runs again (new session id), then failed actor_lost
+    # contract=a2a: the two phases' own bounds (null: timeout_s) and the cluster-wide cap on rollouts
+    # running past their setup (null: none). Containers are the open-session cap
+    # (acr.limits.max_open_sessions): more of them than rollout_slots set up ahead (a warm pool)
+    setup_timeout_s: float | None = None
+    run_timeout_s: float | None = None
+    rollout_slots: int | None = None
     concurrency: str = "fixed"  # fixed: (η + 1)·B groups in flight | adaptive: an AIMD window on the engines' KV cache
     adaptive: AdaptiveConcurrencyConfig = field(default_factory=AdaptiveConcurrencyConfig)
 
@@ -153,6 +159,10 @@ class RolloutConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         check(self.acr.num_agents >= 1, "rollout.acr.num_agents", "must be >= 1", self.acr.num_agents)
+        if self.rollout_slots is not None:
+            check(self.contract == "a2a", "rollout.rollout_slots", "applies to rollout.contract=a2a only (a rollout "
+                  "slot is taken after the agent's setup)", self.rollout_slots)
+            check(self.rollout_slots >= 1, "rollout.rollout_slots", "must be >= 1 or null", self.rollout_slots)
         check(self.acr.session_rate_per_s > 0, "rollout.acr.session_rate_per_s", "must be > 0",
               self.acr.session_rate_per_s)
 
@@ -204,7 +214,14 @@ def rollout_settings(r: RolloutConfig, *, exp_id: str, agent_runtime_arn: str, g
         contract=r.contract, http_background=r.http_background, push_grace_s=r.push_grace_s,  # type: ignore[arg-type]
         max_consecutive_bad_results=r.max_consecutive_bad_results, seed=seed,
         a2a_poll_initial_s=r.poll_initial_s, a2a_poll_max_s=r.poll_max_s,
+        setup_timeout_s=r.setup_timeout_s, run_timeout_s=r.run_timeout_s,
         delete_results=r.acr.delete_results)
+
+
+def pool_limits(r: RolloutConfig) -> AcrLimitsConfig:
+    """The cluster-wide limits the rollout pool starts (workers/acr/limits.py): ACR's, and the
+    rollout-slot cap."""
+    return replace(r.acr.limits.typed(), rollout_slots=r.rollout_slots)
 
 
 def local_fault_rates(acr: AcrConfig) -> Any:

@@ -93,6 +93,9 @@ FAILURE_HINTS = {  # rollout/failed/{reason} (workers/rollout/failures.py) -> wh
     "transport": "the connection to the agent dropped",
     "engine_lost": "no inference replica answered the agent's model calls",
     "actor_lost": "the rollout actors died (RUN_DIR/logs/)",
+    "setup_timeout": "the agents' setup (rollout.contract=a2a) ran past rollout.setup_timeout_s: raise it, or make "
+                     "the container start faster",
+    "setup_failed": "the agents' setup raised (rollout.contract=a2a): the task's FAILED status text names why",
 }
 
 

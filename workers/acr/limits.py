@@ -1,4 +1,5 @@
-"""Cluster-wide ACR limits: one request-rate limiter and one open-session cap for the whole run.
+"""Cluster-wide ACR limits: one request-rate limiter and one open-session cap for the whole run
+(and, for the A2A contract's setup/run split, one rollout-slot cap: the inference budget).
 
 ACR bounds a runtime's request rate and its concurrent sessions per account, not per process, so
 a per-actor limiter multiplies with the number of rollout actors. Here each limit lives in ONE
@@ -22,7 +23,11 @@ Invariants:
   bucket is sized below the configured limit by `AcrLimitsConfig.headroom` so that requests SENT
   (a grant travels back before its request leaves) stay within the limit too;
 - slots held <= max_open_sessions at every moment; a slot is held from before the invoke that
-  creates a session until its StopRuntimeSession returned (or ACR said it did not exist).
+  creates a session until its StopRuntimeSession returned (or ACR said it did not exist). A
+  session is one container (an ACR microVM): these are the container slots;
+- rollout slots held <= rollout_slots: a rollout slot is held only while an agent runs its rollout
+  after its setup (contract=a2a), so containers beyond rollout_slots set up ahead: a warm pool
+  (the toolkit's `run_rollout_with_bounds`).
 
 Callers: `workers.acr.client.AsyncAcrClient` (rate: a botocore `before-send` hook, so every HTTP
 attempt, botocore retries included, takes a token) and `workers.rollout.worker.RolloutWorker`
@@ -46,6 +51,7 @@ log = logging.getLogger(__name__)
 
 RATE_ACTOR_NAME = "acr-request-rate-limiter"
 SESSIONS_ACTOR_NAME = "acr-open-session-cap"
+ROLLOUT_SLOTS_ACTOR_NAME = "rollout-slot-cap"
 MAX_BATCH = 256  # most tokens one pump asks for in one round trip (bounds one grant's burst)
 
 
@@ -358,12 +364,16 @@ class AcrLimitsConfig:
         with burst max(1, h * L / 2). Any 1 s window then sees at most
         burst + (1 - h) * L * (1 + delta_max) <= L requests while delta_max <= h / (2 (1 - h)) s
         (125 ms at h = 0.2).
-    max_open_sessions: sessions open at once (invoked and not yet stopped), whole cluster.
+    max_open_sessions: sessions open at once (invoked and not yet stopped), whole cluster: the
+        container slots.
+    rollout_slots: rollouts running at once past their setup (contract=a2a), whole cluster; None:
+        no cap beyond the container slots.
     """
 
     requests_per_s: float = 25.0
     max_open_sessions: int = 1000
     headroom: float = 0.2
+    rollout_slots: int | None = None
 
     def __post_init__(self) -> None:
         if self.requests_per_s <= 0:
@@ -372,6 +382,8 @@ class AcrLimitsConfig:
             raise ValueError(f"rollout.acr.limits.headroom must be in [0, 1), got {self.headroom}")
         if self.max_open_sessions < 1:
             raise ValueError(f"rollout.acr.limits.max_open_sessions must be >= 1, got {self.max_open_sessions}")
+        if self.rollout_slots is not None and self.rollout_slots < 1:
+            raise ValueError(f"rollout.rollout_slots must be >= 1 or null, got {self.rollout_slots}")
 
     @property
     def bucket_rate_per_s(self) -> float:
@@ -384,24 +396,29 @@ class AcrLimitsConfig:
 
 @dataclass(frozen=True)
 class LimitHandles:
-    """The two services: Ray actor handles (`.method.remote(...)`) or local objects."""
+    """The services: Ray actor handles (`.method.remote(...)`) or local objects; `rollouts` is
+    None without a rollout-slot cap."""
 
     rate: Any
     sessions: Any
+    rollouts: Any = None
 
 
 @dataclass
 class LimitClients:
-    """What one process uses: a token per ACR request, a slot per session."""
+    """What one process uses: a token per ACR request, a slot per session (container), a slot
+    per running rollout (None: no cap)."""
 
     requests: Coalescer
     sessions: SessionSlots
+    rollouts: SessionSlots | None = None
 
 
 def local_limits(cfg: AcrLimitsConfig, clock: Clock | None = None) -> LimitHandles:
-    """Both services as plain objects in this process (tests, the bench, a one-process run)."""
+    """The services as plain objects in this process (tests, the bench, a one-process run)."""
     return LimitHandles(RateLimiterService(cfg.bucket_rate_per_s, cfg.bucket_burst, clock),
-                        SessionCapService(cfg.max_open_sessions))
+                        SessionCapService(cfg.max_open_sessions),
+                        SessionCapService(cfg.rollout_slots) if cfg.rollout_slots else None)
 
 
 async def start_limit_actors(cfg: AcrLimitsConfig, *, suffix: str = "") -> LimitHandles:
@@ -414,11 +431,15 @@ async def start_limit_actors(cfg: AcrLimitsConfig, *, suffix: str = "") -> Limit
         return ray.remote(num_cpus=0, max_concurrency=1000)(cls).options(name=name + suffix, get_if_exists=True)
 
     h = LimitHandles(named(RateLimiterService, RATE_ACTOR_NAME).remote(cfg.bucket_rate_per_s, cfg.bucket_burst),
-                     named(SessionCapService, SESSIONS_ACTOR_NAME).remote(cfg.max_open_sessions))
+                     named(SessionCapService, SESSIONS_ACTOR_NAME).remote(cfg.max_open_sessions),
+                     named(SessionCapService, ROLLOUT_SLOTS_ACTOR_NAME).remote(cfg.rollout_slots)
+                     if cfg.rollout_slots else None)
     r, s = await asyncio.gather(h.rate.stats.remote(), h.sessions.stats.remote())
-    if (r.limit, r.burst, s.limit) != (cfg.bucket_rate_per_s, cfg.bucket_burst, cfg.max_open_sessions):
+    ro = (await h.rollouts.stats.remote()).limit if h.rollouts is not None else None
+    if (r.limit, r.burst, s.limit, ro) != (cfg.bucket_rate_per_s, cfg.bucket_burst, cfg.max_open_sessions,
+                                           cfg.rollout_slots):
         raise ValueError(f"limit actors '{RATE_ACTOR_NAME + suffix}'/'{SESSIONS_ACTOR_NAME + suffix}' already run "
-                         f"with rate={r.limit}/burst={r.burst}/sessions={s.limit}, not {cfg}")
+                         f"with rate={r.limit}/burst={r.burst}/sessions={s.limit}/rollout_slots={ro}, not {cfg}")
     return h
 
 
@@ -426,12 +447,12 @@ def limit_clients(handles: LimitHandles, owner: str = "") -> LimitClients:
     """Per-process clients over `handles` (actor handles or local services). Call inside the
     event loop that will use them. owner: the name the session cap counts this process's slots
     under (a rollout actor's name: `release_owner` frees them if it dies)."""
-    rate, cap = handles.rate, handles.sessions
-    return LimitClients(
-        Coalescer(functools.partial(call, rate, "acquire")),
-        SessionSlots(functools.partial(call, cap, "acquire", owner=owner),
-                     functools.partial(call, cap, "release", owner=owner)),
-    )
+    def slots(cap: Any) -> SessionSlots:
+        return SessionSlots(functools.partial(call, cap, "acquire", owner=owner),
+                            functools.partial(call, cap, "release", owner=owner))
+
+    return LimitClients(Coalescer(functools.partial(call, handles.rate, "acquire")), slots(handles.sessions),
+                        slots(handles.rollouts) if handles.rollouts is not None else None)
 
 
 async def limit_stats(handles: LimitHandles) -> tuple[LimitStats, LimitStats]:

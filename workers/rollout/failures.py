@@ -1,7 +1,9 @@
 """Why a rollout failed: the closed set of reasons and the rule from an exception to its reason.
 
 Reasons (`rollout/failed/{reason}` counters, `RolloutOutcome.reason`): `timeout`, `bad_result`,
-`agent_error`, `throttled`, `acr_error`, `transport`, and the faults of our own parts and servers:
+`agent_error`, `throttled`, `acr_error`, `transport`, the A2A contract's setup phase
+(`setup_timeout`: past `rollout.setup_timeout_s`; `setup_failed`: the agent ended the task in
+setup; workers/rollout/lifecycle.py), and the faults of our own parts and servers:
 `engine_lost` (a turn found no inference replica: the gateway marked the session),
 `actor_lost` (the rollout actor died: workers/rollout/recovery.py), `acr_unavailable` /
 `s3_unavailable` (the ACR endpoint or the result store refused or dropped the connection after
@@ -21,7 +23,7 @@ from workers.acr.client import AgentBodyError
 from workers.rollout.contract import AgentFailed, BadResult
 
 FailReason = Literal["timeout", "bad_result", "agent_error", "throttled", "acr_error", "transport", "engine_lost",
-                     "actor_lost", "acr_unavailable", "s3_unavailable"]
+                     "actor_lost", "acr_unavailable", "s3_unavailable", "setup_timeout", "setup_failed"]
 UNREACHABLE = (BotoConnectionError, HTTPClientError)  # the endpoint is down or restarting (botocore's retries spent)
 STOP_RETRY_EVERY_S = 2.0  # a StopRuntimeSession that failed is tried again this often (seconds) ...
 STOP_RETRY_FOR_S = 300.0  # ... for this long: the emulator / ACR may come back; then its slot is freed
@@ -36,6 +38,15 @@ class EndpointDown(Exception):
         self.reason = reason
 
 
+class SetupFailed(Exception):
+    """The agent's setup (A2A contract) did not park its task: `reason` is `setup_timeout` or
+    `setup_failed`; the message says which bound or what the agent reported."""
+
+    def __init__(self, reason: FailReason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 @contextlib.contextmanager
 def reaching(reason: FailReason) -> Iterator[None]:
     """Turn an unreachable endpoint inside the block into EndpointDown(reason)."""
@@ -47,7 +58,7 @@ def reaching(reason: FailReason) -> Iterator[None]:
 
 def fail_reason(exc: BaseException) -> FailReason:
     """The reason a rollout failed with `exc` (see FailReason)."""
-    if isinstance(exc, EndpointDown):
+    if isinstance(exc, (EndpointDown, SetupFailed)):
         return exc.reason
     if isinstance(exc, (BadResult, AgentBodyError)):
         return "bad_result"

@@ -109,7 +109,7 @@ class RolloutActor:
         gateway = NoGateway() if self._gateway_handle is None else GatewayActorClient(self._gateway_handle)
         return RolloutWorker(self._settings, gateway, self._acr,
                              _sink_for(self._buffer_handle), slots=clients.sessions if clients else None,
-                             results=board, result_url=url)
+                             rollout_slots=clients.rollouts if clients else None, results=board, result_url=url)
 
     async def prepare(self) -> None:
         """Build the worker now (ACR clients, result endpoint, buffer connection) rather than at the
@@ -221,7 +221,8 @@ class PoolRecovery:
     spawn(): a new rollout actor, as (handle, name); store: the trajectory buffer's `put(samples,
     partition)` and `sample_infos(partition)` (an object or actor handle); sessions_cap: the
     session-cap service (`release_owner(name)`), or None; exp_id: prefix of new session ids;
-    max_redispatch: re-dispatches of one request after losses (`rollout.redispatch_lost`).
+    max_redispatch: re-dispatches of one request after losses (`rollout.redispatch_lost`);
+    rollouts_cap: the rollout-slot cap service (`rollout.rollout_slots`), or None.
     """
 
     spawn: Callable[[], tuple[Any, str]]
@@ -229,6 +230,7 @@ class PoolRecovery:
     exp_id: str
     sessions_cap: Any = None
     max_redispatch: int = 1
+    rollouts_cap: Any = None
 
 
 class RolloutPool:
@@ -339,6 +341,8 @@ class RolloutPool:
         self.counts["rollout/actors_lost"] += 1
         if rec.sessions_cap is not None and name:
             self.counts["rollout/slots_released"] += await call(rec.sessions_cap, "release_owner", name)
+        if rec.rollouts_cap is not None and name:
+            self.counts["rollout/rollout_slots_released"] += await call(rec.rollouts_cap, "release_owner", name)
         return name
 
     async def _stop_lost(self, session_ids: list[str]) -> None:
@@ -448,5 +452,6 @@ async def start_rollout_pool(settings: RolloutSettings, *, num_workers: int, lim
     spawn = rollout_actor_spawner(settings, gateway, buffer_handle, options=options)
     actors, names = zip(*(spawn() for _ in range(num_workers)))
     recovery = PoolRecovery(spawn=spawn, store=store if store is not None else _sink_for(buffer_handle), exp_id=settings.exp_id,
-                            sessions_cap=handles.sessions, max_redispatch=redispatch_lost)
+                            sessions_cap=handles.sessions, max_redispatch=redispatch_lost,
+                            rollouts_cap=handles.rollouts)
     return RolloutPool(list(actors), recovery=recovery, names=names, journal=journal)

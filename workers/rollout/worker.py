@@ -60,6 +60,7 @@ from workers.rollout.contract import (
 )
 from workers.rollout import a2a
 from workers.rollout.failures import FailReason, fail_reason, reaching as _reaching
+from workers.rollout.lifecycle import Bounds, Spans, run_bounded
 from workers.rollout.results import ResultBoard
 from workers.rollout.stops import LostStop, SessionStops
 
@@ -109,6 +110,8 @@ class RolloutSettings:
     max_consecutive_bad_results: int = 32
     seed: int | None = None
     delete_results: bool = False
+    setup_timeout_s: float | None = None  # a2a: the setup phase's bound (None: timeout_s)
+    run_timeout_s: float | None = None  # a2a: the run phase's bound (None: timeout_s)
 
     def __post_init__(self) -> None:
         """The one check of these values; each message starts with the config key that sets it
@@ -117,6 +120,11 @@ class RolloutSettings:
             raise ValueError(f"rollout.contract must be one of {list(get_args(Contract))}, got {self.contract!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"rollout.timeout_s must be > 0, got {self.timeout_s}")
+        for key in ("setup_timeout_s", "run_timeout_s"):
+            value = getattr(self, key)
+            if value is not None and (self.contract != "a2a" or value <= 0):
+                raise ValueError(f"rollout.{key} must be > 0 or null, and applies to rollout.contract=a2a only "
+                                 f"(the setup/run split), got {value} with contract {self.contract!r}")
         if self.push_grace_s < 0:
             raise ValueError(f"rollout.push_grace_s must be >= 0, got {self.push_grace_s}")
         if self.max_consecutive_bad_results < 1:
@@ -162,6 +170,8 @@ class RolloutOutcome:
     num_turns: int = 0
     policy_version: int | None = None
     session_open: bool = False
+    setup_s: float | None = None  # a2a: seconds of setup (None: not reached or other contract)
+    rollout_slot_wait_s: float | None = None  # a2a: seconds from setup done to a rollout slot held
 
 
 class GatewaySessions(Protocol):
@@ -242,19 +252,22 @@ class RolloutWorker:
     """Runs rollouts concurrently in one asyncio loop (an async Ray actor in production).
 
     Collaborators are injected: `gateway` (session open/close), `acr` (ACR + S3 calls; it holds
-    the request-rate gate), `sink` (the trajectory buffer), `slots` (open-session cap, optional),
-    `results` + `result_url` (fast completion, optional). `clock` returns seconds (monotonic).
+    the request-rate gate), `sink` (the trajectory buffer), `slots` (open-session cap: container
+    slots, optional), `rollout_slots` (rollout-slot cap, a2a only, optional), `results` +
+    `result_url` (fast completion, optional). `clock` returns seconds (monotonic).
     """
 
     def __init__(self, settings: RolloutSettings, gateway: GatewaySessions, acr: AcrCalls, sink: SampleSink,
-                 clock=time.monotonic, *, slots: SessionGate | None = None, results: ResultBoard | None = None,
-                 result_url: str | None = None) -> None:
+                 clock=time.monotonic, *, slots: SessionGate | None = None, rollout_slots: SessionGate | None = None,
+                 results: ResultBoard | None = None, result_url: str | None = None) -> None:
         self._s = settings
         self._gateway = gateway
         self._acr = acr
         self._sink = sink
         self._clock = clock
         self._slots = slots
+        self._bounds = Bounds(settings.setup_timeout_s or settings.timeout_s,
+                              settings.run_timeout_s or settings.timeout_s, rollout_slots)
         self._results = results
         self._push_seen = False  # an agent posted a result: S3 polling waits push_grace_s from now on
         self._deletes: set[asyncio.Task] = set()  # delete_results: DeleteObject calls in flight
@@ -293,6 +306,7 @@ class RolloutWorker:
             await self._slots.acquire()
         t0 = self._clock()  # latency_s: the session's life, not the wait for a slot
         invoked = False
+        spans = Spans()
         try:
             # the gateway enforces the sampling the agent is told: the trainer scores exactly this
             # distribution (TrainerSettings.sampling_temperature / sampling_top_p)
@@ -306,7 +320,7 @@ class RolloutWorker:
                     self._results.expect(sid, api_key)
                 invoked = True  # counted before the call: a timed-out invoke may still open it
                 self._stops.opened(sid)
-                v = await self._attempt(req, sid, api_key)
+                v = await self._attempt(req, sid, api_key, spans)
             finally:
                 if self._results is not None:
                     self._results.forget(sid)
@@ -332,22 +346,28 @@ class RolloutWorker:
                                   sample.latency_s, v.error, v.reason,
                                   None if v.result_s is None else stored_s - v.result_s,
                                   num_input_tokens=sum(len(r.token_ids) - r.num_generated for r in capture.rows),
-                                  num_turns=capture.num_turns, policy_version=versions[0] if versions else None)
+                                  num_turns=capture.num_turns, policy_version=versions[0] if versions else None,
+                                  setup_s=spans.setup_s, rollout_slot_wait_s=spans.rollout_slot_wait_s)
         finally:
             if invoked:  # its own task: a second cancellation does not lose it (workers/rollout/stops.py)
                 await self._stops.stop(sid)  # gives the slot back once stopped (a failed stop is retried)
             elif self._slots is not None:
                 self._slots.release_held()
 
-    async def _attempt(self, req: RolloutRequest, sid: str, api_key: str) -> _Verdict:
-        """Invoke and wait for the result under the rollout timeout; failures become data."""
+    async def _attempt(self, req: RolloutRequest, sid: str, api_key: str, spans: Spans) -> _Verdict:
+        """Invoke and wait for the result under the rollout timeout (a2a: each phase under its
+        own, workers/rollout/lifecycle.py); failures become data."""
+        a2a_contract = self._s.contract == "a2a"
+        limit_s = self._bounds.run_timeout_s if a2a_contract else self._s.timeout_s
         try:
-            async with asyncio.timeout(self._s.timeout_s):  # unlike wait_for, no extra task (latency)
-                reward, result_s = await self._invoke_and_wait(req, sid, api_key)
+            if a2a_contract:
+                reward, result_s = await self._a2a_rollout(req, sid, api_key, spans)
+            else:
+                async with asyncio.timeout(self._s.timeout_s):  # unlike wait_for, no extra task (latency)
+                    reward, result_s = await self._invoke_and_wait(req, sid, api_key)
             return _Verdict(reward, None, None, result_s)
         except TimeoutError:  # asyncio.TimeoutError is TimeoutError since 3.11
-            return _Verdict(None, "timeout", f"timeout after {self._s.timeout_s}s waiting for {self._where(req, sid)}",
-                            None)
+            return _Verdict(None, "timeout", f"timeout after {limit_s}s waiting for {self._where(req, sid)}", None)
         except ContractError:
             raise
         except Exception as exc:  # agent/transport failure: the rollout fails, the run goes on
@@ -368,13 +388,11 @@ class RolloutWorker:
     async def _invoke_and_wait(self, req: RolloutRequest, sid: str, api_key: str) -> tuple[float, float]:
         if self._s.contract == "http":
             return await self._http_rollout(req, sid, api_key)
-        if self._s.contract == "a2a":
-            return await self._a2a_rollout(req, sid, api_key)
         return await self._s3_rollout(req, sid, api_key)
 
     # -- A2A contract (workers/rollout/a2a.py) ----------------------------------------------
 
-    async def _a2a_rollout(self, req: RolloutRequest, sid: str, api_key: str) -> tuple[float, float]:
+    async def _a2a_rollout(self, req: RolloutRequest, sid: str, api_key: str, spans: Spans) -> tuple[float, float]:
         s = self._s
         if not s.gateway_base_url:
             raise ContractError("rollout.contract=a2a needs the gateway: the agent's task_input names its model")
@@ -388,10 +406,9 @@ class RolloutWorker:
 
         session = a2a.A2ASession(call, sid, poll_initial_s=s.a2a_poll_initial_s, poll_max_s=s.a2a_poll_max_s)
         try:
-            await session.setup(task)
-            dump = await session.run(task)
+            dump = await run_bounded(session, task, self._bounds, spans, self._clock)
         finally:
-            await session.cancel_if_unfinished()  # before the session stop in `_run`
+            await session.cancel_if_unfinished()  # after the rollout slot went back, before the session stop in `_run`
         return a2a.reward_of(dump, self._where(req, sid)), self._clock()
 
     # -- S3 contract ------------------------------------------------------------------------
