@@ -180,6 +180,26 @@ async def test_a_warm_pool_keeps_rollout_slots_busy_while_containers_set_up(rig)
     assert warm > cold + 0.1, (cold, warm)
 
 
+async def test_the_session_creation_rate_spaces_new_containers(rig):
+    """Issue 25: `rollout.acr.limits.sessions_per_s` (the toolkit's session rate limiter, 5/s in
+    its SWE recipe) is taken after the container slot and before the first invoke: 6 rollouts at
+    once under 2 sessions/s (burst 1) open their sessions over >= 2.5 s, not at once."""
+    stack, gateway, engine, acr, settings, sink = rig
+    from workers.acr.limits import AcrLimitsConfig, limit_clients, local_limits
+
+    clients = limit_clients(local_limits(AcrLimitsConfig(max_open_sessions=8, sessions_per_s=2.0)))
+    worker = RolloutWorker(settings, gateway, acr, sink, slots=clients.sessions, new_sessions=clients.new_sessions)
+    before = (await asyncio.to_thread(stack.stats)).sessions_created
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    runs = [asyncio.ensure_future(worker.run(req("ok", f"row-rate-{i}"), "p")) for i in range(6)]
+    await asyncio.sleep(1.2)
+    early = (await asyncio.to_thread(stack.stats)).sessions_created - before
+    outs = await asyncio.wait_for(asyncio.gather(*runs), TIMEOUT_S)
+    assert all(o.status == "completed" for o in outs), [o.error for o in outs]
+    assert early <= 4 and loop.time() - t0 >= 2.5  # burst 1 + 2/s: the 6th session no sooner than 2.5 s
+
+
 def test_task_input_is_the_toolkits_shape_and_refuses_reserved_keys():
     endpoint = {"base_url": "http://gw/v1", "model_id": "m", "api_key": "tok"}
     sampling = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 64}

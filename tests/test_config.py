@@ -107,6 +107,7 @@ def test_default_config_is_the_embedded_default():
         ("rollout.rollout_slots=4", "rollout.rollout_slots"),
         ("rollout.contract=a2a rollout.run_timeout_s=0", "rollout.run_timeout_s"),
         ("rollout.contract=a2a rollout.rollout_slots=0", "rollout.rollout_slots"),
+        ("rollout.acr.limits.sessions_per_s=0", "rollout.acr.limits.sessions_per_s"),
     ],
 )
 def test_bad_value_names_the_key(override, key):

@@ -32,12 +32,15 @@ class AcrLimitsSchema:
     requests_per_s: cap on EVERY ACR request (invoke, get, stop, command, botocore retries
     included) in any 1 s window; headroom: fraction of it the token bucket holds back for the
     delay between a grant and its request (see AcrLimitsConfig).
-    max_open_sessions: ACR sessions open at once (invoked, not yet stopped), whole cluster.
+    max_open_sessions: ACR sessions open at once (invoked, not yet stopped), whole cluster: the
+    container slots. sessions_per_s: new sessions created per second, whole cluster (null: only
+    requests_per_s bounds them).
     """
 
     requests_per_s: float = 25.0
     headroom: float = 0.2
     max_open_sessions: int = 1000
+    sessions_per_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         self.typed()  # AcrLimitsConfig checks the values, naming rollout.acr.limits.<key>
@@ -46,7 +49,7 @@ class AcrLimitsSchema:
         """The limit actors' settings; raises ConfigError naming the key."""
         try:
             return AcrLimitsConfig(requests_per_s=self.requests_per_s, headroom=self.headroom,
-                                   max_open_sessions=self.max_open_sessions)
+                                   max_open_sessions=self.max_open_sessions, sessions_per_s=self.sessions_per_s)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 RATE_ACTOR_NAME = "acr-request-rate-limiter"
 SESSIONS_ACTOR_NAME = "acr-open-session-cap"
 ROLLOUT_SLOTS_ACTOR_NAME = "rollout-slot-cap"
+SESSION_RATE_ACTOR_NAME = "acr-session-rate-limiter"
 MAX_BATCH = 256  # most tokens one pump asks for in one round trip (bounds one grant's burst)
 
 
@@ -368,12 +369,16 @@ class AcrLimitsConfig:
         container slots.
     rollout_slots: rollouts running at once past their setup (contract=a2a), whole cluster; None:
         no cap beyond the container slots.
+    sessions_per_s: new sessions (containers) created per second, whole cluster, taken after the
+        container slot and before the first invoke (the toolkit's `session_rate_limiter`; burst 1);
+        None: only the request rate bounds them.
     """
 
     requests_per_s: float = 25.0
     max_open_sessions: int = 1000
     headroom: float = 0.2
     rollout_slots: int | None = None
+    sessions_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.requests_per_s <= 0:
@@ -384,6 +389,8 @@ class AcrLimitsConfig:
             raise ValueError(f"rollout.acr.limits.max_open_sessions must be >= 1, got {self.max_open_sessions}")
         if self.rollout_slots is not None and self.rollout_slots < 1:
             raise ValueError(f"rollout.rollout_slots must be >= 1 or null, got {self.rollout_slots}")
+        if self.sessions_per_s is not None and self.sessions_per_s <= 0:
+            raise ValueError(f"rollout.acr.limits.sessions_per_s must be > 0 or null, got {self.sessions_per_s}")
 
     @property
     def bucket_rate_per_s(self) -> float:
@@ -402,6 +409,7 @@ class LimitHandles:
     rate: Any
     sessions: Any
     rollouts: Any = None
+    session_rate: Any = None  # the session-creation rate limiter; None without sessions_per_s
 
 
 @dataclass
@@ -412,13 +420,15 @@ class LimitClients:
     requests: Coalescer
     sessions: SessionSlots
     rollouts: SessionSlots | None = None
+    new_sessions: Coalescer | None = None  # one unit per session created (None: no session rate)
 
 
 def local_limits(cfg: AcrLimitsConfig, clock: Clock | None = None) -> LimitHandles:
     """The services as plain objects in this process (tests, the bench, a one-process run)."""
     return LimitHandles(RateLimiterService(cfg.bucket_rate_per_s, cfg.bucket_burst, clock),
                         SessionCapService(cfg.max_open_sessions),
-                        SessionCapService(cfg.rollout_slots) if cfg.rollout_slots else None)
+                        SessionCapService(cfg.rollout_slots) if cfg.rollout_slots else None,
+                        RateLimiterService(cfg.sessions_per_s, 1, clock) if cfg.sessions_per_s else None)
 
 
 async def start_limit_actors(cfg: AcrLimitsConfig, *, suffix: str = "") -> LimitHandles:
@@ -433,13 +443,17 @@ async def start_limit_actors(cfg: AcrLimitsConfig, *, suffix: str = "") -> Limit
     h = LimitHandles(named(RateLimiterService, RATE_ACTOR_NAME).remote(cfg.bucket_rate_per_s, cfg.bucket_burst),
                      named(SessionCapService, SESSIONS_ACTOR_NAME).remote(cfg.max_open_sessions),
                      named(SessionCapService, ROLLOUT_SLOTS_ACTOR_NAME).remote(cfg.rollout_slots)
-                     if cfg.rollout_slots else None)
+                     if cfg.rollout_slots else None,
+                     named(RateLimiterService, SESSION_RATE_ACTOR_NAME).remote(cfg.sessions_per_s, 1)
+                     if cfg.sessions_per_s else None)
     r, s = await asyncio.gather(h.rate.stats.remote(), h.sessions.stats.remote())
     ro = (await h.rollouts.stats.remote()).limit if h.rollouts is not None else None
-    if (r.limit, r.burst, s.limit, ro) != (cfg.bucket_rate_per_s, cfg.bucket_burst, cfg.max_open_sessions,
-                                           cfg.rollout_slots):
+    sr = (await h.session_rate.stats.remote()).limit if h.session_rate is not None else None
+    if (r.limit, r.burst, s.limit, ro, sr) != (cfg.bucket_rate_per_s, cfg.bucket_burst, cfg.max_open_sessions,
+                                               cfg.rollout_slots, cfg.sessions_per_s):
         raise ValueError(f"limit actors '{RATE_ACTOR_NAME + suffix}'/'{SESSIONS_ACTOR_NAME + suffix}' already run "
-                         f"with rate={r.limit}/burst={r.burst}/sessions={s.limit}/rollout_slots={ro}, not {cfg}")
+                         f"with rate={r.limit}/burst={r.burst}/sessions={s.limit}/rollout_slots={ro}/"
+                         f"sessions_per_s={sr}, not {cfg}")
     return h
 
 
@@ -452,7 +466,9 @@ def limit_clients(handles: LimitHandles, owner: str = "") -> LimitClients:
                             functools.partial(call, cap, "release", owner=owner))
 
     return LimitClients(Coalescer(functools.partial(call, handles.rate, "acquire")), slots(handles.sessions),
-                        slots(handles.rollouts) if handles.rollouts is not None else None)
+                        slots(handles.rollouts) if handles.rollouts is not None else None,
+                        Coalescer(functools.partial(call, handles.session_rate, "acquire"))
+                        if handles.session_rate is not None else None)
 
 
 async def limit_stats(handles: LimitHandles) -> tuple[LimitStats, LimitStats]:

@@ -109,7 +109,8 @@ class RolloutActor:
         gateway = NoGateway() if self._gateway_handle is None else GatewayActorClient(self._gateway_handle)
         return RolloutWorker(self._settings, gateway, self._acr,
                              _sink_for(self._buffer_handle), slots=clients.sessions if clients else None,
-                             rollout_slots=clients.rollouts if clients else None, results=board, result_url=url)
+                             rollout_slots=clients.rollouts if clients else None,
+                             new_sessions=clients.new_sessions if clients else None, results=board, result_url=url)
 
     async def prepare(self) -> None:
         """Build the worker now (ACR clients, result endpoint, buffer connection) rather than at the

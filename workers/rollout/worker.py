@@ -205,6 +205,12 @@ class SampleSink(Protocol):
     async def put(self, samples: list[Sample], partition: str) -> None: ...
 
 
+class RateGate(Protocol):
+    """A cluster-wide rate (workers.acr.limits.Coalescer over a RateLimiterService)."""
+
+    async def acquire(self) -> None: ...
+
+
 class SessionGate(Protocol):
     """The cluster-wide open-session cap (workers.acr.limits.SessionSlots)."""
 
@@ -253,19 +259,22 @@ class RolloutWorker:
 
     Collaborators are injected: `gateway` (session open/close), `acr` (ACR + S3 calls; it holds
     the request-rate gate), `sink` (the trajectory buffer), `slots` (open-session cap: container
-    slots, optional), `rollout_slots` (rollout-slot cap, a2a only, optional), `results` +
-    `result_url` (fast completion, optional). `clock` returns seconds (monotonic).
+    slots, optional), `rollout_slots` (rollout-slot cap, a2a only, optional), `new_sessions` (the
+    session-creation rate: one unit per session, taken after its container slot, optional),
+    `results` + `result_url` (fast completion, optional). `clock` returns seconds (monotonic).
     """
 
     def __init__(self, settings: RolloutSettings, gateway: GatewaySessions, acr: AcrCalls, sink: SampleSink,
                  clock=time.monotonic, *, slots: SessionGate | None = None, rollout_slots: SessionGate | None = None,
-                 results: ResultBoard | None = None, result_url: str | None = None) -> None:
+                 new_sessions: RateGate | None = None, results: ResultBoard | None = None,
+                 result_url: str | None = None) -> None:
         self._s = settings
         self._gateway = gateway
         self._acr = acr
         self._sink = sink
         self._clock = clock
         self._slots = slots
+        self._new_sessions = new_sessions
         self._bounds = Bounds(settings.setup_timeout_s or settings.timeout_s,
                               settings.run_timeout_s or settings.timeout_s, rollout_slots)
         self._results = results
@@ -308,6 +317,8 @@ class RolloutWorker:
         invoked = False
         spans = Spans()
         try:
+            if self._new_sessions is not None:
+                await self._new_sessions.acquire()  # container slot, then the session-creation rate
             # the gateway enforces the sampling the agent is told: the trainer scores exactly this
             # distribution (TrainerSettings.sampling_temperature / sampling_top_p)
             sampling = {"temperature": self._s.temperature, "top_p": self._s.top_p,
