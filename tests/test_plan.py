@@ -175,6 +175,9 @@ def test_main_dry_run_exit_status(tmp_path, overrides, code, needle):
     assert out.returncode == code, out.stderr[-3000:]
     assert needle in out.stdout + out.stderr
     assert "node 1:" in out.stdout and "inference replica 3 (tp 2)" in out.stdout
+    # issue 25: the SWE preset is the toolkit's A2A recipe, and the plan says its bounds
+    assert ("rollouts: contract a2a, 256 container slot(s) (open sessions), 128 rollout slot(s) (32 per replica, "
+            "inference.max_num_seqs 128), warm pool 128, setup <= 1200 s, run <= 1200 s, 5 new session(s)/s") in out.stdout
     assert not run_dir.exists()
 
 

@@ -208,7 +208,8 @@ def build_plan(cfg: RunConfig, machine_bytes: int | None = None) -> RunPlan:
                f"{', activation checkpointing' if t.activation_checkpointing else ''}",
                f"inference: {inf.replicas} replica(s) x tensor_parallel_size {tp}, {inf.dtype}, "
                f"gpu_memory_utilization {inf.gpu_memory_utilization:g}, KV cache {engine.kv_tokens} tokens per GPU "
-               f"({engine.kv_tokens // max(1, inf.max_model_len)} sequences of {inf.max_model_len} tokens)"]
+               f"({engine.kv_tokens // max(1, inf.max_model_len)} sequences of {inf.max_model_len} tokens)",
+               _rollouts_line(cfg)]
     sites = assign_bundles(placement, [per_node] * c.nodes)
     gpus: dict[tuple[int, int], GpuPlan] = {}
     site_of = {(s.group, s.bundle): s for s in sites}
@@ -226,6 +227,23 @@ def build_plan(cfg: RunConfig, machine_bytes: int | None = None) -> RunPlan:
         on(slot, f"inference replica {i}" + (f" (tp {tp})" if tp > 1 else ""), engine.memory)
     ordered = [gpus[k] for k in sorted(gpus)]
     return RunPlan(header, ordered, gpu_bytes, [(i, engine) for i in range(inf.replicas)], inf.max_model_len)
+
+
+def _rollouts_line(cfg: RunConfig) -> str:
+    """The rollout lifecycle's bounds: contract, container and rollout slots, session rate, timeouts."""
+    r, lim = cfg.rollout, cfg.rollout.acr.limits
+    line = f"rollouts: contract {r.contract}, {lim.max_open_sessions} container slot(s) (open sessions)"
+    if r.contract == "a2a":
+        if r.rollout_slots is not None:
+            warm = max(0, lim.max_open_sessions - r.rollout_slots)
+            line += (f", {r.rollout_slots} rollout slot(s) ({r.rollout_slots / max(1, cfg.inference.replicas):g} per "
+                     f"replica, inference.max_num_seqs {cfg.inference.max_num_seqs}), warm pool {warm}")
+        line += (f", setup <= {r.setup_timeout_s or r.timeout_s:g} s, run <= {r.run_timeout_s or r.timeout_s:g} s")
+    else:
+        line += f", each <= {r.timeout_s:g} s"
+    if lim.sessions_per_s is not None:
+        line += f", {lim.sessions_per_s:g} new session(s)/s"
+    return line
 
 
 def _budget(load: EngineLoad, mem: GpuMemory) -> int:
