@@ -145,12 +145,16 @@ async def test_a_setup_past_its_timeout_fails_as_setup_timeout_and_never_holds_a
     ok = await asyncio.wait_for(worker.run(req("ok", "row-setup-quick", setup_s=0.2), "p"), TIMEOUT_S)
     assert (ok.status, ok.reward) == ("completed", 0.75), ok.error
     assert handles.rollouts.stats().granted == 1 and ok.setup_s >= 0.2 and ok.rollout_slot_wait_s is not None
+    stored = {s.input_id: s for s in sink.samples}  # the spans reach the buffer with the sample
+    assert stored["row-setup-slow"].setup_s == out.setup_s and stored["row-setup-slow"].rollout_slot_wait_s is None
+    assert stored["row-setup-quick"].rollout_slot_wait_s == ok.rollout_slot_wait_s
 
 
 async def test_a_warm_pool_keeps_rollout_slots_busy_while_containers_set_up(rig):
     """Issue 25: with container slots = rollout slots every container sets up while its rollout
-    slot idles; with twice as many, the next containers set up while the first ones run, so the
-    rollout slots are busier (the toolkit reports 1.20x requests/min from its warm pool)."""
+    slot idles; with three times as many, the next containers set up while the first ones run, so
+    the rollout slots are busier (the toolkit reports 1.20x requests/min from its warm pool; here
+    about 0.5 against 0.8 on a quiet machine, 0.4 against 0.6+ on a loaded one)."""
     stack, gateway, engine, acr, settings, sink = rig
     from dataclasses import replace
 
@@ -176,8 +180,8 @@ async def test_a_warm_pool_keeps_rollout_slots_busy_while_containers_set_up(rig)
             assert max(o.rollout_slot_wait_s for o in outs) > 0.3
         return busy / (2 * (loop.time() - t0))
 
-    cold, warm = await utilisation(2), await utilisation(4)
-    assert warm > cold + 0.1, (cold, warm)
+    cold, warm = await utilisation(2), await utilisation(6)
+    assert warm > 1.25 * cold, (cold, warm)
 
 
 async def test_the_session_creation_rate_spaces_new_containers(rig):

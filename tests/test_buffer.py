@@ -4,6 +4,7 @@ producer actor puts samples and the driver reads them back bit-exact, waits for 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 import struct
@@ -89,9 +90,12 @@ def test_codec_round_trip_multi_row_and_empty_samples():
         make_sample(rng, 1, 0, num_rows=3),
         make_sample(rng, 1, 1, num_rows=1),
         Sample("sess-empty-" + "y" * 30, 2, "input-2", 0, (), None, "failed", 1.5, "no model call"),
+        # the A2A contract's spans travel with the sample (step metrics rollout/setup_s_p50, ...)
+        dataclasses.replace(make_sample(rng, 4, 0, num_rows=1), setup_s=1.25, rollout_slot_wait_s=0.5),
+        Sample("sess-setup-" + "z" * 30, 5, "input-5", 0, (), None, "failed", 3.0, "setup_timeout", setup_s=3.0),
     ]
     stored = [r for s in samples for r in encode_sample(s)]
-    assert len(stored) == 3 + 1 + 1  # one TQ row per trajectory row, one placeholder for the empty sample
+    assert len(stored) == 3 + 1 + 1 + 1 + 1  # one TQ row per trajectory row, one placeholder per empty sample
     rng.shuffle(stored)
     assert decode_samples(stored) == samples
     listing = {r.key: r.tags for r in stored}

@@ -183,3 +183,21 @@ async def test_fixed_concurrency_caps_the_groups_in_flight():
     report = await asyncio.wait_for(run_async(parts, cfg), timeout=60)
     assert report.policy_version == 4
     assert peak == 3
+
+
+def test_step_metrics_report_the_a2a_setup_and_rollout_slot_spans():
+    """Issue 25: per step, setup time p50/p90 and the mean wait for a rollout slot, from the spans
+    each sample carries (samples of other contracts have none and add nothing)."""
+    from dataclasses import replace
+
+    from orchestrator.loop.common import step_metrics
+    from stand_ins import make_sample
+
+    parts, *_ = build(alternating_reward)
+    spans = [replace(make_sample(0, i), setup_s=float(i + 1), rollout_slot_wait_s=0.5 * i) for i in range(10)]
+    times = dict(updates=[], t_gen=1.0, t_update=1.0, t_sync=1.0, step_s=3.0, version=0)
+    m = step_metrics(parts, samples=[*spans, make_sample(1, 0)], **times)
+    assert (m["rollout/setup_s_p50"], m["rollout/setup_s_p90"]) == (6.0, 10.0)
+    assert m["rollout/rollout_slot_wait_s_mean"] == 2.25
+    assert not {"rollout/setup_s_p50", "rollout/rollout_slot_wait_s_mean"} & step_metrics(
+        parts, samples=[make_sample(1, 0)], **times).keys()

@@ -172,7 +172,9 @@ def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[
     loss-mask tokens; `perf/total_num_tokens`, every token of the trained samples, prompts and
     environment tokens too, is verl's measure of throughput and the trainer's to report). With
     rollouts in `samples` (those the step took: a sync step's batch, an async step's collected
-    groups), `rollout/latency_s_p50` and `rollout/latency_s_max`: seconds from dispatch to result."""
+    groups), `rollout/latency_s_p50` and `rollout/latency_s_max`: seconds from dispatch to result;
+    with the A2A contract's spans, `rollout/setup_s_p50`, `_p90` and `rollout/rollout_slot_wait_s_mean`
+    (seconds; the spans of workers/rollout/lifecycle.py)."""
     trained_tokens = sum(m.get("actor/num_tokens", 0.0) for m in updates)
     m: dict[str, float] = {
         **reward_stats(samples),
@@ -194,6 +196,13 @@ def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[
     if latencies:
         m["rollout/latency_s_p50"] = latencies[len(latencies) // 2]
         m["rollout/latency_s_max"] = latencies[-1]
+    setups = sorted(s.setup_s for s in samples if s.setup_s is not None)
+    if setups:
+        m["rollout/setup_s_p50"] = setups[len(setups) // 2]
+        m["rollout/setup_s_p90"] = setups[min(len(setups) - 1, int(0.9 * len(setups)))]
+    waits = [s.rollout_slot_wait_s for s in samples if s.rollout_slot_wait_s is not None]
+    if waits:
+        m["rollout/rollout_slot_wait_s_mean"] = sum(waits) / len(waits)
     return m
 
 

@@ -52,6 +52,8 @@ def sample_tags(sample: Sample) -> dict[str, Any]:
         "status": sample.status,
         "latency_s": sample.latency_s,
         "error": sample.error,
+        "setup_s": sample.setup_s,
+        "rollout_slot_wait_s": sample.rollout_slot_wait_s,
         "min_version": None if vr is None else vr[0],
         "max_version": None if vr is None else vr[1],
         "num_generated_tokens": sample.num_generated_tokens,
@@ -180,6 +182,8 @@ def decode_samples(rows: Iterable[StoredRow]) -> list[Sample]:
                 status=status,
                 latency_s=t["latency_s"],
                 error=t["error"],
+                setup_s=t.get("setup_s"),
+                rollout_slot_wait_s=t.get("rollout_slot_wait_s"),
             )
         )
     samples.sort(key=lambda s: (s.group_id, s.sample_index, s.session_id))

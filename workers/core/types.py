@@ -163,7 +163,9 @@ class Sample:
     """One finished rollout: the recorded rows plus the reward the agent reported.
 
     `status` is the rollout's terminal state; only "completed" samples carry a finite reward and
-    may be trained. `error` explains a non-completed status.
+    may be trained. `error` explains a non-completed status. `setup_s` / `rollout_slot_wait_s`:
+    seconds of the A2A contract's setup and of the wait for a rollout slot after it (None: not
+    reached, or another contract).
     """
 
     session_id: str
@@ -175,6 +177,8 @@ class Sample:
     status: RolloutStatus
     latency_s: float
     error: str | None = None
+    setup_s: float | None = None
+    rollout_slot_wait_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.status not in TERMINAL_STATES:
