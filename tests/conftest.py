@@ -27,14 +27,14 @@ from stand_ins import FakeClock, random_qwen2  # noqa: E402
 
 
 HEAVY_MODULES = frozenset({"test_e2e.py", "test_gsm8k_e2e.py", "test_own_agent_e2e.py", "test_eval_e2e.py",
-                           "test_aws_rollout.py", "test_submit.py"})
-LATE_HEAVY_MODULES = frozenset({"test_gsm8k_e2e.py", "test_eval_e2e.py"})  # of HEAVY_MODULES: no time bound, queued last
+                           "test_aws_rollout.py", "test_submit.py", "test_a2a_e2e.py"})
+LATE_HEAVY_MODULES = frozenset({"test_gsm8k_e2e.py", "test_eval_e2e.py", "test_a2a_e2e.py"})  # of HEAVY_MODULES: no time bound, queued last
 # Markers (pyproject.toml): `e2e` the HEAVY_MODULES (each runs the main job); `integration` the
 # modules that start Ray, vLLM engines, trainer actors or the ACR stack with its agents (seconds per
 # test); `unit` everything else (pure logic, in-process servers, the simulator). `make test-fast`
 # runs `unit`; a new module that starts Ray or an engine joins INTEGRATION_MODULES.
 INTEGRATION_MODULES = frozenset({
-    "test_acr_emulator.py", "test_acr_emulator_faults.py", "test_acr_faults.py", "test_buffer.py",
+    "test_a2a_rollout.py", "test_acr_emulator.py", "test_acr_emulator_faults.py", "test_acr_faults.py", "test_buffer.py",
     "test_device_check.py", "test_faults_inference_replica.py", "test_faults_rollout.py",
     "test_faults_trainer_rank.py", "test_gateway_ray.py", "test_gateway_vllm.py", "test_inference_inflight.py",
     "test_inference_ray.py", "test_inference_worker.py", "test_local_stack.py", "test_placement.py", "test_plan.py",
