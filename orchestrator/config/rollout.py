@@ -165,7 +165,10 @@ class RolloutConfig:
         if self.rollout_slots is not None:
             check(self.contract == "a2a", "rollout.rollout_slots", "applies to rollout.contract=a2a only (a rollout "
                   "slot is taken after the agent's setup)", self.rollout_slots)
-            check(self.rollout_slots >= 1, "rollout.rollout_slots", "must be >= 1 or null", self.rollout_slots)
+            try:
+                pool_limits(self)  # AcrLimitsConfig checks the value, naming rollout.rollout_slots
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         check(self.acr.session_rate_per_s > 0, "rollout.acr.session_rate_per_s", "must be > 0",
               self.acr.session_rate_per_s)
 
