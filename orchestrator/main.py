@@ -230,7 +230,8 @@ async def _train_attempts(cfg: RunConfig, rt, stack: contextlib.ExitStack, inter
         await engines_down
         await discard(built.actors())
         attempt.close()
-        attempt_rt = dataclasses.replace(rt, checkpoint=restart, model_path=str(restart.model_dir))
+        attempt_rt = dataclasses.replace(rt, checkpoint=restart, model_path=str(restart.model_dir),
+                                         attempt=restarts.restarts)
 
 
 async def _bounded(aw, timeout_s: float = 5.0) -> None:

@@ -74,8 +74,9 @@ def run_rollout_settings(cfg: RunConfig, rt: Runtime, base_url: str) -> RolloutS
 
 async def start_pool(cfg: RunConfig, rt: Runtime, settings: RolloutSettings, gateway: ActorHandle | None,
                      buffer: TrajectoryBuffer, closing: contextlib.AsyncExitStack) -> RolloutPool:
-    """A rollout pool under the cluster-wide ACR limits (named actors, shared by every pool) that
-    records its sessions in the run's open-session journal (workers/acr/journal.py)."""
+    """A rollout pool under the cluster-wide ACR limits (named actors, shared by every pool of the
+    attempt: `Runtime.limits_suffix`) that records its sessions in the run's open-session journal
+    (workers/acr/journal.py)."""
     from workers.acr.journal import JournalWriter, SessionJournal
     from workers.rollout.pool import start_rollout_pool
 
@@ -85,6 +86,6 @@ async def start_pool(cfg: RunConfig, rt: Runtime, settings: RolloutSettings, gat
     pool = await start_rollout_pool(settings, num_workers=r.num_workers, limits=pool_limits(r),
                                     acr=acr_client_config(r), result_host=r.result_host, gateway=gateway,
                                     buffer_handle=buffer.handle, store=buffer, redispatch_lost=r.redispatch_lost,
-                                    journal=journal)
+                                    journal=journal, limits_suffix=rt.limits_suffix)
     close_quietly(closing, pool.shutdown, what="rollout pool")
     return pool

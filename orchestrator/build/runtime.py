@@ -47,6 +47,14 @@ class Runtime:
     model_path: str
     checkpoint: Checkpoint | None
     local: LocalStack | None  # rollout=local only
+    attempt: int = 0  # trainer restarts so far in this process (orchestrator/control/trainer_restart.py)
+
+    @property
+    def limits_suffix(self) -> str:
+        """The name suffix of this attempt's cluster-wide limit actors: a restarted attempt gets its own
+        (a discarded attempt's actors die with their last handle, so `get_if_exists` could return one
+        that Ray is still destroying)."""
+        return f"-attempt{self.attempt}" if self.attempt else ""
 
 
 def agent_command(cfg: RunConfig) -> list[str]:

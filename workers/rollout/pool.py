@@ -438,17 +438,19 @@ def start_rollout_actors(num: int, settings: RolloutSettings, gateway_handle: An
 
 async def start_rollout_pool(settings: RolloutSettings, *, num_workers: int, limits: Any, acr: Any, result_host: str,
                              gateway: Any, buffer_handle: Any, store: Any = None,
-                             redispatch_lost: int = 1, journal: JournalWriter | None = None) -> RolloutPool:
+                             redispatch_lost: int = 1, journal: JournalWriter | None = None,
+                             limits_suffix: str = "") -> RolloutPool:
     """Start the named cluster-wide limit actors (`limits`: workers.acr.limits.AcrLimitsConfig)
     and `num_workers` rollout actors whose ACR clients use `acr` (workers.acr.client.AcrClientConfig);
     return the pool, which replaces a dead actor and re-dispatches its rollouts `redispatch_lost`
     times (`store`: the caller's TrajectoryBuffer, else one connected to `buffer_handle`). The
     driver maps its `rollout` config group to these typed settings. Awaits the limit actors (not
     the rollout actors: `RolloutPool.prepare`), so a driver's event loop stays free meanwhile.
-    `journal`: the run's open-session journal (workers/acr/journal.py), or None."""
+    `journal`: the run's open-session journal (workers/acr/journal.py), or None; `limits_suffix`:
+    the limit actors' name suffix (`start_limit_actors`)."""
     from workers.acr.limits import start_limit_actors
 
-    handles = await start_limit_actors(limits)
+    handles = await start_limit_actors(limits, suffix=limits_suffix)
     options = PoolOptions(limits=handles, result_host=result_host, acr=acr)
     spawn = rollout_actor_spawner(settings, gateway, buffer_handle, options=options)
     actors, names = zip(*(spawn() for _ in range(num_workers)))
