@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
-from workers.core.tasks import custom, gsm8k, letters
+from workers.core.tasks import custom, gsm8k, letters, swe_mini
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 AGENTS_DIR = REPO_ROOT / "examples" / "agents"
@@ -69,10 +69,16 @@ def _custom_rows(t: TaskParams, split: str) -> list[dict]:
     return custom.load_rows(path, t.prompt_key, num, t.seed, t.max_turns)
 
 
+def _swe_mini_rows(t: TaskParams, split: str) -> list[dict]:
+    num = (t.val_num_prompts or 16) if split == "test" else t.num_prompts
+    return swe_mini.make_rows(num, t.seed, split, max_turns=t.max_turns)
+
+
 TASKS: dict[str, TaskEntry] = {
     "letters": TaskEntry(_letters_rows, AGENTS_DIR / "letters_agent" / "app.py",
                          a2a_agent=AGENTS_DIR / "letters_a2a_agent" / "app.py"),
     "gsm8k": TaskEntry(_gsm8k_rows, AGENTS_DIR / "gsm8k_agent" / "app.py", check_data=gsm8k.resolve_data_path),
+    "swe_mini": TaskEntry(_swe_mini_rows, None, a2a_agent=AGENTS_DIR / "swe_mini_agent" / "app.py"),
     "custom": TaskEntry(_custom_rows, None, check_data=lambda p: gsm8k.resolve_data_path(p, task="custom")),
 }
 TASK_NAMES: tuple[str, ...] = tuple(TASKS)

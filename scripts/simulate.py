@@ -6,7 +6,11 @@
 
 Writes (with --out) at least: kv_usage_mean, throughput_ratio_vs_sync1, staleness_max,
 staleness_mean, eta, sim_hours, wall_s. Extra flags go to the planner (--eta, --sync-every,
---trainer-gpus, --baseline, --staleness-bound, --run-dir DIR for metrics.jsonl/summary.json/timeline.jsonl).
+--trainer-gpus, --baseline, --staleness-bound, --run-dir DIR for metrics.jsonl/summary.json/timeline.jsonl;
+--rollout-slots, --container-slots and --container-factors for the A2A lifecycle's caps:
+
+    python scripts/simulate.py --workload swe_gym --gpus 16 --hours 3 --config async_1 --eta 3 \
+        --rollout-slots 128 --container-factors 1,1.5,2
 """
 
 from __future__ import annotations

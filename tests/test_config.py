@@ -19,6 +19,7 @@ AWS = ["rollout.acr.agent_runtime_arn=arn:aws:bedrock-agentcore:us-east-1:123456
 REQUIRED = {("rollout", "aws"): AWS, **{("model", m): ["model.path=/models/x"]
                                         for m in ("qwen2_5", "qwen3", "qwen3_coder")},
             ("inference", "vllm"): ["cluster=disaggregated"],
+            ("task", "swe_mini"): ["rollout.contract=a2a"],
             ("task", "custom"): ["task.data_path=examples/data/arith/train.jsonl", "rollout.acr.agent_cmd=python a.py"]}
 
 
@@ -108,6 +109,7 @@ def test_default_config_is_the_embedded_default():
         ("rollout.contract=a2a rollout.run_timeout_s=0", "rollout.run_timeout_s"),
         ("rollout.contract=a2a rollout.rollout_slots=0", "rollout.rollout_slots"),
         ("rollout.acr.limits.sessions_per_s=0", "rollout.acr.limits.sessions_per_s"),
+        ("task=swe_mini", "rollout.contract"),  # its agent speaks A2A only
     ],
 )
 def test_bad_value_names_the_key(override, key):

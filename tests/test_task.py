@@ -96,9 +96,10 @@ def test_registry_is_the_one_list_config_validation_accepts():
     assert TASK_NAMES == tuple(TASKS)
     for name, entry in TASKS.items():
         assert entry.agent is None or entry.agent.is_file(), name  # None: the user's agent (task=custom)
+        assert entry.a2a_agent is None or entry.a2a_agent.is_file(), name
         kwargs = {"data_path": "any.jsonl"} if entry.check_data is not None else {}
         assert TaskConfig(name=name, **kwargs).name == name  # every registered task validates
-    with pytest.raises(ConfigError, match=r"^task\.name must be one of \['letters', 'gsm8k', 'custom'\]"):
+    with pytest.raises(ConfigError, match=r"^task\.name must be one of \['letters', 'gsm8k', 'swe_mini', 'custom'\]"):
         TaskConfig(name="unregistered")
 
 

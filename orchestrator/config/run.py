@@ -83,7 +83,12 @@ class RunConfig:
         check(self.inference.name != "vllm" or self.cluster.name != "local", "inference.name",
               "vllm runs on CUDA GPUs: use cluster=disaggregated or cluster=colocated (inference=vllm_cpu on CPU)",
               self.inference.name)
-        check(TASKS[self.task.name].agent_for(self.rollout.contract) is not None or self.rollout.name != "local"
+        task = TASKS[self.task.name]
+        check(task.agent is not None or task.a2a_agent is None or self.rollout.contract == "a2a"
+              or bool(self.rollout.acr.agent_cmd), "rollout.contract",
+              f"must be a2a with task={self.task.name}: its agent speaks the A2A contract (or name yours in "
+              "rollout.acr.agent_cmd)", self.rollout.contract)
+        check(task.agent_for(self.rollout.contract) is not None or self.rollout.name != "local"
               or bool(self.rollout.acr.agent_cmd),
               "rollout.acr.agent_cmd", f"must name your agent's command with task={self.task.name}, "
               f"rollout.contract={self.rollout.contract} and rollout=local "

@@ -174,7 +174,8 @@ def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[
     rollouts in `samples` (those the step took: a sync step's batch, an async step's collected
     groups), `rollout/latency_s_p50` and `rollout/latency_s_max`: seconds from dispatch to result;
     with the A2A contract's spans, `rollout/setup_s_p50`, `_p90` and `rollout/rollout_slot_wait_s_mean`
-    (seconds; the spans of workers/rollout/lifecycle.py)."""
+    (seconds; the spans of workers/rollout/lifecycle.py); `rollout/turns_mean` (model turns per
+    rollout) and `rollout/response_tokens_mean` (generated tokens per rollout)."""
     trained_tokens = sum(m.get("actor/num_tokens", 0.0) for m in updates)
     m: dict[str, float] = {
         **reward_stats(samples),
@@ -196,6 +197,8 @@ def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[
     if latencies:
         m["rollout/latency_s_p50"] = latencies[len(latencies) // 2]
         m["rollout/latency_s_max"] = latencies[-1]
+        m["rollout/turns_mean"] = sum(s.num_turns for s in samples) / len(samples)
+        m["rollout/response_tokens_mean"] = sum(s.num_generated_tokens for s in samples) / len(samples)
     setups = sorted(s.setup_s for s in samples if s.setup_s is not None)
     if setups:
         m["rollout/setup_s_p50"] = setups[len(setups) // 2]

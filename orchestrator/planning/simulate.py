@@ -11,7 +11,15 @@ and with `run_dir=DIR` writes the real run's `metrics.jsonl` and `summary.json` 
 split, η, `sync_every`, concurrency policy, and the sync modes), prints a table and the best
 configuration whose staleness stays within η (max) and the bound (mean), as the Hydra overrides
 of `python -m orchestrator.main`. `--policy adaptive` without further flags uses the workload's
-`plan` section (the split, η and `sync_every` the sweep chose).
+`plan` section (the split, η and `sync_every` the sweep chose). `--rollout-slots` and
+`--container-slots` cap the A2A rollout lifecycle (orchestrator/planning/sim/agent.py; a workload
+with `agent.setup_s` sets up before its rollout slot); `--container-factors 1,1.5,2` with
+`--rollout-slots` simulates the one configuration at each container : rollout ratio and picks the
+fewest containers whose rollout-slot utilisation is within 0.01 of the best feasible one (a warm
+pool only pays while the loop keeps more rollouts in flight than rollout slots).
+
+    python -m orchestrator.planning.simulate workload=swe_gym gpus=16 hours=3 --config async_1 --eta 3 \
+        --staleness-bound 2 --rollout-slots 128 --container-factors 1,1.5,2
 
 Exit status: 0 done, 2 bad arguments or workload (the message names the key).
 """
@@ -142,9 +150,10 @@ def _one(args: tuple) -> dict:
 
 
 def run_sweep(w: Workload, gpus: int, hours: float, seed: int, bound: float, out: Path | None,
-              grid_name: str = "full", jobs: int = 1) -> dict:
-    """Simulate every configuration of the grid (`jobs` processes); print the table and the best."""
-    grid = sweep_grid(w, gpus, grid_name)
+              grid_name: str = "full", jobs: int = 1, caps: dict | None = None) -> dict:
+    """Simulate every configuration of the grid (`jobs` processes), each with the lifecycle's
+    `caps` (`container_slots`, `rollout_slots`; None: no cap); print the table and the best."""
+    grid = {k: replace(sc, **(caps or {})) for k, sc in sweep_grid(w, gpus, grid_name).items()}
     work = [(w, sc, hours, seed) for sc in grid.values()]
     if jobs > 1:
         from multiprocessing import Pool
@@ -178,6 +187,63 @@ def run_sweep(w: Workload, gpus: int, hours: float, seed: int, bound: float, out
     return result
 
 
+CONTAINER_TIE = 0.01  # rollout-slot utilisation within 1 point of the best: the fewest containers win
+
+
+def run_container_sweep(w: Workload, sc: Scenario, factors: tuple[float, ...], *, hours: float, seed: int,
+                        warmup_steps: int, bound: float, out: Path | None) -> dict:
+    """`sc` with container slots = factor x its rollout slots, for each factor: the table
+    (containers in use, throughput, inference requests/min, rollout-slot utilisation and wait) and
+    the winner among the feasible ones: the fewest containers (each is paid while it waits warm)
+    whose rollout-slot utilisation is within `CONTAINER_TIE` of the best. Utilisation, not
+    tokens/min, decides: containers buy nothing else, and it is not quantised by steps as trained
+    tokens are (the table shows both). ValueError when `sc` has no rollout slots or a run is too
+    short to measure."""
+    if sc.rollout_slots is None:
+        raise ValueError("--container-factors needs --rollout-slots (container slots are sized against them)")
+    rows = {}
+    for f in factors:
+        c = max(sc.rollout_slots, int(round(sc.rollout_slots * f)))
+        rows[f"{f:g}"] = simulate(w, replace(sc, container_slots=c), hours=hours, seed=seed, warmup_steps=warmup_steps)
+    cols = ("factor", "containers", "held (mean)", "tok/min/GPU", "requests/min", "slot util", "slot wait s",
+            "st_mean", "expired")
+    print(" | ".join(f"{c:>12}" for c in cols), flush=True)
+    for k, r in rows.items():  # held: containers in use on average (the loop's rollouts in flight, capped)
+        cells = (k, r["container_slots"], f"{r['container_slots_held_mean']:.1f}", f"{r['tokens_per_min_per_gpu']:.0f}",
+                 f"{r['inference_requests_per_min']:.0f}", f"{r['rollout_slot_utilisation']:.3f}",
+                 f"{r['rollout_slot_wait_s_mean']:.1f}",
+                 f"{r['staleness_mean']:.2f}", f"{r.get('rollout/expired') or 0:.0f}")
+        print(" | ".join(f"{c:>12}" for c in cells), flush=True)
+    ok = {k: r for k, r in rows.items() if feasible(r, bound)}
+    result: dict[str, Any] = {"rollout_slots": sc.rollout_slots, "results": rows, "best": None}
+    if ok:
+        top = max(r["rollout_slot_utilisation"] for r in ok.values())
+        best = min((k for k, r in ok.items() if r["rollout_slot_utilisation"] >= top - CONTAINER_TIE),
+                   key=lambda k: rows[k]["container_slots"])
+        result |= {"best": best, "best_overrides": overrides(w, replace(sc, container_slots=rows[best]["container_slots"]),
+                                                             rows[best])}
+        print(f"\nbest: container factor {best} ({rows[best]['container_slots']} containers for {sc.rollout_slots} "
+              f"rollout slots, utilisation {rows[best]['rollout_slot_utilisation']:.3f}): the fewest containers "
+              f"within {CONTAINER_TIE:g} of the best feasible rollout-slot utilisation ({top:.3f})\n"
+              "  python -m orchestrator.main " + " ".join(result["best_overrides"]))
+    else:
+        print(f"\nno container factor keeps staleness within eta, mean <= {bound} and expired < 1 %")
+    if out:
+        out.write_text(json.dumps(result, indent=2, allow_nan=True) + "\n")
+    return result
+
+
+def _factors(text: str) -> tuple[float, ...]:
+    """`--container-factors 1,1.5,2`: numbers >= 1 (argparse reports the ValueError's message)."""
+    try:
+        out = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of numbers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"each factor must be >= 1 (container slots >= rollout slots), got {text!r}")
+    return out
+
+
 def _number(kv: dict[str, str], key: str, default: float, kind: type) -> Any:
     """`kv[key]` as `kind` (int or float), or `default`; ValueError naming the key otherwise."""
     if key not in kv:
@@ -192,9 +258,16 @@ def _check_flags(args: argparse.Namespace) -> None:
     """The scenario flags' ranges, and the ones a `--config` cannot take (ValueError names the flag)."""
     for flag, value, low in (("--eta", args.eta, 0), ("--sync-every", args.sync_every, 1),
                              ("--trainer-gpus", args.trainer_gpus, 1), ("--jobs", args.jobs, 1),
-                             ("--warmup-steps", args.warmup_steps, 0)):
+                             ("--warmup-steps", args.warmup_steps, 0), ("--rollout-slots", args.rollout_slots, 1),
+                             ("--container-slots", args.container_slots, 1)):
         if value is not None and value < low:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if args.rollout_slots is not None and args.container_slots is not None and args.rollout_slots > args.container_slots:
+        raise ValueError(f"--rollout-slots {args.rollout_slots} > --container-slots {args.container_slots}: a rollout "
+                         "slot is held inside a container slot, so the extra ones could never be used")
+    if args.container_factors and (args.container_slots is not None or args.sweep or args.rollout_slots is None):
+        raise ValueError("--container-factors needs --rollout-slots and sizes the containers itself: "
+                         "not with --container-slots or --sweep")
     if args.config and CONFIGS[args.config].mode == "sync":
         given = [f for f, v in (("--eta", args.eta), ("--trainer-gpus", args.trainer_gpus)) if v is not None]
         if given:
@@ -213,23 +286,28 @@ def scenario_of(args: argparse.Namespace, w: Workload, gpus: int) -> Scenario:
     else:
         sc = plan_scenario(w, gpus, policy=args.policy or "adaptive", trainer_gpus=args.trainer_gpus,
                            eta=args.eta, sync_every=args.sync_every)
+    sc = replace(sc, container_slots=args.container_slots, rollout_slots=args.rollout_slots)
     return replace(sc, colocated=True, sleeps=False) if args.local else sc
 
 
 def sync1_baseline(args: argparse.Namespace, w: Workload, sc: Scenario, f: dict, *, gpus: int, hours: float,
                    seed: int) -> float:
-    """sync_1's tokens/min/GPU for the ratio: this run's when it is sync_1, the calibration's stored
-    figure (`--baseline stored`, or auto at the calibrated size), else simulated now."""
-    base_sc = replace(CONFIGS["sync_1"], gpus=gpus, sleeps=not args.local)
+    """sync_1's tokens/min/GPU for the ratio (with this run's lifecycle caps): this run's when it is
+    sync_1, the calibration's stored figure (uncapped: `--baseline stored`, or auto at the
+    calibrated size), else simulated now."""
+    base_sc = replace(CONFIGS["sync_1"], gpus=gpus, sleeps=not args.local, container_slots=sc.container_slots,
+                      rollout_slots=sc.rollout_slots)
     if sc == base_sc:
         return f["tokens_per_min_per_gpu"]
-    if args.baseline != "run" and "measured" in w.calibration and (
-            args.baseline == "stored" or int(w.calibration.get("gpus", -1)) == gpus):
+    # auto: the stored figure is sync_1 uncapped, at the calibrated size
+    stored_fits = (sc.container_slots is None and sc.rollout_slots is None
+                   and int(w.calibration.get("gpus", -1)) == gpus)
+    if args.baseline != "run" and "measured" in w.calibration and (args.baseline == "stored" or stored_fits):
         return float(w.calibration["measured"]["tokens_per_min_per_gpu"])
     return simulate(w, base_sc, hours=hours, seed=seed, warmup_steps=args.warmup_steps)["tokens_per_min_per_gpu"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("settings", nargs="*", help="key=value: " + ", ".join(KEYS))
     ap.add_argument("--config", choices=sorted(CONFIGS), help="one of the blog's four configurations")
@@ -249,7 +327,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="--sweep: simulations run in parallel")
     ap.add_argument("--staleness-bound", type=float, default=1.0, help="largest mean staleness the sweep accepts")
     ap.add_argument("--out", type=Path, help="write the figures as JSON")
-    args = ap.parse_args(argv)
+    ap.add_argument("--rollout-slots", type=int, help="rollout.rollout_slots: rollouts running past their setup "
+                    "at once (the A2A contract's inference budget; default: no cap)")
+    ap.add_argument("--container-slots", type=int, help="rollout.acr.limits.max_open_sessions: containers "
+                    "(ACR sessions) open at once (default: no cap)")
+    ap.add_argument("--container-factors", type=_factors, help="with --rollout-slots: simulate container slots = "
+                    "each factor x rollout slots (e.g. 1,1.5,2) and say which wins")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     kv = dict(s.split("=", 1) for s in args.settings if "=" in s)
     bad = [s for s in args.settings if "=" not in s] + sorted(set(kv) - set(KEYS))
     if bad:
@@ -279,9 +367,18 @@ def main(argv: list[str] | None = None) -> int:
         _, record = calibrate(w, Target(), gpus=gpus, hours=min(hours, 4.0), seed=seed)
         print(json.dumps(record, indent=2))
         return 0
+    if args.container_factors:
+        try:
+            run_container_sweep(w, scenario_of(args, w, gpus), args.container_factors, hours=hours, seed=seed,
+                                warmup_steps=args.warmup_steps, bound=args.staleness_bound, out=args.out)
+        except ValueError as exc:
+            print(f"config error: {exc}", file=sys.stderr)
+            return 2
+        return 0
     if args.sweep:
         try:
-            run_sweep(w, gpus, hours, seed, args.staleness_bound, args.out, args.grid, args.jobs)
+            run_sweep(w, gpus, hours, seed, args.staleness_bound, args.out, args.grid, args.jobs,
+                      caps={"container_slots": args.container_slots, "rollout_slots": args.rollout_slots})
         except SimulationTooShort as exc:
             print(f"config error: {exc}", file=sys.stderr)
             return 2

@@ -54,6 +54,7 @@ def sample_tags(sample: Sample) -> dict[str, Any]:
         "error": sample.error,
         "setup_s": sample.setup_s,
         "rollout_slot_wait_s": sample.rollout_slot_wait_s,
+        "num_turns": sample.num_turns,
         "min_version": None if vr is None else vr[0],
         "max_version": None if vr is None else vr[1],
         "num_generated_tokens": sample.num_generated_tokens,
@@ -184,6 +185,7 @@ def decode_samples(rows: Iterable[StoredRow]) -> list[Sample]:
                 error=t["error"],
                 setup_s=t.get("setup_s"),
                 rollout_slot_wait_s=t.get("rollout_slot_wait_s"),
+                num_turns=t.get("num_turns", 0),
             )
         )
     samples.sort(key=lambda s: (s.group_id, s.sample_index, s.session_id))

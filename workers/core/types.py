@@ -165,7 +165,7 @@ class Sample:
     `status` is the rollout's terminal state; only "completed" samples carry a finite reward and
     may be trained. `error` explains a non-completed status. `setup_s` / `rollout_slot_wait_s`:
     seconds of the A2A contract's setup and of the wait for a rollout slot after it (None: not
-    reached, or another contract).
+    reached, or another contract). `num_turns`: model turns the gateway served the session.
     """
 
     session_id: str
@@ -179,6 +179,7 @@ class Sample:
     error: str | None = None
     setup_s: float | None = None
     rollout_slot_wait_s: float | None = None
+    num_turns: int = 0
 
     def __post_init__(self) -> None:
         if self.status not in TERMINAL_STATES:

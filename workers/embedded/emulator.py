@@ -83,7 +83,8 @@ async def serve(cfg: EmulatorConfig, port: int, stop: asyncio.Event, ready_file:
     as ACR reaches them), start agents, serve until `stop` is set, then stop agents.
 
     The socket is bound and listening before the agents start, so they get the emulator's own
-    endpoint in AWS_ENDPOINT_URL_BEDROCK_AGENTCORE; calls arriving before the routes run wait in
+    endpoint in AWS_ENDPOINT_URL_BEDROCK_AGENTCORE (and the runtime's ARN in AGENT_RUNTIME_ARN,
+    as a runtime's environment variables would carry it); calls arriving before the routes run wait in
     the listen backlog. Once serving: prints the ready line and writes `{"endpoint", "agent_pids"}`
     to `ready_file`. Raises OSError when `port` is taken.
     """
@@ -94,7 +95,8 @@ async def serve(cfg: EmulatorConfig, port: int, stop: asyncio.Event, ready_file:
     bound_host, bound_port = sock.getsockname()[:2]
     # agents on this machine reach a wildcard bind through loopback
     endpoint = f"http://{'127.0.0.1' if bound_host in ('0.0.0.0', '') else bound_host}:{bound_port}"
-    agent_env = {**cfg.agent_env, "AWS_ENDPOINT_URL_BEDROCK_AGENTCORE": endpoint}
+    agent_env = {**cfg.agent_env, "AWS_ENDPOINT_URL_BEDROCK_AGENTCORE": endpoint,
+                 "AGENT_RUNTIME_ARN": cfg.agent_runtime_arn}  # for agents that call ACR's command API
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=cfg.invoke_read_timeout_s)
     with sock:
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:

@@ -347,7 +347,7 @@ class RolloutWorker:
             sample = Sample(session_id=sid, group_id=req.group_id, input_id=req.input_id,
                             sample_index=req.sample_index, rows=capture.rows, reward=v.reward, status=status,
                             latency_s=self._clock() - t0, error=v.error, setup_s=spans.setup_s,
-                            rollout_slot_wait_s=spans.rollout_slot_wait_s)
+                            rollout_slot_wait_s=spans.rollout_slot_wait_s, num_turns=capture.num_turns)
             await self._sink.put([sample], partition)
             stored_s = self._clock()
             self.counts[f"rollout/{status}"] += 1

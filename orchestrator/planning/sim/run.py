@@ -50,7 +50,9 @@ class SimHorizon(Exception):
 @dataclass(frozen=True)
 class Scenario:
     """One configuration to simulate. `trainer_gpus`: disaggregated only (None: half);
-    `policy`: rollout.concurrency; η and `on_stale` apply to async mode."""
+    `policy`: rollout.concurrency; η and `on_stale` apply to async mode. `container_slots`
+    (rollout.acr.limits.max_open_sessions) and `rollout_slots` (rollout.rollout_slots, the A2A
+    contract): the rollout lifecycle's two caps, None: no cap (orchestrator/planning/sim/agent.py)."""
 
     mode: str = "sync"  # sync | async
     sync_every: int = 1
@@ -62,12 +64,20 @@ class Scenario:
     policy: str = "fixed"
     kv_target: float = 0.8
     sleeps: bool = True  # colocated engines sleep during updates (False: cluster=local, one CPU machine)
+    container_slots: int | None = None
+    rollout_slots: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async") or self.policy not in ("fixed", "adaptive"):
             raise ValueError(f"scenario: mode sync|async and policy fixed|adaptive, got {self.mode}/{self.policy}")
         if self.policy == "adaptive" and self.mode != "async":
             raise ValueError("rollout.concurrency=adaptive needs mode=async (the sync loop dispatches whole batches)")
+        for key, v in (("container_slots", self.container_slots), ("rollout_slots", self.rollout_slots)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"scenario.{key} must be an integer >= 1 or None (no cap), got {v!r}")
+        if None not in (self.container_slots, self.rollout_slots) and self.rollout_slots > self.container_slots:
+            raise ValueError(f"scenario.rollout_slots={self.rollout_slots} > container_slots={self.container_slots}: "
+                             "a rollout slot is held inside a container slot, so the extra ones could never be used")
 
     def overrides(self) -> list[str]:
         """The Hydra overrides of `python -m orchestrator.main` for this configuration."""
@@ -75,6 +85,10 @@ class Scenario:
                f"cluster={'colocated' if self.colocated else 'disaggregated'}"]
         if self.mode == "async":
             out += [f"async.max_staleness={self.max_staleness}", f"rollout.concurrency={self.policy}"]
+        if self.rollout_slots is not None:
+            out += ["rollout.contract=a2a", f"rollout.rollout_slots={self.rollout_slots}"]
+        if self.container_slots is not None:
+            out.append(f"rollout.acr.limits.max_open_sessions={self.container_slots}")
         return out
 
 
@@ -152,6 +166,7 @@ class _Recorder:
     replicas: list
     trainer: SimTrainer
     warmup_steps: int
+    agents: SimAgents
     records: list = field(default_factory=list)
     marks: dict = field(default_factory=dict)
 
@@ -170,7 +185,7 @@ class _Recorder:
                 "samples": self.trainer.trained_samples,
                 "busy": sum(r.busy_integral for r in self.replicas), "kv": sum(r.kv_integral for r in self.replicas),
                 "awake": sum(r.awake_s for r in self.replicas),
-                "preempted": sum(r.preemptions for r in self.replicas)}
+                "preempted": sum(r.preemptions for r in self.replicas), "lifecycle": self.agents.lifecycle_mark()}
 
     def close(self) -> None:
         pass
@@ -184,7 +199,8 @@ def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_s
     lay = layout(w, sc)
     loop = VirtualLoop()
     replicas = [SimReplica(loop, engine_spec(w), i) for i in range(lay.replicas)]
-    agents = SimAgents(loop, replicas, w.agent, seed=seed, env_scale=w.env_time_scale)
+    agents = SimAgents(loop, replicas, w.agent, seed=seed, env_scale=w.env_time_scale,
+                       container_slots=sc.container_slots, rollout_slots=sc.rollout_slots)
     cpu = None
     if w.machine is not None:  # one shared CPU machine: every part's CPU work shares its cores
         cpu = SharedCpu(loop, MachineSpec(**{k: float(v) for k, v in w.machine.items()}), replicas)
@@ -209,7 +225,7 @@ def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_s
         crng = random.Random(seed + 2)
         for row in rows:
             row["constant"] = crng.random() < w.agent.constant_reward_fraction
-    recorder = _Recorder(loop, hours * 3600.0, replicas, trainer, warmup_steps)
+    recorder = _Recorder(loop, hours * 3600.0, replicas, trainer, warmup_steps, agents)
     sinks = [recorder] + ([JsonlSink(out_dir / "metrics.jsonl")] if out_dir else [])
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -315,4 +331,6 @@ def _figures(w: Workload, sc: Scenario, lay: Layout, rec: _Recorder, agents: Sim
         "prefix_cache_hit": sum(r.cached_tokens for r in replicas) / max(1, sum(r.cached_tokens + r.prefill_tokens
                                                                               for r in replicas)),
         "events": events,
+        # the rollout lifecycle: requests/min, rollout-slot utilisation and wait, setup p50/p90
+        **agents.lifecycle_figures(a["lifecycle"], b["lifecycle"]),
     }

@@ -13,7 +13,8 @@ store's CPU work: orchestrator/planning/sim/machine.py). Every distribution is a
 
 Invariant: `load_workload` returns a fully validated `Workload` or raises `WorkloadError` naming
 the dotted key; distributions draw from the `random.Random` they are handed (seeded by the caller),
-so a run is reproducible. Calibrated scales (`calibration.engine_time_scale`,
+so a run is reproducible. `agent.setup_s` (optional, default 0) is the A2A contract's container
+setup before a rollout slot is taken; `agent.cold_start_s` counts as setup too. Calibrated scales (`calibration.engine_time_scale`,
 `calibration.env_time_scale`) multiply the engine's step times and the environment times.
 """
 
@@ -94,6 +95,9 @@ class AgentSpec:
     final_time_s: Dist
     cold_start_s: Dist
     overhead_s: Dist = Dist("const")  # the rollout's own time after its last turn (CPU work on a shared machine)
+    # the A2A contract's container setup (image pull, repository checkout) after the cold start and
+    # before the rollout slot is taken (orchestrator/planning/sim/agent.py); const 0: none
+    setup_s: Dist = Dist("const")
     max_context_tokens: int = 65536
     session_rate_per_s: float = 25.0
     reward_beta: tuple[float, float] = (1.0, 1.0)
@@ -168,8 +172,11 @@ def parse_workload(raw: dict, path: str = "") -> Workload:
     crf = a.get("constant_reward_fraction")
     if crf is not None and not (isinstance(crf, (int, float)) and 0 <= crf <= 1):
         raise WorkloadError(f"agent.constant_reward_fraction: a number in [0, 1], got {crf!r}")
+    setup = _dist("agent.setup_s", a.get("setup_s", 0.0))
+    if (setup.value if setup.dist == "const" else setup.low if setup.dist == "uniform" else 0.0) < 0:
+        raise WorkloadError(f"agent.setup_s: a setup time cannot be negative, got {a.get('setup_s')!r}")
     agent = AgentSpec(**{k: _dist(f"agent.{k}", a[k]) for k in _AGENT_DISTS},
-                      overhead_s=_dist("agent.overhead_s", a.get("overhead_s", 0.0)),
+                      overhead_s=_dist("agent.overhead_s", a.get("overhead_s", 0.0)), setup_s=setup,
                       max_context_tokens=int(a.get("max_context_tokens", 65536)),
                       session_rate_per_s=float(a.get("session_rate_per_s", 25.0)),
                       reward_beta=beta,  # type: ignore[arg-type]
