@@ -41,6 +41,8 @@ def test_the_toolkit_a2a_coding_agent_trains_two_async_steps_under_a_rollout_slo
     assert [m["step"] for m in steps] == [1, 2] and all(m["perf/trained_tokens"] > 0 for m in steps)
     assert all(m["rollout/setup_s_p50"] >= 0.5 and m["rollout/rollout_slot_wait_s_mean"] >= 0.0
                and m["rollout/turns_mean"] >= 1 for m in steps), steps
+    assert all(0.0 < m["rollout/rollout_slot_utilisation"] <= 1.0 and 0.0 < m["rollout/container_slot_utilisation"] <= 1.0
+               for m in steps), steps
     episodes = EPISODE.findall((run_dir / "logs" / "emulator.log").read_text())
     assert len(episodes) >= s["rollout/completed"], episodes
     for input_id, turns, _calls, prompt_tokens, end, reward in episodes:

@@ -203,3 +203,52 @@ async def test_local_limits_bundle_and_stats():
 def test_limits_config_names_the_bad_key(kwargs, key):
     with pytest.raises(ValueError, match=f"rollout.acr.limits.{key}"):
         AcrLimitsConfig(**kwargs)
+
+
+class StepClock:
+    """A clock moved by hand (seconds)."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def now(self) -> float:
+        return self.t
+
+    async def sleep(self, dt_s: float) -> None:
+        self.t += dt_s
+
+
+async def test_a_slot_cap_counts_the_slot_seconds_it_holds():
+    """`held_s` is the integral of slots in use over time: 2 slots for 3 s, then 1 for 2 s = 8."""
+    clock = StepClock()
+    cap = SessionCapService(max_open=4, clock=clock)
+    assert await cap.acquire(2, owner="a") == 2
+    clock.t += 3
+    await cap.release(1, owner="a")
+    clock.t += 2
+    st = cap.stats()
+    assert (st.held_s, st.age_s, st.in_use) == (8.0, 5.0, 1)
+    await cap.release_owner("a")
+    clock.t += 10  # nothing held: nothing counted
+    assert cap.stats().held_s == 8.0 and cap.stats().age_s == 15.0
+
+
+async def test_the_slot_probe_reports_each_steps_utilisation():
+    from orchestrator.watch.slots import SlotProbe
+
+    clock = StepClock()
+    caps = {"container": SessionCapService(4, clock=clock), "rollout": SessionCapService(2, clock=clock)}
+
+    async def stats():
+        return {k: c.stats() for k, c in caps.items()}
+
+    probe = SlotProbe(stats, clock=clock.now)
+    await caps["container"].acquire(4)
+    await caps["rollout"].acquire(1)
+    clock.t += 10
+    first = await probe()  # since the caps started: containers full, rollout slots half busy
+    assert first == {"rollout/container_slot_utilisation": 1.0, "rollout/rollout_slot_utilisation": 0.5}
+    await caps["container"].release(3)
+    await caps["rollout"].acquire(1)
+    clock.t += 10
+    assert await probe() == {"rollout/container_slot_utilisation": 0.25, "rollout/rollout_slot_utilisation": 1.0}

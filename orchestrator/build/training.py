@@ -146,6 +146,7 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
     from orchestrator.watch.cpu_usage import CpuProbe
     from orchestrator.watch.metrics import build_sinks
     from orchestrator.watch.resources import ResourceProbe
+    from orchestrator.watch.slots import SlotProbe
 
     ckpt, run_dir = rt.checkpoint, rt.run_dir
     version = ckpt.state.policy_version if ckpt else 0
@@ -174,7 +175,8 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
         store=BufferStore(a.buffer, cfg.rollout.n, cfg.rollout.timeout_s),
         trainer=_colocated(cfg, trainer_client, a.replicas), weights=a.weights, logger=logger,
         probe=_probes(_with_gate(GatewayProbe(a.gateway, a.replicas), concurrency), *(w.metrics for w in watchers),
-                      lambda: _pool_recovery_metrics(a.pool), directory.refresh, cpu, ResourceProbe(a.buffer)),
+                      lambda: _pool_recovery_metrics(a.pool), directory.refresh, cpu, ResourceProbe(a.buffer),
+                      SlotProbe(a.pool.slot_stats)),
         checkpoint=RunCheckpointer(run_dir, a.trainer, prompts, save_freq=cfg.trainer.save_freq,
                                    keep_last=cfg.trainer.max_ckpt_to_keep, counters=ledger.settled_counts,
                                    acr_counters=acr_totals),

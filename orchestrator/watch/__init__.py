@@ -7,6 +7,7 @@ Modules:
   console_log.py  library output (Ray, vLLM, TransferQueue) into RUN_DIR/logs/
   cpu_usage.py    the per-step probe of CPU seconds per part of the run, from /proc
   resources.py    the per-step probe of buffer rows and Ray object-store bytes held
+  slots.py        the per-step probe of container- and rollout-slot utilisation
   report_data.py  a run directory read back: step records, config, summary, series
   report.py       PNG plots and report.html (`python -m orchestrator.watch.report RUN_DIR`)
 """

@@ -151,13 +151,17 @@ class MonotonicClock:
 
 @dataclass(frozen=True)
 class LimitStats:
-    """What a limit service has done: grants so far, slots now / at peak (sessions only)."""
+    """What a limit service has done: grants so far, slots now / at peak and `held_s`, the
+    slot-seconds held since it started `age_s` seconds ago (the integral of `in_use` over time;
+    slot caps only)."""
 
     limit: float
     burst: int
     granted: int
     in_use: int = 0
     peak_in_use: int = 0
+    held_s: float = 0.0
+    age_s: float = 0.0
 
 
 class RateLimiterService:
@@ -191,11 +195,20 @@ class SessionCapService:
     rollout actor's name), so `release_owner` can give back every slot of an actor that died
     holding them (workers/rollout/pool.py)."""
 
-    def __init__(self, max_open: int) -> None:
+    def __init__(self, max_open: int, clock: Clock | None = None) -> None:
         self._pool = SlotPool(max_open)
         self._granted = 0
         self._held: dict[str, int] = {}
         self._cond: asyncio.Condition | None = None
+        self._clock = (clock or MonotonicClock()).now
+        self._held_s = 0.0
+        self._since = self._started = self._clock()
+
+    def _account(self) -> None:
+        """Add the slot-seconds since the last change (call before `in_use` changes)."""
+        now = self._clock()
+        self._held_s += self._pool.in_use * (now - self._since)
+        self._since = now
 
     def _condition(self) -> asyncio.Condition:
         if self._cond is None:
@@ -206,6 +219,7 @@ class SessionCapService:
         cond = self._condition()
         async with cond:
             await cond.wait_for(lambda: self._pool.free > 0)
+            self._account()
             got = self._pool.take(min(n, MAX_BATCH))
             self._granted += got
             self._held[owner] = self._held.get(owner, 0) + got
@@ -216,6 +230,7 @@ class SessionCapService:
         async with cond:
             n = min(n, self._held.get(owner, 0))  # an owner released by release_owner gives back nothing twice
             self._held[owner] = self._held.get(owner, 0) - n
+            self._account()
             self._pool.give(n)
             cond.notify_all()
 
@@ -224,14 +239,17 @@ class SessionCapService:
         cond = self._condition()
         async with cond:
             n = self._held.pop(owner, 0)
+            self._account()
             self._pool.give(n)
             cond.notify_all()
             return n
 
     def stats(self) -> LimitStats:
         p = self._pool
+        self._account()
         return LimitStats(limit=p.capacity, burst=p.capacity, granted=self._granted, in_use=p.in_use,
-                          peak_in_use=p.peak)
+                          peak_in_use=p.peak, held_s=self._held_s,
+                          age_s=self._since - self._started)
 
 
 # ----------------------------------------------------------------------------- per-process clients
@@ -426,8 +444,8 @@ class LimitClients:
 def local_limits(cfg: AcrLimitsConfig, clock: Clock | None = None) -> LimitHandles:
     """The services as plain objects in this process (tests, the bench, a one-process run)."""
     return LimitHandles(RateLimiterService(cfg.bucket_rate_per_s, cfg.bucket_burst, clock),
-                        SessionCapService(cfg.max_open_sessions),
-                        SessionCapService(cfg.rollout_slots) if cfg.rollout_slots else None,
+                        SessionCapService(cfg.max_open_sessions, clock),
+                        SessionCapService(cfg.rollout_slots, clock) if cfg.rollout_slots else None,
                         RateLimiterService(cfg.sessions_per_s, 1, clock) if cfg.sessions_per_s else None)
 
 

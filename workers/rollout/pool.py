@@ -366,6 +366,14 @@ class RolloutPool:
     async def acr_stats(self) -> dict[str, int]:
         return _sum(await self._each("acr_stats"))
 
+    async def slot_stats(self) -> dict[str, Any]:
+        """The cluster-wide slot caps' `LimitStats` (workers/acr/limits.py): "container" (the
+        open-session cap) and, under `rollout.rollout_slots`, "rollout"; {} for a pool without caps."""
+        rec = self._recovery
+        caps = {"container": rec.sessions_cap if rec else None, "rollout": rec.rollouts_cap if rec else None}
+        got = await asyncio.gather(*(call(c, "stats") for c in caps.values() if c is not None))
+        return dict(zip([k for k, c in caps.items() if c is not None], got))
+
     async def acr_counts(self) -> dict[str, int]:
         """This process's cumulative ACR counters, summed over the live actors: `acr/requests` (HTTP
         attempts), `acr/retries`, `acr/throttled` (throttles that reached a rollout) and the stop
