@@ -252,3 +252,27 @@ async def test_the_slot_probe_reports_each_steps_utilisation():
     await caps["rollout"].acquire(1)
     clock.t += 10
     assert await probe() == {"rollout/container_slot_utilisation": 0.25, "rollout/rollout_slot_utilisation": 1.0}
+
+
+async def test_container_slots_go_to_waiters_in_arrival_order_across_processes():
+    """Issue 25: container slots by group arrival order. The pool dispatches groups in order and
+    the cap grants strictly first come, first served, also across the per-process clients (two
+    rollout actors here): a later group's rollout never takes a slot before an earlier one's."""
+    cap = SessionCapService(max_open=1)
+    actors = [SessionSlots(cap.acquire, cap.release) for _ in range(2)]
+    await actors[0].acquire()  # the one slot is held
+    order: list[int] = []
+
+    async def rollout(group: int) -> None:
+        slots = actors[group % 2]
+        await slots.acquire()
+        order.append(group)
+        slots.release_held()
+
+    waiting = []
+    for group in range(6):  # arrive one after the other, alternating between the two actors
+        waiting.append(asyncio.ensure_future(rollout(group)))
+        await asyncio.sleep(0.01)
+    actors[0].release_held()
+    await asyncio.wait_for(asyncio.gather(*waiting), TIMEOUT_S)
+    assert order == list(range(6))

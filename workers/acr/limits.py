@@ -27,7 +27,10 @@ Invariants:
   session is one container (an ACR microVM): these are the container slots;
 - rollout slots held <= rollout_slots: a rollout slot is held only while an agent runs its rollout
   after its setup (contract=a2a), so containers beyond rollout_slots set up ahead: a warm pool
-  (the toolkit's `run_rollout_with_bounds`).
+  (the toolkit's `run_rollout_with_bounds`);
+- a slot cap serves its waiters by (priority, arrival), and rollouts ask with their group id: slots
+  go to groups in the order they were dispatched, across processes too (the pumps ask with their
+  first waiter's priority), so a later group never holds a container an earlier one waits for.
 
 Callers: `workers.acr.client.AsyncAcrClient` (rate: a botocore `before-send` hook, so every HTTP
 attempt, botocore retries included, takes a token) and `workers.rollout.worker.RolloutWorker`
@@ -39,6 +42,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import heapq
+import itertools
 import logging
 import time
 from collections import deque
@@ -190,16 +195,21 @@ class RateLimiterService:
 
 
 class SessionCapService:
-    """The open-session cap: `acquire(n, owner)` waits until a slot is free and returns how many
-    (1..n) it granted; `release(n, owner)` gives slots back. Slots are counted per owner (a
-    rollout actor's name), so `release_owner` can give back every slot of an actor that died
-    holding them (workers/rollout/pool.py)."""
+    """The open-session cap: `acquire(n, owner, priority)` waits until a slot is free and it is
+    the first waiter by (priority, arrival), and returns how many (1..n) it granted;
+    `release(n, owner)` gives slots back. Rollouts ask with their group id as the priority, so
+    slots go to groups in arrival order whichever process asks (an earlier group is never
+    starved by a later one). Slots are counted per owner (a rollout actor's name), so
+    `release_owner` can give back every slot of an actor that died holding them
+    (workers/rollout/pool.py)."""
 
     def __init__(self, max_open: int, clock: Clock | None = None) -> None:
         self._pool = SlotPool(max_open)
         self._granted = 0
         self._held: dict[str, int] = {}
         self._cond: asyncio.Condition | None = None
+        self._queue: list[tuple[float, int]] = []  # heap of (priority, ticket) of the waiters
+        self._tickets = itertools.count()
         self._clock = (clock or MonotonicClock()).now
         self._held_s = 0.0
         self._since = self._started = self._clock()
@@ -215,10 +225,17 @@ class SessionCapService:
             self._cond = asyncio.Condition()
         return self._cond
 
-    async def acquire(self, n: int, owner: str = "") -> int:
+    async def acquire(self, n: int, owner: str = "", priority: float = 0.0) -> int:
         cond = self._condition()
         async with cond:
-            await cond.wait_for(lambda: self._pool.free > 0)
+            me = (priority, next(self._tickets))
+            heapq.heappush(self._queue, me)
+            try:
+                await cond.wait_for(lambda: self._pool.free > 0 and self._queue[0] == me)
+            finally:  # granted or cancelled: out of the queue, and the next waiter may look
+                self._queue.remove(me)
+                heapq.heapify(self._queue)
+                cond.notify_all()
             self._account()
             got = self._pool.take(min(n, MAX_BATCH))
             self._granted += got
@@ -263,21 +280,26 @@ class Coalescer:
     waiters in one round trip (one pump task per Coalescer).
 
     on_unused(k): called with units granted that no waiter could take (waiters cancelled);
-    a rate limiter drops them (None), a session cap gives them back.
+    a rate limiter drops them (None), a session cap gives them back. prioritised: waiters are
+    served by (priority, arrival) and the pump asks with the first waiter's priority
+    (`acquire_many(k, priority=p)`: a session cap); else in arrival order.
     """
 
-    def __init__(self, acquire_many: AcquireMany, on_unused: Callable[[int], None] | None = None) -> None:
+    def __init__(self, acquire_many: AcquireMany, on_unused: Callable[[int], None] | None = None,
+                 prioritised: bool = False) -> None:
         self._acquire_many = acquire_many
         self._on_unused = on_unused
-        self._waiters: deque[asyncio.Future] = deque()
+        self._prioritised = prioritised
+        self._waiters: list[tuple[float, int, asyncio.Future]] = []  # a heap
+        self._tickets = itertools.count()
         self._pump: asyncio.Task | None = None
         self.round_trips = 0
 
-    async def acquire(self) -> None:
-        """Wait for one unit. Cancellation-safe: a unit granted to a cancelled caller is passed
-        to `on_unused`."""
+    async def acquire(self, priority: float = 0.0) -> None:
+        """Wait for one unit (`priority`: lower first, when prioritised). Cancellation-safe: a
+        unit granted to a cancelled caller is passed to `on_unused`."""
         fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        heapq.heappush(self._waiters, (priority if self._prioritised else 0.0, next(self._tickets), fut))
         if self._pump is None or self._pump.done():
             self._pump = asyncio.get_running_loop().create_task(self._run_pump())
         try:
@@ -293,15 +315,18 @@ class Coalescer:
 
     async def _run_pump(self) -> None:
         while True:
-            while self._waiters and self._waiters[0].done():
-                self._waiters.popleft()  # cancelled while waiting
+            while self._waiters and self._waiters[0][2].done():
+                heapq.heappop(self._waiters)  # cancelled while waiting
             if not self._waiters:
                 return
             want = min(len(self._waiters), MAX_BATCH)
             try:
-                got = await self._acquire_many(want)
+                if self._prioritised:
+                    got = await self._acquire_many(want, priority=self._waiters[0][0])
+                else:
+                    got = await self._acquire_many(want)
             except BaseException as exc:  # the service is gone: every waiter learns it
-                for f in self._waiters:
+                for _, _, f in self._waiters:
                     if not f.done():
                         f.set_exception(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
                 self._waiters.clear()
@@ -310,7 +335,7 @@ class Coalescer:
                 return
             self.round_trips += 1
             while got and self._waiters:
-                f = self._waiters.popleft()
+                f = heapq.heappop(self._waiters)[2]
                 if not f.done():
                     f.set_result(None)
                     got -= 1
@@ -328,11 +353,12 @@ class SessionSlots:
         self._release_many = release_many
         self._to_release = 0
         self._flush: asyncio.Task | None = None
-        self._coalescer = Coalescer(acquire_many, on_unused=self.release)
+        self._coalescer = Coalescer(acquire_many, on_unused=self.release, prioritised=True)
         self.held = 0
 
-    async def acquire(self) -> None:
-        await self._coalescer.acquire()
+    async def acquire(self, priority: float = 0.0) -> None:
+        """Wait for one slot; `priority` (lower first): the rollout's group id, its arrival order."""
+        await self._coalescer.acquire(priority)
         self.held += 1
 
     def release(self, n: int = 1) -> None:
@@ -361,8 +387,8 @@ class SessionSlots:
             await asyncio.shield(self._flush)
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        await self.acquire()
+    async def slot(self, priority: float = 0.0) -> AsyncIterator[None]:
+        await self.acquire(priority)
         try:
             yield
         finally:

@@ -33,9 +33,9 @@ class Phases(Protocol):
 
 
 class SlotGate(Protocol):
-    """A cluster-wide slot cap (workers.acr.limits.SessionSlots)."""
+    """A cluster-wide slot cap (workers.acr.limits.SessionSlots); `priority`: lower first."""
 
-    async def acquire(self) -> None: ...
+    async def acquire(self, priority: float = 0.0) -> None: ...
     def release_held(self) -> None: ...
 
 
@@ -59,8 +59,9 @@ class Spans:
 
 
 async def run_bounded(session: Phases, task_input: dict, bounds: Bounds, spans: Spans,
-                      clock: Callable[[], float]) -> RolloutDump:
-    """Set up, take a rollout slot, run; the run's dump. Raises SetupFailed (`setup_timeout`,
+                      clock: Callable[[], float], priority: float = 0.0) -> RolloutDump:
+    """Set up, take a rollout slot (by `priority`, lower first: the rollout's group id, so an earlier
+    group's rollout that is set up runs before a later one's), run; the run's dump. Raises SetupFailed (`setup_timeout`,
     `setup_failed`), TimeoutError (the run ran past `run_timeout_s`), or what the run raised;
     `spans` is filled as far as the rollout got."""
     t0 = clock()
@@ -77,7 +78,7 @@ async def run_bounded(session: Phases, task_input: dict, bounds: Bounds, spans: 
     t1 = clock()
     gate = bounds.rollout_slots
     if gate is not None:
-        await gate.acquire()  # a cancellation here holds nothing (SessionSlots gives an unused grant back)
+        await gate.acquire(priority)  # a cancellation here holds nothing (SessionSlots gives an unused grant back)
     try:
         t2 = clock()
         spans.rollout_slot_wait_s = t2 - t1

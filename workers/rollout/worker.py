@@ -212,9 +212,9 @@ class RateGate(Protocol):
 
 
 class SessionGate(Protocol):
-    """The cluster-wide open-session cap (workers.acr.limits.SessionSlots)."""
+    """The cluster-wide open-session cap (workers.acr.limits.SessionSlots); `priority`: lower first."""
 
-    async def acquire(self) -> None: ...
+    async def acquire(self, priority: float = 0.0) -> None: ...
     def release_held(self) -> None: ...
 
 
@@ -311,8 +311,8 @@ class RolloutWorker:
     async def _run(self, req: RolloutRequest, partition: str) -> RolloutOutcome:
         check_row(req.row, req.input_id)
         sid = req.session_id or new_session_id(self._s.exp_id, req.group_id, req.sample_index)
-        if self._slots is not None:
-            await self._slots.acquire()
+        if self._slots is not None:  # container slots go to groups in arrival order (their ids)
+            await self._slots.acquire(req.group_id)
         t0 = self._clock()  # latency_s: the session's life, not the wait for a slot
         invoked = False
         spans = Spans()
@@ -418,7 +418,7 @@ class RolloutWorker:
 
         session = a2a.A2ASession(call, sid, poll_initial_s=s.a2a_poll_initial_s, poll_max_s=s.a2a_poll_max_s)
         try:
-            dump = await run_bounded(session, task, self._bounds, spans, self._clock)
+            dump = await run_bounded(session, task, self._bounds, spans, self._clock, priority=req.group_id)
         finally:
             await session.cancel_if_unfinished()  # after the rollout slot went back, before the session stop in `_run`
         return a2a.reward_of(dump, self._where(req, sid)), self._clock()
