@@ -3,7 +3,7 @@ coding task (`+experiment=swe_mini_local`): its agent, written on agentcore-rl-t
 `RolloutAgentExecutor` unchanged (examples/agents/swe_mini_agent), behind the emulator serving the
 A2A protocol, sets each repository up in its session's sandbox through `InvokeAgentRuntimeCommand`
 and runs a multi-turn tool loop through the gateway on the random-init Qwen3 with the real Qwen3
-template, under a rollout-slot cap with a warm pool. Every rollout reaches one terminal state, every
+template, under a rollout-slot cap that the adaptive concurrency steers, with a warm pool. Every rollout reaches one terminal state, every
 completed one trains (filtering off), rewards are the test outcomes, no ACR session is open at
 exit, and each step logs the lifecycle's spans and the turns per rollout."""
 
@@ -30,7 +30,8 @@ def test_the_toolkit_a2a_coding_agent_trains_two_async_steps_under_a_rollout_slo
     proc = subprocess.run(
         [sys.executable, "-m", "orchestrator.main", "+experiment=swe_mini_local", "mode=async",
          "trainer.total_steps=2", "rollout.batch_size=1", "rollout.n=2", "rollout.max_tokens=24",
-         f"task.max_turns={TURNS}", "rollout.rollout_slots=2", "rollout.acr.limits.max_open_sessions=4",
+         f"task.max_turns={TURNS}", "rollout.rollout_slots=4", "rollout.acr.limits.max_open_sessions=6",
+         "rollout.concurrency=adaptive",
          "rollout.acr.agent_env.SWE_MINI_SETUP_MEDIAN_S=0.5", "logger=console", f"run_dir={run_dir}"],
         cwd=REPO, capture_output=True, text=True, timeout=870, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -41,6 +42,8 @@ def test_the_toolkit_a2a_coding_agent_trains_two_async_steps_under_a_rollout_slo
     assert [m["step"] for m in steps] == [1, 2] and all(m["perf/trained_tokens"] > 0 for m in steps)
     assert all(m["rollout/setup_s_p50"] >= 0.5 and m["rollout/rollout_slot_wait_s_mean"] >= 0.0
                and m["rollout/turns_mean"] >= 1 for m in steps), steps
+    # rollout.concurrency=adaptive steers the rollout-slot cap (from min_groups x n = 2 up to 4)
+    assert all(2 <= m["rollout/rollout_slot_limit"] <= 4 for m in steps), steps
     assert all(0.0 < m["rollout/rollout_slot_utilisation"] <= 1.0 and 0.0 < m["rollout/container_slot_utilisation"] <= 1.0
                for m in steps), steps
     episodes = EPISODE.findall((run_dir / "logs" / "emulator.log").read_text())

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from orchestrator.build.actors import close_quietly, gateway_actor, replica_spawner, run_rollout_settings, start_pool
 from orchestrator.build.runtime import Runtime
@@ -166,6 +166,9 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
     cpu = CpuProbe(lambda: {**directory.pids(), **(rt.local.pids() if rt.local is not None else {})})
     trainer_client = TrainerClient(a.trainer, pad_id=a.pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std)
     concurrency = _concurrency(cfg, a.replicas)  # rollout.concurrency=adaptive, else None
+    if concurrency is not None and cfg.rollout.contract == "a2a" and cfg.rollout.rollout_slots:
+        watchers.append(_slot_steering(cfg, concurrency, a.pool))  # the window steers rollout slots
+        concurrency = None  # dispatch: the staleness budget and the container slots only
     ledger = RolloutLedger()
     if ckpt is not None:
         ledger.restore(ckpt.state.counters)  # cumulative counters go on from the checkpoint's
@@ -266,6 +269,26 @@ async def _validator(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextli
                      rows=TASKS[cfg.task.name].rows(cfg.task, cfg.task.val_split),
                      settings=eval_settings(cfg.eval, step_rollouts=cfg.samples_per_step),
                      test_freq=t.test_freq, val_before_train=t.val_before_train, clock=time.monotonic)
+
+
+class _Steering:
+    """A RolloutSlotSteering as a watcher of the loop: `run` beside it, `metrics` in its probe."""
+
+    def __init__(self, steering: Any) -> None:
+        self.run, self.metrics = steering.run, steering.metrics
+
+
+def _slot_steering(cfg: RunConfig, gate: ConcurrencyGate, pool: RolloutPool) -> _Steering:
+    """rollout.concurrency=adaptive with contract=a2a and rollout slots: the adaptive policy sets
+    the rollout-slot cap (orchestrator/loop/slot_steering.py) instead of gating dispatch."""
+    from orchestrator.loop.slot_steering import RolloutSlotSteering
+
+    async def rollout_stats() -> Any:
+        return (await pool.slot_stats())["rollout"]
+
+    return _Steering(RolloutSlotSteering(gate.policy, gate.loads, time.monotonic, stats=rollout_stats,
+                                         set_capacity=pool.resize_rollout_slots, n=cfg.rollout.n,
+                                         max_slots=cfg.rollout.rollout_slots))
 
 
 def _concurrency(cfg: RunConfig, replicas: list[ActorHandle]) -> ConcurrencyGate | None:

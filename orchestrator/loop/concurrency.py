@@ -141,7 +141,7 @@ class ConcurrencyGate:
 
     def __init__(self, policy: AdaptiveConcurrency, loads: LoadSource, clock: Callable[[], float],
                  poll_s: float = POLL_S) -> None:
-        self.policy, self._loads, self._clock, self._poll_s = policy, loads, clock, poll_s
+        self.policy, self.loads, self._clock, self._poll_s = policy, loads, clock, poll_s
         self.running = 0
         self.blocked_s = 0.0  # seconds producers spent refused, summed since start
         self._last: Sequence[EngineLoad] = ()
@@ -149,7 +149,7 @@ class ConcurrencyGate:
     async def acquire(self) -> None:
         t0 = None
         while True:
-            self._last = await self._loads()
+            self._last = await self.loads()
             now = self._clock()
             self.policy.observe(self._last, now, self.running)
             if self.policy.may_admit(self.running):

@@ -106,8 +106,10 @@ class TokenBucket:
 class SlotPool:
     """`capacity` slots; `take` hands out free ones, `give` returns them. Pure, no waiting.
 
-    Invariant: 0 <= in_use <= capacity; `peak` is the most ever in use. Raises ValueError on a
-    give of more than is in use (a double release is a bug, not a state to tolerate).
+    Invariant: 0 <= in_use <= capacity, except after `resize` lowered the capacity under what is in
+    use (no slot is taken back: none is handed out until use is under it); `peak` is the most ever
+    in use. Raises ValueError on a give of more than is in use (a double release is a bug, not a
+    state to tolerate).
     """
 
     def __init__(self, capacity: int) -> None:
@@ -119,7 +121,13 @@ class SlotPool:
 
     @property
     def free(self) -> int:
-        return self.capacity - self.in_use
+        return max(0, self.capacity - self.in_use)
+
+    def resize(self, capacity: int) -> None:
+        """Set the capacity (>= 1; raises ValueError otherwise)."""
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
 
     def take(self, n: int) -> int:
         """Take up to `n` free slots; return how many were taken (0..n)."""
@@ -167,6 +175,7 @@ class LimitStats:
     peak_in_use: int = 0
     held_s: float = 0.0
     age_s: float = 0.0
+    configured: int | None = None  # a slot cap's size at start (`limit` is its size now: it may be steered)
 
 
 class RateLimiterService:
@@ -205,6 +214,7 @@ class SessionCapService:
 
     def __init__(self, max_open: int, clock: Clock | None = None) -> None:
         self._pool = SlotPool(max_open)
+        self._configured = max_open
         self._granted = 0
         self._held: dict[str, int] = {}
         self._cond: asyncio.Condition | None = None
@@ -251,6 +261,14 @@ class SessionCapService:
             self._pool.give(n)
             cond.notify_all()
 
+    async def set_capacity(self, n: int) -> None:
+        """Resize the cap to `n` slots (the adaptive steering of rollout slots,
+        orchestrator/loop/slot_steering.py); waiters are served at once when it grew."""
+        cond = self._condition()
+        async with cond:
+            self._pool.resize(n)
+            cond.notify_all()
+
     async def release_owner(self, owner: str) -> int:
         """Give back every slot `owner` holds (its process died); returns how many."""
         cond = self._condition()
@@ -266,7 +284,7 @@ class SessionCapService:
         self._account()
         return LimitStats(limit=p.capacity, burst=p.capacity, granted=self._granted, in_use=p.in_use,
                           peak_in_use=p.peak, held_s=self._held_s,
-                          age_s=self._since - self._started)
+                          age_s=self._since - self._started, configured=self._configured)
 
 
 # ----------------------------------------------------------------------------- per-process clients
@@ -491,7 +509,7 @@ async def start_limit_actors(cfg: AcrLimitsConfig, *, suffix: str = "") -> Limit
                      named(RateLimiterService, SESSION_RATE_ACTOR_NAME).remote(cfg.sessions_per_s, 1)
                      if cfg.sessions_per_s else None)
     r, s = await asyncio.gather(h.rate.stats.remote(), h.sessions.stats.remote())
-    ro = (await h.rollouts.stats.remote()).limit if h.rollouts is not None else None
+    ro = (await h.rollouts.stats.remote()).configured if h.rollouts is not None else None  # steered: its limit moves
     sr = (await h.session_rate.stats.remote()).limit if h.session_rate is not None else None
     if (r.limit, r.burst, s.limit, ro, sr) != (cfg.bucket_rate_per_s, cfg.bucket_burst, cfg.max_open_sessions,
                                                cfg.rollout_slots, cfg.sessions_per_s):

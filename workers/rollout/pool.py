@@ -366,6 +366,14 @@ class RolloutPool:
     async def acr_stats(self) -> dict[str, int]:
         return _sum(await self._each("acr_stats"))
 
+    async def resize_rollout_slots(self, n: int) -> None:
+        """Set the cluster-wide rollout-slot cap to `n` (orchestrator/loop/slot_steering.py).
+        Raises RuntimeError for a pool without one."""
+        cap = self._recovery.rollouts_cap if self._recovery else None
+        if cap is None:
+            raise RuntimeError("this rollout pool has no rollout-slot cap (rollout.rollout_slots)")
+        await call(cap, "set_capacity", n)
+
     async def slot_stats(self) -> dict[str, Any]:
         """The cluster-wide slot caps' `LimitStats` (workers/acr/limits.py): "container" (the
         open-session cap) and, under `rollout.rollout_slots`, "rollout"; {} for a pool without caps."""
