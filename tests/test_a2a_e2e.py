@@ -44,8 +44,9 @@ def test_the_toolkit_a2a_coding_agent_trains_two_async_steps_under_a_rollout_slo
                and m["rollout/turns_mean"] >= 1 for m in steps), steps
     # rollout.concurrency=adaptive steers the rollout-slot cap (from min_groups x n = 2 up to 4)
     assert all(2 <= m["rollout/rollout_slot_limit"] <= 4 for m in steps), steps
-    assert all(0.0 < m["rollout/rollout_slot_utilisation"] <= 1.0 and 0.0 < m["rollout/container_slot_utilisation"] <= 1.0
-               for m in steps), steps
+    # slot-seconds over the step: busy in step 1; step 2 may train on groups that finished during step 1
+    assert steps[0]["rollout/rollout_slot_utilisation"] > 0 and steps[0]["rollout/container_slot_utilisation"] > 0
+    assert all(0.0 <= m[f"rollout/{k}_slot_utilisation"] <= 1.0 for m in steps for k in ("rollout", "container"))
     episodes = EPISODE.findall((run_dir / "logs" / "emulator.log").read_text())
     assert len(episodes) >= s["rollout/completed"], episodes
     for input_id, turns, _calls, prompt_tokens, end, reward in episodes:

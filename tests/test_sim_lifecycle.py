@@ -151,3 +151,19 @@ def test_bench_swe_writes_both_runs_and_warm_over_cold(tmp_path):
     ratio = r["warm_over_cold"]["inference_requests_per_min"]
     assert ratio == pytest.approx(warm["inference_requests_per_min"] / cold["inference_requests_per_min"]) and ratio > 1
     assert 20 < cold["setup_s_p50"] < 50 and cold["setup_s_p90"] > 2 * cold["setup_s_p50"]
+
+
+def test_adaptive_concurrency_steers_the_simulated_rollout_slots_as_the_product_does(tmp_path):
+    """policy=adaptive with rollout slots: the product's RolloutSlotSteering (not a dispatch gate)
+    sets the simulated rollout-slot cap, through `SlotQueue.resize`: a larger cap admits the
+    waiting warm containers in order, a smaller one takes no slot back."""
+    sc = replace(CONFIGS["async_1"], gpus=4, policy="adaptive", rollout_slots=16, container_slots=32)
+    f = simulate(_gsm8k(SETUP), sc, hours=0.05, out_dir=tmp_path)
+    n = int(load_workload("gsm8k_tools").batch["n"])
+    assert n <= f["rollout_slots_peak"] <= 16 and f["rollout_slot_wait_s_mean"] > 0
+    q: SlotQueue[str] = SlotQueue(2)  # the resize the steering calls: grows admit waiters in order
+    assert [q.request(x, 0.0) for x in "abcd"] == [True, True, False, False]
+    assert q.resize(3, 1.0) == ["c"] and q.held == 3
+    q.resize(1, 2.0)  # shrinks take nothing back; releases go to nobody until under the cap
+    assert q.release(3.0) is None and q.release(3.0) is None and q.held == 1 and q.waiting == 1
+    assert q.release(4.0) == "d"

@@ -140,6 +140,15 @@ class SimAgents:
         self.slot_waits.append((now, s.slot_wait_s))
         self._turn(s)
 
+    async def resize_rollout_slots(self, n: int) -> None:
+        """The rollout-slot cap steered (orchestrator/loop/slot_steering.py): warm containers it
+        admits start their runs now."""
+        for s in self.rollout_slots.resize(n, self.loop.now):
+            self.loop.schedule(self.loop.now, self._run, s)
+
+    async def rollout_slot_stats(self):
+        return self.rollout_slots.stats()
+
     def _end_run(self, s: Session) -> None:
         """The run is over: its rollout slot goes back (to the next warm container, if one waits)."""
         if s.holds_rollout_slot:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from orchestrator.adapters.colocate import SleepingTrainer
 from orchestrator.loop.concurrency import AdaptiveConcurrency, ConcurrencyGate
+from orchestrator.loop.slot_steering import RolloutSlotSteering
 from orchestrator.loop.async_loop import AsyncLoopSettings, run_async
 from orchestrator.loop.common import LoopParts
 from orchestrator.loop.staleness import fixed_max_running
@@ -214,10 +215,15 @@ def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_s
                          fixed_s=float(w.trainer["fixed_s"]), masked_base=float(alg.get("masked_fraction_base", 0.0)),
                          masked_per_staleness=float(alg.get("masked_fraction_per_staleness", 0.0)), cpu=cpu)
     push = SimWeightSync(replicas, trainer, transfer_s=ws["model_bytes"] / ws["bandwidth_bytes_per_s"], reload_s=ws["reload_s"])
-    gate = None
+    gate = steering = None
     if sc.policy == "adaptive":
         gate = ConcurrencyGate(AdaptiveConcurrency(kv_target=sc.kv_target, min_groups=lay.groups_per_update),
                                lambda: engine_loads(replicas), clock=loop.time)
+        if sc.rollout_slots is not None:  # as the product: the window steers the rollout-slot cap, not dispatch
+            steering = RolloutSlotSteering(gate.policy, gate.loads, loop.time, stats=agents.rollout_slot_stats,
+                                           set_capacity=agents.resize_rollout_slots, n=int(w.batch["n"]),
+                                           max_slots=sc.rollout_slots)
+            gate = None
     rng = random.Random(seed + 1)
     a_, b_ = w.agent.reward_beta
     rows = [{"input_id": f"p{i}", "p_success": rng.betavariate(a_, b_)} for i in range(NUM_PROMPTS)]
@@ -245,6 +251,7 @@ def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_s
     n = int(w.batch["n"])
 
     async def main() -> None:
+        side = asyncio.ensure_future(steering.run()) if steering is not None else None
         try:
             if sc.mode == "sync":
                 await run_sync(parts, SyncLoopSettings(big, lay.groups_per_update * sc.sync_every, n, sc.sync_every,
@@ -255,6 +262,10 @@ def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_s
                                                          max_running_groups=max_running))
         except SimHorizon:
             pass
+        finally:
+            if side is not None:
+                side.cancel()
+                await asyncio.gather(side, return_exceptions=True)
 
     try:
         loop.run_until_complete(main())

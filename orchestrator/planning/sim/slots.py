@@ -16,11 +16,18 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from workers.acr.limits import SlotPool
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Stats:
+    in_use: int
+    limit: float
 
 
 class SlotQueue(Generic[T]):
@@ -64,14 +71,33 @@ class SlotQueue(Generic[T]):
 
     def release(self, now: float) -> T | None:
         """Give one held slot back. The head waiter, if any, gets it at once and is returned
-        (held stays the same); None when nobody waited. Raises ValueError when nothing is held."""
+        (held stays the same) unless a `resize` left more held than the capacity; None when nobody
+        got it. Raises ValueError when nothing is held."""
         self._advance(now)
         if self._pool.in_use < 1:
             raise ValueError("release with no slot held")
-        if self._waiting:
+        if self._waiting and self._pool.in_use <= self._pool.capacity:
             return self._waiting.popleft()
         self._pool.give(1)
         return None
+
+    def resize(self, capacity: int, now: float) -> list[T]:
+        """Set the capacity (>= 1; the adaptive steering of rollout slots,
+        orchestrator/loop/slot_steering.py): the waiters a larger one admits, in request order,
+        each now holding a slot (the caller starts them); a smaller one takes no slot back."""
+        if self.capacity is None:
+            raise ValueError("an unlimited slot queue cannot be resized")
+        self._advance(now)
+        self._pool.resize(capacity)
+        self.capacity = capacity
+        admitted = []
+        while self._waiting and self._pool.take(1):
+            admitted.append(self._waiting.popleft())
+        return admitted
+
+    def stats(self) -> "_Stats":
+        """The product's LimitStats fields the steering reads (in_use, limit)."""
+        return _Stats(in_use=self._pool.in_use, limit=float(self.capacity or 0))
 
     def _advance(self, now: float) -> None:
         if now < self._t:
