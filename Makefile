@@ -18,7 +18,7 @@ run: $(VENV)/.installed tokenizers
 	$(PY) -m orchestrator.main $(ARGS)
 
 test: $(VENV)/.installed-dev tokenizers
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(ARGS)
 
 # The unit tests only (markers in tests/conftest.py): no Ray, no engine, no ACR stack; about two minutes.
 test-fast: $(VENV)/.installed-dev tokenizers
