@@ -44,6 +44,34 @@ def test_aws_values_are_checked_naming_the_key(override, message):
         compose_config([*AWS, override])
 
 
+@pytest.mark.parametrize("contract", ["a2a", "http"])
+def test_contracts_that_return_results_in_the_invocation_need_no_bucket_on_aws(contract):
+    """rollout=aws with contract=a2a or http: nothing is written to S3, so no bucket is asked for
+    (and pre-flight checks none); a bucket that is set must still be a bucket name."""
+    no_bucket = [o for o in AWS if not o.startswith("rollout.acr.s3_bucket")] + ["rollout.acr.s3_bucket="]
+    assert compose_config([*no_bucket, f"rollout.contract={contract}"]).rollout.acr.s3_bucket == ""
+    with pytest.raises(ConfigError, match=r"rollout\.acr\.s3_bucket must be an S3 bucket name"):
+        compose_config([*AWS, f"rollout.contract={contract}", "rollout.acr.s3_bucket=My_Bucket"])
+
+
+def test_preflight_touches_no_bucket_for_the_a2a_contract(monkeypatch):
+    """With S3 unreachable (a closed port) and no bucket, pre-flight of contract=a2a passes; with
+    contract=s3 the same setup fails naming the bucket."""
+    import socket
+
+    from orchestrator.control.preflight_aws import check_aws
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}"}.items():
+        monkeypatch.setenv(k, v)
+    no_bucket = [o for o in AWS if not o.startswith("rollout.acr.s3_bucket")] + ["rollout.acr.s3_bucket="]
+    assert isinstance(check_aws(compose_config([*no_bucket, "rollout.contract=a2a"]), "exp-x"), list)
+    with pytest.raises(ConfigError, match=r"rollout\.acr\.s3_bucket='my-rollouts'"):
+        check_aws(compose_config(AWS), "exp-x")
+
+
 def test_arn_regions_come_from_botocore_and_the_emulators_arn_stays_valid():
     """Issue 29: `us-east-9` passed the ARN's form check. The known regions are botocore's endpoint data,
     per partition; the ARN the local emulator serves (and the config's default) still parses."""

@@ -141,7 +141,7 @@ class RolloutConfig:
         check(self.num_workers >= 1, "rollout.num_workers", "must be >= 1", self.num_workers)
         check(self.redispatch_lost >= 0, "rollout.redispatch_lost", "must be >= 0", self.redispatch_lost)
         if self.name == "aws":
-            _check_aws(self.acr)
+            _check_aws(self.acr, self.contract)
         check(bool(acr_region(self.acr)), "rollout.acr.region", "must not be empty", self.acr.region)
         try:
             rollout_settings(self, exp_id="exp-check", agent_runtime_arn=self.acr.agent_runtime_arn,
@@ -183,16 +183,19 @@ def acr_region(acr: AcrConfig) -> str | None:
         return None
 
 
-def _check_aws(acr: AcrConfig) -> None:
-    """rollout=aws: the runtime ARN's form, the bucket name's form, and the region (from the ARN)."""
-    for key, value in (("agent_runtime_arn", acr.agent_runtime_arn), ("s3_bucket", acr.s3_bucket)):
+def _check_aws(acr: AcrConfig, contract: str) -> None:
+    """rollout=aws: the runtime ARN's form, the bucket name's form (required with contract=s3 only:
+    the http and a2a contracts return results in the invocation), and the region (from the ARN)."""
+    required = [("agent_runtime_arn", acr.agent_runtime_arn)] + ([("s3_bucket", acr.s3_bucket)] if contract == "s3" else [])
+    for key, value in required:
         check(bool(value), f"rollout.acr.{key}", f"must be set with rollout=aws (add rollout.acr.{key}=...)", value)
     try:
         arn = parse_runtime_arn(acr.agent_runtime_arn)
     except ValueError as exc:
         raise ConfigError(f"rollout.acr.agent_runtime_arn {exc}, got {acr.agent_runtime_arn!r}") from None
     try:
-        check_bucket_name(acr.s3_bucket)
+        if acr.s3_bucket or contract == "s3":
+            check_bucket_name(acr.s3_bucket)
     except ValueError as exc:
         raise ConfigError(f"rollout.acr.s3_bucket {exc}, got {acr.s3_bucket!r}") from None
     check(acr.region in (None, arn.region), "rollout.acr.region",

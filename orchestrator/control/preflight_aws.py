@@ -3,8 +3,9 @@
 1. Credentials, resolved the way boto3 resolves them in the actors (botocore's chain: the
    environment, `AWS_PROFILE` in the shared config / credentials files (`AWS_CONFIG_FILE`,
    `AWS_SHARED_CREDENTIALS_FILE`), SSO, web identity, container and instance-metadata roles).
-2. The results bucket exists (`HeadBucket`) and is writable (a `PutObject` + `DeleteObject` of one
-   small object under the run's prefix), through `AWS_ENDPOINT_URL_S3` when set.
+2. With `rollout.contract=s3`, the results bucket exists (`HeadBucket`) and is writable (a
+   `PutObject` + `DeleteObject` of one small object under the run's prefix), through
+   `AWS_ENDPOINT_URL_S3` when set (the http and a2a contracts return results in the invocation).
 3. The runtime ARN's form and region are checked by config validation already
    (orchestrator/config/rollout.py); the S3 and ACR clients use that region.
 
@@ -55,6 +56,8 @@ def check_aws(cfg: RunConfig, exp_id: str) -> list[str]:
         raise ConfigError("rollout=aws: no AWS credentials found (looked where boto3 looks: AWS_ACCESS_KEY_ID / "
                           "AWS_SECRET_ACCESS_KEY, AWS_PROFILE in AWS_CONFIG_FILE / AWS_SHARED_CREDENTIALS_FILE, SSO, "
                           "web identity, the instance role); set AWS_PROFILE or run `aws configure`")
+    if cfg.rollout.contract != "s3":
+        return reach_warnings(cfg)
     s3 = session.client("s3", config=Config(connect_timeout=PREFLIGHT_TIMEOUT_S, read_timeout=PREFLIGHT_TIMEOUT_S,
                                             retries={"max_attempts": 2, "mode": "standard"}))
     bucket = acr.s3_bucket
