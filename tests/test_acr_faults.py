@@ -44,7 +44,7 @@ from workers.embedded.tiny_model import ensure_tiny_model  # noqa: E402
 N_PER_CONTRACT = 250
 RATES = FaultRates.uniform(0.2, seed=11)  # 2.5 % of each of the 8 kinds
 LIMITS = AcrLimitsConfig(requests_per_s=300.0, max_open_sessions=48)  # bucket 240/s, burst 30
-PUSH_GRACE_S = 2.0  # S3 polling starts this late: completing sooner proves the agent's POST woke the worker
+PUSH_GRACE_S = 2.0  # S3 polling starts this late once a POST arrived: the POST is what wakes the worker
 ROLLOUT_TIMEOUT_S = 15.0  # slow agents (STUB_SLOW_S 60 s) and S3 no_result hit it; nothing else should, even with
 # another test loading both cores (6 s was hit by plain rollouts once, under an e2e test on the other worker)
 TIMEOUT_S = 80  # bound on each phase of the test itself
@@ -163,9 +163,11 @@ async def test_500_rollouts_with_20_percent_faults_all_end_terminal_within_limit
     assert set(faults_seen) == {None, *RATES.rates()}, faults_seen  # every kind was injected
     assert len({o.session_id for o in outcomes}) == n
 
-    # fast completion: S3-contract rollouts finished before S3 polling even started
-    s3_done = sorted(o.latency_s for o in outcomes[:N_PER_CONTRACT] if o.status == "completed")
-    assert s3_done[len(s3_done) // 2] < PUSH_GRACE_S, s3_done[len(s3_done) // 2]
+    # fast completion: most S3-contract results came by the agent's POST, not by polling S3 (a loaded
+    # machine may let a poll win now and then: polling starts PUSH_GRACE_S after the invoke)
+    s3_completed = sum(o.status == "completed" for o in outcomes[:N_PER_CONTRACT])
+    assert pool_counts["rollout/results_pushed"] >= s3_completed // 2, (pool_counts["rollout/results_pushed"],
+                                                                       s3_completed)
 
     # the stored samples: one per rollout, same status; a failed one keeps its tokens, never a reward
     samples = ray.get(sink.all.remote(), timeout=30)

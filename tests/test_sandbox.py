@@ -166,6 +166,11 @@ def test_stopping_the_session_kills_its_running_command(sandbox_client):
     assert sb.stop() is True and sb.stop() is False
     t.join(15)
     assert not t.is_alive() and results[0].exit_code == 137 and not results[0].timed_out  # SIGKILL
+    # what the dead container was about to run next never reopens the session (it would stay billed)
+    again = sandbox_client.attach(sb.session_id)  # e.g. an agent thread that attached before the stop
+    with pytest.raises(sandbox_client._client.exceptions.ResourceNotFoundException, match="was stopped"):
+        again.exec(["true"], timeout_s=5)
+    assert again.stop() is False
 
 
 def test_transport_failures_raise(stack, stack_env):

@@ -14,7 +14,8 @@ It answers the three data-plane calls exactly as boto3's `bedrock-agentcore` cli
 and errors in the service's own shape (HTTP status, `x-amzn-ErrorType` header, `{"message"}`
 body) so that botocore raises `client.exceptions.<Name>`: ValidationException 400 (malformed
 ARN, session id outside 33-256 chars, bad command body), ResourceNotFoundException 404 (unknown
-runtime ARN or qualifier, unknown session on stop), ServiceQuotaExceededException 402 (open-session
+runtime ARN or qualifier, unknown session on stop, a command on a session that was stopped:
+its container is gone on ACR, so nothing it ran may open it again), ServiceQuotaExceededException 402 (open-session
 cap), RuntimeClientError 424 (the agent answered >= 400 or could not be reached),
 ThrottlingException 429 (session-creation rate, optional all-call rate), InternalServerException
 500 (no agent alive). `GET /_emulator/stats` answers `EmulatorStats` as JSON.

@@ -266,6 +266,8 @@ class Emulator:
         if type(timeout_s) is not int or not MIN_COMMAND_TIMEOUT_S <= timeout_s <= MAX_COMMAND_TIMEOUT_S:
             bounds = f"[{MIN_COMMAND_TIMEOUT_S}, {MAX_COMMAND_TIMEOUT_S}]"
             return validation_error("body.timeout", f"timeout must be an integer in {bounds}")
+        if self.table.was_stopped(sid):  # on ACR the stop ended the microVM and whatever in it sent this
+            return acr_error("ResourceNotFoundException", f"session {sid} was stopped: its container is gone")
         routed = self._route(sid)
         if isinstance(routed, web.Response):
             return routed

@@ -11,16 +11,19 @@ Invariants (checked by tests/test_acr_emulator.py):
 - a session expires when it has had no call in flight and no activity (a call, or a HealthyBusy
   ping of its agent) for `idle_timeout_s`, or `max_lifetime_s` after creation, whatever it is doing;
 - `RateWindow.peak` is the largest number of calls ever seen inside any window of `window_s`
-  ending at a recorded call (exact: every timestamp is kept until it leaves the window).
+  ending at a recorded call (exact: every timestamp is kept until it leaves the window);
+- a stopped session's container is gone: `was_stopped` names it (the last STOPPED_KEPT stops) so
+  the command route refuses what its agent was still running instead of opening it again.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 DEFAULT_SESSION_IDLE_TIMEOUT_S = 900.0  # ACR's default idle session timeout (15 min)
 DEFAULT_SESSION_MAX_LIFETIME_S = 28_800.0  # ACR's default maximum session lifetime (8 h)
+STOPPED_KEPT = 65_536  # stopped session ids remembered (about 5 MiB at most)
 
 
 class TokenBucket:
@@ -152,6 +155,7 @@ class SessionTable:
         self.max_open = max_open
         self._sessions: dict[str, _Session] = {}
         self._dead: set[int] = set()
+        self._stopped: OrderedDict[str, None] = OrderedDict()  # the most recent STOPPED_KEPT stopped ids
         self.created = self.stopped = self.expired = self.expired_max_lifetime = self.peak_open = 0
         self.throttled = self.quota_refused = 0
 
@@ -212,7 +216,15 @@ class SessionTable:
         if self._sessions.pop(session_id, None) is None:
             return False
         self.stopped += 1
+        self._stopped[session_id] = None
+        if len(self._stopped) > STOPPED_KEPT:
+            self._stopped.popitem(last=False)
         return True
+
+    def was_stopped(self, session_id: str) -> bool:
+        """`session_id` was ended by StopRuntimeSession (among the last STOPPED_KEPT stops) and
+        not opened again since."""
+        return session_id in self._stopped and session_id not in self._sessions
 
     def expire(self, now_s: float) -> list[str]:
         """End idle and over-age sessions; returns their ids (callers release their resources)."""

@@ -296,7 +296,8 @@ class RolloutWorker:
         return self._stops.open_ids()
 
     def rollout_counts(self) -> dict[str, int]:
-        """`rollout/{completed,failed}` and `rollout/failed/{reason}` so far, plus stop failures."""
+        """`rollout/{completed,failed}` and `rollout/failed/{reason}` so far, plus stop failures and
+        `rollout/results_pushed` (S3-contract results that arrived by the agent's POST, not by polling)."""
         return dict(self.counts)
 
     async def run(self, req: RolloutRequest, partition: str) -> RolloutOutcome:
@@ -450,6 +451,7 @@ class RolloutWorker:
             self._delete_result(key)
             return parse_reward(got, where), self._clock()
         self._push_seen = True
+        self.counts["rollout/results_pushed"] += 1
         self._delete_result(key)  # the agent writes S3 before it posts (agent_common/rollout_contract.py)
         return parse_reward(parse_result_body(got.body, f"{where} (posted)"), f"{where} (posted)"), got.arrived_s
 
