@@ -80,3 +80,41 @@ def test_memos_are_bounded():
     for i in range(MAX_MEMOS + 3):
         remember(memos, memo_after_first_turn(message_key(CALL), row_len=i + 1))
     assert len(memos) == MAX_MEMOS and memos[-1].row_len == MAX_MEMOS + 3
+
+
+# -- linear history (workers/gateway/linear.py) ----------------------------------------------
+
+def render_dropping_old_thoughts(messages: list[dict], gen: bool = True) -> str:
+    """The toy template, but like Qwen3 thinking-off: only the last answer keeps its `<t></t>`."""
+    out = ""
+    for i, m in enumerate(messages):
+        think = "<t></t>" if m["role"] == "assistant" and i == len(messages) - 1 else ""
+        out += f"<s>{m['role']}\n{think}{m['content'] or ''}<e>\n"
+    return out + ("<s>assistant\n<t></t>" if gen else "")
+
+
+def test_linear_tail_starts_after_the_previous_messages_even_where_history_is_re_rendered():
+    from workers.gateway.linear import closer, healed_text
+
+    answer = {"role": "assistant", "content": "call calc"}
+    prev, new = [USER, answer], [TOOL]
+    full, prefix = render_dropping_old_thoughts(prev + new), render_dropping_old_thoughts(prev, gen=False)
+    assert not full.startswith(prefix)  # tree mode's rule cannot continue here
+    close = closer(lambda body: render_dropping_old_thoughts([USER, {"role": "assistant", "content": body}], False))
+    assert close == "<e>\n"
+    # the answer ended on `<e>`: the rest of the closer, then the tool turn and the generation prompt
+    assert healed_text(full, prefix, close, "<e>", new) == "\n<s>tool\n5<e>\n<s>assistant\n<t></t>"
+    assert healed_text(full, prefix, close, None, new) == "<e>\n<s>tool\n5<e>\n<s>assistant\n<t></t>"  # cut answer
+
+
+def test_linear_splice_is_refused_when_it_cannot_be_proven():
+    from workers.gateway.linear import healed_text, tail_start
+
+    prev = [USER, {"role": "assistant", "content": "x"}]
+    full, prefix = render(prev + [TOOL]), render(prev, gen=False)
+    assert tail_start(full, prefix, "") is None  # no closer found
+    assert tail_start(full, prefix, "<z>") is None  # the prefix does not end with it
+    assert tail_start("<s>user\n2+3?<e>\n", prefix, "<e>\n") is None  # fewer closers than messages
+    assert healed_text(full, prefix, "<e>\n", "<eom>", [TOOL]) is None  # ended on a token the template does not close with
+    assert healed_text(full, prefix, "<e>\n", "<e>", [{**TOOL, "content": "not rendered"}]) is None  # new text missing
+    assert healed_text(full, prefix, "<e>\n", "<e>", [TOOL]) == "\n<s>tool\n5<e>\n<s>assistant\n"

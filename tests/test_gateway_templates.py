@@ -14,6 +14,8 @@ Asserted per family:
 - the row decodes to the template's own rendering of the conversation (canonical style), so the
   assistant -> tool separator is kept; Llama's tool results go in the `ipython` role;
 - compact JSON: FORK on every tool turn without token continuity, CLEAN with it;
+- `gateway.history_mode=linear`: every family, canonical or compact calls, is one row whose
+  tokens are the served ids (Qwen3 thinking-off included: healed instead of FORK);
 - gpt-oss (harmony): a clear 400 `template_unsupported` on the session's first request.
 The chat-template registry recognises each real template by content (both Qwen3 revisions).
 """
@@ -126,12 +128,13 @@ class Conversation:
     metrics: object
 
 
-async def converse(renderer: ChatRenderer, answers: list[str], *, continuity: bool, kwargs: dict | None) -> Conversation:
+async def converse(renderer: ChatRenderer, answers: list[str], *, continuity: bool, kwargs: dict | None,
+                   history_mode: str = "tree") -> Conversation:
     tok = renderer.tokenizer
     outputs = [(*tok.encode(a, add_special_tokens=False), renderer.base_stop_ids[0]) for a in answers]
     engine = ScriptedEngine(outputs)
     cfg = GatewayConfig(model_path="unused", served_model_name=MODEL_ID, max_context_tokens=8192,
-                        token_continuity=continuity)
+                        token_continuity=continuity, history_mode=history_mode)
     server = GatewayServer(cfg, [engine], renderer=renderer)
     await asyncio.wait_for(server.start(), TIMEOUT_S)
     try:
@@ -236,6 +239,80 @@ async def test_compact_json_calls_continue_the_recorded_tokens(case, real_tokeni
         assert json.dumps({"name": "get_time", ("parameters" if case.fmt == "llama3_json" else "arguments"): {}},
                           separators=(",", ":")) in text  # the model's own tokens, not the re-render
         assert after.metrics.turns_continued == 2
+
+
+@pytest.mark.parametrize("style", ["canonical", "compact"])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+async def test_linear_history_keeps_every_template_one_row(case, style, real_tokenizers):
+    """Issue 28 item 2: with `history_mode=linear` the 3-turn tool conversation is one row on every
+    family, including Qwen3 thinking-off (FORK on every tool turn in tree mode): each prompt is the
+    previous prompt and answer as served, then the template's rendering of the new tool result."""
+    renderer = renderer_for(case, real_tokenizers)
+    conv = await converse(renderer, answer_texts(case, style), continuity=True, kwargs=case.kwargs,
+                          history_mode="linear")
+    assert conv.kinds == [TurnKind.FIRST, TurnKind.CLEAN, TurnKind.CLEAN]
+    (row,) = conv.rows
+    assert row.token_ids == conv.prompts[2] + conv.outputs[2]
+    for p, prev_p, prev_o in zip(conv.prompts[1:], conv.prompts, conv.outputs):
+        assert p[: len(prev_p) + len(prev_o)] == prev_p + prev_o
+    assert [row.token_ids[i] for i in mask_positions(row)] == [t for o in conv.outputs for t in o]
+    m = conv.metrics
+    assert m.turns_nonlinear == 0 and m.turns_healed <= 2
+    if case.rewrites_history or (style == "compact" and case.fmt != "qwen3_coder"):  # XML calls: no JSON spacing
+        assert m.turns_healed == 2 and m.healed_prefix_tokens == sum(len(p) + len(o) for p, o in
+                                                                     zip(conv.prompts[:2], conv.outputs[:2]))
+    # the tail is the template's own: the last prompt ends as the plain render of the conversation does
+    final_prompt = renderer.render_text(as_template_input(conv.messages[:-1]), TOOLS, case.kwargs)
+    last_result = final_prompt[final_prompt.rindex(TOOL_RESULTS[1]):]
+    assert renderer.tokenizer.decode(conv.prompts[2]).endswith(last_result)
+
+
+@pytest.mark.parametrize("on_nonlinear", ["reset", "error", "passthrough"])
+async def test_linear_history_on_an_edited_history_does_what_on_nonlinear_says(on_nonlinear, real_tokenizers):
+    """A request that edits an earlier tool result is not linear: `reset` starts a new row and heals
+    on from it (turn 4 CLEAN), `error` answers 400 `nonlinear_history` and generates nothing,
+    `passthrough` serves the rest of the session in tree mode (Qwen3 thinking-off: turn 4 FORKs)."""
+    case = next(c for c in CASES if c.name == "qwen3_nothink")
+    renderer = renderer_for(case, real_tokenizers)
+    tok = renderer.tokenizer
+    texts = [call_text(case.fmt, *CALLS[0], "canonical"), call_text(case.fmt, *CALLS[1], "canonical"),
+             call_text(case.fmt, *CALLS[0], "canonical"), FINAL]
+    outputs = [(*tok.encode(a, add_special_tokens=False), renderer.base_stop_ids[0]) for a in texts]
+    engine = ScriptedEngine(outputs)
+    cfg = GatewayConfig(model_path="unused", served_model_name=MODEL_ID, max_context_tokens=8192,
+                        history_mode="linear", on_nonlinear=on_nonlinear)
+    server = GatewayServer(cfg, [engine], renderer=renderer)
+    await asyncio.wait_for(server.start(), TIMEOUT_S)
+    kinds, extra = [], {"chat_template_kwargs": case.kwargs}
+    try:
+        token = await server.open_session(SESSION)
+        msgs: list = [{"role": "user", "content": "What is 2+3, and what time is it?"}]
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=token, max_retries=0) as c:
+            for i in range(4):
+                before = server.metrics()
+                try:
+                    r = await c.chat.completions.create(model=MODEL_ID, messages=msgs, tools=TOOLS, extra_body=extra)
+                except openai.BadRequestError as e:
+                    kinds.append(e.code)
+                    break
+                kinds.append(last_kind(before, server.metrics()))
+                msg = r.choices[0].message
+                msgs += [msg, *({"role": "tool", "tool_call_id": tc.id, "content": f"result {i}"}
+                                for tc in msg.tool_calls or ())]
+                if i == 1:
+                    msgs[2] = {**msgs[2], "content": "6"}  # the first tool result, edited
+        cap = await server.close_session(SESSION)
+        m = server.metrics()
+    finally:
+        await server.stop()
+    assert m.turns_nonlinear == 1 and m.turns_healed == (2 if on_nonlinear == "reset" else 1)
+    if on_nonlinear == "error":
+        assert kinds == [TurnKind.FIRST, TurnKind.CLEAN, "nonlinear_history"] and len(engine.requests) == 2
+        return
+    fourth = TurnKind.CLEAN if on_nonlinear == "reset" else TurnKind.FORK
+    assert kinds == [TurnKind.FIRST, TurnKind.CLEAN, TurnKind.FORK, fourth]
+    assert len(cap.rows) == (2 if on_nonlinear == "reset" else 3)
+    assert sum(r.num_generated for r in cap.rows) == sum(len(o) for o in outputs)  # nothing twice, nothing lost
 
 
 async def test_gpt_oss_harmony_is_refused_at_the_first_request(real_tokenizers):

@@ -137,6 +137,19 @@ def test_gateway_listens_locally_by_default_and_on_every_interface_for_aws():
         compose_config(["gateway.advertise_url=rl.example.com"])
 
 
+
+def test_gateway_history_mode_reaches_the_gateway_and_bad_values_name_the_key():
+    local = compose_config([])
+    g = gateway_config(local.model, rollout=local.rollout, model_path="/m", net=local.gateway)
+    assert (g.history_mode, g.on_nonlinear) == ("tree", "reset")
+    swe = compose_config(["+experiment=swe_mini_local", "gateway.on_nonlinear=error"])
+    g = gateway_config(swe.model, rollout=swe.rollout, model_path="/m", net=swe.gateway)
+    assert (g.history_mode, g.on_nonlinear) == ("linear", "error")
+    with pytest.raises(ConfigError, match=r"gateway\.history_mode must be one of tree, linear"):
+        compose_config(["gateway.history_mode=flat"])
+    with pytest.raises(ConfigError, match=r"gateway\.on_nonlinear must be one of reset, error, passthrough"):
+        compose_config(["gateway.on_nonlinear=ignore"])
+
 def test_advertised_url():
     assert advertised_url(None, "127.0.0.1", 5000) == "http://127.0.0.1:5000/v1"
     assert advertised_url("auto", "0.0.0.0", 5000) == f"http://{routable_address()}:5000/v1"

@@ -25,17 +25,28 @@ class GatewayGroupConfig:
     port: TCP port (0: a free one; fix it when a firewall or reverse proxy must name it).
     advertise_url: the base URL agents are given as `base_url` (null: "auto" when listening on
     every interface (0.0.0.0), else the listen URL; "auto": http://<this node's routable address>:<port>/v1;
-    or e.g. https://rl.example.com/v1 behind a TLS-terminating reverse proxy)."""
+    or e.g. https://rl.example.com/v1 behind a TLS-terminating reverse proxy).
+    history_mode: "tree" or "linear" (an append-only agent session stays one row whatever the
+    template does to earlier turns); on_nonlinear: reset | error | passthrough, what linear mode
+    does with a request that edits the history (workers/gateway/config.py says each)."""
 
     host: Optional[str] = None
     port: int = 0
     advertise_url: Optional[str] = None
+    history_mode: str = "tree"
+    on_nonlinear: str = "reset"
 
     def __post_init__(self) -> None:
         check(0 <= self.port <= 65535, "gateway.port", "must be in [0, 65535]", self.port)
         url = self.advertise_url
         check(url is None or url == AUTO or url.startswith(("http://", "https://")), "gateway.advertise_url",
               "must be null, auto or an http(s):// base URL", url)
+        from workers.gateway.config import HISTORY_MODES, ON_NONLINEAR
+
+        check(self.history_mode in HISTORY_MODES, "gateway.history_mode", f"must be one of {', '.join(HISTORY_MODES)}",
+              self.history_mode)
+        check(self.on_nonlinear in ON_NONLINEAR, "gateway.on_nonlinear", f"must be one of {', '.join(ON_NONLINEAR)}",
+              self.on_nonlinear)
 
 
 def gateway_net(g: GatewayGroupConfig, *, rollout_name: str) -> tuple[str, int, Optional[str]]:

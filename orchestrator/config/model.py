@@ -51,8 +51,10 @@ def gateway_config(model: ModelConfig, *, rollout: RolloutConfig, model_path: st
     a turn waits for a replacement replica (`inference.replica_wait_s`)."""
     from workers.gateway.config import GatewayConfig
 
-    host, port, advertise_url = gateway_net(net or GatewayGroupConfig(), rollout_name=rollout.name)
-    return GatewayConfig(model_path=model_path, host=host, port=port, advertise_url=advertise_url, served_model_name=model.served_name,
+    net = net or GatewayGroupConfig()
+    host, port, advertise_url = gateway_net(net, rollout_name=rollout.name)
+    return GatewayConfig(model_path=model_path, host=host, port=port, advertise_url=advertise_url,
+                         history_mode=net.history_mode, on_nonlinear=net.on_nonlinear, served_model_name=model.served_name,
                          chat_template=model.chat_template, tool_call_parser=model.tool_call_parser,
                          max_context_tokens=rollout.max_context_tokens, max_tokens=rollout.max_tokens,
                          temperature=rollout.temperature, top_p=rollout.top_p, replica_wait_s=replica_wait_s)

@@ -221,7 +221,7 @@ def create_app(
     counters = Counters()
     app[COUNTERS_KEY] = counters
     runner = TurnRunner(capture, router, renderer, counters, continuity=cfg.token_continuity,
-                        replica_wait_s=cfg.replica_wait_s)
+                        history_mode=cfg.history_mode, on_nonlinear=cfg.on_nonlinear, replica_wait_s=cfg.replica_wait_s)
     routes = _Routes(cfg, capture, router, renderer, runner)
     for prefix in ROUTE_PREFIXES:
         app.router.add_post(f"{prefix}/chat/completions", routes.chat)

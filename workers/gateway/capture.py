@@ -178,7 +178,7 @@ class _Row:
 
 
 class _SessionState:
-    __slots__ = ("view", "digest", "rows", "turns", "started", "memos", "engine_lost")
+    __slots__ = ("view", "digest", "rows", "turns", "started", "memos", "engine_lost", "tree_only")
 
     def __init__(self, view: Session, digest: bytes) -> None:
         self.view = view
@@ -188,6 +188,7 @@ class _SessionState:
         self.started = 0  # turns admitted by begin_turn
         self.memos: list = []  # the turn runner's notes on this session (continuity.TurnMemo)
         self.engine_lost = False  # a turn found no replica to serve it (mark_engine_lost)
+        self.tree_only = False  # linear history gave up on this session (gateway.on_nonlinear=passthrough)
 
 
 def _digest(token: str) -> bytes:
@@ -365,6 +366,15 @@ class CaptureStore:
         if state is None:
             raise SessionNotFound(f"session {session_id!r} is not open")
         return state.memos
+
+    def tree_only(self, session_id: str, *, set_it: bool = False) -> bool:
+        """Whether linear history gave up on this session (then tree continuity serves it); with
+        `set_it`, mark it so first. Raises SessionNotFound."""
+        state = self._sessions.get(session_id)
+        if state is None:
+            raise SessionNotFound(f"session {session_id!r} is not open")
+        state.tree_only = state.tree_only or set_it
+        return state.tree_only
 
     def row_prefix(self, session_id: str, row_index: int, length: int) -> tuple[int, ...]:
         """The first `length` token ids of a row of an open session (rows only grow, so a prefix

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+HISTORY_MODES = ("tree", "linear")
+ON_NONLINEAR = ("reset", "error", "passthrough")
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -32,6 +35,14 @@ class GatewayConfig:
     max_turns: turns a session may run (429 past it).
     token_continuity: build a turn's prompt on the recorded tokens when the client's history
         matches the recorded turns (workers/gateway/continuity.py); False always re-renders.
+    history_mode: "tree" (continuity.py: continue where the template re-renders history the same
+        way; a turn it re-renders differently starts a new row) or "linear" (linear.py: when the
+        messages extend the previous turn's, the prompt is the served ids plus the rendered new
+        messages, so an append-only session is one row whatever the template does to history).
+    on_nonlinear: with history_mode=linear, a request whose messages do not extend the previous
+        turn's (an edit, a dropped or reordered message, other tools): "reset" (a new row from the
+        plain render, healing goes on from it), "error" (400 `nonlinear_history`), or "passthrough"
+        (tree mode for the rest of the session). The agentcore-rl-toolkit's names.
     replica_wait_s: when a replica died under a turn and no healthy one is left, how long the turn
         waits for a replacement (`set_engines`) before it fails (503 `engine_failed`, the session
         marked `engine_lost`); 0: fail at once. Seconds.
@@ -53,6 +64,8 @@ class GatewayConfig:
     tool_call_parser: str = "auto"
     max_turns: int = 256
     token_continuity: bool = True
+    history_mode: str = "tree"
+    on_nonlinear: str = "reset"
     replica_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -72,6 +85,10 @@ class GatewayConfig:
             raise ValueError(f"gateway.max_tokens must be >= 1, got {self.max_tokens}")
         if self.replica_wait_s < 0:
             raise ValueError(f"gateway.replica_wait_s must be >= 0, got {self.replica_wait_s}")
+        if self.history_mode not in HISTORY_MODES:
+            raise ValueError(f"gateway.history_mode must be one of {', '.join(HISTORY_MODES)}, got {self.history_mode!r}")
+        if self.on_nonlinear not in ON_NONLINEAR:
+            raise ValueError(f"gateway.on_nonlinear must be one of {', '.join(ON_NONLINEAR)}, got {self.on_nonlinear!r}")
         if self.max_turns < 1:
             raise ValueError(f"gateway.max_turns must be >= 1, got {self.max_turns}")
         from workers.gateway.tool_parsers import TOOL_CALL_PARSERS

@@ -73,7 +73,8 @@ class TurnMemo:
     messages: keys of the request's messages plus the answer's; context: context_key.
     prompt_chars / prompt_digest: length and sha256 of the turn's rendered prompt text.
     row_index / row_len: the answer's last token is token row_len - 1 of that capture row.
-    end_text: text of the token that ended the answer (an added token, e.g. `<|im_end|>`).
+    end_text: text of the token that ended the answer (an added token, e.g. `<|im_end|>`); None
+        for an answer that did not end on one (kept for linear.py only; tree mode skips it).
     """
 
     messages: tuple[MessageKey, ...]
@@ -82,7 +83,7 @@ class TurnMemo:
     prompt_digest: bytes
     row_index: int
     row_len: int
-    end_text: str
+    end_text: str | None
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def find_continuation(
     """
     candidates = [
         m for m in memos
-        if m.context == context and len(m.messages) < len(keys) and tuple(keys[: len(m.messages)]) == m.messages
+        if m.end_text and m.context == context and len(m.messages) < len(keys) and tuple(keys[: len(m.messages)]) == m.messages
     ]
     for memo in sorted(candidates, key=lambda m: len(m.messages), reverse=True):
         try:

@@ -18,6 +18,9 @@ class GatewayMetrics:
     turns_clean: int = 0
     turns_fork: int = 0
     turns_continued: int = 0  # prompts built on recorded tokens (continuity.py), a subset of served
+    turns_healed: int = 0  # history_mode=linear: prompts spliced onto the served ids (linear.py)
+    healed_prefix_tokens: int = 0  # tokens of those prompts taken from the served ids, not re-rendered
+    turns_nonlinear: int = 0  # history_mode=linear: requests that did not extend the previous turn
     turns_aborted: int = 0
     turns_unrecorded_closed: int = 0
     turns_cancelled: int = 0  # the client went away; its engine request was cancelled

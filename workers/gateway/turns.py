@@ -7,7 +7,10 @@
 2. render the conversation to ids (chat_template.py) and clamp max_tokens to the session's
    remaining context: a prompt that leaves no room is 400 `context_length_exceeded`. When the
    messages continue a recorded turn (continuity.py, `continuity=True`), the prompt is the
-   recorded tokens plus the rendered new text;
+   recorded tokens plus the rendered new text. With `history_mode="linear"` (linear.py), a request
+   whose messages extend the previous turn's is the previous row's served ids plus the rendered new
+   messages; one that does not is handled per `on_nonlinear` (reset, 400 `nonlinear_history`, or
+   tree continuity for the rest of the session);
 3. admit the turn against the session's turn cap (capture.begin_turn: 429 past it);
 4. send it to the replica the router picks; a replica whose generate raises (anything but
    cancellation or a ValueError about the request; e.g. its process died) is taken out of
@@ -40,8 +43,9 @@ from dataclasses import dataclass
 from workers.core.seeds import turn_seed
 from workers.core.types import GenerateRequest, GenerateResult
 from workers.gateway.capture import CaptureStore, Session, SessionNotFound, TurnKind, TurnRecord
-from workers.gateway.chat_template import ChatRenderer
+from workers.gateway.chat_template import ChatRenderer, TemplateError
 from workers.gateway.continuity import TurnMemo, context_key, digest, find_continuation, message_key, remember
+from workers.gateway.linear import closer, healed_text
 from workers.gateway.metrics import Counters
 from workers.gateway.openai_api import ApiError, ChatRequest, bad_request
 from workers.gateway.router import ReplicaRouter
@@ -138,12 +142,15 @@ class TurnRunner:
     """Runs turns for the routes of one app (see the module docstring)."""
 
     def __init__(self, capture: CaptureStore, router: ReplicaRouter, renderer: ChatRenderer, counters: Counters,
-                 *, continuity: bool = True, replica_wait_s: float = 0.0) -> None:
+                 *, continuity: bool = True, history_mode: str = "tree", on_nonlinear: str = "reset",
+                 replica_wait_s: float = 0.0) -> None:
         self.capture = capture
         self.router = router
         self.renderer = renderer
         self.counters = counters
         self.continuity = continuity
+        self.linear = history_mode == "linear"
+        self.on_nonlinear = on_nonlinear
         self.replica_wait_s = replica_wait_s  # wait this long for a replacement when no replica is healthy
 
     def check_template(self) -> None:
@@ -169,26 +176,76 @@ class TurnRunner:
         return self.renderer.render(req.messages, req.tools, req.chat_template_kwargs)
 
     def _render(self, session: Session, req: ChatRequest) -> _Rendered:
-        """The turn's prompt: the plain render, or a continuation of a recorded turn."""
+        """The turn's prompt: the plain render, a healed linear history, or a continuation of a
+        recorded turn."""
         self.check_template()
         self.check_tools(req)
         r, sid = self.renderer, session.session_id
         text = r.render_text(req.messages, req.tools, req.chat_template_kwargs)
-        if not self.continuity:
+        linear = self.linear and not self.capture.tree_only(sid)
+        if not (self.continuity or linear):
             return _Rendered(r.encoder.encode(text), (), "", text)
         keys = tuple(message_key(m) for m in req.messages)
-        context = context_key(req.tools, req.chat_template_kwargs)
-        ids = r.encoder.encode(text)
+        plain = _Rendered(r.encoder.encode(text), keys, context_key(req.tools, req.chat_template_kwargs), text)
+        if linear:
+            healed = self._render_linear(sid, req, plain)
+            if healed is not None:
+                return healed
+        return self._render_tree(sid, req, plain) if self.continuity else plain
+
+    def _render_linear(self, sid: str, req: ChatRequest, plain: _Rendered) -> _Rendered | None:
+        """history_mode=linear: the healed prompt, `plain` (first turn, already extending the row,
+        or on_nonlinear=reset), or None (on_nonlinear=passthrough: tree mode from now on).
+        Raises ApiError(400, nonlinear_history) with on_nonlinear=error."""
+        memos = self.capture.memos(sid)
+        if not memos:
+            return plain
+        last = memos[-1]
+        n = len(last.messages)
+        if last.context == plain.context and n < len(plain.keys) and plain.keys[:n] == last.messages:
+            if self.capture.extends_a_row(sid, plain.ids):  # the template kept the history as served
+                return plain
+            text = self._healed_text(req, n, last.end_text, plain.text)
+            if text is not None:
+                prefix = self.capture.row_prefix(sid, last.row_index, last.row_len)
+                self.counters.add("turns_healed")
+                self.counters.add("healed_prefix_tokens", len(prefix))
+                return dataclasses.replace(plain, ids=prefix + self.renderer.encoder.encode(text))
+        self.counters.add("turns_nonlinear")
+        if self.on_nonlinear == "error":
+            raise bad_request("gateway.history_mode=linear: the messages do not extend the previous turn's (an edited, "
+                              "dropped or reordered message, or other tools) and gateway.on_nonlinear=error",
+                              param="messages", code="nonlinear_history")
+        if self.on_nonlinear == "passthrough":
+            self.capture.tree_only(sid, set_it=True)
+            return None
+        return plain
+
+    def _healed_text(self, req: ChatRequest, n: int, end_text: str | None, full_text: str) -> str | None:
+        """linear.healed_text for a request whose first `n` messages are the previous turn's."""
+        r, tools, kwargs = self.renderer, req.tools, req.chat_template_kwargs
+        before = list(req.messages[: n - 1])
+        try:
+            prefix = r.render_text(req.messages[:n], tools, kwargs, generation_prompt=False)
+            close = closer(lambda body: r.render_text([*before, {"role": "assistant", "content": body}], tools, kwargs,
+                                                      generation_prompt=False))
+        except TemplateError:
+            return None
+        return healed_text(full_text, prefix, close, end_text, req.messages[n:])
+
+    def _render_tree(self, sid: str, req: ChatRequest, plain: _Rendered) -> _Rendered:
+        """Tree continuity (continuity.py): `plain`, or the recorded tokens plus the new text."""
+        r, ids, keys, context, text = self.renderer, plain.ids, plain.keys, plain.context, plain.text
         memos = self.capture.memos(sid)
         if not memos or self.capture.extends_a_row(sid, ids):  # CLEAN already: no second render
-            return _Rendered(ids, keys, context, text)
+            return plain
         cont = find_continuation(
             memos, keys, context, text,
             lambda n: r.render_text(req.messages[:n], req.tools, req.chat_template_kwargs, generation_prompt=False),
             lambda answer: self._answer_key(req, answer),
         )
         if cont is None:
-            return _Rendered(ids, keys, context, text)
+            return plain
         self.counters.add("turns_continued")
         ids = self.capture.row_prefix(sid, cont.row_index, cont.row_len) + r.encoder.encode(cont.text)
         return _Rendered(ids, keys, context, text)
@@ -202,11 +259,14 @@ class TurnRunner:
 
     def _remember(self, sid: str, req: ChatRequest, rendered: _Rendered, text: str, result: GenerateResult,
                   stop_ids: tuple[int, ...], record: TurnRecord) -> None:
-        """Note the turn for continuity when it ended on an added stop token (see continuity.py)."""
-        if not self.continuity or result.finish_reason != "stop" or not result.output_ids:
+        """Note the turn for continuity when it ended on an added stop token (see continuity.py);
+        in linear mode every answer (linear.py closes a cut one whole)."""
+        if not rendered.keys or not result.output_ids or result.finish_reason not in ("stop", "length"):
             return
         end_text = self.renderer.encoder.added_text(result.output_ids[-1])
-        if end_text is None or result.output_ids[-1] not in stop_ids:
+        if result.finish_reason != "stop" or result.output_ids[-1] not in stop_ids:
+            end_text = None
+        if end_text is None and not self.linear:
             return
         memo = TurnMemo(
             messages=(*rendered.keys, self._answer_key(req, text)), context=rendered.context,
