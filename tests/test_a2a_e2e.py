@@ -42,6 +42,9 @@ def test_the_toolkit_a2a_coding_agent_trains_two_async_steps_under_a_rollout_slo
     assert [m["step"] for m in steps] == [1, 2] and all(m["perf/trained_tokens"] > 0 for m in steps)
     assert all(m["rollout/setup_s_p50"] >= 0.5 and m["rollout/rollout_slot_wait_s_mean"] >= 0.0
                and m["rollout/turns_mean"] >= 1 for m in steps), steps
+    # gateway.history_mode=linear: every model turn extends its rollout's row (Qwen3 thinking-off
+    # would start a new row on each one in tree mode), healed onto the served ids
+    assert steps[-1]["gateway/turns_fork"] == 0 and steps[-1]["gateway/turns_healed"] > 0, steps[-1]
     # rollout.concurrency=adaptive steers the rollout-slot cap (from min_groups x n = 2 up to 4)
     assert all(2 <= m["rollout/rollout_slot_limit"] <= 4 for m in steps), steps
     # slot-seconds over the step: busy in step 1; step 2 may train on groups that finished during step 1

@@ -88,7 +88,8 @@ class _StepStats:
     facts: list[SampleStaleness] = field(default_factory=list)
     masked: set[str] = field(default_factory=set)  # ledger keys trained with a zero loss mask
     wait_s: float = 0.0
-    samples: list[Sample] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)  # every sample the step collected (expired ones too)
+    trained: list[Sample] = field(default_factory=list)  # those its updates took
 
 
 async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosition | None = None) -> LoopReport:
@@ -126,6 +127,7 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
                                         inflight)
                 t0 = parts.clock()
                 update_metrics.append(await parts.trainer.update(tuple(groups)))
+                st.trained.extend(s for g in groups for s in g.samples)
                 t_update += parts.clock() - t0
                 close_trained(parts.ledger, groups, st.masked)
                 for _ in groups:
@@ -139,7 +141,7 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
                 lane.on_version(version.value, step)
             metrics = step_metrics(parts, samples=st.samples, updates=update_metrics, t_gen=st.wait_s,
                                    t_update=t_update, t_sync=t_sync, step_s=parts.clock() - t_step,
-                                   version=version.value)
+                                   version=version.value, trained=st.trained)
             metrics.update({"timing_s/wait_for_batch": st.wait_s,  # async: the wait for generation
                             **staleness_metrics(st.facts), "async/masked_stale": float(len(st.masked))})
             if lane is not None:

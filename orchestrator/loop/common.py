@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 from orchestrator.loop.batching import Group, GroupBatch, RolloutLedger, reward_stats
+from orchestrator.watch.alarms import HealthAlarms
 from workers.core.types import RolloutRequest, Sample
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,8 @@ class LoopParts:
     `concurrency`: the async producer's group limit (`rollout.concurrency=adaptive`:
     orchestrator/loop/concurrency.py ConcurrencyGate), or None for no limit beyond staleness;
     `first_rollouts`: the contract check on the run's first rollouts (orchestrator/loop/early_stop.py
-    FirstRollouts), or None (a resumed run: its first rollouts are behind it)."""
+    FirstRollouts), or None (a resumed run: its first rollouts are behind it); `alarms`: the health
+    alarms every logged step feeds (orchestrator/watch/alarms.py)."""
 
     prompts: PromptSource
     rollouts: Rollouts
@@ -91,6 +93,7 @@ class LoopParts:
     validator: Any = None
     concurrency: Any = None
     first_rollouts: Any = None
+    alarms: HealthAlarms = field(default_factory=HealthAlarms)
 
 
 @dataclass(frozen=True)
@@ -167,7 +170,8 @@ def mean_update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
 
 
 def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[str, float]], t_gen: float,
-                 t_update: float, t_sync: float, step_s: float, version: int) -> dict[str, float]:
+                 t_update: float, t_sync: float, step_s: float, version: int,
+                 trained: list[Sample] | None = None) -> dict[str, float]:
     """The metrics both loops log per step (times in seconds, throughput in trained tokens/s: the
     loss-mask tokens; `perf/total_num_tokens`, every token of the trained samples, prompts and
     environment tokens too, is verl's measure of throughput and the trainer's to report). With
@@ -175,7 +179,10 @@ def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[
     groups), `rollout/latency_s_p50` and `rollout/latency_s_max`: seconds from dispatch to result;
     with the A2A contract's spans, `rollout/setup_s_p50`, `_p90` and `rollout/rollout_slot_wait_s_mean`
     (seconds; the spans of workers/rollout/lifecycle.py); `rollout/turns_mean` (model turns per
-    rollout) and `rollout/response_tokens_mean` (generated tokens per rollout)."""
+    rollout) and `rollout/response_tokens_mean` (generated tokens per rollout), and with `trained`
+    (the samples the step's updates took) `rollout/trained_turns_mean` and
+    `rollout/trained_response_tokens_mean`: the length-bias alarm compares the two
+    (orchestrator/watch/alarms.py)."""
     trained_tokens = sum(m.get("actor/num_tokens", 0.0) for m in updates)
     m: dict[str, float] = {
         **reward_stats(samples),
@@ -199,6 +206,9 @@ def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[
         m["rollout/latency_s_max"] = latencies[-1]
         m["rollout/turns_mean"] = sum(s.num_turns for s in samples) / len(samples)
         m["rollout/response_tokens_mean"] = sum(s.num_generated_tokens for s in samples) / len(samples)
+    if trained:
+        m["rollout/trained_turns_mean"] = sum(s.num_turns for s in trained) / len(trained)
+        m["rollout/trained_response_tokens_mean"] = sum(s.num_generated_tokens for s in trained) / len(trained)
     setups = sorted(s.setup_s for s in samples if s.setup_s is not None)
     if setups:
         m["rollout/setup_s_p50"] = setups[len(setups) // 2]
@@ -219,6 +229,7 @@ async def end_step(parts: LoopParts, step: int, metrics: dict[str, float],
     of the cursor, a resume would skip those prompts (seen in scripts/chaos.py, issue 14)."""
     if parts.probe is not None:
         metrics.update(await parts.probe())
+    metrics.update(parts.alarms.observe(step, metrics))
     parts.logger.log(step, metrics)
     if parts.checkpoint is not None:
         await parts.checkpoint(position())

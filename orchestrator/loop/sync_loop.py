@@ -74,7 +74,8 @@ async def run_sync(parts: LoopParts, cfg: SyncLoopSettings, *, start: LoopPositi
         trained_groups += cfg.batch_size  # every group of the step is consumed (trained, filtered or failed)
 
         metrics = step_metrics(parts, samples=samples, updates=updates, t_gen=t_gen, t_update=t_update,
-                               t_sync=t_sync, step_s=parts.clock() - t_step, version=version)
+                               t_sync=t_sync, step_s=parts.clock() - t_step, version=version,
+                               trained=[s for g in batch.trainable for s in g.samples])
         metrics.update({"rollout/step_completed": float(sum(len(g.samples) for g in batch.trainable)),
                         "rollout/step_failed": float(len(batch.failed)),
                         "rollout/step_filtered": float(len(batch.filtered))})

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from orchestrator.watch.alarms import ALARMS
 from orchestrator.watch.report_data import OUTCOMES, RunData, headline, load_run
 
 PLOT_DPI = 90  # small files (docs/img) that stay legible in a browser
@@ -303,6 +304,8 @@ def write_html(runs: list[RunData], plots: list[Plot], out: Path, warmup_steps: 
              "</head><body>", f"<h1>Run report: {html.escape(', '.join(r.name for r in runs))}</h1>",
              f"<h2>Headline figures</h2><p>per run; rates over the steps after the first {warmup_steps}"
              "</p>", _table(rows)]
+    parts += ["<h2>Health alarms</h2><p>steps on which each alarm held (orchestrator/watch/alarms.py)</p>",
+              _table([{"run": r.name, **alarm_steps(r)} for r in runs])]
     for p in plots:
         parts.append(f"<h2>{html.escape(p.title)}</h2><img src='{html.escape(p.file)}' alt='{html.escape(p.title)}'>")
     for r in runs:
@@ -319,6 +322,16 @@ def write_html(runs: list[RunData], plots: list[Plot], out: Path, warmup_steps: 
     path = out / "report.html"
     path.write_text("\n".join(parts), encoding="utf-8")
     return path
+
+
+def alarm_steps(run: RunData) -> dict[str, str]:
+    """Per alarm, the steps of `run` on which it held ("none"; "-" for a run that logged none)."""
+    out = {}
+    for key in ALARMS:
+        logged = [r for r in run.steps if key in r]
+        held = [str(int(r["step"])) for r in logged if r[key] == 1.0]
+        out[key.split("/", 1)[1]] = ", ".join(held) if held else "none" if logged else "-"
+    return out
 
 
 def distinct_labels(run_dirs: list[Path]) -> list[str]:

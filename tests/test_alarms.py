@@ -1,0 +1,82 @@
+"""The health alarms (orchestrator/watch/alarms.py) on fed step metrics, and their report table.
+
+Each alarm fires on the signal it watches (a malformed tool-call rate climbing, a masked fraction
+climbing, trained rollouts shorter than the ones that finished), warns once when it starts and
+once when it clears, and stays at 0 on flat, healthy series.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from orchestrator.watch.alarms import ALARMS, AlarmSettings, HealthAlarms
+from orchestrator.watch.report import alarm_steps
+from orchestrator.watch.report_data import RunData
+
+
+def healthy(step: int) -> dict[str, float]:
+    """A step whose 100 turns had 1 malformed call, masked 0.5 %, trained = finished lengths."""
+    return {"gateway/turns_served": 100.0 * step, "gateway/turns_ill_formed": 1.0 * step,
+            "rollout_corr/rollout_rs_masked_fraction": 0.005,
+            "rollout/response_tokens_mean": 300.0, "rollout/trained_response_tokens_mean": 300.0,
+            "rollout/turns_mean": 6.0, "rollout/trained_turns_mean": 6.0}
+
+
+def run(alarms: HealthAlarms, series: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [alarms.observe(i + 1, m) for i, m in enumerate(series)]
+
+
+def test_healthy_run_raises_no_alarm(caplog):
+    with caplog.at_level(logging.WARNING, logger="orchestrator.watch.alarms"):
+        out = run(HealthAlarms(), [healthy(s) for s in range(1, 41)])
+    assert all(set(o) == set(ALARMS) and not any(o.values()) for o in out)
+    assert not caplog.records
+
+
+def test_a_rising_malformed_rate_fires_then_clears(caplog):
+    series, ill = [], 0.0
+    for step in range(1, 31):
+        rate = 0.01 if step <= 10 else 0.12 if step <= 20 else 0.0  # 1 % -> 12 % -> 0 %
+        ill += 100 * rate
+        series.append({**healthy(step), "gateway/turns_ill_formed": ill})
+    with caplog.at_level(logging.WARNING, logger="orchestrator.watch.alarms"):
+        out = run(HealthAlarms(AlarmSettings(window=5)), series)
+    held = [i + 1 for i, o in enumerate(out) if o["alarm/malformed_tool_calls"] == 1.0]
+    # fires once the last-5 mean reaches 5 % (and 2x the run's lowest window, 1 %): step 12's window
+    # is 1,1,1,12,12 % (5.4 %); it clears when the 0 % steps bring it under 5 % (step 23: 12,12,0,0,0)
+    assert held == list(range(12, 23)), held
+    assert not any(o["alarm/masked_fraction"] or o["alarm/length_bias"] for o in out)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and "step 12: alarm/malformed_tool_calls" in messages[0] and "cleared" in messages[1]
+
+
+def test_a_high_but_flat_rate_is_not_a_rise():
+    flat = [{**healthy(s), "gateway/turns_ill_formed": 20.0 * s} for s in range(1, 31)]  # 20 % from the start
+    assert not any(o["alarm/malformed_tool_calls"] for o in run(HealthAlarms(), flat))
+
+
+def test_a_rising_masked_fraction_fires():
+    series = [{**healthy(s), "rollout_corr/rollout_rs_masked_fraction": 0.005 if s <= 8 else 0.03}
+              for s in range(1, 21)]
+    out = run(HealthAlarms(AlarmSettings(window=4)), series)
+    assert [o["alarm/masked_fraction"] for o in out][-1] == 1.0
+    assert not any(o["alarm/masked_fraction"] for o in out[:9])
+
+
+@pytest.mark.parametrize("short", ["rollout/trained_response_tokens_mean", "rollout/trained_turns_mean"])
+def test_trained_rollouts_shorter_than_finished_ones_fire_the_length_bias(short):
+    biased = [{**healthy(s), short: healthy(s)[short] * 0.6} for s in range(1, 11)]  # 40 % short
+    out = run(HealthAlarms(AlarmSettings(window=3)), biased)
+    assert [o["alarm/length_bias"] for o in out] == [0.0, 0.0] + [1.0] * 8
+    mild = [{**healthy(s), short: healthy(s)[short] * 0.9} for s in range(1, 11)]  # within 20 %
+    assert not any(o["alarm/length_bias"] for o in run(HealthAlarms(AlarmSettings(window=3)), mild))
+
+
+def test_the_report_lists_the_steps_each_alarm_held(tmp_path):
+    steps = [{"step": 1, **dict.fromkeys(ALARMS, 0.0)}, {"step": 2, **dict.fromkeys(ALARMS, 0.0),
+                                                            "alarm/length_bias": 1.0}]
+    table = alarm_steps(RunData(name="r", path=tmp_path, steps=steps))
+    assert table == {"malformed_tool_calls": "none", "masked_fraction": "none", "length_bias": "2"}
+    assert set(alarm_steps(RunData(name="old", path=tmp_path, steps=[{"step": 1}])).values()) == {"-"}
