@@ -5,9 +5,9 @@ Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) the HEAVY_MODULES (eac
 Ray, vLLM engines, the ACR stack, the trainer) run one test at a time, on one worker, from the start;
 every other module stays whole on one worker (its module fixtures start once) beside them. Two heavy
 tests at once would double a 2-core machine's load, and the time bounds of the Ctrl-C test with it.
-The LATE_HEAVY_MODULES (e2e runs with no time bound) are one unit queued last: the worker that
-finishes the other modules first takes them, beside the tail of the heavy unit (the Ctrl-C tests
-are long done by then), so neither worker idles for minutes at the end of the suite.
+The LATE_HEAVY_MODULES (e2e runs with no time bound) are queued last, one unit each: whichever
+worker is free takes the next, beside the tail of the heavy unit or another late one (the Ctrl-C
+tests are long done by then), so neither worker idles for minutes at the end of the suite.
 
 The stand-ins behind them, and plain builders (samples, rows, config), are in tests/stand_ins.py,
 which test modules import by name: pyproject.toml puts tests/ on pytest's `pythonpath` (tests/ is
@@ -48,16 +48,17 @@ def module_kind(module: str) -> str:
 
 
 def _xdist_group(nodeid: str) -> str:
-    """The work unit of a test under `--dist loadgroup`: "heavy-late" for the LATE_HEAVY_MODULES,
-    "heavy" for the other HEAVY_MODULES, else its module."""
+    """The work unit of a test under `--dist loadgroup`: "heavy-late:<module>" for each of the
+    LATE_HEAVY_MODULES, "heavy" for the other HEAVY_MODULES, else its module."""
     module = nodeid.split("::", 1)[0]
     name = Path(module).name
-    return "heavy-late" if name in LATE_HEAVY_MODULES else "heavy" if name in HEAVY_MODULES else module
+    return f"heavy-late:{name}" if name in LATE_HEAVY_MODULES else "heavy" if name in HEAVY_MODULES else module
 
 
 def _unit_order(nodeid: str) -> int:
     """Where a test's unit is queued: the heavy unit first, the late heavy unit last."""
-    return {"heavy": 0, "heavy-late": 2}.get(_xdist_group(nodeid), 1)
+    unit = _xdist_group(nodeid)
+    return 0 if unit == "heavy" else 2 if unit.startswith("heavy-late:") else 1
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)  # before xdist's own

@@ -168,13 +168,14 @@ def test_tiny_renderer_renders_a_chat(tiny_renderer):
 def test_the_heavy_xdist_group_names_existing_modules_and_keeps_the_others_whole():
     """conftest.py's xdist units: every HEAVY_MODULES name is a test file (a renamed e2e module
     would leave the group silently and run beside another), they share one unit (the late ones
-    another, queued last), any other test stays with its module."""
+    one unit each, queued last), any other test stays with its module."""
     conftest = load_module(REPO / "tests" / "conftest.py", "conftest_under_test")
     assert all((REPO / "tests" / name).is_file() for name in conftest.HEAVY_MODULES)
     assert conftest.LATE_HEAVY_MODULES < conftest.HEAVY_MODULES
     early = conftest.HEAVY_MODULES - conftest.LATE_HEAVY_MODULES
     assert {conftest._xdist_group(f"tests/{name}::test_x[a@b]") for name in early} == {"heavy"}
-    assert {conftest._xdist_group(f"tests/{name}::t") for name in conftest.LATE_HEAVY_MODULES} == {"heavy-late"}
+    late = {conftest._xdist_group(f"tests/{name}::t") for name in conftest.LATE_HEAVY_MODULES}
+    assert late == {f"heavy-late:{name}" for name in conftest.LATE_HEAVY_MODULES}  # one unit each
     assert "test_e2e.py" in early  # the Ctrl-C tests' time bounds: never beside another heavy test
     order = [conftest._unit_order(f"tests/{m}::t") for m in ("test_e2e.py", "test_config.py", "test_eval_e2e.py")]
     assert order == sorted(order) and len(set(order)) == 3
