@@ -192,6 +192,35 @@ class _Recorder:
         pass
 
 
+def _concurrency(w: Workload, sc: Scenario, lay, loop: VirtualLoop, replicas: list, agents: SimAgents):
+    """(dispatch gate, rollout-slot steering) of `sc`, as the product builds them: with
+    `policy=adaptive` a ConcurrencyGate on the replicas' loads, or, with rollout slots, the same
+    policy steering the rollout-slot cap instead of dispatch; (None, None) for fixed concurrency."""
+    if sc.policy != "adaptive":
+        return None, None
+    gate = ConcurrencyGate(AdaptiveConcurrency(kv_target=sc.kv_target, min_groups=lay.groups_per_update),
+                           lambda: engine_loads(replicas), clock=loop.time)
+    if sc.rollout_slots is None:
+        return gate, None
+    steering = RolloutSlotSteering(gate.policy, gate.loads, loop.time, stats=agents.rollout_slot_stats,
+                                   set_capacity=agents.resize_rollout_slots, n=int(w.batch["n"]),
+                                   max_slots=sc.rollout_slots)
+    return None, steering
+
+
+def _rows(w: Workload, seed: int) -> list[dict]:
+    """NUM_PROMPTS prompt rows, each with its success probability (Beta(reward_beta)) and, with
+    `constant_reward_fraction`, whether every rollout of it scores the same."""
+    rng = random.Random(seed + 1)
+    a_, b_ = w.agent.reward_beta
+    rows = [{"input_id": f"p{i}", "p_success": rng.betavariate(a_, b_)} for i in range(NUM_PROMPTS)]
+    if w.agent.constant_reward_fraction is not None:
+        crng = random.Random(seed + 2)
+        for row in rows:
+            row["constant"] = crng.random() < w.agent.constant_reward_fraction
+    return rows
+
+
 def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_steps: int = 1,
              out_dir: Path | None = None) -> dict:
     """Simulate `sc` on workload `w` for `hours`; returns the figures (see `_figures`). With
@@ -215,28 +244,14 @@ def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_s
                          fixed_s=float(w.trainer["fixed_s"]), masked_base=float(alg.get("masked_fraction_base", 0.0)),
                          masked_per_staleness=float(alg.get("masked_fraction_per_staleness", 0.0)), cpu=cpu)
     push = SimWeightSync(replicas, trainer, transfer_s=ws["model_bytes"] / ws["bandwidth_bytes_per_s"], reload_s=ws["reload_s"])
-    gate = steering = None
-    if sc.policy == "adaptive":
-        gate = ConcurrencyGate(AdaptiveConcurrency(kv_target=sc.kv_target, min_groups=lay.groups_per_update),
-                               lambda: engine_loads(replicas), clock=loop.time)
-        if sc.rollout_slots is not None:  # as the product: the window steers the rollout-slot cap, not dispatch
-            steering = RolloutSlotSteering(gate.policy, gate.loads, loop.time, stats=agents.rollout_slot_stats,
-                                           set_capacity=agents.resize_rollout_slots, n=int(w.batch["n"]),
-                                           max_slots=sc.rollout_slots)
-            gate = None
-    rng = random.Random(seed + 1)
-    a_, b_ = w.agent.reward_beta
-    rows = [{"input_id": f"p{i}", "p_success": rng.betavariate(a_, b_)} for i in range(NUM_PROMPTS)]
-    if w.agent.constant_reward_fraction is not None:
-        crng = random.Random(seed + 2)
-        for row in rows:
-            row["constant"] = crng.random() < w.agent.constant_reward_fraction
+    gate, steering = _concurrency(w, sc, lay, loop, replicas, agents)
+    rows = _rows(w, seed)
     recorder = _Recorder(loop, hours * 3600.0, replicas, trainer, warmup_steps, agents)
-    sinks = [recorder] + ([JsonlSink(out_dir / "metrics.jsonl")] if out_dir else [])
+    sinks: list = [recorder]
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)
-        sinks = [recorder, JsonlSink(out_dir / "metrics.jsonl")]
+        sinks.append(JsonlSink(out_dir / "metrics.jsonl"))
     logger = MetricLogger(sinks)
     loop_trainer = (SleepingTrainer(trainer, [SimReplicaHandle(r, ws["sleep_s"], ws["wake_s"]) for r in replicas],
                                     clock=loop.time) if sc.colocated and sc.sleeps else trainer)
