@@ -308,7 +308,9 @@ async def test_linear_history_on_an_edited_history_does_what_on_nonlinear_says(o
     assert m.turns_nonlinear == 1 and m.turns_healed == (2 if on_nonlinear == "reset" else 1)
     if on_nonlinear == "error":
         assert kinds == [TurnKind.FIRST, TurnKind.CLEAN, "nonlinear_history"] and len(engine.requests) == 2
+        assert cap.nonlinear  # the rollout fails `nonlinear_history` whatever the agent does with the 400
         return
+    assert not cap.nonlinear
     fourth = TurnKind.CLEAN if on_nonlinear == "reset" else TurnKind.FORK
     assert kinds == [TurnKind.FIRST, TurnKind.CLEAN, TurnKind.FORK, fourth]
     assert len(cap.rows) == (2 if on_nonlinear == "reset" else 3)

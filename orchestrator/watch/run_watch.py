@@ -92,6 +92,8 @@ FAILURE_HINTS = {  # rollout/failed/{reason} (workers/rollout/failures.py) -> wh
     "s3_unavailable": "the result bucket could not be reached (rollout.acr.s3_bucket)",
     "transport": "the connection to the agent dropped",
     "engine_lost": "no inference replica answered the agent's model calls",
+    "nonlinear_history": "the agents edited their message history under gateway.history_mode=linear with "
+                         "gateway.on_nonlinear=error: use reset or passthrough for agents that compact or edit",
     "actor_lost": "the rollout actors died (RUN_DIR/logs/)",
     "setup_timeout": "the agents' setup (rollout.contract=a2a) ran past rollout.setup_timeout_s: raise it, or make "
                      "the container start faster",

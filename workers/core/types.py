@@ -149,6 +149,8 @@ class SessionCapture:
     engine_lost: a turn of this session failed because no inference replica could serve it (the
     agent got a 503 and may have gone on with a wrong answer): the rollout must fail
     (`engine_lost`), whatever reward the agent reports.
+    nonlinear: with `gateway.history_mode=linear` and `on_nonlinear=error`, a request of this
+    session edited its history and got a 400: the rollout fails (`nonlinear_history`).
     """
 
     session_id: str
@@ -156,6 +158,7 @@ class SessionCapture:
     num_turns: int
     num_ill_formed_turns: int = 0
     engine_lost: bool = False
+    nonlinear: bool = False
 
 
 @dataclass(frozen=True)

@@ -178,7 +178,7 @@ class _Row:
 
 
 class _SessionState:
-    __slots__ = ("view", "digest", "rows", "turns", "started", "memos", "engine_lost", "tree_only")
+    __slots__ = ("view", "digest", "rows", "turns", "started", "memos", "engine_lost", "tree_only", "nonlinear")
 
     def __init__(self, view: Session, digest: bytes) -> None:
         self.view = view
@@ -189,6 +189,7 @@ class _SessionState:
         self.memos: list = []  # the turn runner's notes on this session (continuity.TurnMemo)
         self.engine_lost = False  # a turn found no replica to serve it (mark_engine_lost)
         self.tree_only = False  # linear history gave up on this session (gateway.on_nonlinear=passthrough)
+        self.nonlinear = False  # a request was refused as non-linear (gateway.on_nonlinear=error)
 
 
 def _digest(token: str) -> bytes:
@@ -282,6 +283,13 @@ class CaptureStore:
         if state is not None:
             state.engine_lost = True
 
+    def mark_nonlinear(self, session_id: str) -> None:
+        """Record that a request of this session was refused as non-linear (on_nonlinear=error):
+        its capture says `nonlinear`. No-op for a session that is not open."""
+        state = self._sessions.get(session_id)
+        if state is not None:
+            state.nonlinear = True
+
     def close(self, session_id: str) -> SessionCapture:
         """Close the session, revoke its token and return its rows (creation order).
 
@@ -300,6 +308,7 @@ class CaptureStore:
             num_turns=len(state.turns),
             num_ill_formed_turns=sum(t.ill_formed for t in state.turns),
             engine_lost=state.engine_lost,
+            nonlinear=state.nonlinear,
         )
 
     # -- recording -------------------------------------------------------------------------

@@ -213,6 +213,7 @@ class TurnRunner:
                 return dataclasses.replace(plain, ids=prefix + self.renderer.encoder.encode(text))
         self.counters.add("turns_nonlinear")
         if self.on_nonlinear == "error":
+            self.capture.mark_nonlinear(sid)  # its rollout fails, whatever the agent does with the 400
             raise bad_request("gateway.history_mode=linear: the messages do not extend the previous turn's (an edited, "
                               "dropped or reordered message, or other tools) and gateway.on_nonlinear=error",
                               param="messages", code="nonlinear_history")

@@ -5,6 +5,7 @@ Reasons (`rollout/failed/{reason}` counters, `RolloutOutcome.reason`): `timeout`
 (`setup_timeout`: past `rollout.setup_timeout_s`; `setup_failed`: the agent ended the task in
 setup; workers/rollout/lifecycle.py), and the faults of our own parts and servers:
 `engine_lost` (a turn found no inference replica: the gateway marked the session),
+`nonlinear_history` (gateway.on_nonlinear=error refused a request that edited the history),
 `actor_lost` (the rollout actor died: workers/rollout/recovery.py), `acr_unavailable` /
 `s3_unavailable` (the ACR endpoint or the result store refused or dropped the connection after
 botocore's retries, e.g. the local emulator or moto restarting: later rollouts succeed once it is
@@ -23,7 +24,8 @@ from workers.acr.client import AgentBodyError
 from workers.rollout.contract import AgentFailed, BadResult
 
 FailReason = Literal["timeout", "bad_result", "agent_error", "throttled", "acr_error", "transport", "engine_lost",
-                     "actor_lost", "acr_unavailable", "s3_unavailable", "setup_timeout", "setup_failed"]
+                     "actor_lost", "acr_unavailable", "s3_unavailable", "setup_timeout", "setup_failed",
+                     "nonlinear_history"]
 UNREACHABLE = (BotoConnectionError, HTTPClientError)  # the endpoint is down or restarting (botocore's retries spent)
 STOP_RETRY_EVERY_S = 2.0  # a StopRuntimeSession that failed is tried again this often (seconds) ...
 STOP_RETRY_FOR_S = 300.0  # ... for this long: the emulator / ACR may come back; then its slot is freed

@@ -340,6 +340,9 @@ class RolloutWorker:
             if capture.engine_lost:  # a turn got a 503: whatever the agent did next, the root cause is the engine
                 v = _Verdict(None, "engine_lost", "engine_lost: an inference replica died under a turn of this "
                              "session and no other could serve it", v.result_s)
+            elif capture.nonlinear:  # gateway.on_nonlinear=error refused a turn: the row is not the agent's history
+                v = _Verdict(None, "nonlinear_history", "nonlinear_history: the agent edited its message history "
+                             "(gateway.history_mode=linear, on_nonlinear=error)", v.result_s)
             if v.reason is None:
                 self._streak.on_good()
             elif v.reason == "bad_result":
