@@ -125,6 +125,47 @@ def test_update_is_independent_of_micro_batch_size(random_qwen2_dir, make_traine
         torch.testing.assert_close(sd1[name], sd5[name], atol=1e-6, rtol=0)
 
 
+def test_only_trained_columns_reach_the_vocabulary_and_the_step_is_unchanged(random_qwen2_dir, make_trainer,
+                                                                               monkeypatch):
+    """The update projects onto the vocabulary only the hidden states that predict a trained token
+    (helpers.trained_columns, HF `logits_to_keep`): lm_head sees fewer columns than the rows have,
+    trained-only scoring equals full scoring on every trained token (0 where no row trains), and the step
+    equals the one taken with the logits of every column."""
+    import workers.trainer.worker as worker_module
+    from workers.trainer.helpers import trained_columns
+
+    batch = ragged_batch()
+    trainer = make_trainer(random_qwen2_dir, micro_batch_size=5)
+    widths: list[int] = []
+    hook = trainer.model.lm_head.register_forward_hook(lambda _m, _i, out: widths.append(out.shape[1]))
+    full = trainer.compute_logprobs(batch)
+    trained = trainer.engine.compute_logprobs(batch, trained_only=True)
+    hook.remove()
+    mask = batch.loss_mask.bool()
+    assert widths == [batch.trimmed().seq_len, len(trained_columns(batch.trimmed().loss_mask))]
+    assert widths[1] < widths[0]  # the shortest prompt's columns are not projected
+    torch.testing.assert_close(trained[mask], full[mask], atol=1e-6, rtol=0)
+    scored = torch.zeros_like(mask)
+    scored[:, trained_columns(batch.loss_mask) + 1] = True  # a column trained in any row is scored in all
+    assert bool((trained[~scored] == 0).all()) and bool((~scored).any())
+
+    stale = with_rollout_logprobs(batch, full - 0.3)
+    results = []
+    for keep_all in (False, True):
+        if keep_all:  # every column projected: the update as it was before trained_columns
+            monkeypatch.setattr(worker_module, "trained_columns",
+                                lambda m: torch.arange(m.shape[1] - 1, device=m.device))
+        t = make_trainer(random_qwen2_dir, micro_batch_size=2)
+        results.append((t.update(stale), t.full_state_dict()))
+        t.close()
+    (m_kept, sd_kept), (m_all, sd_all) = results
+    assert m_kept["actor/pg_loss"] == pytest.approx(m_all["actor/pg_loss"], abs=1e-6)
+    assert m_kept["actor/grad_norm"] == pytest.approx(m_all["actor/grad_norm"], rel=1e-5)
+    assert m_kept["actor/entropy"] == pytest.approx(m_all["actor/entropy"], rel=1e-5)
+    for name in sd_kept:
+        torch.testing.assert_close(sd_kept[name], sd_all[name], atol=1e-6, rtol=0)
+
+
 def test_tis_caps_weights_when_rollout_policy_is_far(random_qwen2_dir, make_trainer):
     batch = ragged_batch()
     trainer = make_trainer(random_qwen2_dir)

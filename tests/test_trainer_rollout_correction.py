@@ -77,9 +77,12 @@ def count_forwards(trainer: TrainerWorker) -> list[int]:
 
 
 def assert_same_weights(a: TrainerWorker, b: TrainerWorker) -> None:
+    """Equal up to float32 reduction order: the two batches project different column sets onto the
+    vocabulary (trained_columns), and Adam's first step (g / sqrt(v)) turns an ulp of a near-zero
+    gradient into ~1e-6 of a weight; a sample that leaked into the step moves weights by ~lr = 1e-3."""
     sa, sb = a.full_state_dict(), b.full_state_dict()
     for name in sa:
-        torch.testing.assert_close(sa[name], sb[name], atol=1e-6, rtol=0)
+        torch.testing.assert_close(sa[name], sb[name], atol=1e-5, rtol=0)
 
 
 SEQ_RULE = RejectionRule("seq_mean_k3", upper=0.1)  # offset 1.0: k3 = e - 2 = 0.72 > 0.1 rejected; 0: kept

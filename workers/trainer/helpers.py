@@ -45,33 +45,52 @@ def sampling_logits(logits: torch.Tensor, targets: torch.Tensor, *, temperature:
     return out.masked_fill(drop, float("-inf"))
 
 
+def trained_columns(loss_mask: torch.Tensor) -> torch.Tensor:
+    """The logits columns a loss over `loss_mask` [B, T] reads: [K] long, ascending, the columns j
+    (logits[:, j] predicts token j + 1) whose next token is trained in at least one row.
+
+    The trainer projects only these hidden states onto the vocabulary (HF `logits_to_keep`): prompt and
+    tool-output tokens, most of an agent row, need no [V]-wide logits (151,669 floats per token on
+    Qwen3), which is most of the memory and time of a forward on long rows."""
+    return loss_mask[:, 1:].any(dim=0).nonzero().squeeze(-1)
+
+
 def token_logprobs(
     logits: torch.Tensor, input_ids: torch.Tensor, *, with_entropy: bool = True,
-    temperature: float = 1.0, top_p: float = 1.0,
+    temperature: float = 1.0, top_p: float = 1.0, columns: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-prob and entropy in TrainBatch alignment, of the sampling distribution.
 
     Args:
-        logits: [B, T, V] next-token logits (logits[:, t] predicts token t + 1).
+        logits: [B, T, V] next-token logits (logits[:, t] predicts token t + 1); with `columns`,
+            [B, K, V]: the logits of those columns only (what HF returns for `logits_to_keep=columns`).
         input_ids: [B, T].
         temperature / top_p: the rollout's sampling settings (sampling_logits): log-probs are of
             the distribution the engine sampled from, so that on-policy π_θ equals π_rollout.
+        columns: [K] long, the columns `logits` holds (`trained_columns`); None: all of them.
 
     Returns:
-        (logprobs, entropy), both [B, T] float32; column 0 is 0 in both. entropy[b, t] is the entropy
-        of the distribution token t was drawn from; it is detached, and None unless with_entropy.
+        (logprobs, entropy), both [B, T] float32; column 0 is 0 in both, and so is every token whose
+        predicting column is not in `columns`. entropy[b, t] is the entropy of the distribution
+        token t was drawn from; it is detached, and None unless with_entropy.
     """
-    targets = input_ids[:, 1:]
-    logits = sampling_logits(logits[:, :-1].float(), targets, temperature=temperature, top_p=top_p)
+    if columns is None:
+        columns = torch.arange(input_ids.shape[1] - 1, device=input_ids.device)
+        logits = logits[:, :-1]
+    targets = input_ids[:, columns + 1]
+    logits = sampling_logits(logits.float(), targets, temperature=temperature, top_p=top_p)
     lse = torch.logsumexp(logits, dim=-1)
     lp = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    zero = torch.zeros_like(lp[:, :1])
+
+    def placed(values: torch.Tensor) -> torch.Tensor:  # [B, K] -> [B, T] at the tokens the columns predict
+        return values.new_zeros(input_ids.shape).index_copy(1, columns + 1, values)
+
     if not with_entropy:
-        return torch.cat([zero, lp], dim=1), None
+        return placed(lp), None
     with torch.no_grad():
         p = torch.softmax(logits, dim=-1)
         ent = lse - (p * logits.masked_fill(p == 0, 0.0)).sum(dim=-1)
-    return torch.cat([zero, lp], dim=1), torch.cat([zero, ent.detach()], dim=1)
+    return placed(lp), placed(ent.detach())
 
 
 def _tied_parameter_names(model: torch.nn.Module) -> set[str]:

@@ -112,8 +112,9 @@ class TrainerEngine(Protocol):
     """The model-specific part of a trainer rank (HF FSDP2: workers/trainer/worker.py; verl:
     workers/trainer/verl_worker.py). Methods marked collective run on every rank together."""
 
-    def compute_logprobs(self, batch: "TrainBatch") -> "torch.Tensor":
-        """log π [B, T] float32 on CPU, no grad (collective)."""
+    def compute_logprobs(self, batch: "TrainBatch", *, trained_only: bool = False) -> "torch.Tensor":
+        """log π [B, T] float32 on CPU, no grad (collective). trained_only: only the tokens of
+        `batch.loss_mask` need be scored (the others may be 0); an engine may score all of them."""
         ...
 
     def train_step(self, train: "TrainBatch", inputs: StepInputs) -> StepOutcome:

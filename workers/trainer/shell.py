@@ -146,7 +146,8 @@ class TrainerShell:
             ValueError: the batch has no trained token, (world_size > 1) ranks hold different
                 numbers of micro-batches, or a rejected reward token in a batch without SampleTable.
         """
-        plan = plan_update(batch, self._rc_cfg, self.compute_logprobs)
+        plan = plan_update(batch, self._rc_cfg,  # π_old is read only where the loss is: trained tokens
+                           lambda b: self.engine.compute_logprobs(b, trained_only=True))
         loss_mask = plan.train.loss_mask
         num_tokens = self._global_sum(float(loss_mask.sum().item()))
         num_seqs = self._global_sum(float((loss_mask.sum(dim=-1) > 0).sum().item()))

@@ -146,8 +146,9 @@ class VerlEngine:
         return max(budget, longest)
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """verl `infer_batch`, no grad, realigned to TrainBatch; [B, T] float32 on CPU."""
+    def compute_logprobs(self, batch: TrainBatch, *, trained_only: bool = False) -> torch.Tensor:
+        """verl `infer_batch`, no grad, realigned to TrainBatch; [B, T] float32 on CPU. verl's engine
+        scores every token, so `trained_only` changes nothing here."""
         td = to_verl_batch(batch, micro_batch_tokens=self._micro_batch_tokens(batch), calculate_entropy=False,
                            use_remove_padding=self.verl_cfg.use_remove_padding,
                            temperature=self.cfg.sampling_temperature)

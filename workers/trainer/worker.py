@@ -54,7 +54,7 @@ from torch.distributed.fsdp import fully_shard
 
 from workers.core.algorithms.batch import TrainBatch
 from workers.core.algorithms.losses import ppo_clip_loss
-from workers.trainer.helpers import _tied_parameter_names, token_logprobs
+from workers.trainer.helpers import _tied_parameter_names, token_logprobs, trained_columns
 from workers.trainer.protocol import StepInputs, StepOutcome
 from workers.trainer.scale import (
     checkpoint_layers,
@@ -101,12 +101,17 @@ class FsdpEngine:
 
     # --- forward passes -------------------------------------------------------------------
 
-    def _forward(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logprobs, entropy or None) [b, T] for one micro-batch; all-padding tail columns are skipped."""
+    def _forward(self, mb: TrainBatch, *, with_entropy: bool,
+                 trained_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logprobs, entropy or None) [b, T] for one micro-batch; all-padding tail columns are skipped.
+        trained_only: project onto the vocabulary only the columns whose next token is trained
+        (helpers.trained_columns); every other token's log-prob is 0."""
         t = mb.trimmed()
         ids = t.input_ids.to(self.device)
-        out = self.model(input_ids=ids, attention_mask=t.attention_mask.to(self.device), use_cache=False)
-        lp, ent = token_logprobs(out.logits, ids, with_entropy=with_entropy,
+        columns = trained_columns(t.loss_mask).to(self.device) if trained_only else None
+        out = self.model(input_ids=ids, attention_mask=t.attention_mask.to(self.device), use_cache=False,
+                         logits_to_keep=0 if columns is None else columns)
+        lp, ent = token_logprobs(out.logits, ids, with_entropy=with_entropy, columns=columns,
                                  temperature=self.cfg.sampling_temperature, top_p=self.cfg.sampling_top_p)
         valid = t.attention_mask.to(self.device, lp.dtype)
         pad = (0, mb.seq_len - t.seq_len)
@@ -114,10 +119,11 @@ class FsdpEngine:
         return lp, None if ent is None else torch.nn.functional.pad(ent * valid, pad)
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+    def compute_logprobs(self, batch: TrainBatch, *, trained_only: bool = False) -> torch.Tensor:
         out = torch.zeros(batch.batch_size, batch.seq_len, dtype=torch.float32)
         for idx in self.micro_batches(batch):
-            out[idx] = self._forward(take_rows(batch, idx), with_entropy=False)[0].float().cpu()
+            out[idx] = self._forward(take_rows(batch, idx), with_entropy=False,
+                                     trained_only=trained_only)[0].float().cpu()
         return out
 
     # --- training -------------------------------------------------------------------------
@@ -159,7 +165,7 @@ class FsdpEngine:
         for idx in self.micro_batches(train):
             mb = take_rows(train, idx)
             mask = train.loss_mask[idx].to(self.device)
-            lp, ent = self._forward(mb, with_entropy=self.cfg.compute_entropy)
+            lp, ent = self._forward(mb, with_entropy=self.cfg.compute_entropy, trained_only=True)
             if current is not None:
                 current[idx] = lp.detach().float().cpu()
             out = ppo_clip_loss(
