@@ -286,19 +286,19 @@ def test_driver_killed_mid_checkpoint_resumes_with_every_prompt_trained_once(tmp
 
 @pytest.mark.timeout(900)
 def test_a_killed_trainer_rank_restarts_from_the_last_checkpoint_inside_the_run(tmp_path):
-    """Issue 29: `trainer.max_restarts=1`: the trainer rank, SIGKILLed once step 3 is logged, is
+    """Issue 29: `trainer.max_restarts=1`: the trainer rank, SIGKILLed once step 2 is logged, is
     replaced inside the same run (same driver, local stack and run_dir) from the last checkpoint;
-    the run finishes all 5 steps, each logged once, and trains each of its 10 prompts exactly once
+    the run finishes all 4 steps, each logged once, and trains each of its 8 prompts exactly once
     (consumed_prompts.jsonl: what an uninterrupted run consumes), with no ACR session left open."""
     from orchestrator.config.task import TaskConfig
     from orchestrator.tasks import TASKS
 
     run_dir = tmp_path / "run"
-    proc = _start_job(["mode=sync", "trainer.total_steps=5", "trainer.save_freq=1", "trainer.max_restarts=1",
-                       "rollout.batch_size=2", "rollout.n=4", "task.num_prompts=10", "logger=console",
+    proc = _start_job(["mode=sync", "trainer.total_steps=4", "trainer.save_freq=1", "trainer.max_restarts=1",
+                       "rollout.batch_size=2", "rollout.n=4", "task.num_prompts=8", "logger=console",
                        f"run_dir={run_dir}"])
     try:
-        seen = _read_until(proc, "[step 3/", 480)
+        seen = _read_until(proc, "[step 2/", 480)
         rank = json.loads((run_dir / "actors.json").read_text())["trainer-rank-0"]
         os.kill(rank, signal.SIGKILL)
         out, _ = proc.communicate(timeout=600)
@@ -311,14 +311,14 @@ def test_a_killed_trainer_rank_restarts_from_the_last_checkpoint_inside_the_run(
     assert "trainer rank 0 of 1 died" in out and "restarting the trainer group from" in out and "restart 1/1" in out
     assert json.loads((run_dir / "actors.json").read_text())["trainer-rank-0"] != rank  # a new rank trained on
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
     consumed = [json.loads(x) for x in (run_dir / "consumed_prompts.jsonl").read_text().splitlines()]
-    assert [c["step"] for c in consumed] == [1, 2, 3, 4, 5]
-    epoch = {r["input_id"] for r in TASKS["letters"].rows(TaskConfig(name="letters", num_prompts=10), "train")}
+    assert [c["step"] for c in consumed] == [1, 2, 3, 4]
+    epoch = {r["input_id"] for r in TASKS["letters"].rows(TaskConfig(name="letters", num_prompts=8), "train")}
     assert sorted(i for c in consumed for i in c["input_ids"]) == sorted(epoch)  # each prompt once
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 5 and summary["interrupted"] is False and summary["trainer/restarts"] == 1
+    assert summary["steps"] == 4 and summary["interrupted"] is False and summary["trainer/restarts"] == 1
     assert summary["acr/sessions_open_at_exit"] == 0
     # the counters go on from the checkpoint: the dead attempt's step after it is not counted twice
-    assert summary["rollout/dispatched"] == 5 * 2 * 4 == (summary["rollout/completed"] + summary["rollout/failed"]
+    assert summary["rollout/dispatched"] == 4 * 2 * 4 == (summary["rollout/completed"] + summary["rollout/failed"]
                                                           + summary["rollout/filtered"] + summary["rollout/expired"])
