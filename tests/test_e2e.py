@@ -286,7 +286,7 @@ def test_driver_killed_mid_checkpoint_resumes_with_every_prompt_trained_once(tmp
 
 @pytest.mark.timeout(900)
 def test_a_killed_trainer_rank_restarts_from_the_last_checkpoint_inside_the_run(tmp_path):
-    """Issue 29: `trainer.max_restarts=1`: the trainer rank, SIGKILLed once step 2 is logged, is
+    """Issue 29: `trainer.max_restarts=1`: the trainer rank, SIGKILLed once step 3 is logged, is
     replaced inside the same run (same driver, local stack and run_dir) from the last checkpoint;
     the run finishes all 4 steps, each logged once, and trains each of its 8 prompts exactly once
     (consumed_prompts.jsonl: what an uninterrupted run consumes), with no ACR session left open."""
@@ -298,7 +298,7 @@ def test_a_killed_trainer_rank_restarts_from_the_last_checkpoint_inside_the_run(
                        "rollout.batch_size=2", "rollout.n=4", "task.num_prompts=8", "logger=console",
                        f"run_dir={run_dir}"])
     try:
-        seen = _read_until(proc, "[step 2/", 480)
+        seen = _read_until(proc, "[step 3/", 480)
         rank = json.loads((run_dir / "actors.json").read_text())["trainer-rank-0"]
         os.kill(rank, signal.SIGKILL)
         out, _ = proc.communicate(timeout=600)
