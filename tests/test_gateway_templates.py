@@ -1,5 +1,5 @@
 """Gateway fidelity on real tokenizers and chat templates (Qwen2.5, Qwen3, Qwen3.5+/Qwen3-Coder,
-Llama 3.1/3.2, gpt-oss), fetched once into the cache (workers/embedded/real_tokenizers.py).
+Llama 3.1/3.2, gpt-oss harmony), fetched once into the cache (workers/embedded/real_tokenizers.py).
 
 Each family runs one multi-turn tool conversation through the real gateway and the official
 OpenAI SDK: a calculator call, a zero-argument call, a final answer. A scripted engine emits
@@ -16,7 +16,11 @@ Asserted per family:
 - compact JSON: FORK on every tool turn without token continuity, CLEAN with it;
 - `gateway.history_mode=linear`: every family, canonical or compact calls, is one row whose
   tokens are the served ids (Qwen3 thinking-off included: healed instead of FORK);
-- gpt-oss (harmony): a clear 400 `template_unsupported` on the session's first request.
+- gpt-oss (harmony) in the same matrix (analysis before each action, calls to `functions.*` parsed
+  from the ids by openai-harmony, `reasoning_content` sent back and re-rendered); besides: a call
+  on the `analysis` channel, a cut-off generation (mid-answer and mid-call), a two-call turn
+  (parsed from one generation; rendered as the call/result chain), and a second user turn, which
+  the format requires to drop the analysis (a new row in both history modes).
 The chat-template registry recognises each real template by content (both Qwen3 revisions).
 """
 
@@ -79,12 +83,18 @@ CASES = [
     Case("qwen3_6_xml", "qwen3", "qwen3_6", "qwen3_coder", "qwen3_coder", think="Tool.", think_in_prompt=True),
     Case("llama3_1", "llama3_2", "llama3_1", "llama3", "llama3_json"),
     Case("llama3_2", "llama3_2", None, "llama3", "llama3_json"),
+    Case("gpt_oss", "gptoss", None, "harmony", "harmony", think="I use a tool."),
 ]
+HARMONY_CALL_END, HARMONY_FINAL_END = "<|call|>", "<|return|>"
 
 
 def call_text(fmt: str, name: str, args: dict, style: str) -> str:
     """A tool call as the model writes it in `fmt` (canonical: as the template renders it)."""
     sep = (",", ":") if style == "compact" else (", ", ": ")
+    if fmt == "harmony":  # canonical: as openai-harmony renders it; compact: a header variant models sample
+        ctype = " json" if style == "compact" else " <|constrain|>json"
+        return (f"<|channel|>commentary to=functions.{name}{ctype}<|message|>" + json.dumps(args, separators=sep)
+                + HARMONY_CALL_END)
     if fmt == "hermes":
         return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, separators=sep) + "\n</tool_call>"
     if fmt == "llama3_json":
@@ -96,6 +106,9 @@ def call_text(fmt: str, name: str, args: dict, style: str) -> str:
 def answer_texts(case: Case, style: str) -> list[str]:
     """The three answers of the conversation, as generated text (without the end token)."""
     outs = [call_text(case.fmt, n, a, style) for n, a in CALLS] + [FINAL]
+    if case.fmt == "harmony":  # analysis, then the action; the end token is part of the text
+        outs[-1] = f"<|channel|>final<|message|>{FINAL}{HARMONY_FINAL_END}"
+        return [f"<|channel|>analysis<|message|>{case.think}<|end|><|start|>assistant{o}" for o in outs]
     if case.think_in_prompt:
         return [f"{case.think}\n</think>\n\n{o}" for o in outs]
     if case.think:
@@ -128,10 +141,15 @@ class Conversation:
     metrics: object
 
 
+def scripted(renderer: ChatRenderer, answer: str) -> tuple[int, ...]:
+    """The ids of an answer, ended by the template's end token unless the text writes its own."""
+    ids = tuple(renderer.tokenizer.encode(answer, add_special_tokens=False))
+    return ids if ids and ids[-1] in renderer.base_stop_ids else (*ids, renderer.base_stop_ids[0])
+
+
 async def converse(renderer: ChatRenderer, answers: list[str], *, continuity: bool, kwargs: dict | None,
-                   history_mode: str = "tree") -> Conversation:
-    tok = renderer.tokenizer
-    outputs = [(*tok.encode(a, add_special_tokens=False), renderer.base_stop_ids[0]) for a in answers]
+                   history_mode: str = "tree", max_tokens: tuple[int | None, ...] = (None, None, None)) -> Conversation:
+    outputs = [scripted(renderer, a) for a in answers]
     engine = ScriptedEngine(outputs)
     cfg = GatewayConfig(model_path="unused", served_model_name=MODEL_ID, max_context_tokens=8192,
                         token_continuity=continuity, history_mode=history_mode)
@@ -145,8 +163,10 @@ async def converse(renderer: ChatRenderer, answers: list[str], *, continuity: bo
         async with openai.AsyncOpenAI(base_url=server.base_url, api_key=token, max_retries=0) as c:
             for i in range(3):
                 before = server.metrics()
+                limit = {"max_tokens": max_tokens[i]} if max_tokens[i] else {}
                 r = await asyncio.wait_for(
-                    c.chat.completions.create(model=MODEL_ID, messages=msgs, tools=TOOLS, extra_body=extra), TIMEOUT_S)
+                    c.chat.completions.create(model=MODEL_ID, messages=msgs, tools=TOOLS, extra_body=extra, **limit),
+                    TIMEOUT_S)
                 kinds.append(last_kind(before, server.metrics()))
                 responses.append(r)
                 msg = r.choices[0].message
@@ -154,7 +174,8 @@ async def converse(renderer: ChatRenderer, answers: list[str], *, continuity: bo
                 for tc in msg.tool_calls or ():
                     msgs.append({"role": "tool", "tool_call_id": tc.id, "content": TOOL_RESULTS[i]})
         cap = await server.close_session(SESSION)
-        return Conversation(responses, [r.prompt_ids for r in engine.requests], outputs, cap.rows, kinds, msgs,
+        served = [o[:m] if m else o for o, m in zip(outputs, max_tokens)]  # the engine stops at max_tokens
+        return Conversation(responses, [r.prompt_ids for r in engine.requests], served, cap.rows, kinds, msgs,
                             server.metrics())
     finally:
         await server.stop()
@@ -236,8 +257,10 @@ async def test_compact_json_calls_continue_the_recorded_tokens(case, real_tokeni
         assert row.token_ids == after.prompts[2] + after.outputs[2]
         assert [row.token_ids[i] for i in mask_positions(row)] == [t for o in after.outputs for t in o]
         text = renderer.tokenizer.decode(row.token_ids)
-        assert json.dumps({"name": "get_time", ("parameters" if case.fmt == "llama3_json" else "arguments"): {}},
-                          separators=(",", ":")) in text  # the model's own tokens, not the re-render
+        own = (call_text("harmony", "get_time", {}, "compact") if case.fmt == "harmony" else
+               json.dumps({"name": "get_time", ("parameters" if case.fmt == "llama3_json" else "arguments"): {}},
+                          separators=(",", ":")))
+        assert own in text  # the model's own tokens, not the re-render
         assert after.metrics.turns_continued == 2
 
 
@@ -317,43 +340,20 @@ async def test_linear_history_on_an_edited_history_does_what_on_nonlinear_says(o
     assert sum(r.num_generated for r in cap.rows) == sum(len(o) for o in outputs)  # nothing twice, nothing lost
 
 
-async def test_gpt_oss_harmony_is_refused_at_the_first_request(real_tokenizers):
-    from transformers import AutoTokenizer
-
-    from workers.embedded.real_tokenizers import tokenizer_dir
-
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir("gptoss")))
-    renderer = ChatRenderer(tok)
-    assert renderer.info.family == "harmony"
-    engine = ScriptedEngine([(1, 2)])
-    server = GatewayServer(GatewayConfig(model_path="unused", served_model_name=MODEL_ID), [engine], renderer=renderer)
-    await asyncio.wait_for(server.start(), TIMEOUT_S)
-    try:
-        token = await server.open_session(SESSION)
-        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=token, max_retries=0) as c:
-            with pytest.raises(openai.BadRequestError) as err:
-                await c.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}])
-        assert err.value.code == "template_unsupported" and "harmony" in err.value.message
-        assert engine.requests == []  # nothing generated, nothing recorded
-        assert (await server.close_session(SESSION)).rows == ()
-    finally:
-        await server.stop()
-
-
 @pytest.mark.parametrize(
     ("template", "family", "fmt"),
     [("qwen2_5", "qwen2_5", "hermes"), ("qwen3", "qwen3", "hermes"), ("qwen3_instruct_2507", "chatml", "hermes"),
      ("qwen3_5_think", "qwen3_coder", "qwen3_coder"), ("qwen3_5_nothink", "qwen3_coder", "qwen3_coder"),
      ("qwen3_6", "qwen3_coder", "qwen3_coder"), ("qwen3_8", "qwen3_coder", "qwen3_coder"),
      ("llama3_1", "llama3", "llama3_json"), ("llama3_2", "llama3", "llama3_json"), ("llama3", "llama3", None),
-     ("gptoss", "harmony", None)],
+     ("gptoss", "harmony", "harmony")],
 )
 def test_registry_recognises_real_templates_by_content(template, family, fmt, real_tokenizers):
     from workers.embedded.real_tokenizers import trl_template
 
     info = identify(trl_template(template))
     assert (info.family, info.tool_format) == (family, fmt)
-    assert (info.unsupported_reason is not None) == (family == "harmony")
+    assert info.final_tokens == (("<|return|>",) if family == "harmony" else ())
 
 
 def test_registry_recognises_both_qwen3_revisions(real_tokenizers):

@@ -151,6 +151,7 @@ class _Routes:
             prompt_tokens=len(out.prompt_ids),
             completion_tokens=len(out.result.output_ids),
             logprobs=self._logprobs(req, out),
+            reasoning=out.parsed.reasoning,
         )
         if req.stream:
             return await send_sse(request, openai_sse(chat_completion_chunks(**shape, include_usage=req.include_usage)))
