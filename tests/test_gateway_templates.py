@@ -402,3 +402,184 @@ async def test_diverging_history_still_forks_with_continuity(edit, real_tokenize
     assert kinds == [TurnKind.FIRST, TurnKind.CLEAN, TurnKind.FORK]
     assert len(cap.rows) == 2 and cap.rows[1].token_ids == engine.requests[2].prompt_ids + outputs[2]
     assert sum(r.num_generated for r in cap.rows) == sum(len(o) for o in outputs)
+
+
+# --- gpt-oss (harmony) beyond the matrix ----------------------------------------------------------
+
+GPT_OSS = next(c for c in CASES if c.fmt == "harmony")
+
+
+def harmony_text(*parts: str) -> str:
+    """Harmony messages of one generation: the first follows the prompt's `<|start|>assistant`."""
+    return "<|start|>assistant".join(parts)
+
+
+def analysis(text: str) -> str:
+    return f"<|channel|>analysis<|message|>{text}<|end|>"
+
+
+async def test_gpt_oss_call_on_the_analysis_channel_is_parsed_and_continued(real_tokenizers):
+    """gpt-oss may address a function from the analysis channel: it is a call all the same, and
+    the turn after it still extends the row (the template re-renders it on `commentary`; the
+    recorded tokens are continued)."""
+    renderer = renderer_for(GPT_OSS, real_tokenizers)
+    on_analysis = call_text("harmony", *CALLS[0], "canonical").replace("<|channel|>commentary", "<|channel|>analysis")
+    answers = [on_analysis] + answer_texts(GPT_OSS, "canonical")[1:]
+    conv = await converse(renderer, answers, continuity=True, kwargs=None)
+    (tc,) = conv.responses[0].choices[0].message.tool_calls
+    assert (tc.function.name, json.loads(tc.function.arguments)) == CALLS[0]
+    assert conv.kinds == [TurnKind.FIRST, TurnKind.CLEAN, TurnKind.CLEAN] and conv.metrics.turns_continued >= 1
+    (row,) = conv.rows
+    assert row.token_ids == conv.prompts[2] + conv.outputs[2]
+    assert [row.token_ids[i] for i in mask_positions(row)] == [t for o in conv.outputs for t in o]
+    assert "<|channel|>analysis to=functions.calculator" in renderer.tokenizer.decode(row.token_ids)  # the model's own
+    assert conv.metrics.turns_ill_formed == 0
+
+
+async def test_gpt_oss_cut_off_answer_is_parsed_and_recorded(real_tokenizers):
+    """max_tokens ends the final answer mid-message: the text so far is the content, the analysis
+    the reasoning, finish_reason `length`; the row holds exactly what was served."""
+    renderer = renderer_for(GPT_OSS, real_tokenizers)
+    answers = answer_texts(GPT_OSS, "canonical")
+    cut = len(scripted(renderer, answers[2])) - 5
+    conv = await converse(renderer, answers, continuity=True, kwargs=None, max_tokens=(None, None, cut))
+    choice = conv.responses[2].choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert choice.message.content and FINAL.startswith(choice.message.content) and choice.message.content != FINAL
+    assert choice.message.model_extra["reasoning_content"] == GPT_OSS.think
+    (row,) = conv.rows
+    assert len(conv.outputs[2]) == cut and row.token_ids == conv.prompts[2] + conv.outputs[2]
+    assert [row.token_ids[i] for i in mask_positions(row)] == [t for o in conv.outputs for t in o]
+    assert conv.metrics.turns_ill_formed == 0
+
+
+async def test_gpt_oss_call_cut_mid_arguments_is_a_truncation_not_a_malformed_call(real_tokenizers):
+    renderer = renderer_for(GPT_OSS, real_tokenizers)
+    answers = answer_texts(GPT_OSS, "canonical")
+    ids = scripted(renderer, answers[0])
+    cut = len(ids) - 3  # inside {"expression": "2+3"}
+    conv = await converse(renderer, answers, continuity=True, kwargs=None, max_tokens=(cut, None, None))
+    choice = conv.responses[0].choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls and not choice.message.content
+    assert choice.message.model_extra["reasoning_content"] == GPT_OSS.think
+    assert conv.metrics.turns_ill_formed == 0
+    assert sum(r.num_generated for r in conv.rows) == sum(len(o) for o in conv.outputs)  # nothing lost or twice
+
+
+def test_gpt_oss_two_calls_in_one_generation_are_both_parsed(real_tokenizers):
+    """openai-harmony stops an action at `<|call|>`, so an engine returns one call per turn; an
+    output that holds two call messages (an engine without that stop) still gives both, in order,
+    and a reply that is not JSON, or to a built-in tool that was not offered, is ill-formed."""
+    renderer = renderer_for(GPT_OSS, real_tokenizers)
+    tok = renderer.tokenizer
+    calls = [call_text("harmony", n, a, "canonical") for n, a in CALLS]
+    parsed = renderer.harmony.parse(tok.encode(harmony_text(analysis("Two tools."), *calls), add_special_tokens=False))
+    assert [(c.name, c.arguments()) for c in parsed.tool_calls] == CALLS and not parsed.ill_formed
+    assert parsed.reasoning == "Two tools." and parsed.content == ""
+    assert len({c.id for c in parsed.tool_calls}) == 2
+    for bad in ("<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>[1]<|call|>",
+                "<|channel|>commentary to=browser.search <|constrain|>json<|message|>{}<|call|>"):
+        out = renderer.harmony.parse(tok.encode(bad, add_special_tokens=False))
+        assert out.ill_formed and not out.tool_calls and out.content == bad.removesuffix("<|call|>")
+
+
+async def test_gpt_oss_two_call_turn_is_rendered_as_the_call_result_chain(real_tokenizers):
+    """An assistant message with two parallel calls (results sent back in the other order) is
+    rendered as harmony writes it: each call followed by its own result, named after its function;
+    the next answer is generated on that prompt and recorded exactly."""
+    renderer = renderer_for(GPT_OSS, real_tokenizers)
+    final = analysis("Both done.") + "<|start|>assistant<|channel|>final<|message|>" + FINAL + HARMONY_FINAL_END
+    engine = ScriptedEngine([scripted(renderer, final)])
+    server = GatewayServer(GatewayConfig(model_path="unused", served_model_name=MODEL_ID, max_context_tokens=8192),
+                           [engine], renderer=renderer)
+    await asyncio.wait_for(server.start(), TIMEOUT_S)
+    calls = [{"id": f"call_{n}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}} for n, a in CALLS]
+    msgs = [{"role": "user", "content": "What is 2+3, and what time is it?"},
+            {"role": "assistant", "content": None, "reasoning_content": "Two tools.", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "call_get_time", "content": TOOL_RESULTS[1]},
+            {"role": "tool", "tool_call_id": "call_calculator", "content": TOOL_RESULTS[0]}]
+    try:
+        token = await server.open_session(SESSION)
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=token, max_retries=0) as c:
+            r = await c.chat.completions.create(model=MODEL_ID, messages=msgs, tools=TOOLS)
+        cap = await server.close_session(SESSION)
+    finally:
+        await server.stop()
+    assert r.choices[0].message.content == FINAL and r.choices[0].finish_reason == "stop"
+    prompt = renderer.tokenizer.decode(engine.requests[0].prompt_ids)
+    chain = "".join(f"<|start|>assistant<|channel|>commentary to=functions.{n} <|constrain|>json<|message|>"
+                    f"{json.dumps(a)}<|call|><|start|>functions.{n} to=assistant<|channel|>commentary<|message|>"
+                    f"{json.dumps(res)}<|end|>" for (n, a), res in zip(CALLS, TOOL_RESULTS))
+    assert prompt.endswith(analysis("Two tools.") + chain + "<|start|>assistant")
+    (row,) = cap.rows
+    assert row.token_ids == engine.requests[0].prompt_ids + scripted(renderer, final)
+
+
+@pytest.mark.parametrize("history_mode", ["tree", "linear"])
+async def test_gpt_oss_session_rows_follow_the_format(history_mode, real_tokenizers):
+    """What a gpt-oss session looks like in rows: a tool-call chain (call, call, final) is one row;
+    a second user turn after the final answer starts a second row, because the format drops the
+    chain's analysis and writes `<|end|>` for the sampled `<|return|>`; in linear mode that is not
+    a non-linear history (no 400 even with on_nonlinear=error)."""
+    renderer = renderer_for(GPT_OSS, real_tokenizers)
+    answers = answer_texts(GPT_OSS, "canonical") + [harmony_text(analysis("Easy."), "<|channel|>final<|message|>4"
+                                                                 + HARMONY_FINAL_END)]
+    outputs = [scripted(renderer, a) for a in answers]
+    engine = ScriptedEngine(outputs)
+    cfg = GatewayConfig(model_path="unused", served_model_name=MODEL_ID, max_context_tokens=8192,
+                        history_mode=history_mode, on_nonlinear="error")
+    server = GatewayServer(cfg, [engine], renderer=renderer)
+    await asyncio.wait_for(server.start(), TIMEOUT_S)
+    kinds, msgs = [], [{"role": "user", "content": "What is 2+3, and what time is it?"}]
+    try:
+        token = await server.open_session(SESSION)
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=token, max_retries=0) as c:
+            for i in range(4):
+                before = server.metrics()
+                r = await c.chat.completions.create(model=MODEL_ID, messages=msgs, tools=TOOLS)
+                kinds.append(last_kind(before, server.metrics()))
+                msg = r.choices[0].message
+                msgs += [msg, *({"role": "tool", "tool_call_id": tc.id, "content": TOOL_RESULTS[i]}
+                                for tc in msg.tool_calls or ())]
+                if i == 2:
+                    msgs.append({"role": "user", "content": "And 2+2?"})
+        cap = await server.close_session(SESSION)
+        m = server.metrics()
+    finally:
+        await server.stop()
+    assert kinds == [TurnKind.FIRST, TurnKind.CLEAN, TurnKind.CLEAN, TurnKind.FORK] and m.turns_nonlinear == 0
+    first, second = cap.rows
+    assert first.token_ids == engine.requests[2].prompt_ids + outputs[2]
+    assert second.token_ids == engine.requests[3].prompt_ids + outputs[3]
+    text = renderer.tokenizer.decode(engine.requests[3].prompt_ids)
+    assert GPT_OSS.think not in text and HARMONY_FINAL_END not in text  # analysis dropped, <|return|> -> <|end|>
+    assert f"<|channel|>final<|message|>{FINAL}<|end|><|start|>user<|message|>And 2+2?<|end|>" in text
+
+
+async def test_gpt_oss_session_date_is_pinned_at_its_first_turn(real_tokenizers):
+    """The template writes "Current date:"; a session that runs past midnight keeps its first
+    turn's date (else its second prompt would not extend the first: a new row)."""
+    import datetime
+
+    from workers.gateway.capture import CaptureStore
+    from workers.gateway.metrics import Counters
+    from workers.gateway.router import ReplicaRouter
+    from workers.gateway.turns import TurnRunner
+
+    renderer = renderer_for(GPT_OSS, real_tokenizers)
+    answers = answer_texts(GPT_OSS, "canonical")
+    engine = ScriptedEngine([scripted(renderer, a) for a in answers])
+    days = iter([datetime.datetime(2025, 6, 28, 23, 59), datetime.datetime(2025, 6, 29, 0, 1)])
+    capture = CaptureStore(default_max_context_tokens=8192)
+    session = capture.authenticate(capture.open(SESSION))
+    runner = TurnRunner(capture, ReplicaRouter([engine]), renderer, Counters(), now=lambda: next(days))
+    msgs: list = [{"role": "user", "content": "What is 2+3?"}]
+    first = await runner.run(session, ChatRequest.parse({"model": MODEL_ID, "messages": msgs, "tools": TOOLS}))
+    (call,) = first.parsed.tool_calls
+    msgs += [{"role": "assistant", "content": None, "reasoning_content": first.parsed.reasoning,
+              "tool_calls": [{"id": call.id, "type": "function",
+                              "function": {"name": call.name, "arguments": call.arguments_json}}]},
+             {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    second = await runner.run(session, ChatRequest.parse({"model": MODEL_ID, "messages": msgs, "tools": TOOLS}))
+    assert "Current date: 2025-06-28" in renderer.tokenizer.decode(second.prompt_ids)
+    assert second.record.kind == TurnKind.CLEAN and len(capture.close(SESSION).rows) == 1
