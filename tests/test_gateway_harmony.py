@@ -3,7 +3,8 @@
 The OpenAI route is in the template matrix (tests/test_gateway_templates.py). Here: the official
 `anthropic` SDK runs the same tool chain (analysis, call, analysis, call, analysis, final): the
 analysis comes back as a `thinking` block, the SDK sends it back, and the session is one row
-whose tokens are the served ids (streamed and not). And the `o200k_base` file openai-harmony
+whose tokens are the served ids (streamed and not); an OpenAI stream carries the reasoning as
+`reasoning_content` deltas and the call. And the `o200k_base` file openai-harmony
 loads is written from the real gpt-oss tokenizer, byte-exact to openai-harmony's pinned sha256,
 while a tokenizer of another family is refused with the mismatch named.
 """
@@ -106,3 +107,28 @@ def test_o200k_base_file_is_written_from_the_tokenizer_and_checked(gpt_oss, tmp_
     monkeypatch.setenv("TIKTOKEN_ENCODINGS_BASE", str(tmp_path / "empty"))
     with pytest.raises(HarmonyVocabError, match="TIKTOKEN_ENCODINGS_BASE"):
         encodings_dir(gpt_oss.tokenizer)
+
+
+async def test_openai_stream_carries_the_reasoning_and_the_call(gpt_oss):
+    import openai
+
+    outputs = [tuple(gpt_oss.tokenizer.encode(answers()[0], add_special_tokens=False))]
+    engine = ScriptedEngine(outputs)
+    server = GatewayServer(GatewayConfig(model_path="unused", served_model_name=MODEL_ID, max_context_tokens=8192),
+                           [engine], renderer=gpt_oss)
+    await asyncio.wait_for(server.start(), TIMEOUT_S)
+    tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                               "parameters": t["input_schema"]}} for t in TOOLS]
+    try:
+        token = await server.open_session(SESSION)
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=token, max_retries=0) as c:
+            stream = await c.chat.completions.create(model=MODEL_ID, tools=tools, stream=True,
+                                                     messages=[{"role": "user", "content": "What is 2+3?"}])
+            chunks = [ch async for ch in stream]
+    finally:
+        await server.stop()
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == THINK
+    (call,) = [tc for d in deltas for tc in d.tool_calls or ()]
+    assert (call.function.name, json.loads(call.function.arguments)) == CALLS[0]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["tool_calls"]
