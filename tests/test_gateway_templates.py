@@ -1,5 +1,5 @@
 """Gateway fidelity on real tokenizers and chat templates (Qwen2.5, Qwen3, Qwen3.5+/Qwen3-Coder,
-Llama 3.1/3.2, gpt-oss), fetched once into the cache (workers/embedded/real_tokenizers.py).
+Llama 3.1/3.2, gpt-oss harmony), fetched once into the cache (workers/embedded/real_tokenizers.py).
 
 Each family runs one multi-turn tool conversation through the real gateway and the official
 OpenAI SDK: a calculator call, a zero-argument call, a final answer. A scripted engine emits
@@ -16,7 +16,11 @@ Asserted per family:
 - compact JSON: FORK on every tool turn without token continuity, CLEAN with it;
 - `gateway.history_mode=linear`: every family, canonical or compact calls, is one row whose
   tokens are the served ids (Qwen3 thinking-off included: healed instead of FORK);
-- gpt-oss (harmony): a clear 400 `template_unsupported` on the session's first request.
+- gpt-oss (harmony) in the same matrix (analysis before each action, calls to `functions.*` parsed
+  from the ids by openai-harmony, `reasoning_content` sent back and re-rendered); besides: a call
+  on the `analysis` channel, a cut-off generation (mid-answer and mid-call), a two-call turn
+  (parsed from one generation; rendered as the call/result chain), and a second user turn, which
+  the format requires to drop the analysis (a new row in both history modes).
 The chat-template registry recognises each real template by content (both Qwen3 revisions).
 """
 
@@ -79,12 +83,18 @@ CASES = [
     Case("qwen3_6_xml", "qwen3", "qwen3_6", "qwen3_coder", "qwen3_coder", think="Tool.", think_in_prompt=True),
     Case("llama3_1", "llama3_2", "llama3_1", "llama3", "llama3_json"),
     Case("llama3_2", "llama3_2", None, "llama3", "llama3_json"),
+    Case("gpt_oss", "gptoss", None, "harmony", "harmony", think="I use a tool."),
 ]
+HARMONY_CALL_END, HARMONY_FINAL_END = "<|call|>", "<|return|>"
 
 
 def call_text(fmt: str, name: str, args: dict, style: str) -> str:
     """A tool call as the model writes it in `fmt` (canonical: as the template renders it)."""
     sep = (",", ":") if style == "compact" else (", ", ": ")
+    if fmt == "harmony":  # canonical: as openai-harmony renders it; compact: a header variant models sample
+        ctype = " json" if style == "compact" else " <|constrain|>json"
+        return (f"<|channel|>commentary to=functions.{name}{ctype}<|message|>" + json.dumps(args, separators=sep)
+                + HARMONY_CALL_END)
     if fmt == "hermes":
         return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}, separators=sep) + "\n</tool_call>"
     if fmt == "llama3_json":
@@ -96,6 +106,9 @@ def call_text(fmt: str, name: str, args: dict, style: str) -> str:
 def answer_texts(case: Case, style: str) -> list[str]:
     """The three answers of the conversation, as generated text (without the end token)."""
     outs = [call_text(case.fmt, n, a, style) for n, a in CALLS] + [FINAL]
+    if case.fmt == "harmony":  # analysis, then the action; the end token is part of the text
+        outs[-1] = f"<|channel|>final<|message|>{FINAL}{HARMONY_FINAL_END}"
+        return [f"<|channel|>analysis<|message|>{case.think}<|end|><|start|>assistant{o}" for o in outs]
     if case.think_in_prompt:
         return [f"{case.think}\n</think>\n\n{o}" for o in outs]
     if case.think:
@@ -128,10 +141,15 @@ class Conversation:
     metrics: object
 
 
+def scripted(renderer: ChatRenderer, answer: str) -> tuple[int, ...]:
+    """The ids of an answer, ended by the template's end token unless the text writes its own."""
+    ids = tuple(renderer.tokenizer.encode(answer, add_special_tokens=False))
+    return ids if ids and ids[-1] in renderer.base_stop_ids else (*ids, renderer.base_stop_ids[0])
+
+
 async def converse(renderer: ChatRenderer, answers: list[str], *, continuity: bool, kwargs: dict | None,
-                   history_mode: str = "tree") -> Conversation:
-    tok = renderer.tokenizer
-    outputs = [(*tok.encode(a, add_special_tokens=False), renderer.base_stop_ids[0]) for a in answers]
+                   history_mode: str = "tree", max_tokens: tuple[int | None, ...] = (None, None, None)) -> Conversation:
+    outputs = [scripted(renderer, a) for a in answers]
     engine = ScriptedEngine(outputs)
     cfg = GatewayConfig(model_path="unused", served_model_name=MODEL_ID, max_context_tokens=8192,
                         token_continuity=continuity, history_mode=history_mode)
@@ -145,8 +163,10 @@ async def converse(renderer: ChatRenderer, answers: list[str], *, continuity: bo
         async with openai.AsyncOpenAI(base_url=server.base_url, api_key=token, max_retries=0) as c:
             for i in range(3):
                 before = server.metrics()
+                limit = {"max_tokens": max_tokens[i]} if max_tokens[i] else {}
                 r = await asyncio.wait_for(
-                    c.chat.completions.create(model=MODEL_ID, messages=msgs, tools=TOOLS, extra_body=extra), TIMEOUT_S)
+                    c.chat.completions.create(model=MODEL_ID, messages=msgs, tools=TOOLS, extra_body=extra, **limit),
+                    TIMEOUT_S)
                 kinds.append(last_kind(before, server.metrics()))
                 responses.append(r)
                 msg = r.choices[0].message
@@ -154,7 +174,8 @@ async def converse(renderer: ChatRenderer, answers: list[str], *, continuity: bo
                 for tc in msg.tool_calls or ():
                     msgs.append({"role": "tool", "tool_call_id": tc.id, "content": TOOL_RESULTS[i]})
         cap = await server.close_session(SESSION)
-        return Conversation(responses, [r.prompt_ids for r in engine.requests], outputs, cap.rows, kinds, msgs,
+        served = [o[:m] if m else o for o, m in zip(outputs, max_tokens)]  # the engine stops at max_tokens
+        return Conversation(responses, [r.prompt_ids for r in engine.requests], served, cap.rows, kinds, msgs,
                             server.metrics())
     finally:
         await server.stop()
@@ -236,8 +257,10 @@ async def test_compact_json_calls_continue_the_recorded_tokens(case, real_tokeni
         assert row.token_ids == after.prompts[2] + after.outputs[2]
         assert [row.token_ids[i] for i in mask_positions(row)] == [t for o in after.outputs for t in o]
         text = renderer.tokenizer.decode(row.token_ids)
-        assert json.dumps({"name": "get_time", ("parameters" if case.fmt == "llama3_json" else "arguments"): {}},
-                          separators=(",", ":")) in text  # the model's own tokens, not the re-render
+        own = (call_text("harmony", "get_time", {}, "compact") if case.fmt == "harmony" else
+               json.dumps({"name": "get_time", ("parameters" if case.fmt == "llama3_json" else "arguments"): {}},
+                          separators=(",", ":")))
+        assert own in text  # the model's own tokens, not the re-render
         assert after.metrics.turns_continued == 2
 
 
@@ -317,43 +340,20 @@ async def test_linear_history_on_an_edited_history_does_what_on_nonlinear_says(o
     assert sum(r.num_generated for r in cap.rows) == sum(len(o) for o in outputs)  # nothing twice, nothing lost
 
 
-async def test_gpt_oss_harmony_is_refused_at_the_first_request(real_tokenizers):
-    from transformers import AutoTokenizer
-
-    from workers.embedded.real_tokenizers import tokenizer_dir
-
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir("gptoss")))
-    renderer = ChatRenderer(tok)
-    assert renderer.info.family == "harmony"
-    engine = ScriptedEngine([(1, 2)])
-    server = GatewayServer(GatewayConfig(model_path="unused", served_model_name=MODEL_ID), [engine], renderer=renderer)
-    await asyncio.wait_for(server.start(), TIMEOUT_S)
-    try:
-        token = await server.open_session(SESSION)
-        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=token, max_retries=0) as c:
-            with pytest.raises(openai.BadRequestError) as err:
-                await c.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}])
-        assert err.value.code == "template_unsupported" and "harmony" in err.value.message
-        assert engine.requests == []  # nothing generated, nothing recorded
-        assert (await server.close_session(SESSION)).rows == ()
-    finally:
-        await server.stop()
-
-
 @pytest.mark.parametrize(
     ("template", "family", "fmt"),
     [("qwen2_5", "qwen2_5", "hermes"), ("qwen3", "qwen3", "hermes"), ("qwen3_instruct_2507", "chatml", "hermes"),
      ("qwen3_5_think", "qwen3_coder", "qwen3_coder"), ("qwen3_5_nothink", "qwen3_coder", "qwen3_coder"),
      ("qwen3_6", "qwen3_coder", "qwen3_coder"), ("qwen3_8", "qwen3_coder", "qwen3_coder"),
      ("llama3_1", "llama3", "llama3_json"), ("llama3_2", "llama3", "llama3_json"), ("llama3", "llama3", None),
-     ("gptoss", "harmony", None)],
+     ("gptoss", "harmony", "harmony")],
 )
 def test_registry_recognises_real_templates_by_content(template, family, fmt, real_tokenizers):
     from workers.embedded.real_tokenizers import trl_template
 
     info = identify(trl_template(template))
     assert (info.family, info.tool_format) == (family, fmt)
-    assert (info.unsupported_reason is not None) == (family == "harmony")
+    assert info.final_tokens == (("<|return|>",) if family == "harmony" else ())
 
 
 def test_registry_recognises_both_qwen3_revisions(real_tokenizers):
@@ -402,3 +402,184 @@ async def test_diverging_history_still_forks_with_continuity(edit, real_tokenize
     assert kinds == [TurnKind.FIRST, TurnKind.CLEAN, TurnKind.FORK]
     assert len(cap.rows) == 2 and cap.rows[1].token_ids == engine.requests[2].prompt_ids + outputs[2]
     assert sum(r.num_generated for r in cap.rows) == sum(len(o) for o in outputs)
+
+
+# --- gpt-oss (harmony) beyond the matrix ----------------------------------------------------------
+
+GPT_OSS = next(c for c in CASES if c.fmt == "harmony")
+
+
+def harmony_text(*parts: str) -> str:
+    """Harmony messages of one generation: the first follows the prompt's `<|start|>assistant`."""
+    return "<|start|>assistant".join(parts)
+
+
+def analysis(text: str) -> str:
+    return f"<|channel|>analysis<|message|>{text}<|end|>"
+
+
+async def test_gpt_oss_call_on_the_analysis_channel_is_parsed_and_continued(real_tokenizers):
+    """gpt-oss may address a function from the analysis channel: it is a call all the same, and
+    the turn after it still extends the row (the template re-renders it on `commentary`; the
+    recorded tokens are continued)."""
+    renderer = renderer_for(GPT_OSS, real_tokenizers)
+    on_analysis = call_text("harmony", *CALLS[0], "canonical").replace("<|channel|>commentary", "<|channel|>analysis")
+    answers = [on_analysis] + answer_texts(GPT_OSS, "canonical")[1:]
+    conv = await converse(renderer, answers, continuity=True, kwargs=None)
+    (tc,) = conv.responses[0].choices[0].message.tool_calls
+    assert (tc.function.name, json.loads(tc.function.arguments)) == CALLS[0]
+    assert conv.kinds == [TurnKind.FIRST, TurnKind.CLEAN, TurnKind.CLEAN] and conv.metrics.turns_continued >= 1
+    (row,) = conv.rows
+    assert row.token_ids == conv.prompts[2] + conv.outputs[2]
+    assert [row.token_ids[i] for i in mask_positions(row)] == [t for o in conv.outputs for t in o]
+    assert "<|channel|>analysis to=functions.calculator" in renderer.tokenizer.decode(row.token_ids)  # the model's own
+    assert conv.metrics.turns_ill_formed == 0
+
+
+async def test_gpt_oss_cut_off_answer_is_parsed_and_recorded(real_tokenizers):
+    """max_tokens ends the final answer mid-message: the text so far is the content, the analysis
+    the reasoning, finish_reason `length`; the row holds exactly what was served."""
+    renderer = renderer_for(GPT_OSS, real_tokenizers)
+    answers = answer_texts(GPT_OSS, "canonical")
+    cut = len(scripted(renderer, answers[2])) - 5
+    conv = await converse(renderer, answers, continuity=True, kwargs=None, max_tokens=(None, None, cut))
+    choice = conv.responses[2].choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert choice.message.content and FINAL.startswith(choice.message.content) and choice.message.content != FINAL
+    assert choice.message.model_extra["reasoning_content"] == GPT_OSS.think
+    (row,) = conv.rows
+    assert len(conv.outputs[2]) == cut and row.token_ids == conv.prompts[2] + conv.outputs[2]
+    assert [row.token_ids[i] for i in mask_positions(row)] == [t for o in conv.outputs for t in o]
+    assert conv.metrics.turns_ill_formed == 0
+
+
+async def test_gpt_oss_call_cut_mid_arguments_is_a_truncation_not_a_malformed_call(real_tokenizers):
+    renderer = renderer_for(GPT_OSS, real_tokenizers)
+    answers = answer_texts(GPT_OSS, "canonical")
+    ids = scripted(renderer, answers[0])
+    cut = len(ids) - 3  # inside {"expression": "2+3"}
+    conv = await converse(renderer, answers, continuity=True, kwargs=None, max_tokens=(cut, None, None))
+    choice = conv.responses[0].choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls and not choice.message.content
+    assert choice.message.model_extra["reasoning_content"] == GPT_OSS.think
+    assert conv.metrics.turns_ill_formed == 0
+    assert sum(r.num_generated for r in conv.rows) == sum(len(o) for o in conv.outputs)  # nothing lost or twice
+
+
+def test_gpt_oss_two_calls_in_one_generation_are_both_parsed(real_tokenizers):
+    """openai-harmony stops an action at `<|call|>`, so an engine returns one call per turn; an
+    output that holds two call messages (an engine without that stop) still gives both, in order,
+    and a reply that is not JSON, or to a built-in tool that was not offered, is ill-formed."""
+    renderer = renderer_for(GPT_OSS, real_tokenizers)
+    tok = renderer.tokenizer
+    calls = [call_text("harmony", n, a, "canonical") for n, a in CALLS]
+    parsed = renderer.harmony.parse(tok.encode(harmony_text(analysis("Two tools."), *calls), add_special_tokens=False))
+    assert [(c.name, c.arguments()) for c in parsed.tool_calls] == CALLS and not parsed.ill_formed
+    assert parsed.reasoning == "Two tools." and parsed.content == ""
+    assert len({c.id for c in parsed.tool_calls}) == 2
+    for bad in ("<|channel|>commentary to=functions.calculator <|constrain|>json<|message|>[1]<|call|>",
+                "<|channel|>commentary to=browser.search <|constrain|>json<|message|>{}<|call|>"):
+        out = renderer.harmony.parse(tok.encode(bad, add_special_tokens=False))
+        assert out.ill_formed and not out.tool_calls and out.content == bad.removesuffix("<|call|>")
+
+
+async def test_gpt_oss_two_call_turn_is_rendered_as_the_call_result_chain(real_tokenizers):
+    """An assistant message with two parallel calls (results sent back in the other order) is
+    rendered as harmony writes it: each call followed by its own result, named after its function;
+    the next answer is generated on that prompt and recorded exactly."""
+    renderer = renderer_for(GPT_OSS, real_tokenizers)
+    final = analysis("Both done.") + "<|start|>assistant<|channel|>final<|message|>" + FINAL + HARMONY_FINAL_END
+    engine = ScriptedEngine([scripted(renderer, final)])
+    server = GatewayServer(GatewayConfig(model_path="unused", served_model_name=MODEL_ID, max_context_tokens=8192),
+                           [engine], renderer=renderer)
+    await asyncio.wait_for(server.start(), TIMEOUT_S)
+    calls = [{"id": f"call_{n}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}} for n, a in CALLS]
+    msgs = [{"role": "user", "content": "What is 2+3, and what time is it?"},
+            {"role": "assistant", "content": None, "reasoning_content": "Two tools.", "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "call_get_time", "content": TOOL_RESULTS[1]},
+            {"role": "tool", "tool_call_id": "call_calculator", "content": TOOL_RESULTS[0]}]
+    try:
+        token = await server.open_session(SESSION)
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=token, max_retries=0) as c:
+            r = await c.chat.completions.create(model=MODEL_ID, messages=msgs, tools=TOOLS)
+        cap = await server.close_session(SESSION)
+    finally:
+        await server.stop()
+    assert r.choices[0].message.content == FINAL and r.choices[0].finish_reason == "stop"
+    prompt = renderer.tokenizer.decode(engine.requests[0].prompt_ids)
+    chain = "".join(f"<|start|>assistant<|channel|>commentary to=functions.{n} <|constrain|>json<|message|>"
+                    f"{json.dumps(a)}<|call|><|start|>functions.{n} to=assistant<|channel|>commentary<|message|>"
+                    f"{json.dumps(res)}<|end|>" for (n, a), res in zip(CALLS, TOOL_RESULTS))
+    assert prompt.endswith(analysis("Two tools.") + chain + "<|start|>assistant")
+    (row,) = cap.rows
+    assert row.token_ids == engine.requests[0].prompt_ids + scripted(renderer, final)
+
+
+@pytest.mark.parametrize("history_mode", ["tree", "linear"])
+async def test_gpt_oss_session_rows_follow_the_format(history_mode, real_tokenizers):
+    """What a gpt-oss session looks like in rows: a tool-call chain (call, call, final) is one row;
+    a second user turn after the final answer starts a second row, because the format drops the
+    chain's analysis and writes `<|end|>` for the sampled `<|return|>`; in linear mode that is not
+    a non-linear history (no 400 even with on_nonlinear=error)."""
+    renderer = renderer_for(GPT_OSS, real_tokenizers)
+    answers = answer_texts(GPT_OSS, "canonical") + [harmony_text(analysis("Easy."), "<|channel|>final<|message|>4"
+                                                                 + HARMONY_FINAL_END)]
+    outputs = [scripted(renderer, a) for a in answers]
+    engine = ScriptedEngine(outputs)
+    cfg = GatewayConfig(model_path="unused", served_model_name=MODEL_ID, max_context_tokens=8192,
+                        history_mode=history_mode, on_nonlinear="error")
+    server = GatewayServer(cfg, [engine], renderer=renderer)
+    await asyncio.wait_for(server.start(), TIMEOUT_S)
+    kinds, msgs = [], [{"role": "user", "content": "What is 2+3, and what time is it?"}]
+    try:
+        token = await server.open_session(SESSION)
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=token, max_retries=0) as c:
+            for i in range(4):
+                before = server.metrics()
+                r = await c.chat.completions.create(model=MODEL_ID, messages=msgs, tools=TOOLS)
+                kinds.append(last_kind(before, server.metrics()))
+                msg = r.choices[0].message
+                msgs += [msg, *({"role": "tool", "tool_call_id": tc.id, "content": TOOL_RESULTS[i]}
+                                for tc in msg.tool_calls or ())]
+                if i == 2:
+                    msgs.append({"role": "user", "content": "And 2+2?"})
+        cap = await server.close_session(SESSION)
+        m = server.metrics()
+    finally:
+        await server.stop()
+    assert kinds == [TurnKind.FIRST, TurnKind.CLEAN, TurnKind.CLEAN, TurnKind.FORK] and m.turns_nonlinear == 0
+    first, second = cap.rows
+    assert first.token_ids == engine.requests[2].prompt_ids + outputs[2]
+    assert second.token_ids == engine.requests[3].prompt_ids + outputs[3]
+    text = renderer.tokenizer.decode(engine.requests[3].prompt_ids)
+    assert GPT_OSS.think not in text and HARMONY_FINAL_END not in text  # analysis dropped, <|return|> -> <|end|>
+    assert f"<|channel|>final<|message|>{FINAL}<|end|><|start|>user<|message|>And 2+2?<|end|>" in text
+
+
+async def test_gpt_oss_session_date_is_pinned_at_its_first_turn(real_tokenizers):
+    """The template writes "Current date:"; a session that runs past midnight keeps its first
+    turn's date (else its second prompt would not extend the first: a new row)."""
+    import datetime
+
+    from workers.gateway.capture import CaptureStore
+    from workers.gateway.metrics import Counters
+    from workers.gateway.router import ReplicaRouter
+    from workers.gateway.turns import TurnRunner
+
+    renderer = renderer_for(GPT_OSS, real_tokenizers)
+    answers = answer_texts(GPT_OSS, "canonical")
+    engine = ScriptedEngine([scripted(renderer, a) for a in answers])
+    days = iter([datetime.datetime(2025, 6, 28, 23, 59), datetime.datetime(2025, 6, 29, 0, 1)])
+    capture = CaptureStore(default_max_context_tokens=8192)
+    session = capture.authenticate(capture.open(SESSION))
+    runner = TurnRunner(capture, ReplicaRouter([engine]), renderer, Counters(), now=lambda: next(days))
+    msgs: list = [{"role": "user", "content": "What is 2+3?"}]
+    first = await runner.run(session, ChatRequest.parse({"model": MODEL_ID, "messages": msgs, "tools": TOOLS}))
+    (call,) = first.parsed.tool_calls
+    msgs += [{"role": "assistant", "content": None, "reasoning_content": first.parsed.reasoning,
+              "tool_calls": [{"id": call.id, "type": "function",
+                              "function": {"name": call.name, "arguments": call.arguments_json}}]},
+             {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+    second = await runner.run(session, ChatRequest.parse({"model": MODEL_ID, "messages": msgs, "tools": TOOLS}))
+    assert "Current date: 2025-06-28" in renderer.tokenizer.decode(second.prompt_ids)
+    assert second.record.kind == TurnKind.CLEAN and len(capture.close(SESSION).rows) == 1

@@ -25,7 +25,8 @@ class ModelConfig:
     chat_template: a Jinja file replacing the tokenizer's chat template in the gateway (vLLM's
     `--chat-template`), e.g. for a model whose own template renders no tools.
     tool_call_parser: the gateway's tool-call format: "auto" (from the template), "hermes",
-    "qwen3_coder" or "none" (requests offering tools are then refused with a 400).
+    "qwen3_coder", "llama3_json", "harmony" (gpt-oss) or "none" (requests offering tools are then
+    refused with a 400).
     """
 
     name: str = "tiny"

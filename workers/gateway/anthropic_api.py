@@ -10,8 +10,9 @@ messages, which is what chat templates take):
                                               the arguments object), reasoning_content
   tools [{name, description, input_schema}] -> OpenAI function tools
   tool_choice {type: auto|any|tool|none}   -> "auto" | "required" | the tool's name | "none"
-`message_body` and `message_events` shape the answer (text and tool_use blocks; stop_reason
-end_turn / max_tokens / tool_use); `error_body` gives `{"type": "error", "error": {...}}`.
+`message_body` and `message_events` shape the answer (a `thinking` block when the format keeps the
+reasoning apart, gpt-oss's analysis channel, with an empty signature: the gateway signs nothing;
+then text and tool_use blocks; stop_reason end_turn / max_tokens / tool_use); `error_body` gives `{"type": "error", "error": {...}}`.
 
 Invariant: a converted request carries every text and tool block of the original (nothing is
 silently dropped; an unsupported block type is a 400 naming it).
@@ -193,15 +194,17 @@ def stop_reason_of(finish_reason: str, tool_calls: tuple[ToolCall, ...], stop_se
     return "max_tokens" if finish_reason == "length" else "end_turn"
 
 
-def _blocks(content: str, tool_calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content or not tool_calls else []
+def _blocks(content: str, tool_calls: tuple[ToolCall, ...], reasoning: str | None = None) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = [] if reasoning is None else [{"type": "thinking", "thinking": reasoning,
+                                                                   "signature": ""}]
+    blocks += [{"type": "text", "text": content}] if content or not tool_calls else []
     blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": json.loads(c.arguments_json)} for c in tool_calls]
     return blocks
 
 
 def message_body(
     *, message_id: str, model: str, content: str, tool_calls: tuple[ToolCall, ...], finish_reason: str,
-    input_tokens: int, output_tokens: int, stop_sequence: str | None = None,
+    input_tokens: int, output_tokens: int, stop_sequence: str | None = None, reasoning: str | None = None,
 ) -> dict[str, Any]:
     """A non-streaming `message` object."""
     return {
@@ -209,7 +212,7 @@ def message_body(
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": _blocks(content, tool_calls),
+        "content": _blocks(content, tool_calls, reasoning),
         "stop_reason": stop_reason_of(finish_reason, tool_calls, stop_sequence),
         "stop_sequence": stop_sequence,
         "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
@@ -218,7 +221,7 @@ def message_body(
 
 def message_events(
     *, message_id: str, model: str, content: str, tool_calls: tuple[ToolCall, ...], finish_reason: str,
-    input_tokens: int, output_tokens: int, stop_sequence: str | None = None,
+    input_tokens: int, output_tokens: int, stop_sequence: str | None = None, reasoning: str | None = None,
 ) -> list[tuple[str, dict[str, Any]]]:
     """The (event name, data) pairs of a streamed answer: message_start, per block
     content_block_start / _delta / _stop, message_delta (stop_reason, usage), message_stop."""
@@ -228,8 +231,11 @@ def message_events(
     )
     start.update(content=[], stop_reason=None)
     events: list[tuple[str, dict[str, Any]]] = [("message_start", {"type": "message_start", "message": start})]
-    for i, block in enumerate(_blocks(content, tool_calls)):
-        if block["type"] == "text":
+    for i, block in enumerate(_blocks(content, tool_calls, reasoning)):
+        if block["type"] == "thinking":
+            first = {"type": "thinking", "thinking": "", "signature": ""}
+            delta = {"type": "thinking_delta", "thinking": block["thinking"]}
+        elif block["type"] == "text":
             first, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
         else:
             first = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}

@@ -151,6 +151,7 @@ class _Routes:
             prompt_tokens=len(out.prompt_ids),
             completion_tokens=len(out.result.output_ids),
             logprobs=self._logprobs(req, out),
+            reasoning=out.parsed.reasoning,
         )
         if req.stream:
             return await send_sse(request, openai_sse(chat_completion_chunks(**shape, include_usage=req.include_usage)))
@@ -170,6 +171,7 @@ class _Routes:
             input_tokens=len(out.prompt_ids),
             output_tokens=len(out.result.output_ids),
             stop_sequence=out.stop_sequence,
+            reasoning=out.parsed.reasoning,
         )
         if req.stream:
             return await send_sse(request, anthropic_sse(anthropic_api.message_events(**shape)))

@@ -178,7 +178,8 @@ class _Row:
 
 
 class _SessionState:
-    __slots__ = ("view", "digest", "rows", "turns", "started", "memos", "engine_lost", "tree_only", "nonlinear")
+    __slots__ = ("view", "digest", "rows", "turns", "started", "memos", "engine_lost", "tree_only", "nonlinear",
+                 "pins")
 
     def __init__(self, view: Session, digest: bytes) -> None:
         self.view = view
@@ -190,6 +191,7 @@ class _SessionState:
         self.engine_lost = False  # a turn found no replica to serve it (mark_engine_lost)
         self.tree_only = False  # linear history gave up on this session (gateway.on_nonlinear=passthrough)
         self.nonlinear = False  # a request was refused as non-linear (gateway.on_nonlinear=error)
+        self.pins: dict[str, object] = {}  # values fixed for the session's life (pinned)
 
 
 def _digest(token: str) -> bytes:
@@ -375,6 +377,14 @@ class CaptureStore:
         if state is None:
             raise SessionNotFound(f"session {session_id!r} is not open")
         return state.memos
+
+    def pinned(self, session_id: str, key: str, value: object) -> object:
+        """The session's value under `key`: `value` on the first call, the first call's value on
+        every later one (turns.py pins the conversation's date). Raises SessionNotFound."""
+        state = self._sessions.get(session_id)
+        if state is None:
+            raise SessionNotFound(f"session {session_id!r} is not open")
+        return state.pins.setdefault(key, value)
 
     def tree_only(self, session_id: str, *, set_it: bool = False) -> bool:
         """Whether linear history gave up on this session (then tree continuity serves it); with

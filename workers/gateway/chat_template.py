@@ -6,6 +6,14 @@ the capture records); `decode` turns generated ids into the answer text, leaving
 stop token (the ids keep it). `info` is what the chat-template registry knows of the template
 (template_registry.identify: family, tool-call format, extra turn-ending tokens, whether it can be
 served); `tool_format` is the tool-call format the template teaches (or the configured parser).
+For gpt-oss (harmony) the renderer also holds `harmony` (workers/gateway/harmony.py): the
+template is repaired once (the tool-call header in the order the model samples) and messages
+pass through `harmony.template_messages` before every render.
+
+Date. Templates that write today's date (gpt-oss's "Current date:", Llama 3.x's "Today Date:")
+call transformers' `strftime_now`; `pin_date` shadows it with a fixed time (a template variable
+takes precedence over the environment's global), so a session renders the same system message on
+every turn (turns.py pins the session's first turn) and never forks at midnight.
 
 Speed. Rendering the text is cheap (the compiled template is cached by transformers); tokenizing
 a long conversation is not (about 1 ms per 3 kB here). `SegmentEncoder` splits the text at added
@@ -23,6 +31,7 @@ whenever the template and tokenizer round-trip the text (the CLEAN case of captu
 
 from __future__ import annotations
 
+import datetime
 import functools
 import re
 from collections import OrderedDict
@@ -31,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workers.gateway.harmony import HarmonyCodec, repair_template, template_messages
 from workers.gateway.template_registry import TemplateInfo, identify
 from workers.gateway.tool_parsers import TOOL_FORMATS, ToolFormat
 
@@ -41,6 +51,28 @@ _RESERVED_KWARGS = frozenset({"add_generation_prompt", "tokenize", "return_dict"
 
 class TemplateError(ValueError):
     """The chat template or tokenizer rejected the request (bad roles, unsupported stop, ...)."""
+
+
+DATE_KWARG = "strftime_now"  # transformers' template global for the current time (see the module docstring)
+
+
+@dataclass(frozen=True)
+class PinnedClock:
+    """`strftime_now(fmt)` for a template, fixed at `at`; str() is `at` in ISO form, so a
+    continuity context key (continuity.context_key) built from the kwargs is stable."""
+
+    at: datetime.datetime
+
+    def __call__(self, fmt: str) -> str:
+        return self.at.strftime(fmt)
+
+    def __str__(self) -> str:
+        return self.at.isoformat()
+
+
+def pin_date(template_kwargs: dict[str, Any] | None, at: datetime.datetime) -> dict[str, Any]:
+    """`template_kwargs` plus `strftime_now` fixed at `at` (the caller's own value, if any, wins)."""
+    return {DATE_KWARG: PinnedClock(at), **(template_kwargs or {})}
 
 
 class SegmentEncoder:
@@ -117,7 +149,10 @@ class ChatRenderer:
     chat_template: override of the tokenizer's template (the text of a Jinja file), or None.
     tool_call_parser: "auto" (detect from the template), a format of tool_parsers, or "none".
     tool_format: the resulting format, None when tools cannot be parsed for this model.
-    Raises ValueError when the tokenizer has no template and none is given, or no stop id exists.
+    harmony: openai-harmony's codec for a gpt-oss template (parse ids, stop ids), else None.
+    Raises ValueError when the tokenizer has no template and none is given, no stop id exists, or
+    the parser does not fit the template (harmony either way); HarmonyVocabError for a harmony
+    template over a tokenizer that is not gpt-oss's.
     """
 
     def __init__(
@@ -135,6 +170,10 @@ class ChatRenderer:
             )
         self.tokenizer = tokenizer
         self.info: TemplateInfo = identify(self.template)
+        self.harmony: HarmonyCodec | None = None
+        if self.info.family == "harmony":
+            self.template = repair_template(self.template)
+            self.harmony = HarmonyCodec(tokenizer)
         ids = []
         if tokenizer.eos_token_id is not None:
             ids.append(int(tokenizer.eos_token_id))
@@ -152,6 +191,9 @@ class ChatRenderer:
             self.tool_format = tool_call_parser  # type: ignore[assignment]
         else:
             raise ValueError(f"gateway.tool_call_parser must be 'auto', 'none' or one of {TOOL_FORMATS}, got {tool_call_parser!r}")
+        if self.tool_format is not None and (self.tool_format == "harmony") != (self.harmony is not None):
+            raise ValueError(f"gateway.tool_call_parser={self.tool_format} does not fit the chat template "
+                             f"({self.info.family}): harmony is gpt-oss's format and gpt-oss writes no other")
         self.encoder = SegmentEncoder(tokenizer)
         # stop_spec(stop strings) -> StopSpec; raises TemplateError for an empty string
         self.stop_spec = functools.lru_cache(maxsize=1024)(self._stop_ids_for)
@@ -188,9 +230,12 @@ class ChatRenderer:
     ) -> str:
         """The templated conversation plus (generation_prompt) the assistant generation prompt, as text.
 
-        template_kwargs: extra variables for the template (e.g. enable_thinking for Qwen3).
+        template_kwargs: extra variables for the template (e.g. enable_thinking for Qwen3;
+        `pin_date(...)` fixes the date). Harmony: messages go through harmony.template_messages.
         Raises TemplateError when the template rejects the conversation.
         """
+        if self.harmony is not None:
+            messages = template_messages(messages)
         extra = dict(template_kwargs or {})
         if _RESERVED_KWARGS & extra.keys():
             raise TemplateError(f"chat_template_kwargs may not set {sorted(_RESERVED_KWARGS & extra.keys())}")

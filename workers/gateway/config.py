@@ -31,7 +31,8 @@ class GatewayConfig:
     chat_template: path of a Jinja chat template that replaces the tokenizer's (vLLM's
         `--chat-template`), e.g. one that renders tools for a model whose own template does not.
     tool_call_parser: "auto" (detect the format from the template), "hermes" (Qwen2.5 JSON
-        `<tool_call>`), "qwen3_coder" (XML `<function=...>`), "llama3_json" (Llama 3.x), or "none" (requests with tools get 400).
+        `<tool_call>`), "qwen3_coder" (XML `<function=...>`), "llama3_json" (Llama 3.x), "harmony"
+        (gpt-oss; only with a harmony template), or "none" (requests with tools get 400).
     max_turns: turns a session may run (429 past it).
     token_continuity: build a turn's prompt on the recorded tokens when the client's history
         matches the recorded turns (workers/gateway/continuity.py); False always re-renders.

@@ -302,9 +302,14 @@ def chat_completion_body(
     prompt_tokens: int,
     completion_tokens: int,
     logprobs: dict[str, Any] | None = None,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
-    """A non-streaming `chat.completion` object with one choice and `usage`."""
+    """A non-streaming `chat.completion` object with one choice and `usage`; `reasoning` (gpt-oss's
+    analysis channel) goes in the message's `reasoning_content`, vLLM's field, which an agent sends
+    back so the template can render it."""
     message: dict[str, Any] = {"role": "assistant", "content": content or (None if tool_calls else "")}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls_body(tool_calls)
     return {
@@ -331,10 +336,12 @@ def chat_completion_chunks(
     completion_tokens: int,
     include_usage: bool,
     logprobs: dict[str, Any] | None = None,
+    reasoning: str | None = None,
 ) -> list[dict[str, Any]]:
     """The `chat.completion.chunk` objects of one streamed answer, in order (without `[DONE]`).
 
-    Role chunk, content chunk (if any), one chunk per tool call, finish chunk. Usage: a last chunk
+    Role chunk, reasoning chunk (`reasoning_content`, if any), content chunk (if any), one chunk
+    per tool call, finish chunk. Usage: a last chunk
     with `choices: []` when include_usage (OpenAI's contract), else on the finish chunk itself.
     """
 
@@ -348,6 +355,8 @@ def chat_completion_chunks(
         }
 
     chunks = [chunk({"role": "assistant", "content": ""})]
+    if reasoning is not None:
+        chunks.append(chunk({"reasoning_content": reasoning}))
     if content:
         chunks.append(chunk({"content": content}, lp=logprobs))
     for i, c in enumerate(tool_calls):

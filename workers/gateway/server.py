@@ -113,10 +113,7 @@ class GatewayServer:
             tool_call_parser=self._cfg.tool_call_parser,
         )
         self._renderer = renderer
-        if renderer.info.unsupported_reason is not None:
-            log.error("gateway: every request will be refused (400 template_unsupported): %s",
-                      renderer.info.unsupported_reason)
-        elif renderer.tool_format is None:
+        if renderer.tool_format is None:
             log.warning(
                 "gateway: the chat template of %s renders no known tool-call format; requests offering "
                 "tools will be refused (set gateway.chat_template / tool_call_parser to serve tool agents)",

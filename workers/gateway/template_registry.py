@@ -2,8 +2,9 @@
 
 `identify(template_text)` reads markers that only one family's templates write (the tool-call
 syntax, the turn delimiters, the reasoning block) and returns a `TemplateInfo`: the family, its
-tool-call format (the name of vLLM's `--tool-call-parser` for it), whether it renders a reasoning
-block, the tokens that end an assistant turn besides eos, and whether the gateway can serve it.
+tool-call format (vLLM's `--tool-call-parser` name for it; "harmony" for gpt-oss), whether it
+renders a reasoning block, the tokens that end an assistant turn besides eos, and those after
+which the format rewrites the history.
 
 Known families (checked against the real templates of Qwen, Llama and gpt-oss shipped in TRL
 1.16.0 and the official tokenizers, tests/test_gateway_templates.py):
@@ -14,7 +15,8 @@ Known families (checked against the real templates of Qwen, Llama and gpt-oss sh
   qwen2_5      Qwen2.5 (hermes JSON calls, the "You are Qwen" default system message)
   chatml       any other ChatML template with hermes `<tool_call>` (the tiny model's)
   llama3       Llama 3.1 / 3.2: JSON `{"name", "parameters"}` calls, tool results as `ipython`
-  harmony      gpt-oss: channels and `<|call|>`; not served (see `unsupported_reason`)
+  harmony      gpt-oss: channels, calls to `functions.*` ended by `<|call|>`, final answers by
+               `<|return|>` (parsed from ids by openai-harmony: workers/gateway/harmony.py)
   unknown      anything else: plain chat works, requests offering tools are refused
 
 Invariant: the order of the checks goes from the most specific marker to the least, so a
@@ -35,32 +37,27 @@ FAMILIES: tuple[Family, ...] = ("qwen3_coder", "qwen3", "qwen2_5", "chatml", "ll
 class TemplateInfo:
     """What the gateway needs to know about a chat template.
 
-    tool_format: "hermes" | "qwen3_coder" | "llama3_json", or None (tools cannot be parsed).
-    reasoning: the template renders a `<think>` block (generation prompt or history).
+    tool_format: "hermes" | "qwen3_coder" | "llama3_json" | "harmony", or None (tools cannot be parsed).
+    reasoning: the template renders a reasoning block (`<think>`, harmony's analysis channel).
     stop_tokens: texts of tokens that end an assistant turn besides the tokenizer's eos.
-    unsupported_reason: why the gateway refuses every request with this template, or None.
+    final_tokens: end tokens after which the format rewrites the history (harmony's `<|return|>`:
+        the next prompt writes `<|end|>` there and drops the turn's analysis), so the next turn
+        cannot extend the served tokens and starts a new row.
     """
 
     family: Family
     tool_format: str | None
     reasoning: bool = False
     stop_tokens: tuple[str, ...] = ()
-    unsupported_reason: str | None = None
-
-
-HARMONY_REASON = (
-    "the chat template is gpt-oss's harmony format (channels, `<|call|>`), which this gateway does not "
-    "parse yet: its turns would be recorded without their tool calls. Serve gpt-oss through a harmony-aware "
-    "endpoint, or give gateway.chat_template a template this gateway supports"
-)
+    final_tokens: tuple[str, ...] = ()
 
 
 def identify(template: str | None) -> TemplateInfo:
     """The family of `template` (see the module docstring); `unknown` for None or no marker."""
     t = template or ""
     if "<|channel|>" in t and "<|start|>" in t:
-        return TemplateInfo("harmony", None, reasoning=True, stop_tokens=("<|call|>", "<|return|>"),
-                            unsupported_reason=HARMONY_REASON)
+        return TemplateInfo("harmony", "harmony", reasoning=True, stop_tokens=("<|call|>", "<|return|>"),
+                            final_tokens=("<|return|>",))
     if "<|start_header_id|>" in t and "<|eot_id|>" in t:
         tools = '"parameters"' in t or "ipython" in t
         return TemplateInfo("llama3", "llama3_json" if tools else None, stop_tokens=("<|eot_id|>", "<|eom_id|>"))

@@ -1,11 +1,13 @@
 """Tool-call parsing of generated text, in the format the model's chat template teaches.
 
-Three formats (the names are vLLM's `--tool-call-parser` names):
+Four formats (the names are vLLM's `--tool-call-parser` names, gpt-oss's is "openai" there):
   "hermes"       Qwen2.5 / Hermes JSON: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
   "qwen3_coder"  Qwen3-Coder XML: `<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n
                  </function>\\n</tool_call>`
   "llama3_json"  Llama 3.1/3.2: the whole answer is `{"name": ..., "parameters": {...}}` (optionally
                  after `<|python_tag|>`; several calls separated by `;`)
+  "harmony"      gpt-oss: calls are messages to `functions.NAME`; parsed from the generated token
+                 ids by openai-harmony (workers/gateway/harmony.py), not from text here
 `detect_tool_format(template)` picks one from the chat template's text (template_registry.py;
 None: the template renders no known tool-call format, and the gateway refuses requests that offer
 tools instead of silently never parsing a call).
@@ -28,10 +30,11 @@ from typing import Any, Literal, get_args
 
 from workers.gateway.template_registry import identify
 
-ToolFormat = Literal["hermes", "qwen3_coder", "llama3_json"]
+ToolFormat = Literal["hermes", "qwen3_coder", "llama3_json", "harmony"]
 # `model.tool_call_parser`: detect from the template ("auto"), a ToolFormat, or "none" (tools refused)
 TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", *get_args(ToolFormat), "none")
 TOOL_FORMATS: tuple[ToolFormat, ...] = get_args(ToolFormat)
+TEXT_FORMATS: tuple[ToolFormat, ...] = ("hermes", "qwen3_coder", "llama3_json")  # parse_tool_calls reads these
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -56,11 +59,16 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ParsedOutput:
-    """Generated text split into the assistant's content and its tool calls."""
+    """Generated text split into the assistant's content and its tool calls.
+
+    reasoning: the model's reasoning when the format keeps it apart from the content (harmony's
+    analysis channel, returned as `reasoning_content`); None otherwise.
+    """
 
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
     ill_formed: bool = False
+    reasoning: str | None = None
 
 
 def new_call_id() -> str:
@@ -79,10 +87,11 @@ def parse_tool_calls(
     """Split `text` into content and tool calls in format `fmt` (see the module docstring).
 
     tools: the request's OpenAI tool definitions; the XML format uses their parameter schemas to
-    type values (`"3"` -> 3 for an integer parameter). Raises ValueError for an unknown format.
+    type values (`"3"` -> 3 for an integer parameter). Raises ValueError for an unknown format
+    or "harmony" (parsed from token ids: workers/gateway/harmony.py).
     """
-    if fmt not in TOOL_FORMATS:
-        raise ValueError(f"unknown tool-call format {fmt!r}; known: {TOOL_FORMATS}")
+    if fmt not in TEXT_FORMATS:
+        raise ValueError(f"tool-call format {fmt!r} is not parsed from text here; text formats: {TEXT_FORMATS}")
     if fmt == "llama3_json":
         return _parse_llama3(text)
     start = text.find(TOOL_CALL_OPEN)

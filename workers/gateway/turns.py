@@ -1,9 +1,9 @@
 """One model turn, whatever API asked for it: render, budget, route, generate, parse, record.
 
 `TurnRunner.run` is shared by the OpenAI and Anthropic routes. Steps, in order:
-1. refuse a template the gateway cannot serve (gpt-oss harmony: 400 `template_unsupported`, from
-   the first request of every session) and tools when the model's template has no known
-   tool-call format (400 `tools_unsupported`), never a silent no-op;
+1. refuse tools when the model's template has no known tool-call format (400 `tools_unsupported`),
+   never a silent no-op; pin the session's date (its first turn's time, chat_template.pin_date)
+   so the system message of a template that writes the date renders the same on every turn;
 2. render the conversation to ids (chat_template.py) and clamp max_tokens to the session's
    remaining context: a prompt that leaves no room is 400 `context_length_exceeded`. When the
    messages continue a recorded turn (continuity.py, `continuity=True`), the prompt is the
@@ -22,7 +22,11 @@
    client disconnected) cancels the engine call, which aborts the request in the engine;
 5. parse tool calls in the template's format (a call it cannot read: raw text, turn ill_formed;
    tool_choice "required" or a named function that the output does not honour: ill_formed too,
-   as the gateway cannot constrain decoding);
+   as the gateway cannot constrain decoding); gpt-oss's harmony output is parsed from the
+   generated ids by openai-harmony (harmony.py: content, reasoning, calls), with or without tools.
+   After a harmony final answer (`<|return|>`, TemplateInfo.final_tokens) the format rewrites the
+   history (analysis dropped, `<|end|>` written), so the next turn starts a new row in either
+   history mode; inside a tool-call chain the history is kept and the session stays one row;
 6. record the turn in the capture store (exact served ids; see capture.py) and remember it for
    continuity (when it ended on an added stop token). A stop string of
    several tokens (the engine stops on single ids only) is applied after generation: the answer
@@ -36,14 +40,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from workers.core.seeds import turn_seed
 from workers.core.types import GenerateRequest, GenerateResult
 from workers.gateway.capture import CaptureStore, Session, SessionNotFound, TurnKind, TurnRecord
-from workers.gateway.chat_template import ChatRenderer, TemplateError
+from workers.gateway.chat_template import ChatRenderer, TemplateError, pin_date
 from workers.gateway.continuity import TurnMemo, context_key, digest, find_continuation, message_key, remember
 from workers.gateway.linear import closer, healed_text
 from workers.gateway.metrics import Counters
@@ -53,6 +59,7 @@ from workers.gateway.tool_parsers import ParsedOutput, parse_tool_calls
 
 REPLICA_POLL_S = 0.1  # how often a turn waiting for a replacement replica looks again (seconds)
 _KIND_COUNTER = {TurnKind.FIRST: "turns_first", TurnKind.CLEAN: "turns_clean", TurnKind.FORK: "turns_fork"}
+DATE_PIN = "conversation_date"  # capture.pinned key of the session's date
 
 
 @dataclass(frozen=True)
@@ -143,7 +150,7 @@ class TurnRunner:
 
     def __init__(self, capture: CaptureStore, router: ReplicaRouter, renderer: ChatRenderer, counters: Counters,
                  *, continuity: bool = True, history_mode: str = "tree", on_nonlinear: str = "reset",
-                 replica_wait_s: float = 0.0) -> None:
+                 replica_wait_s: float = 0.0, now: Callable[[], datetime.datetime] = datetime.datetime.now) -> None:
         self.capture = capture
         self.router = router
         self.renderer = renderer
@@ -152,12 +159,12 @@ class TurnRunner:
         self.linear = history_mode == "linear"
         self.on_nonlinear = on_nonlinear
         self.replica_wait_s = replica_wait_s  # wait this long for a replacement when no replica is healthy
+        self.now = now  # local time, as transformers' strftime_now: the date a session pins
 
-    def check_template(self) -> None:
-        """Raise ApiError(400, template_unsupported) when the gateway cannot serve the template."""
-        reason = self.renderer.info.unsupported_reason
-        if reason is not None:
-            raise bad_request(reason, code="template_unsupported")
+    def pinned(self, session: Session, req: ChatRequest) -> ChatRequest:
+        """`req` with the session's date pinned into its template arguments (its first turn's)."""
+        at = self.capture.pinned(session.session_id, DATE_PIN, self.now())
+        return dataclasses.replace(req, chat_template_kwargs=pin_date(req.chat_template_kwargs, at))
 
     def check_tools(self, req: ChatRequest) -> None:
         """Raise ApiError(400, tools_unsupported) when tools are offered but cannot be parsed."""
@@ -171,14 +178,12 @@ class TurnRunner:
 
     def prompt_ids(self, req: ChatRequest) -> tuple[int, ...]:
         """[prompt_len] rendered ids of the request. Raises TemplateError, ApiError."""
-        self.check_template()
         self.check_tools(req)
         return self.renderer.render(req.messages, req.tools, req.chat_template_kwargs)
 
     def _render(self, session: Session, req: ChatRequest) -> _Rendered:
         """The turn's prompt: the plain render, a healed linear history, or a continuation of a
         recorded turn."""
-        self.check_template()
         self.check_tools(req)
         r, sid = self.renderer, session.session_id
         text = r.render_text(req.messages, req.tools, req.chat_template_kwargs)
@@ -205,6 +210,8 @@ class TurnRunner:
         if last.context == plain.context and n < len(plain.keys) and plain.keys[:n] == last.messages:
             if self.capture.extends_a_row(sid, plain.ids):  # the template kept the history as served
                 return plain
+            if last.end_text in self.renderer.info.final_tokens:  # harmony after a final answer: the
+                return plain  # format drops its analysis and writes <|end|>: a new row, not a non-linear history
             text = self._healed_text(req, n, last.end_text, plain.text)
             if text is not None:
                 prefix = self.capture.row_prefix(sid, last.row_index, last.row_len)
@@ -228,8 +235,11 @@ class TurnRunner:
         before = list(req.messages[: n - 1])
         try:
             prefix = r.render_text(req.messages[:n], tools, kwargs, generation_prompt=False)
-            close = closer(lambda body: r.render_text([*before, {"role": "assistant", "content": body}], tools, kwargs,
-                                                      generation_prompt=False))
+            if r.harmony is not None:  # each harmony message closes with the token the model ended it with
+                close = end_text or ""
+            else:
+                close = closer(lambda body: r.render_text([*before, {"role": "assistant", "content": body}], tools,
+                                                          kwargs, generation_prompt=False))
         except TemplateError:
             return None
         return healed_text(full_text, prefix, close, end_text, req.messages[n:])
@@ -252,11 +262,16 @@ class TurnRunner:
         return _Rendered(ids, keys, context, text)
 
     def _answer_key(self, req: ChatRequest, text: str) -> bytes:
-        """message_key of the assistant message an answer written as `text` is returned as."""
-        fmt = self.renderer.tool_format
-        parsed = parse_tool_calls(text, fmt, req.tools) if req.tools and fmt is not None else ParsedOutput(text)
+        """message_key of the assistant message an answer written as `text` is returned as
+        (harmony: the text's ids parsed as generated ids are)."""
+        fmt, h = self.renderer.tool_format, self.renderer.harmony
+        if h is not None:
+            parsed = h.parse(self.renderer.encoder.encode(text), tools_offered=bool(req.tools), whole=True)
+        else:
+            parsed = parse_tool_calls(text, fmt, req.tools) if req.tools and fmt is not None else ParsedOutput(text)
         calls = [{"function": {"name": c.name, "arguments": c.arguments()}} for c in parsed.tool_calls]
-        return message_key({"role": "assistant", "content": parsed.content, "tool_calls": calls})
+        return message_key({"role": "assistant", "content": parsed.content, "tool_calls": calls,
+                            "reasoning_content": parsed.reasoning})
 
     def _remember(self, sid: str, req: ChatRequest, rendered: _Rendered, text: str, result: GenerateResult,
                   stop_ids: tuple[int, ...], record: TurnRecord) -> None:
@@ -278,6 +293,7 @@ class TurnRunner:
 
     async def run(self, session: Session, req: ChatRequest, *, id_prefix: str = "chatcmpl-") -> TurnOutcome:
         """Serve one turn (see the module docstring for the steps and the errors raised)."""
+        req = self.pinned(session, req)
         rendered = self._render(session, req)
         prompt_ids = rendered.ids
         stops = self.renderer.stop_spec(req.stop)
@@ -299,7 +315,7 @@ class TurnRunner:
         else:
             n_keep, text, stop_sequence = cut
             result = truncate_result(result, n_keep)
-        parsed = self._parse(req, text)
+        parsed = self._parse(req, text, result.output_ids)
         try:
             record = self.capture.record_turn(session.session_id, prompt_ids, result, ill_formed=parsed.ill_formed)
         except SessionNotFound:
@@ -316,16 +332,24 @@ class TurnRunner:
             c.add("turns_ill_formed")
         return TurnOutcome(completion_id, int(time.time()), prompt_ids, result, parsed, record, stop_sequence)
 
-    def _parse(self, req: ChatRequest, text: str) -> ParsedOutput:
-        fmt = self.renderer.tool_format
-        if not req.tools or req.tool_choice == "none" or fmt is None:
+    def _parse(self, req: ChatRequest, text: str, output_ids: tuple[int, ...]) -> ParsedOutput:
+        """The answer's content and calls: harmony from the ids (always: content is the final
+        channel's text), other formats from the text when tools were offered."""
+        fmt, h = self.renderer.tool_format, self.renderer.harmony
+        offered = bool(req.tools) and req.tool_choice != "none"
+        if h is not None:
+            parsed = h.parse(output_ids, tools_offered=offered)
+        elif not offered or fmt is None:
             return ParsedOutput(content=text)
-        parsed = parse_tool_calls(text, fmt, req.tools)
-        if parsed.ill_formed or req.tool_choice == "auto":
+        else:
+            parsed = parse_tool_calls(text, fmt, req.tools)
+        if parsed.ill_formed or req.tool_choice in ("auto", "none"):
             return parsed
         names = {c.name for c in parsed.tool_calls}
         honoured = bool(names) if req.tool_choice == "required" else names == {req.tool_choice}
-        return parsed if honoured else ParsedOutput(content=text, tool_calls=parsed.tool_calls, ill_formed=True)
+        if honoured:
+            return parsed
+        return dataclasses.replace(parsed, content=parsed.content if h is not None else text, ill_formed=True)
 
     async def _generate(self, session_id: str, gen: GenerateRequest) -> GenerateResult:
         deadline = time.monotonic() + self.replica_wait_s
