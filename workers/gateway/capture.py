@@ -178,7 +178,8 @@ class _Row:
 
 
 class _SessionState:
-    __slots__ = ("view", "digest", "rows", "turns", "started", "memos", "engine_lost", "tree_only", "nonlinear")
+    __slots__ = ("view", "digest", "rows", "turns", "started", "memos", "engine_lost", "tree_only", "nonlinear",
+                 "context_exceeded")
 
     def __init__(self, view: Session, digest: bytes) -> None:
         self.view = view
@@ -190,6 +191,7 @@ class _SessionState:
         self.engine_lost = False  # a turn found no replica to serve it (mark_engine_lost)
         self.tree_only = False  # linear history gave up on this session (gateway.on_nonlinear=passthrough)
         self.nonlinear = False  # a request was refused as non-linear (gateway.on_nonlinear=error)
+        self.context_exceeded = False  # the session ran out of context (mark_context_exceeded)
 
 
 def _digest(token: str) -> bytes:
@@ -290,6 +292,14 @@ class CaptureStore:
         if state is not None:
             state.nonlinear = True
 
+    def mark_context_exceeded(self, session_id: str) -> None:
+        """Record that the session ran out of context (a request refused 400 context_length_exceeded,
+        or a generation cut at the context's end): its capture says `context_exceeded` and its rollout
+        ends `truncated`. No-op for a session that is not open."""
+        state = self._sessions.get(session_id)
+        if state is not None:
+            state.context_exceeded = True
+
     def close(self, session_id: str) -> SessionCapture:
         """Close the session, revoke its token and return its rows (creation order).
 
@@ -309,6 +319,7 @@ class CaptureStore:
             num_ill_formed_turns=sum(t.ill_formed for t in state.turns),
             engine_lost=state.engine_lost,
             nonlinear=state.nonlinear,
+            context_exceeded=state.context_exceeded,
         )
 
     # -- recording -------------------------------------------------------------------------

@@ -150,7 +150,7 @@ class TrainerShell:
                            lambda b: self.engine.compute_logprobs(b, trained_only=True))
         loss_mask = plan.train.loss_mask
         num_tokens = self._global_sum(float(loss_mask.sum().item()))
-        num_seqs = self._global_sum(float((loss_mask.sum(dim=-1) > 0).sum().item()))
+        num_seqs = self._global_sum(float(plan.train.num_trained_rollouts()))  # rollouts, not rows: see losses.py
         if num_tokens > 0:
             step = self.engine.train_step(plan.train, StepInputs(
                 plan.old_logprobs, plan.is_weights, num_tokens, num_seqs, capture_logprobs=plan.rc is None))

@@ -124,6 +124,17 @@ class TrainBatch:
         """Number of trained tokens (sum of loss_mask)."""
         return int(self.loss_mask.sum().item())
 
+    def num_trained_rollouts(self) -> int:
+        """Rollouts with at least one trained token: the rows of one sample (a rollout whose agent
+        compacted its history or ran a sub-agent is several rows) count once, by the SampleTable;
+        without one, every row with a trained token counts. The seq-mean loss modes divide by this
+        (workers/core/algorithms/losses.py `aggregate_loss`), so a rollout weighs the same however
+        many rows it split into."""
+        has_tokens = self.loss_mask.sum(dim=-1) > 0
+        if self.samples is None:
+            return int(has_tokens.sum().item())
+        return int(torch.unique(self.samples.row_sample[has_tokens]).numel())
+
     @classmethod
     def from_rows(
         cls,

@@ -95,9 +95,14 @@ def aggregate_loss(
     token-mean:          Σ L·m / N_tokens
     seq-mean-token-mean: Σ_seq (Σ_t L·m / n_seq) / N_seqs
     seq-mean-token-sum:  Σ_seq (Σ_t L·m) / N_seqs
-    N_tokens (batch_num_tokens) and N_seqs (global_batch_size, sequences with >= 1 token) default to
-    this batch's own counts; pass the mini-batch totals (summed over data-parallel ranks) when
-    accumulating micro-batches. The result is multiplied by dp_size because FSDP averages gradients
+    N_tokens (batch_num_tokens) and N_seqs (global_batch_size) default to this batch's own counts
+    (N_seqs: rows with >= 1 token); pass the mini-batch totals (summed over data-parallel ranks) when
+    accumulating micro-batches. The trainer passes as N_seqs the mini-batch's rollouts with a trained
+    token (`TrainBatch.num_trained_rollouts`), not its rows: a rollout split into several rows (history
+    compaction, a sub-agent) adds each row's token-loss sum but counts once, so seq-mean-token-sum is
+    Σ_rollout (Σ_t L·m) / N_rollouts, the agentcore-rl-toolkit 0.2.0 contract (rows add token-loss
+    mass, the denominator is the rollout count before the split); token-mean never sees rows at all.
+    seq-mean-token-mean still averages within each row (a split rollout is two row means). The result is multiplied by dp_size because FSDP averages gradients
     over ranks.
 
     Raises ValueError for an unknown mode, or dp_size > 1 without the global count it needs.
