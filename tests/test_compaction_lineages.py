@@ -5,9 +5,10 @@ under the same session (requests with a conversation of their own, interleaved w
 is recorded by the real GatewayServer (127.0.0.1, the tiny model's tokenizer and template, the
 zero-cost ScriptedEngine at the engine seam, the official `openai` SDK) as one row per lineage, each
 exactly the served ids with mask 1 on the generated tokens only. The driver's `build_train_batch`
-gives both rows the rollout's one GRPO advantage, and the loss (token-mean, and seq-mean-token-sum
-with its denominator counting rollouts: `TrainBatch.num_trained_rollouts`) weighs the rollout exactly
-as if its tokens were one row: splitting does not double its weight.
+gives both rows the rollout's one GRPO advantage, and the loss (every `algorithm.loss_agg_mode`, with
+the trainer's denominators counting rollouts: `TrainBatch.num_trained_rollouts`,
+`TrainBatch.rollout_num_tokens`) weighs the rollout exactly as if its tokens were one row: splitting
+does not double its weight.
 """
 
 from __future__ import annotations
@@ -115,23 +116,25 @@ def _merged(batch: TrainBatch) -> TrainBatch:
                       cat(batch.rollout_logprobs), cat(batch.advantages))
 
 
-def _loss_and_rollout_weight(batch: TrainBatch, mode: str, num_seqs: int) -> tuple[float, float]:
-    """(loss, the first rollout's share of it) with per-token loss L = advantage x (1 + token id / 100):
+def _loss_and_rollout_weight(batch: TrainBatch, mode: str, num_seqs: int,
+                             seq_num_tokens: torch.Tensor | None = None) -> tuple[float, float]:
+    """(loss, the first rollout's term of it) with per-token loss L = advantage x (1 + token id / 100):
     a token's loss depends on the token, not on where its row put it."""
     loss_mat = batch.advantages * (1 + 0.01 * batch.input_ids.float())
-    total = aggregate_loss(loss_mat, batch.loss_mask, mode, global_batch_size=num_seqs)
+    total = aggregate_loss(loss_mat, batch.loss_mask, mode, global_batch_size=num_seqs, seq_num_tokens=seq_num_tokens)
     first = batch.loss_mask.clone()
     first[-1] = 0  # only the first rollout's rows (the peer is the last row in both layouts)
     return float(total), float(aggregate_loss(loss_mat, first, mode, batch_num_tokens=batch.num_loss_tokens,
-                                              global_batch_size=num_seqs))
+                                              global_batch_size=num_seqs, seq_num_tokens=seq_num_tokens))
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
 def test_a_rollout_split_into_two_rows_weighs_the_same_as_one_row(mode):
     """The loss does not weight a rollout by how many rows it split into: with the trainer's
-    denominator (`num_trained_rollouts`: rollouts, not rows) the split batch's loss and the first
-    rollout's share of it equal those of the merged layout; counting rows (3 instead of 2), the
-    seq-mean-token-sum loss would shrink to 2/3 and every other rollout lose weight to the split one."""
+    denominators (`num_trained_rollouts`: rollouts, not rows; `rollout_num_tokens`: a row's rollout's
+    trained tokens) the split batch's loss and the first rollout's term of it equal those of the
+    merged layout. Counting rows instead (3, not 2), seq-mean-token-sum would shrink to 2/3 and every
+    other rollout lose weight to the split one; per-row means would count the split rollout twice."""
     split_rows = (make_row([1, 2, 3], [4, 5, 6]), make_row([1, 9], [8, 7, 6, 5]))  # 3 + 4 trained tokens
     rollout = Sample("r", 0, "in-0", 0, split_rows, 1.0, "completed", 0.1)
     peer = make_sample(0, 1, 0.0, rows=[make_row([1, 2], [3, 4, 5, 6, 7])])
@@ -141,12 +144,15 @@ def test_a_rollout_split_into_two_rows_weighs_the_same_as_one_row(mode):
     assert (split.batch_size, merged.batch_size, split.num_trained_rollouts(), merged.num_trained_rollouts()) == (
         3, 2, 2, 2)
     assert split.num_loss_tokens == merged.num_loss_tokens == 12
-    got = _loss_and_rollout_weight(split, mode, split.num_trained_rollouts())
-    want = _loss_and_rollout_weight(merged, mode, merged.num_trained_rollouts())
+    assert split.rollout_num_tokens().tolist() == [7.0, 7.0, 5.0] and merged.rollout_num_tokens().tolist() == [7.0, 5.0]
+    got = _loss_and_rollout_weight(split, mode, split.num_trained_rollouts(), split.rollout_num_tokens())
+    want = _loss_and_rollout_weight(merged, mode, merged.num_trained_rollouts(), merged.rollout_num_tokens())
     assert got == pytest.approx(want, rel=1e-6)
-    if mode == "seq-mean-token-sum":  # the old denominator (rows) is what this guards against
-        by_rows = _loss_and_rollout_weight(split, mode, split.batch_size)
+    by_rows = _loss_and_rollout_weight(split, mode, split.batch_size)  # the row-counting denominators
+    if mode == "seq-mean-token-sum":
         assert by_rows[0] == pytest.approx(want[0] * 2 / 3, rel=1e-6)
+    if mode == "seq-mean-token-mean":  # two row means over 3 rows: not the rollout's one mean over 2
+        assert by_rows[1] != pytest.approx(want[1], rel=1e-3)
 
 
 def test_num_trained_rollouts_counts_each_sample_once():

@@ -94,6 +94,7 @@ class StepInputs:
     num_tokens: float
     num_seqs: float
     capture_logprobs: bool
+    seq_num_tokens: "torch.Tensor | None" = None  # [rows] trained tokens of each row's rollout (seq-mean-token-mean)
 
 
 @dataclass(frozen=True)

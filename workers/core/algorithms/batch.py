@@ -135,6 +135,17 @@ class TrainBatch:
             return int(has_tokens.sum().item())
         return int(torch.unique(self.samples.row_sample[has_tokens]).numel())
 
+    def rollout_num_tokens(self) -> torch.Tensor:
+        """[B] float32: the trained tokens of each row's rollout, all its rows together (by the
+        SampleTable; without one, the row's own): seq-mean-token-mean's per-sequence denominator, so
+        a rollout split into rows still takes one token mean (losses.py `aggregate_loss`)."""
+        per_row = self.loss_mask.sum(dim=-1).to(torch.float32)
+        if self.samples is None:
+            return per_row
+        table = self.samples
+        per_sample = torch.zeros(table.num_samples, dtype=torch.float32).index_add_(0, table.row_sample, per_row)
+        return per_sample[table.row_sample]
+
     @classmethod
     def from_rows(
         cls,
