@@ -16,6 +16,7 @@ truncated terminal state over real ACR parts is in tests/test_rollout_worker.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import anthropic
 import openai
@@ -244,3 +245,49 @@ def test_a_multi_turn_row_is_never_cut_at_the_per_turn_cap():
     batch = build_train_batch((group,), pad_id=0, norm_adv_by_std=True)
     assert batch.seq_len == len(ids) == 62 and batch.input_ids[0].tolist() == ids
     assert int(batch.loss_mask[0].sum()) == 3 * max_tokens
+
+
+class TruncatingStore(MemoryStore):
+    """The buffer seam, storing sample 3 of every group as the rollout worker stores a rollout that
+    ran out of context under `policy` (its agent reported AGENT_REWARD)."""
+
+    def __init__(self, policy: str) -> None:
+        super().__init__()
+        self.policy = policy
+
+    async def put(self, samples, partition):
+        cut = truncation(self.policy, AGENT_REWARD, None)  # type: ignore[arg-type]
+        await super().put([dataclasses.replace(s, status="truncated", reward=cut.reward, error=cut.error)
+                           if s.sample_index == 3 else s for s in samples], partition)
+
+
+@pytest.mark.parametrize("policy", OVERFLOW_POLICIES)
+async def test_the_async_loop_goes_on_and_closes_truncated_rollouts_once(policy):
+    """mode=async with staleness dropping (η = 1) and seeded latencies: every dispatched rollout
+    reaches one terminal state, truncated among them; the truncated rollouts the steps took are
+    exactly the ledger's `rollout/truncated` (even the stale ones: truncated wins over expired), and
+    the trainer sees them only under train_zero (reward 0) or train_reward (the agent's)."""
+    import random
+
+    from orchestrator.loop.async_loop import AsyncLoopSettings, run_async
+    from stand_ins import RecordingTrainer, SimReplica, SimRollouts, alternating_reward
+
+    store, engine = TruncatingStore(policy), SimReplica()
+    rollouts = SimRollouts(store, engine, random.Random(7), alternating_reward, 0.05)
+    trainer, logger = RecordingTrainer(engine), ListLogger()
+    rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(50)]
+    parts = LoopParts(prompts=PromptCycle(rows, seed=7), rollouts=rollouts, store=store, trainer=trainer,
+                      weights=engine, logger=logger, ledger=RolloutLedger())
+    report = await asyncio.wait_for(run_async(parts, AsyncLoopSettings(
+        total_steps=4, groups_per_update=2, n=4, sync_every=1, max_staleness=1, on_stale="drop",
+        filter_zero_variance=True, drain_timeout_s=10)), timeout=60)
+    c = report.counts
+    assert report.stopped is None and report.steps == 4 and not parts.ledger.open_rollouts()
+    assert c["rollout/dispatched"] == rollouts.dispatched == sum(
+        c[f"rollout/{k}"] for k in ("completed", "failed", "filtered", "expired", "truncated"))
+    assert c["rollout/truncated"] == sum(m["rollout/step_truncated"] for _, m in logger.steps) >= 4
+    trained = [s for _, s in trainer.trained if s.status == "truncated"]
+    if policy == "drop":
+        assert not trained
+    else:
+        assert trained and {s.reward for s in trained} == {0.0 if policy == "train_zero" else AGENT_REWARD}
