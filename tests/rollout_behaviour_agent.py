@@ -14,7 +14,10 @@ from ACR's session header, the reply text) so a test can check what reached the 
 - slow: sleeps `sleep_s` inside the invocation, then writes `{"rewards": 1.0}`;
 - slow_result: answers the invocation at once, writes `{"rewards": 1.0}` `sleep_s` later
   (the agentcore-rl-toolkit shape: acknowledge, then finish in the background);
-- crash: raises (the SDK answers HTTP 500, ACR a RuntimeClientError), writes nothing.
+- crash: raises (the SDK answers HTTP 500, ACR a RuntimeClientError), writes nothing;
+- overflow: two more turns on the same conversation, the third with a tool result far longer than
+  the context: the gateway answers 400 `context_length_exceeded`, the agent catches it (as an agent
+  that treats overflow as the end of its episode does) and writes `{"rewards": 0.75}`.
 """
 
 from __future__ import annotations
@@ -51,6 +54,24 @@ async def _late_result(bucket: str, key: str, body: dict, sleep_s: float) -> Non
     await _put(bucket, key, body)
 
 
+async def _overflow(client: openai.AsyncOpenAI, r: dict, prompt: str, reply: str) -> None:
+    """Turns 2 and 3 of the `overflow` behaviour; turn 3 must be refused for its length."""
+    msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply},
+            {"role": "user", "content": "Again."}]
+    second = await client.chat.completions.create(model=r["model_id"], messages=msgs, max_tokens=r.get("max_tokens"))
+    msgs += [{"role": "assistant", "content": second.choices[0].message.content}, {"role": "user", "content": "q " * 2000}]
+    try:
+        await client.chat.completions.create(model=r["model_id"], messages=msgs, max_tokens=r.get("max_tokens"))
+    except openai.BadRequestError as e:
+        if e.code != "context_length_exceeded":
+            raise
+    else:
+        raise RuntimeError("turn 3 should have overflowed the context")
+
+
+RESULTS["overflow"] = {"rewards": 0.75}
+
+
 @app.entrypoint
 async def invoke(payload, context):
     r = payload["_rollout"]
@@ -62,6 +83,9 @@ async def invoke(payload, context):
             messages=[{"role": "user", "content": payload.get("prompt", "Repeat the letter q 4 times.")}],
             max_tokens=r.get("max_tokens"),
         )
+        if behaviour == "overflow":
+            await _overflow(client, r, payload.get("prompt", "Repeat the letter q 4 times."),
+                            resp.choices[0].message.content)
     echo = {"rollout": r, "session_id": session_id, "reply": resp.choices[0].message.content}
     await _put(r["s3_bucket"], f"_echo/{session_id}.json", echo)
     if behaviour == "crash":

@@ -1,7 +1,8 @@
 """The health alarms (orchestrator/watch/alarms.py) on fed step metrics, and their report table.
 
 Each alarm fires on the signal it watches (a malformed tool-call rate climbing, a masked fraction
-climbing, trained rollouts shorter than the ones that finished), warns once when it starts and
+climbing, trained rollouts shorter than the ones that finished, rollouts running out of context),
+warns once when it starts and
 once when it clears, and stays at 0 on flat, healthy series.
 """
 
@@ -21,7 +22,7 @@ def healthy(step: int) -> dict[str, float]:
     return {"gateway/turns_served": 100.0 * step, "gateway/turns_ill_formed": 1.0 * step,
             "rollout_corr/rollout_rs_masked_fraction": 0.005,
             "rollout/response_tokens_mean": 300.0, "rollout/trained_response_tokens_mean": 300.0,
-            "rollout/turns_mean": 6.0, "rollout/trained_turns_mean": 6.0}
+            "rollout/turns_mean": 6.0, "rollout/trained_turns_mean": 6.0, "rollout/truncated_share": 0.02}
 
 
 def run(alarms: HealthAlarms, series: list[dict[str, float]]) -> list[dict[str, float]]:
@@ -78,5 +79,23 @@ def test_the_report_lists_the_steps_each_alarm_held(tmp_path):
     steps = [{"step": 1, **dict.fromkeys(ALARMS, 0.0)}, {"step": 2, **dict.fromkeys(ALARMS, 0.0),
                                                             "alarm/length_bias": 1.0}]
     table = alarm_steps(RunData(name="r", path=tmp_path, steps=steps))
-    assert table == {"malformed_tool_calls": "none", "masked_fraction": "none", "length_bias": "2"}
+    assert table == {"malformed_tool_calls": "none", "masked_fraction": "none", "length_bias": "2",
+                     "truncated_share": "none"}
     assert set(alarm_steps(RunData(name="old", path=tmp_path, steps=[{"step": 1}])).values()) == {"-"}
+
+
+def test_a_high_truncated_share_fires_and_clears(caplog):
+    """Issue 28 item 3: truncated rollouts (ran out of context) feed the alarms. 2 % truncated is
+    healthy; 25 % for steps 6..12 fires once the last-4 mean reaches 10 %, and clears after."""
+    shares = [0.02] * 5 + [0.25] * 7 + [0.0] * 8
+    with caplog.at_level(logging.WARNING, logger="orchestrator.watch.alarms"):
+        out = run(HealthAlarms(AlarmSettings(window=4)), [{**healthy(s + 1), "rollout/truncated_share": v}
+                                                          for s, v in enumerate(shares)])
+    held = [i + 1 for i, o in enumerate(out) if o["alarm/truncated_share"] == 1.0]
+    # step 6's window is 2,2,2,25 % (7.75 %: silent); step 7's 2,2,25,25 % (13.5 %) fires; step 14's
+    # 25,25,0,0 % (12.5 %) holds; step 15's 25,0,0,0 % (6.25 %) clears
+    assert held == list(range(7, 15)), held
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and "step 7: alarm/truncated_share" in messages[0] and "rollout.max_context_tokens" \
+        in messages[0] and "cleared" in messages[1]
+    assert not any(o["alarm/malformed_tool_calls"] or o["alarm/length_bias"] for o in out)

@@ -96,6 +96,7 @@ def test_default_config_is_the_embedded_default():
         ("run_dir=", "run_dir"),  # empty: would write the run into the current directory
         ("trainer.weight_sync.backend=nccl", "trainer.weight_sync.backend"),  # needs CUDA, cluster=local is CPU
         ("rollout.redispatch_lost=-1", "rollout.redispatch_lost"),  # issue 14: fault handling keys
+        ("rollout.overflow=zero", "rollout.overflow"),  # issue 28: train_zero | drop | train_reward
         ("inference.max_restarts=-1", "inference.max_restarts"),
         ("inference.health_check_s=0", "inference.health_check_s"),
         ("trainer.collective_timeout_s=0", "trainer.collective_timeout_s"),

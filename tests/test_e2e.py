@@ -181,7 +181,7 @@ def test_first_ctrl_c_stops_the_run_fast_and_leaves_nothing_behind(tmp_path, mod
         report = run_dir / "report" / "report.html"  # drawn while the parts stopped (issue 15: also when interrupted)
         assert f"report: {report}" in rest and report.is_file(), rest[-3000:]
         assert summary["interrupted"] is True and summary["steps"] >= 1
-        terminal = sum(summary[f"rollout/{k}"] for k in ("completed", "failed", "filtered", "expired"))
+        terminal = sum(summary[f"rollout/{k}"] for k in ("completed", "failed", "filtered", "expired", "truncated"))
         assert summary["rollout/dispatched"] == terminal + summary["rollout/open"], summary  # nothing lost
     alive, shm_left = _left_behind(tree, shm, timeout_s=15)
     assert not alive and not shm_left, (alive, shm_left)

@@ -135,6 +135,37 @@ def req(behaviour: str, input_id: str, group_id: int = 0, sample_index: int = 0,
                           row={"behaviour": behaviour, "prompt": "Repeat the letter q 4 times.", **row})
 
 
+# ----------------------------------------------------------------------------- context overflow (issue 28 item 3)
+
+
+@pytest.mark.parametrize("overflow,reward", [("train_zero", 0.0), ("drop", None), ("train_reward", 0.75)])
+async def test_an_agent_that_overflows_the_context_on_turn_3_ends_truncated(rig: Rig, overflow: str, reward):
+    """The agent's third turn does not fit the session's 512-token context: the gateway answers 400
+    context_length_exceeded, the agent still reports 0.75, and the rollout ends `truncated` with the
+    reward rollout.overflow gives it; its two served turns are one exact row; everything released."""
+    worker = RolloutWorker(replace(rig.settings, overflow=overflow), rig.gateway, rig.acr, rig.sink)
+    out = await asyncio.wait_for(worker.run(req("overflow", f"row-overflow-{overflow}"), PARTITION), TIMEOUT_S)
+    assert (out.status, out.reward, out.reason) == ("truncated", reward, None), out.error
+    assert out.error.startswith("context_length_exceeded: ") and f"rollout.overflow={overflow}" in out.error
+    assert "agent reward 0.75" in out.error
+    [sample] = rig.sink.samples
+    assert (sample.status, sample.reward, sample.trainable) == ("truncated", reward, reward is not None)
+    assert out.num_turns == sample.num_turns == 2 and len(rig.engine.requests) == 2  # turn 3 never reached it
+    [row] = sample.rows
+    assert row.num_generated == 2 * len(rig.engine.replies[0])
+    assert worker.rollout_counts()["rollout/truncated"] == 1 and "rollout/failed" not in worker.rollout_counts()
+    assert rig.gateway.metrics().turns_context_exceeded == 1
+    assert worker.sessions_open == 0 and rig.gateway.num_open_sessions() == 0
+
+
+def test_rollout_overflow_must_name_a_policy():
+    s = RolloutSettings(exp_id="e", agent_runtime_arn="arn", qualifier=None, s3_bucket="b", gateway_base_url="",
+                        model_id="m", max_tokens=8, temperature=1.0, top_p=1.0, timeout_s=1.0, max_context_tokens=64)
+    assert s.overflow == "train_zero"
+    with pytest.raises(ValueError, match=r"rollout.overflow must be one of \['train_zero', 'drop', 'train_reward'\]"):
+        replace(s, overflow="zero")
+
+
 # ----------------------------------------------------------------------------- one rollout per behaviour
 
 # behaviour -> (status, reward, fragment the error must contain, rollout timeout_s)

@@ -315,3 +315,30 @@ def test_sampling_logits_match_vllms_top_p_reference(temperature, top_p):
     outside = torch.isinf(ref).float().argmax(dim=-1)  # a dropped token per row (top_p < 1 drops some)
     kept = sampling_logits(logits, outside, temperature=temperature, top_p=top_p)
     assert torch.isfinite(kept.gather(-1, outside[:, None])).all()
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_a_rollout_of_two_rows_counts_once_in_the_loss(random_qwen2_dir, make_trainer, mode):
+    """Issue 28 item 4 through the real trainer: rollout 0 split into two rows (3 + 4 trained
+    tokens, a compaction) beside rollouts of 5 and 2 tokens, in micro-batches of one row. On policy
+    (π_rollout = π_old = π_θ: ratio and IS weight 1) each token's loss is -A, so the step's pg_loss
+    is the aggregate of -A with the rollout counted once: seq-mean-token-sum -(7·A0 + 5·A1 + 2·A2)/3
+    (rows would divide by 4), seq-mean-token-mean -(A0 + A1 + A2)/3 (per-row means over 4 rows
+    would count A0 twice), token-mean -(7·A0 + 5·A1 + 2·A2)/14."""
+    from workers.core.algorithms.batch import SampleTable
+
+    gen = torch.Generator().manual_seed(3)
+    ids = lambda n: torch.randint(1, VOCAB, (n,), generator=gen).tolist()  # noqa: E731
+    rows = [row(ids(2), ids(3)), row(ids(3), ids(4)), row(ids(2), ids(5)), row(ids(4), ids(2))]
+    adv = {0: 1.0, 1: -0.5, 2: 2.0}
+    table = SampleTable(group_index=torch.tensor([0, 0, 0]), rewards=torch.tensor([1.0, 0.0, 2.0]),
+                        row_sample=torch.tensor([0, 0, 1, 2]))
+    batch = TrainBatch.from_rows(rows, [adv[0], adv[0], adv[1], adv[2]], pad_id=0, samples=table)
+    trainer = make_trainer(random_qwen2_dir, micro_batch_size=1, loss_agg_mode=mode)
+    lp = trainer.compute_logprobs(batch) * batch.loss_mask
+    on_policy = TrainBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, lp, batch.advantages, samples=table)
+    metrics = trainer.update(on_policy)
+    weighted = 7 * adv[0] + 5 * adv[1] + 2 * adv[2]
+    want = {"token-mean": -weighted / 14, "seq-mean-token-sum": -weighted / 3,
+            "seq-mean-token-mean": -(adv[0] + adv[1] + adv[2]) / 3}[mode]
+    assert metrics["actor/pg_loss"] == pytest.approx(want, abs=1e-5)

@@ -181,6 +181,31 @@ def test_bypass_seq_mean_and_token_budget_match_trainer_worker(model_path):
         ref.close()
 
 
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum"])
+def test_rollouts_of_several_rows_count_once_in_both_engines(model_path, mode):
+    """Issue 28 item 4: rows 0-1 and 2-4 are two rollouts (a compaction, a sub-agent), row 5 a third;
+    the seq-mean denominators count rollouts and seq-mean-token-mean takes each rollout's one token
+    mean (TrainBatch.rollout_num_tokens, looked up by row in verl's reordered micro-batches of a
+    16-token budget): verl's engine and TrainerWorker take the same step."""
+    from workers.core.algorithms.batch import SampleTable
+
+    settings = TrainerSettings(model_path=model_path, lr=1e-3, weight_decay=0.0, micro_batch_size=2,
+                               max_tokens_per_micro_batch=16, loss_agg_mode=mode, compute_entropy=False, device="cpu")
+    ours, ref = _pair(settings)
+    try:
+        b = make_batch(3, [1.0, 1.0, -0.5, -0.5, -0.5, 2.0])
+        table = SampleTable(group_index=torch.tensor([0, 0, 0]), rewards=torch.tensor([1.0, 0.0, 2.0]),
+                            row_sample=torch.tensor([0, 0, 1, 1, 1, 2]))
+        batch = TrainBatch(b.input_ids, b.attention_mask, b.loss_mask, b.rollout_logprobs, b.advantages, samples=table)
+        assert batch.num_trained_rollouts() == 3 and batch.rollout_num_tokens().tolist()[:2] == [8.0, 8.0]  # 3 + 5
+        m_ours, m_ref = ours.update(batch), ref.update(batch)
+        _assert_same_update(m_ours, m_ref)
+        _assert_same_weights(ours, ref)
+    finally:
+        ours.close()
+        ref.close()
+
+
 def test_megatron_configs_build_but_the_engine_refuses_a_cpu_host(model_path):
     """Megatron needs CUDA (and megatron-core): trainer=verl fails at startup naming the reason;
     verl's Megatron configs themselves are built from our settings."""

@@ -109,7 +109,8 @@ class GatewayProbe:
         self._last_t, self._last_busy = now, m.engine_busy_s
         out = {"perf/inference_concurrency": busy / dt if dt > 0 else 0.0,
                "gateway/turns_served": float(m.turns_served), "gateway/turns_fork": float(m.turns_fork),
-               "gateway/turns_ill_formed": float(m.turns_ill_formed),
+               "gateway/turns_ill_formed": float(m.turns_ill_formed), "gateway/turns_length": float(m.turns_length),
+               "gateway/turns_context_exceeded": float(m.turns_context_exceeded),
                "gateway/turns_healed": float(m.turns_healed), "gateway/turns_nonlinear": float(m.turns_nonlinear),
                "gateway/healed_prefix_tokens": float(m.healed_prefix_tokens)}
         usage = await self._ask("kv_cache_usage")

@@ -122,6 +122,9 @@ class RolloutConfig:
     result_host: str = "127.0.0.1"
     max_consecutive_bad_results: int = 32  # agent results in a row without a usable reward: stop the run
     redispatch_lost: int = 1  # times a rollout whose actor died runs again (new session id), then failed actor_lost
+    # a rollout that ran out of context ends `truncated` (workers/rollout/overflow.py); its tokens train
+    # at reward 0 (train_zero), not at all (drop) or with the agent's reward (train_reward)
+    overflow: str = "train_zero"
     # contract=a2a: the two phases' own bounds (null: timeout_s) and the cluster-wide cap on rollouts
     # running past their setup (null: none). Containers are the open-session cap
     # (acr.limits.max_open_sessions): more of them than rollout_slots set up ahead (a warm pool)
@@ -224,7 +227,7 @@ def rollout_settings(r: RolloutConfig, *, exp_id: str, agent_runtime_arn: str, g
         max_consecutive_bad_results=r.max_consecutive_bad_results, seed=seed,
         a2a_poll_initial_s=r.poll_initial_s, a2a_poll_max_s=r.poll_max_s,
         setup_timeout_s=r.setup_timeout_s, run_timeout_s=r.run_timeout_s,
-        delete_results=r.acr.delete_results)
+        delete_results=r.acr.delete_results, overflow=r.overflow)  # type: ignore[arg-type]
 
 
 def pool_limits(r: RolloutConfig) -> AcrLimitsConfig:

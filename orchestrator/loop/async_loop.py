@@ -26,8 +26,8 @@ import asyncio
 from dataclasses import dataclass, field
 
 from orchestrator.loop.batching import Group, assemble
-from orchestrator.loop.common import (LoopParts, LoopPosition, LoopReport, close_trained, close_untrained, dispatch_group,
-                                       end_step, finish, ledger_key, report_groups, step_metrics,
+from orchestrator.loop.common import (LoopParts, LoopPosition, LoopReport, close_sample, close_trained, close_untrained,
+                                       dispatch_group, end_step, finish, ledger_key, report_groups, step_metrics,
                                        sync_weights)
 from orchestrator.loop.staleness import AdmissionState
 from orchestrator.loop.staleness import Admission, SampleStaleness, StalenessPolicy, judge_samples, staleness_metrics
@@ -222,13 +222,14 @@ async def _collect(parts: LoopParts, cfg: AsyncLoopSettings, policy: StalenessPo
         inflight.rows.pop(gid, None)  # every sample of the group reaches its terminal state below
         st.samples.extend(samples)
         report_groups(parts.prompts, samples)
-        completed = [s for s in samples if s.status == "completed"]
+        completed = [s for s in samples if s.trainable]  # completed, or truncated with a reward (rollout.overflow)
         verdict = judge_samples(completed, version, policy)
         st.facts.extend(verdict.facts)
+        by_key = {ledger_key(s): s for s in samples}  # judge_samples re-labels a stale one "expired"
         for s in verdict.expired:
-            parts.ledger.on_terminal(ledger_key(s), "expired")
+            close_sample(parts.ledger, by_key[ledger_key(s)], "expired")
         st.masked.update(ledger_key(s) for s, f in zip(completed, verdict.facts) if f.stale and policy.on_stale != "drop")
-        batch = assemble([*verdict.train, *(s for s in samples if s.status != "completed")],
+        batch = assemble([*verdict.train, *(s for s in samples if not s.trainable)],
                          filter_zero_variance=cfg.filter_zero_variance)
         close_untrained(parts.ledger, batch)
         if parts.first_rollouts is not None and (why := parts.first_rollouts.observe(samples)) is not None:

@@ -1,9 +1,12 @@
 """Groups, filters and mini-batch split: from finished samples to what the trainer updates on.
 
 Pure logic (no Ray, no HTTP, no torch). Invariant: every sample handed to `assemble` comes back
-in exactly one of `GroupBatch.trainable`, `.filtered` or `.failed`; a sample without a finite
-reward is never trainable. `RolloutLedger` defends the run-level form of the same invariant:
-dispatched == open + completed + failed + expired + filtered, with every rollout closed once.
+in exactly one of `GroupBatch.trainable`, `.filtered`, `.failed` or `.dropped`; a sample without a
+finite reward is never trainable. `RolloutLedger` defends the run-level form of the same invariant:
+dispatched == open + completed + failed + expired + filtered + truncated, with every rollout closed
+once. A truncated rollout (it ran out of context: workers/rollout/overflow.py) closes `truncated`
+whatever else befalls it (trained at reward 0 or its agent's reward, dropped, filtered with its group,
+or too stale), so `rollout/truncated` counts every rollout that ran out of context.
 """
 
 from __future__ import annotations
@@ -34,22 +37,29 @@ class GroupBatch:
     trainable: tuple[Group, ...]
     filtered: tuple[Sample, ...]
     failed: tuple[Sample, ...]
+    dropped: tuple[Sample, ...] = ()  # truncated samples with no reward to train on (rollout.overflow)
 
 
 def assemble(samples: list[Sample], *, filter_zero_variance: bool, min_group_size: int = 2) -> GroupBatch:
     """Group samples by `group_id` and decide each sample's fate.
 
-    - a sample whose status is not "completed" (failed, expired) goes to `failed`;
-    - a group with fewer than `min_group_size` completed samples cannot form a baseline:
-      its completed samples are `filtered`;
+    - a trainable sample (`Sample.trainable`: completed, or truncated with the reward
+      rollout.overflow gave it) joins its group: a truncated one counts in the GRPO baseline;
+    - a truncated sample without a reward (rollout.overflow=drop) goes to `dropped`;
+    - any other (failed, expired) goes to `failed`;
+    - a group with fewer than `min_group_size` trainable samples cannot form a baseline:
+      its samples are `filtered`;
     - with `filter_zero_variance`, a group whose rewards are all equal carries no GRPO signal
       (every advantage is 0): its samples are `filtered`.
     """
     by_group: dict[int, list[Sample]] = {}
     failed: list[Sample] = []
+    dropped: list[Sample] = []
     for s in samples:
-        if s.status == "completed":
+        if s.trainable:
             by_group.setdefault(s.group_id, []).append(s)
+        elif s.status == "truncated":
+            dropped.append(s)
         elif s.status in ("failed", "expired"):
             failed.append(s)
         else:
@@ -63,7 +73,7 @@ def assemble(samples: list[Sample], *, filter_zero_variance: bool, min_group_siz
             filtered.extend(members)
         else:
             trainable.append(Group(gid, tuple(members)))
-    return GroupBatch(tuple(trainable), tuple(filtered), tuple(failed))
+    return GroupBatch(tuple(trainable), tuple(filtered), tuple(failed), tuple(dropped))
 
 
 def split_groups(groups: tuple[Group, ...], num_mini_batches: int) -> list[tuple[Group, ...]]:
@@ -103,8 +113,9 @@ def reward_stats(samples: list[Sample]) -> dict[str, float]:
 class RolloutLedger:
     """Counts every dispatched rollout until it reaches exactly one terminal state.
 
-    Invariant: dispatched == len(open) + sum(closed counts). Closing an unknown or already
-    closed rollout raises: a double count is a bug, not something to tolerate.
+    Invariant: dispatched == len(open) + sum(closed counts), the terminal states being
+    `TERMINAL_STATES` (completed, failed, expired, filtered, truncated). Closing an unknown or
+    already closed rollout raises: a double count is a bug, not something to tolerate.
     """
 
     _open: set[str] = field(default_factory=set)
@@ -152,7 +163,7 @@ class RolloutLedger:
         self.trained_groups = int(counts.get("rollout/trained_groups", 0))
 
     def counts(self) -> dict[str, int]:
-        """`rollout/{dispatched,completed,failed,expired,filtered,trained_groups}` so far, and
+        """`rollout/{dispatched,completed,failed,expired,filtered,truncated,trained_groups}` so far, and
         `rollout/open`: dispatched and not yet terminal (in flight at an async step's end, or the
         step in progress when a run was interrupted), so that dispatched == open + the terminal
         counts at every point."""

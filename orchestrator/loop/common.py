@@ -130,23 +130,28 @@ def report_groups(prompts: PromptSource, samples: list[Sample]) -> None:
         prompts.on_group_rewards(*by_group[gid])
 
 
+def close_sample(ledger: RolloutLedger, s: Sample, state: str) -> None:
+    """Close one rollout as `state`, or `truncated` when it ran out of context: a truncated rollout
+    closes truncated whatever else befell it (orchestrator/loop/batching.py)."""
+    ledger.on_terminal(ledger_key(s), "truncated" if s.status == "truncated" else state)  # type: ignore[arg-type]
+
+
 def close_untrained(ledger: RolloutLedger, batch: GroupBatch) -> None:
-    """Close the failed and filtered samples of `batch` in the ledger (failures are logged)."""
+    """Close the failed, filtered and dropped samples of `batch` in the ledger (failures are logged)."""
     for s in batch.failed:
-        ledger.on_terminal(ledger_key(s), "failed")
+        close_sample(ledger, s, "failed")
         log.warning("rollout %s failed: %s", s.session_id, s.error)
-    for s in batch.filtered:
-        ledger.on_terminal(ledger_key(s), "filtered")
+    for s in (*batch.filtered, *batch.dropped):
+        close_sample(ledger, s, "filtered")
 
 
 def close_trained(ledger: RolloutLedger, groups: Iterable[Group], masked: set[str] = frozenset()) -> None:
-    """Close every sample of trained `groups`: `completed`, or `expired` when it was trained with a
-    zero loss mask (its key in `masked`)."""
+    """Close every sample of trained `groups`: `completed` (`truncated` when it ran out of context),
+    or `expired` when it was trained with a zero loss mask (its key in `masked`)."""
     for g in groups:
         ledger.on_group_trained()
         for s in g.samples:
-            key = ledger_key(s)
-            ledger.on_terminal(key, "expired" if key in masked else "completed")
+            close_sample(ledger, s, "expired" if ledger_key(s) in masked else "completed")
 
 
 async def sync_weights(parts: LoopParts, version: int) -> int:
@@ -182,7 +187,8 @@ def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[
     rollout) and `rollout/response_tokens_mean` (generated tokens per rollout), and with `trained`
     (the samples the step's updates took) `rollout/trained_turns_mean` and
     `rollout/trained_response_tokens_mean`: the length-bias alarm compares the two
-    (orchestrator/watch/alarms.py)."""
+    (orchestrator/watch/alarms.py); `rollout/step_truncated` (rollouts of the step that ran out of
+    context) and `rollout/truncated_share` (their share of the step's rollouts; an alarm too)."""
     trained_tokens = sum(m.get("actor/num_tokens", 0.0) for m in updates)
     m: dict[str, float] = {
         **reward_stats(samples),
@@ -206,6 +212,8 @@ def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[
         m["rollout/latency_s_max"] = latencies[-1]
         m["rollout/turns_mean"] = sum(s.num_turns for s in samples) / len(samples)
         m["rollout/response_tokens_mean"] = sum(s.num_generated_tokens for s in samples) / len(samples)
+        m["rollout/step_truncated"] = float(sum(s.status == "truncated" for s in samples))
+        m["rollout/truncated_share"] = m["rollout/step_truncated"] / len(samples)
     if trained:
         m["rollout/trained_turns_mean"] = sum(s.num_turns for s in trained) / len(trained)
         m["rollout/trained_response_tokens_mean"] = sum(s.num_generated_tokens for s in trained) / len(trained)

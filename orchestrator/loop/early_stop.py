@@ -61,7 +61,7 @@ class FirstRollouts:
         if self._decided:
             return None
         for s in samples:
-            if s.status == "completed":
+            if s.status in ("completed", "truncated"):  # a truncated agent spoke the contract too
                 self._decided = True
                 return None
             self._seen.append(s)

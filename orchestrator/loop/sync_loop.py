@@ -78,7 +78,8 @@ async def run_sync(parts: LoopParts, cfg: SyncLoopSettings, *, start: LoopPositi
                                trained=[s for g in batch.trainable for s in g.samples])
         metrics.update({"rollout/step_completed": float(sum(len(g.samples) for g in batch.trainable)),
                         "rollout/step_failed": float(len(batch.failed)),
-                        "rollout/step_filtered": float(len(batch.filtered))})
+                        "rollout/step_filtered": float(len(batch.filtered)),
+                        "rollout/step_dropped": float(len(batch.dropped))})
         if parts.validator is not None and parts.validator.due(step, cfg.total_steps):
             metrics.update(await parts.validator.run(version))
         position = LoopPosition(step, version, next_group, trained_groups)  # nothing runs beside a sync step

@@ -75,12 +75,16 @@ class EvalRecord:
         return asdict(self)
 
 
+_TRUNCATED = {"truncated": "context_length_exceeded"}  # an eval rollout that ran out of context: failed, named
+
+
 def to_record(outcome: Any, group_offset: int = 0) -> EvalRecord:
     """The record of a `workers.rollout.worker.RolloutOutcome`."""
     return EvalRecord(prompt_index=outcome.group_id - group_offset, sample_index=outcome.sample_index,
                       input_id=getattr(outcome, "input_id", ""), status=outcome.status,
                       reward=outcome.reward if outcome.status == "completed" else None,
-                      reason=getattr(outcome, "reason", None) if outcome.status != "completed" else None,
+                      reason=(getattr(outcome, "reason", None) or _TRUNCATED.get(outcome.status))
+                      if outcome.status != "completed" else None,
                       error=outcome.error, tokens_in=getattr(outcome, "num_input_tokens", 0),
                       tokens_out=outcome.num_generated_tokens, turns=getattr(outcome, "num_turns", 0),
                       latency_s=outcome.latency_s, policy_version=getattr(outcome, "policy_version", None))

@@ -12,9 +12,14 @@
   finished rollouts' (`rollout/response_tokens_mean`, `rollout/turns_mean`: failed, expired and
   filtered ones too): staleness dropping or filtering starves the long, hard rollouts.
 
+- `alarm/truncated_share`: over the last `window` steps at least `truncated_floor` of the finished
+  rollouts ran out of context (`rollout/truncated_share`: status `truncated`, workers/rollout/overflow.py):
+  the context or `rollout.max_context_tokens` is too small for the task, and what those rollouts
+  train on is `rollout.overflow`'s choice, not the agent's work.
+
 An alarm's metric is on every step: 1.0 while its rule holds, else 0.0. A console warning says
 so on the step it starts, and once when it clears; the run report lists the steps it held
-(orchestrator/watch/report.py). A truncated-rollout share joins once rollouts can end truncated.
+(orchestrator/watch/report.py).
 
 Invariant: pure (no I/O but the log line), bounded memory (windows of `window` steps).
 """
@@ -30,23 +35,25 @@ from orchestrator.watch.report_data import MASKED_KEYS
 
 log = logging.getLogger(__name__)
 
-ALARMS = ("alarm/malformed_tool_calls", "alarm/masked_fraction", "alarm/length_bias")
+ALARMS = ("alarm/malformed_tool_calls", "alarm/masked_fraction", "alarm/length_bias", "alarm/truncated_share")
 
 
 @dataclass(frozen=True)
 class AlarmSettings:
     """window: steps per window; rise: how many times the run's lowest window a rate must reach;
     malformed_floor / masked_floor: the least rate that alarms (fractions); length_bias: the
-    relative shortfall of trained vs all finished rollouts that alarms."""
+    relative shortfall of trained vs all finished rollouts that alarms; truncated_floor: the share of
+    finished rollouts that ran out of context that alarms (over the window)."""
 
     window: int = 5
     rise: float = 2.0
     malformed_floor: float = 0.05
     masked_floor: float = 0.02
     length_bias: float = 0.2
+    truncated_floor: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.window < 1 or self.rise < 1 or not 0 < self.length_bias < 1:
+        if self.window < 1 or self.rise < 1 or not 0 < self.length_bias < 1 or not 0 < self.truncated_floor <= 1:
             raise ValueError(f"alarm settings out of range: {self}")
 
 
@@ -81,6 +88,7 @@ class HealthAlarms:
         self._masked = _Rising(self.s.window)
         self._served = self._ill = 0.0
         self._lengths: deque = deque(maxlen=self.s.window)  # (all tokens, trained tokens, all turns, trained turns)
+        self._truncated: deque = deque(maxlen=self.s.window)  # per-step share of rollouts that ran out of context
         self._on: dict[str, bool] = dict.fromkeys(ALARMS, False)
 
     def observe(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
@@ -90,6 +98,7 @@ class HealthAlarms:
                                                        self.s.malformed_floor),
             "alarm/masked_fraction": self._rising(self._masked, _first(metrics, MASKED_KEYS), self.s.masked_floor),
             "alarm/length_bias": self._length_bias(metrics),
+            "alarm/truncated_share": self._truncated_share(metrics.get("rollout/truncated_share")),
         }
         for name, why in fired.items():
             if (why is not None) != self._on[name]:
@@ -114,6 +123,16 @@ class HealthAlarms:
             return None
         return (f"{mean:.1%} over the last {self.s.window} steps (the run's lowest window: {tracker.lowest:.1%}; "
                 f"alarms from {floor:.0%} and {self.s.rise:g}x the lowest)")
+
+    def _truncated_share(self, share: float | None) -> str | None:
+        if share is None or not math.isfinite(share):
+            return None
+        self._truncated.append(share)
+        mean = sum(self._truncated) / len(self._truncated)
+        if len(self._truncated) < self.s.window or mean < self.s.truncated_floor:
+            return None
+        return (f"{mean:.1%} of the rollouts of the last {self.s.window} steps ran out of context (status truncated; "
+                f"alarms from {self.s.truncated_floor:.0%}): raise rollout.max_context_tokens, or see rollout.overflow")
 
     def _length_bias(self, m: dict[str, float]) -> str | None:
         keys = ("rollout/response_tokens_mean", "rollout/trained_response_tokens_mean", "rollout/turns_mean",

@@ -119,6 +119,8 @@ def summary_text(summary: dict) -> str:
 
     counts = ", ".join(f"{int(summary.get(f'rollout/{k}', 0))} {name}" for k, name in
                        (("completed", "trained"), ("filtered", "filtered"), ("failed", "failed"), ("expired", "expired")))
+    if summary.get("rollout/truncated"):  # ran out of context (rollout.overflow decided their training)
+        counts += f", {int(summary['rollout/truncated'])} truncated"
     if summary.get("rollout/open"):  # an interrupted run: the step in progress never ended
         counts += f", {int(summary['rollout/open'])} still running when it stopped"
     return (f"done: {summary.get('steps', 0)} steps, policy version {summary.get('policy_version', 0)}, "

@@ -20,7 +20,7 @@ FAILURE_BURST = 0.25  # fraction of the rollouts finished in a step that failed
 SLOW_STEP = 3.0  # a step this many times the median of the earlier steps (after the first) is slow
 MIN_STEPS_FOR_SLOW = 3  # earlier steps needed before "slow" means anything
 REPEAT_STEPS = 10  # a warning of one kind at most once per this many steps
-FINISHED = ("rollout/completed", "rollout/filtered", "rollout/failed", "rollout/expired")
+FINISHED = ("rollout/completed", "rollout/filtered", "rollout/failed", "rollout/expired", "rollout/truncated")
 
 
 def _num(rec: dict, key: str) -> float:
@@ -75,7 +75,9 @@ def nothing_trained(summary: dict) -> str | None:
         return None
     n = {k.split("/")[1]: int(summary.get(k, 0)) for k in ("rollout/dispatched", *FINISHED)}
     if n["filtered"] == 0 and n["expired"] == 0:
-        return f"no rollout completed ({n['failed']} of {n['dispatched']} failed; see summary.json and logs/)"
+        cut = (f", {n['truncated']} ran out of context (rollout.max_context_tokens; rollout.overflow)"
+               if n["truncated"] else "")
+        return f"no rollout completed ({n['failed']} of {n['dispatched']} failed{cut}; see summary.json and logs/)"
     return (f"nothing was trained: of {n['dispatched']} rollouts, {n['filtered']} completed and were filtered "
             f"(every group's rewards were equal: no learning signal; algorithm.filter_zero_variance), "
             f"{n['failed']} failed, {n['expired']} expired; the policy did not change (see summary.json)")

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort"]
-RolloutStatus = Literal["completed", "failed", "expired", "filtered"]
-TERMINAL_STATES: tuple[RolloutStatus, ...] = ("completed", "failed", "expired", "filtered")
+RolloutStatus = Literal["completed", "failed", "expired", "filtered", "truncated"]
+TERMINAL_STATES: tuple[RolloutStatus, ...] = ("completed", "failed", "expired", "filtered", "truncated")
 
 PROMPT_VERSION = -1  # policy version recorded for tokens the engine did not generate
 
@@ -151,6 +151,9 @@ class SessionCapture:
     (`engine_lost`), whatever reward the agent reports.
     nonlinear: with `gateway.history_mode=linear` and `on_nonlinear=error`, a request of this
     session edited its history and got a 400: the rollout fails (`nonlinear_history`).
+    context_exceeded: the session ran out of context: a request whose prompt left no room to
+    generate was answered 400 `context_length_exceeded`, or a generation was cut at the context's
+    end; the rollout ends `truncated` (workers/rollout/overflow.py).
     """
 
     session_id: str
@@ -159,14 +162,17 @@ class SessionCapture:
     num_ill_formed_turns: int = 0
     engine_lost: bool = False
     nonlinear: bool = False
+    context_exceeded: bool = False
 
 
 @dataclass(frozen=True)
 class Sample:
     """One finished rollout: the recorded rows plus the reward the agent reported.
 
-    `status` is the rollout's terminal state; only "completed" samples carry a finite reward and
-    may be trained. `error` explains a non-completed status. `setup_s` / `rollout_slot_wait_s`:
+    `status` is the rollout's terminal state; a "completed" sample carries a finite reward, a
+    "truncated" one (it ran out of context: workers/rollout/overflow.py) the reward
+    `rollout.overflow` gives it, or None when it is not to be trained; only these two statuses with
+    a finite reward may be trained (`trainable`). `error` explains a non-completed status. `setup_s` / `rollout_slot_wait_s`:
     seconds of the A2A contract's setup and of the wait for a rollout slot after it (None: not
     reached, or another contract). `num_turns`: model turns the gateway served the session.
     """
@@ -190,6 +196,11 @@ class Sample:
         if self.status == "completed":
             if self.reward is None or not math.isfinite(self.reward):
                 raise ValueError(f"completed sample {self.session_id} needs a finite reward, got {self.reward!r}")
+
+    @property
+    def trainable(self) -> bool:
+        """Completed, or truncated with a reward to train on (rollout.overflow=train_zero|train_reward)."""
+        return self.status in ("completed", "truncated") and self.reward is not None and math.isfinite(self.reward)
 
     @property
     def num_generated_tokens(self) -> int:

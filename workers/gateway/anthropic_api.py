@@ -41,7 +41,7 @@ ERROR_TYPES = {
 def error_body(err: ApiError) -> dict[str, Any]:
     """`{"type": "error", "error": {"type", "message"}}` as Anthropic answers it."""
     kind = ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": err.message}}
+    return {"type": "error", "error": {"type": kind, "message": err.anthropic_message or err.message}}
 
 
 def _text_blocks(content: Any, param: str) -> str:

@@ -179,7 +179,7 @@ class _Row:
 
 class _SessionState:
     __slots__ = ("view", "digest", "rows", "turns", "started", "memos", "engine_lost", "tree_only", "nonlinear",
-                 "pins")
+                 "pins", "context_exceeded")
 
     def __init__(self, view: Session, digest: bytes) -> None:
         self.view = view
@@ -192,6 +192,7 @@ class _SessionState:
         self.tree_only = False  # linear history gave up on this session (gateway.on_nonlinear=passthrough)
         self.nonlinear = False  # a request was refused as non-linear (gateway.on_nonlinear=error)
         self.pins: dict[str, object] = {}  # values fixed for the session's life (pinned)
+        self.context_exceeded = False  # the session ran out of context (mark_context_exceeded)
 
 
 def _digest(token: str) -> bytes:
@@ -292,6 +293,14 @@ class CaptureStore:
         if state is not None:
             state.nonlinear = True
 
+    def mark_context_exceeded(self, session_id: str) -> None:
+        """Record that the session ran out of context (a request refused 400 context_length_exceeded,
+        or a generation cut at the context's end): its capture says `context_exceeded` and its rollout
+        ends `truncated`. No-op for a session that is not open."""
+        state = self._sessions.get(session_id)
+        if state is not None:
+            state.context_exceeded = True
+
     def close(self, session_id: str) -> SessionCapture:
         """Close the session, revoke its token and return its rows (creation order).
 
@@ -311,6 +320,7 @@ class CaptureStore:
             num_ill_formed_turns=sum(t.ill_formed for t in state.turns),
             engine_lost=state.engine_lost,
             nonlinear=state.nonlinear,
+            context_exceeded=state.context_exceeded,
         )
 
     # -- recording -------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Counters of one gateway app (turns, errors, tokens, engine time), read as a frozen snapshot.
 
 Invariant: turns_served = turns_first + turns_clean + turns_fork (every served turn is recorded in
-exactly one way); turns_ill_formed <= turns_served. One event loop mutates the counters.
+exactly one way); turns_ill_formed <= turns_served; turns_length <= turns_served. One event loop mutates the counters.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ class GatewayMetrics:
     turns_unrecorded_closed: int = 0
     turns_cancelled: int = 0  # the client went away; its engine request was cancelled
     turns_ill_formed: int = 0  # outputs that opened a tool call the parser could not read
+    turns_length: int = 0  # served turns whose generation was cut at max_tokens (finish_reason "length")
+    turns_context_exceeded: int = 0  # 400 context_length_exceeded, plus generations cut at the context's end
     tool_calls: int = 0
     replica_failures: int = 0  # generate calls that raised; the replica was taken out
     turns_engine_lost: int = 0  # 503: no replica could serve the turn; its session is marked engine_lost

@@ -36,6 +36,7 @@ class ApiError(Exception):
     """An error answered in the API's shape: HTTP status plus message, type, param and code.
 
     retry: whether the SDKs should retry it (sent as the `x-should-retry` header they honour).
+    anthropic_message: the message under `/messages` when Anthropic words it differently (None: `message`).
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry: bool | None = None,
+        anthropic_message: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -55,6 +57,7 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.retry = retry
+        self.anthropic_message = anthropic_message
 
 
 def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> ApiError:

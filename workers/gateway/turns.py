@@ -5,7 +5,10 @@
    never a silent no-op; pin the session's date (its first turn's time, chat_template.pin_date)
    so the system message of a template that writes the date renders the same on every turn;
 2. render the conversation to ids (chat_template.py) and clamp max_tokens to the session's
-   remaining context: a prompt that leaves no room is 400 `context_length_exceeded`. When the
+   remaining context: a prompt that leaves no room is 400 `context_length_exceeded` in the API's own
+   words (OpenAI's "This model's maximum context length is ..."; Anthropic's "prompt is too long:
+   N tokens > M maximum"), and the session is marked `context_exceeded`, as it is when a generation
+   is cut at the context's end: its rollout ends `truncated` (workers/rollout/overflow.py). When the
    messages continue a recorded turn (continuity.py, `continuity=True`), the prompt is the
    recorded tokens plus the rendered new text. With `history_mode="linear"` (linear.py), a request
    whose messages extend the previous turn's is the previous row's served ids plus the rendered new
@@ -98,12 +101,11 @@ def generate_request(
     """
     remaining = session.max_context_tokens - len(prompt_ids)
     if remaining < 1:
-        raise bad_request(
-            f"prompt is {len(prompt_ids)} tokens; the session's context budget is {session.max_context_tokens} "
-            "tokens, leaving no room to generate",
-            param="messages",
-            code="context_length_exceeded",
-        )
+        n, ctx = len(prompt_ids), session.max_context_tokens
+        raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, your messages resulted "
+                       f"in {n} tokens, leaving no room to generate. Please reduce the length of the messages.",
+                       param="messages", code="context_length_exceeded",
+                       anthropic_message=f"prompt is too long: {n} tokens > {ctx - 1} maximum")
     defaults = session.sampling
     wanted = req.max_tokens or defaults.max_tokens or remaining
     temperature = defaults.temperature if defaults.enforce or req.temperature is None else req.temperature
@@ -299,7 +301,13 @@ class TurnRunner:
         stops = self.renderer.stop_spec(req.stop)
         stop_ids = stops.ids
         completion_id = id_prefix + uuid.uuid4().hex
-        gen = generate_request(req, session, prompt_ids, stop_ids, completion_id)  # its 400s: before the turn counts
+        try:
+            gen = generate_request(req, session, prompt_ids, stop_ids, completion_id)  # its 400s: before the turn counts
+        except ApiError as e:
+            if e.code == "context_length_exceeded":  # a result, not a crash: the rollout ends truncated
+                self.capture.mark_context_exceeded(session.session_id)
+                self.counters.add("turns_context_exceeded")
+            raise
         turn = self.capture.begin_turn(session.session_id)
         gen = dataclasses.replace(gen, seed=request_seed(req, session, turn))
         result = await self._generate(session.session_id, gen)
@@ -330,6 +338,11 @@ class TurnRunner:
         c.add("tool_calls", len(parsed.tool_calls))
         if parsed.ill_formed:
             c.add("turns_ill_formed")
+        if result.finish_reason == "length":  # cut at max_tokens; at the context's end the session is out of room
+            c.add("turns_length")
+            if len(prompt_ids) + len(result.output_ids) >= session.max_context_tokens:
+                self.capture.mark_context_exceeded(session.session_id)
+                c.add("turns_context_exceeded")
         return TurnOutcome(completion_id, int(time.time()), prompt_ids, result, parsed, record, stop_sequence)
 
     def _parse(self, req: ChatRequest, text: str, output_ids: tuple[int, ...]) -> ParsedOutput:

@@ -1,7 +1,7 @@
 """RolloutWorker: one ACR invocation per sample, joined with the gateway's token capture.
 
 Invariant: every `RolloutWorker.run` call either returns exactly one `RolloutOutcome` with a
-terminal status ("completed" or "failed", with a `reason` from `FailReason`) after storing
+terminal status ("completed", "truncated" or "failed", with a `reason` from `FailReason`) after storing
 exactly one sample, or raises (ContractError: the run must stop; CancelledError) after storing
 nothing. On every exit path (success, agent error, bad result, timeout, cancellation, shutdown)
 the ACR session is stopped (a task of its own that a cancellation, even a repeated one, cannot
@@ -11,7 +11,9 @@ restarts, is tried again in the background and frees the slot once it succeeds; 
 unreachable-endpoint rule: workers/rollout/failures.py). A sample with captured tokens but no
 usable reward is stored with status "failed" and reward None, so it can never be trained as if it had one; so is
 a session whose turn found no inference replica (`engine_lost`, marked by the gateway), whatever
-reward its agent then reported.
+reward its agent then reported. A session that ran out of context (the gateway answered a turn
+400 `context_length_exceeded`, or cut a generation at the context's end) ends "truncated", with the
+reward `rollout.overflow` gives it (workers/rollout/overflow.py); the run goes on.
 
 Which bad data stops the run and which fails one rollout: see `workers.rollout.contract`.
 
@@ -61,6 +63,7 @@ from workers.rollout.contract import (
 from workers.rollout import a2a
 from workers.rollout.failures import FailReason, fail_reason, reaching as _reaching
 from workers.rollout.lifecycle import Bounds, Spans, run_bounded
+from workers.rollout.overflow import OVERFLOW_POLICIES, OverflowPolicy, truncation
 from workers.rollout.results import ResultBoard
 from workers.rollout.stops import LostStop, SessionStops
 
@@ -84,6 +87,8 @@ class RolloutSettings:
     max_consecutive_bad_results: bad agent results in a row that stop the run (ContractError).
     a2a_poll_initial_s, a2a_poll_max_s: A2A contract: GetTask polling backoff (first wait, cap;
         rollout.poll_initial_s / poll_max_s). Every poll is one ACR request under the rate limit.
+    overflow: what a rollout that ran out of context trains on (workers/rollout/overflow.py):
+        train_zero (reward 0), drop (not trained) or train_reward (the agent's reward).
     seed: the run seed; each session samples with `session_seed(seed, input_id, group_id,
         sample_index)` (workers/core/seeds.py), so a resumed run or a re-dispatched rollout samples
         what the uninterrupted run would have; None: unseeded.
@@ -112,10 +117,14 @@ class RolloutSettings:
     delete_results: bool = False
     setup_timeout_s: float | None = None  # a2a: the setup phase's bound (None: timeout_s)
     run_timeout_s: float | None = None  # a2a: the run phase's bound (None: timeout_s)
+    overflow: OverflowPolicy = "train_zero"
 
     def __post_init__(self) -> None:
         """The one check of these values; each message starts with the config key that sets it
         (orchestrator/config/rollout.py turns the ValueError into a ConfigError)."""
+        if self.overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"rollout.overflow must be one of {list(OVERFLOW_POLICIES)} (what a rollout that ran out "
+                             f"of context trains on), got {self.overflow!r}")
         if self.contract not in get_args(Contract):
             raise ValueError(f"rollout.contract must be one of {list(get_args(Contract))}, got {self.contract!r}")
         if self.timeout_s <= 0:
@@ -296,7 +305,7 @@ class RolloutWorker:
         return self._stops.open_ids()
 
     def rollout_counts(self) -> dict[str, int]:
-        """`rollout/{completed,failed}` and `rollout/failed/{reason}` so far, plus stop failures and
+        """`rollout/{completed,truncated,failed}` and `rollout/failed/{reason}` so far, plus stop failures and
         `rollout/results_pushed` (S3-contract results that arrived by the agent's POST, not by polling)."""
         return dict(self.counts)
 
@@ -343,11 +352,15 @@ class RolloutWorker:
             elif capture.nonlinear:  # gateway.on_nonlinear=error refused a turn: the row is not the agent's history
                 v = _Verdict(None, "nonlinear_history", "nonlinear_history: the agent edited its message history "
                              "(gateway.history_mode=linear, on_nonlinear=error)", v.result_s)
-            if v.reason is None:
+            truncated = capture.context_exceeded and v.reason not in ("engine_lost", "nonlinear_history")
+            if v.reason is None or truncated:  # a truncated agent spoke the contract, whatever it then reported
                 self._streak.on_good()
             elif v.reason == "bad_result":
                 self._streak.on_bad(f"dataset row input_id={req.input_id!r}: {v.error}")  # may stop the run
             status = "completed" if v.reward is not None else "failed"
+            if truncated:
+                cut = truncation(self._s.overflow, v.reward, v.error)
+                v, status = _Verdict(cut.reward, None, cut.error, v.result_s), "truncated"
             sample = Sample(session_id=sid, group_id=req.group_id, input_id=req.input_id,
                             sample_index=req.sample_index, rows=capture.rows, reward=v.reward, status=status,
                             latency_s=self._clock() - t0, error=v.error, setup_s=spans.setup_s,

@@ -83,7 +83,8 @@ class StepInputs:
     """What the shell hands an engine's training step (after rollout correction).
 
     old_logprobs: log π_old [rows, seq]. is_weights: IS weights [rows, seq] or None. num_tokens,
-    num_seqs: trained tokens / sequences of the whole mini-batch over all ranks (the loss
+    num_seqs: trained tokens / rollouts (`TrainBatch.num_trained_rollouts`: a rollout of several rows
+    counts once) of the whole mini-batch over all ranks (the loss
     normalisers). capture_logprobs: record log π_θ of the training forward ([rows, seq], for the
     bypass-mode metrics).
     """
@@ -93,6 +94,7 @@ class StepInputs:
     num_tokens: float
     num_seqs: float
     capture_logprobs: bool
+    seq_num_tokens: "torch.Tensor | None" = None  # [rows] trained tokens of each row's rollout (seq-mean-token-mean)
 
 
 @dataclass(frozen=True)

@@ -150,10 +150,11 @@ class TrainerShell:
                            lambda b: self.engine.compute_logprobs(b, trained_only=True))
         loss_mask = plan.train.loss_mask
         num_tokens = self._global_sum(float(loss_mask.sum().item()))
-        num_seqs = self._global_sum(float((loss_mask.sum(dim=-1) > 0).sum().item()))
+        num_seqs = self._global_sum(float(plan.train.num_trained_rollouts()))  # rollouts, not rows: see losses.py
         if num_tokens > 0:
             step = self.engine.train_step(plan.train, StepInputs(
-                plan.old_logprobs, plan.is_weights, num_tokens, num_seqs, capture_logprobs=plan.rc is None))
+                plan.old_logprobs, plan.is_weights, num_tokens, num_seqs, capture_logprobs=plan.rc is None,
+                seq_num_tokens=plan.train.rollout_num_tokens()))
         else:  # nothing to train on any rank: no forward, no step
             step = StepOutcome({k: 0.0 for k in SUM_METRICS}, 0.0, True,
                                torch.zeros(batch.batch_size, batch.seq_len))

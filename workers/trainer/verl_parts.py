@@ -260,6 +260,7 @@ class PPOLossFunction:
     batch_size: int
     seq_len: int
     capture_logprobs: bool = False
+    seq_num_tokens: torch.Tensor | None = None  # [batch_size] trained tokens of each row's rollout (seq-mean-token-mean)
     sums: dict[str, float] = field(default_factory=dict)
     logprobs: torch.Tensor | None = None
 
@@ -283,6 +284,8 @@ class PPOLossFunction:
             dp_size=int(data["dp_size"]),
             batch_num_tokens=float(data["batch_num_tokens"]),
             global_batch_size=data["global_batch_size"],
+            seq_num_tokens=None if self.seq_num_tokens is None else
+            self.seq_num_tokens[data["row_index"].cpu()].to(device),  # verl reorders rows into micro-batches
         )
         n = float(mask.sum().item())
         self.sums["actor/pg_loss"] += float(out.loss.detach().item())

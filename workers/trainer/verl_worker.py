@@ -161,7 +161,7 @@ class VerlEngine:
         """verl's `train_batch` with our loss hook: zero grad, forward/backward per micro-batch,
         clip the global grad norm, step unless it is not finite."""
         loss_fn = PPOLossFunction(self._loss_cfg, train.batch_size, train.seq_len,
-                                  capture_logprobs=inputs.capture_logprobs)
+                                  capture_logprobs=inputs.capture_logprobs, seq_num_tokens=inputs.seq_num_tokens)
         td = to_verl_batch(
             train, old_logprobs=inputs.old_logprobs, is_weights=inputs.is_weights,
             micro_batch_tokens=self._micro_batch_tokens(train), calculate_entropy=self.cfg.compute_entropy,

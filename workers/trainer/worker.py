@@ -172,6 +172,7 @@ class FsdpEngine:
                 lp, inputs.old_logprobs[idx].to(self.device), mb.advantages.to(self.device), mask, self._loss_cfg,
                 is_weights=None if inputs.is_weights is None else inputs.is_weights[idx].to(self.device),
                 dp_size=self.ctx.world_size, batch_num_tokens=inputs.num_tokens, global_batch_size=inputs.num_seqs,
+                seq_num_tokens=None if inputs.seq_num_tokens is None else inputs.seq_num_tokens[idx].to(self.device),
             )
             out.loss.backward()
             n_mb = float(mask.sum().item())

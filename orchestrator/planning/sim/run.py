@@ -300,7 +300,7 @@ def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_s
 
 def finished_rollouts(metrics: dict) -> float:
     """Rollouts that reached a terminal state by a step's record (the ledger's cumulative counts)."""
-    return sum(metrics.get(f"rollout/{k}", 0.0) for k in ("completed", "filtered", "failed", "expired"))
+    return sum(metrics.get(f"rollout/{k}", 0.0) for k in ("completed", "filtered", "failed", "expired", "truncated"))
 
 
 def _hist(records: list[dict], prefix: str) -> dict[int, float]:

@@ -124,6 +124,28 @@ class TrainBatch:
         """Number of trained tokens (sum of loss_mask)."""
         return int(self.loss_mask.sum().item())
 
+    def num_trained_rollouts(self) -> int:
+        """Rollouts with at least one trained token: the rows of one sample (a rollout whose agent
+        compacted its history or ran a sub-agent is several rows) count once, by the SampleTable;
+        without one, every row with a trained token counts. The seq-mean loss modes divide by this
+        (workers/core/algorithms/losses.py `aggregate_loss`), so a rollout weighs the same however
+        many rows it split into."""
+        has_tokens = self.loss_mask.sum(dim=-1) > 0
+        if self.samples is None:
+            return int(has_tokens.sum().item())
+        return int(torch.unique(self.samples.row_sample[has_tokens]).numel())
+
+    def rollout_num_tokens(self) -> torch.Tensor:
+        """[B] float32: the trained tokens of each row's rollout, all its rows together (by the
+        SampleTable; without one, the row's own): seq-mean-token-mean's per-sequence denominator, so
+        a rollout split into rows still takes one token mean (losses.py `aggregate_loss`)."""
+        per_row = self.loss_mask.sum(dim=-1).to(torch.float32)
+        if self.samples is None:
+            return per_row
+        table = self.samples
+        per_sample = torch.zeros(table.num_samples, dtype=torch.float32).index_add_(0, table.row_sample, per_row)
+        return per_sample[table.row_sample]
+
     @classmethod
     def from_rows(
         cls,

@@ -89,15 +89,24 @@ def aggregate_loss(
     dp_size: int = 1,
     batch_num_tokens: float | torch.Tensor | None = None,
     global_batch_size: float | torch.Tensor | None = None,
+    seq_num_tokens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a [batch, seq] loss matrix to a scalar (verl `agg_loss`).
 
     token-mean:          Σ L·m / N_tokens
     seq-mean-token-mean: Σ_seq (Σ_t L·m / n_seq) / N_seqs
     seq-mean-token-sum:  Σ_seq (Σ_t L·m) / N_seqs
-    N_tokens (batch_num_tokens) and N_seqs (global_batch_size, sequences with >= 1 token) default to
-    this batch's own counts; pass the mini-batch totals (summed over data-parallel ranks) when
-    accumulating micro-batches. The result is multiplied by dp_size because FSDP averages gradients
+    N_tokens (batch_num_tokens) and N_seqs (global_batch_size) default to this batch's own counts
+    (N_seqs: rows with >= 1 token); pass the mini-batch totals (summed over data-parallel ranks) when
+    accumulating micro-batches. The trainer passes as N_seqs the mini-batch's rollouts with a trained
+    token (`TrainBatch.num_trained_rollouts`), not its rows: a rollout split into several rows (history
+    compaction, a sub-agent) adds each row's token-loss sum but counts once, so seq-mean-token-sum is
+    Σ_rollout (Σ_t L·m) / N_rollouts, the agentcore-rl-toolkit 0.2.0 contract (rows add token-loss
+    mass, the denominator is the rollout count before the split); token-mean never sees rows at all.
+    For seq-mean-token-mean the trainer passes `seq_num_tokens` ([batch]: the trained tokens of each
+    row's rollout, `TrainBatch.rollout_num_tokens`) as n_seq, so a rollout's rows together give its
+    one token mean: Σ_rollout (Σ_t L·m / n_rollout) / N_rollouts. Without it n_seq is the row's own
+    count (verl's per-sequence mean). The result is multiplied by dp_size because FSDP averages gradients
     over ranks.
 
     Raises ValueError for an unknown mode, or dp_size > 1 without the global count it needs.
@@ -111,7 +120,8 @@ def aggregate_loss(
     if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
         tokens_per_seq = loss_mask.sum(dim=-1)
         seq_sums = (loss_mat * loss_mask).sum(dim=-1)
-        seq_losses = seq_sums / (tokens_per_seq + 1e-8) if mode == "seq-mean-token-mean" else seq_sums
+        denom = tokens_per_seq if seq_num_tokens is None else seq_num_tokens.to(tokens_per_seq.dtype)
+        seq_losses = seq_sums / (denom + 1e-8) if mode == "seq-mean-token-mean" else seq_sums
         seq_mask = (tokens_per_seq > 0).to(loss_mat.dtype)
         if global_batch_size is None:
             if dp_size > 1:
@@ -132,6 +142,7 @@ def ppo_clip_loss(
     dp_size: int = 1,
     batch_num_tokens: float | torch.Tensor | None = None,
     global_batch_size: float | torch.Tensor | None = None,
+    seq_num_tokens: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """PPO clipped (optionally dual-clipped) policy loss, optionally importance-weighted.
 
@@ -142,7 +153,7 @@ def ppo_clip_loss(
         loss_mask: [batch, seq] 1 on trained tokens.
         cfg: clip ratios and aggregation mode.
         is_weights: [batch, seq] rollout-correction weights (detached here), or None.
-        dp_size, batch_num_tokens, global_batch_size: see `aggregate_loss`.
+        dp_size, batch_num_tokens, global_batch_size, seq_num_tokens: see `aggregate_loss`.
 
     Returns:
         PolicyLossOutput (loss with grad; diagnostics detached, masked means over this batch).
@@ -181,6 +192,7 @@ def ppo_clip_loss(
         dp_size=dp_size,
         batch_num_tokens=batch_num_tokens,
         global_batch_size=global_batch_size,
+        seq_num_tokens=seq_num_tokens,
     )
     return PolicyLossOutput(
         loss=loss, pg_clipfrac=pg_clipfrac, ppo_kl=ppo_kl.detach(), pg_clipfrac_lower=pg_clipfrac_lower
