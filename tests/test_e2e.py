@@ -35,7 +35,7 @@ def test_main_job_runs_end_to_end_on_real_parts(tmp_path):
     assert [s["step"] for s in steps] == [1, 2, 3]
     # the health alarms are logged on every step and stay silent on the healthy embedded default
     assert all(s[k] == 0.0 for s in steps for k in ("alarm/malformed_tool_calls", "alarm/masked_fraction",
-                                                     "alarm/length_bias")), steps
+                                                     "alarm/length_bias", "alarm/truncated_share")), steps
     # the version bumps on exactly the steps that trained (a step whose groups all tie has nothing to
     # train: sampling is seeded per rollout, so which steps those are is fixed by `seed`, not by luck)
     updated = [s["rollout/step_completed"] > 0 for s in steps]
