@@ -37,6 +37,7 @@ def make_run(path, *, mode="async", steps=12, gpus=0, seed=0, masked=True, val=T
              "perf/throughput": 100.0 + 10 * rng.random(), "perf/trained_tokens": 400.0,
              "perf/inference_concurrency": 4 + rng.random() * 4, "perf/kv_cache_usage": 0.05 * rng.random(),
              "rollout/completed": done, "rollout/filtered": filt, "rollout/failed": s // 4, "rollout/expired": s // 3,
+             "rollout/truncated": s // 5,
              "rollout_corr/rollout_is_mean": 1 + 0.01 * rng.random(), "rollout_corr/rollout_is_min": 0.8,
              "rollout_corr/rollout_is_max": 1.3, "policy_version": s}
         if mode == "async":

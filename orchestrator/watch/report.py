@@ -248,7 +248,7 @@ PLOTS: tuple[tuple[str, str, PanelCount, PanelFn], ...] = (
      _rollout_corr),
     ("timing.png", "Time per step: waiting for a batch / generation, update, weight sync",
      lambda runs: max(1, len(runs)), _timing),
-    ("outcomes.png", "Rollout outcomes over time", _fixed(4), _outcomes),
+    ("outcomes.png", "Rollout outcomes over time", _fixed(len(OUTCOMES)), _outcomes),
 )
 
 

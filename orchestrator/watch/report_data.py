@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 # per-step keys of the terminal-state counters the ledger logs (cumulative over the run)
-OUTCOMES = ("rollout/completed", "rollout/filtered", "rollout/failed", "rollout/expired")
+OUTCOMES = ("rollout/completed", "rollout/filtered", "rollout/failed", "rollout/expired", "rollout/truncated")
 # the first present of these is the masked-token fraction of rollout correction (verl's names)
 MASKED_KEYS = ("rollout_corr/rollout_rs_masked_fraction", "rollout_corr/rollout_is_masked_fraction")
 
