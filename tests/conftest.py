@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -163,6 +163,31 @@ def tiny_renderer(tiny_model_dir):
     from workers.gateway.chat_template import ChatRenderer
 
     return ChatRenderer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def tiny_gateway(tiny_model_dir, tiny_renderer, zero_cost_engine):
+    """Starts the real GatewayServer on the tiny model behind one zero-cost engine that answers
+    `reply` then EOS: `async with tiny_gateway(reply, version=v, max_context_tokens=c) as (server,
+    engine)`; the server stops on exit (each within 20 s)."""
+    import asyncio
+
+    from workers.gateway.config import GatewayConfig
+    from workers.gateway.server import GatewayServer
+
+    @asynccontextmanager
+    async def start(reply: str, *, version: int, max_context_tokens: int):
+        tok = tiny_renderer.tokenizer
+        engine = zero_cost_engine([*tok.encode(reply, add_special_tokens=False), tok.eos_token_id], version=version)
+        server = GatewayServer(GatewayConfig(model_path=str(tiny_model_dir), served_model_name="tiny-qwen2",
+                                             max_context_tokens=max_context_tokens), [engine], renderer=tiny_renderer)
+        await asyncio.wait_for(server.start(), 20)
+        try:
+            yield server, engine
+        finally:
+            await asyncio.wait_for(server.stop(), 20)
+
+    return start
 
 
 @pytest.fixture(scope="session")

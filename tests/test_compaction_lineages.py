@@ -13,7 +13,6 @@ does not double its weight.
 
 from __future__ import annotations
 
-import asyncio
 
 import openai
 import pytest
@@ -26,8 +25,6 @@ from workers.core.algorithms.advantages import grpo_outcome_advantages
 from workers.core.algorithms.batch import TrainBatch
 from workers.core.algorithms.losses import aggregate_loss
 from workers.core.types import Sample, TrajectoryRow
-from workers.gateway.config import GatewayConfig
-from workers.gateway.server import GatewayServer
 
 MODEL_ID = "tiny-qwen2"
 REPLY = "q q q q"
@@ -37,16 +34,9 @@ SUB_SYSTEM = {"role": "system", "content": "You are a sub-agent that checks answ
 
 
 @pytest.fixture
-async def gateway(tiny_model_dir, tiny_renderer, zero_cost_engine):
-    tok = tiny_renderer.tokenizer
-    engine = zero_cost_engine([*tok.encode(REPLY, add_special_tokens=False), tok.eos_token_id], version=2)
-    server = GatewayServer(GatewayConfig(model_path=str(tiny_model_dir), served_model_name=MODEL_ID,
-                                         max_context_tokens=1024), [engine], renderer=tiny_renderer)
-    await asyncio.wait_for(server.start(), TIMEOUT_S)
-    try:
-        yield server, engine
-    finally:
-        await asyncio.wait_for(server.stop(), TIMEOUT_S)
+async def gateway(tiny_gateway):
+    async with tiny_gateway(REPLY, version=2, max_context_tokens=1024) as started:
+        yield started
 
 
 def lineages(kind: str) -> tuple[list[list[dict]], int]:

@@ -29,8 +29,6 @@ from orchestrator.loop.sync_loop import SyncLoopSettings, run_sync
 from stand_ins import ListLogger, MemoryStore, make_row, make_sample
 from workers.core.types import Sample
 from workers.embedded.sim_engine import ScriptedEngine
-from workers.gateway.config import GatewayConfig
-from workers.gateway.server import GatewayServer
 from workers.rollout.overflow import OVERFLOW_POLICIES, truncation
 
 MODEL_ID = "tiny-qwen2"
@@ -39,16 +37,9 @@ TIMEOUT_S = 20
 
 
 @pytest.fixture
-async def gateway(tiny_model_dir, tiny_renderer, zero_cost_engine):
-    tok = tiny_renderer.tokenizer
-    engine = zero_cost_engine([*tok.encode(REPLY, add_special_tokens=False), tok.eos_token_id], version=1)
-    server = GatewayServer(GatewayConfig(model_path=str(tiny_model_dir), served_model_name=MODEL_ID,
-                                         max_context_tokens=512), [engine], renderer=tiny_renderer)
-    await asyncio.wait_for(server.start(), TIMEOUT_S)
-    try:
-        yield server, engine
-    finally:
-        await asyncio.wait_for(server.stop(), TIMEOUT_S)
+async def gateway(tiny_gateway):
+    async with tiny_gateway(REPLY, version=1, max_context_tokens=512) as started:
+        yield started
 
 
 def three_turns(reply: str) -> list[list[dict]]:
