@@ -51,7 +51,8 @@ def replica_spawner(cfg: RunConfig, placed: PlacedGroups, model_path: str, versi
     inference_cls = ray.remote(num_cpus=0, max_concurrency=1000)(InferenceWorker)
     return lambda i: inference_cls.options(runtime_env=QUIET_VLLM, **placed.inference_options(i)).remote(
         inference_settings(cfg.inference, mode=cfg.mode, async_=cfg.async_, cluster=cfg.cluster, seed=cfg.seed,
-                           model_path=model_path, replica=i, initial_policy_version=version))
+                           model_path=model_path, replica=i, initial_policy_version=version,
+                           lora_rank=cfg.model.lora.rank or 0))
 
 
 def gateway_actor(cfg: RunConfig, model_path: str) -> ActorHandle:
