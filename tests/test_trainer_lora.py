@@ -128,3 +128,10 @@ def test_bad_lora_settings_name_the_key():
         LoraSettings(rank=8, init="pissa")
     with pytest.raises(ValueError, match="lora_adapter_path needs model.lora"):
         TrainerSettings(model_path="/x", lora_adapter_path="/y")
+
+
+def test_bf16_mixed_precision_keeps_the_frozen_base_in_bf16(random_qwen2_dir, make_trainer):
+    trainer = make_trainer(random_qwen2_dir, mixed_precision="bf16")
+    dtypes = {p.requires_grad: p.dtype for p in trainer.model.parameters()}
+    assert dtypes == {False: torch.bfloat16, True: torch.float32}  # base bf16, adapter fp32 master
+    assert step(trainer)["actor/step_skipped"] == 0.0

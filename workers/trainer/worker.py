@@ -24,6 +24,10 @@ Invariants:
   statistics (`workers/core/algorithms/rejection.py`).
 - Dropout is off (the model stays in eval mode), so on the first micro-batch π_θ == π_old exactly.
 - `export_weights` writes the full, unsharded fp32 state dict under HF parameter names, atomically.
+- LoRA (`TrainerSettings.lora`, workers/trainer/lora.py): the base is frozen (in bf16 with
+  `mixed_precision=bf16`: no fp32 master copy, no gradient, no optimizer state), only the
+  adapter trains and holds AdamW state; full weights out are the merged ones, `export_adapter`
+  writes the adapter alone.
 - `broadcast_weights` sends the same tensors (in `weight_sync_dtype`) in buckets to the weight-sync
   group (workers/weight_sync/broadcast.py), gathering one parameter at a time.
 - At GPU scale (workers/trainer/scale.py): micro-batches by token budget
@@ -94,6 +98,10 @@ class FsdpEngine:
             model = wrap_lora(model, cfg.lora, cfg.model_path)
             if cfg.lora_adapter_path:
                 load_adapter_weights(model, cfg.lora_adapter_path)
+            if cfg.mixed_precision == "bf16":  # the frozen base needs no fp32 master copy
+                for p in model.parameters():
+                    if not p.requires_grad:
+                        p.data = p.data.to(torch.bfloat16)
         if cfg.activation_checkpointing:
             checkpoint_layers(layers)
         for layer in layers:
