@@ -133,3 +133,26 @@ async def test_a_sync_that_did_not_arrive_stops_with_the_version_named(stack):
     with pytest.raises(WeightSyncProbeError, match=f"version {v + 1} did not arrive"):
         await sync.sync(v + 1)
     assert sync.last_diff > PROBE_ATOL
+
+
+async def test_exported_merged_model_in_vllm_gives_the_adapter_served_logprobs(stack, tmp_path):
+    """`python -m orchestrator.export CKPT --merge`: vLLM loads the merged model, and its probe
+    log-probs equal those of the base + adapter it was served as (<= 1e-3)."""
+    from orchestrator.export import main
+
+    engine, trainer, weights_dir = stack
+    sync = probed(engine, trainer, weights_dir)
+    train_once(trainer, 5)
+    await sync.sync(engine.policy_version() + 1)
+    served = await engine.prompt_logprobs(probe_tokens(256))
+    ckpt = trainer.save_hf(str(tmp_path / "model"))
+    assert main([ckpt, "--merge", "--out", str(tmp_path / "merged")]) == 0
+    merged = InferenceWorker(InferenceSettings(model_path=str(tmp_path / "merged"), max_model_len=256, max_num_seqs=4))
+    await asyncio.wait_for(merged.start(), timeout=240)
+    try:
+        got = await merged.prompt_logprobs(probe_tokens(256))
+    finally:
+        await merged.shutdown()
+    diff = max(abs(a - b) for a, b in zip(got, served))
+    print(f"\nmerged (vLLM) vs adapter-served probe max |diff|: {diff:.2e}")
+    assert diff <= 1e-3

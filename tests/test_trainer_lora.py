@@ -135,3 +135,24 @@ def test_bf16_mixed_precision_keeps_the_frozen_base_in_bf16(random_qwen2_dir, ma
     dtypes = {p.requires_grad: p.dtype for p in trainer.model.parameters()}
     assert dtypes == {False: torch.bfloat16, True: torch.float32}  # base bf16, adapter fp32 master
     assert step(trainer)["actor/step_skipped"] == 0.0
+
+
+def test_export_merges_the_adapter_into_a_model_transformers_loads(random_qwen2_dir, make_trainer, tmp_path):
+    """`python -m orchestrator.export CKPT_MODEL --merge / --adapter` on a LoRA checkpoint's model dir."""
+    from peft import PeftModel
+
+    from orchestrator.export import main
+
+    trainer = make_trainer(random_qwen2_dir, lora=LoraSettings(rank=4, alpha=8.0, init="gaussian"))
+    step(trainer)
+    ours = trainer.probe_logprobs(PROBE)
+    ckpt = trainer.save_hf(str(tmp_path / "model"))
+    assert main([ckpt, "--merge", "--out", str(tmp_path / "merged")]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    assert hf_token_logprobs(merged, PROBE) == pytest.approx(ours, abs=1e-5)
+    assert main([ckpt, "--adapter", "--out", str(tmp_path / "adapter")]) == 0
+    base = AutoModelForCausalLM.from_pretrained(random_qwen2_dir, dtype=torch.float32)
+    assert hf_token_logprobs(PeftModel.from_pretrained(base, tmp_path / "adapter").eval(), PROBE) == pytest.approx(
+        ours, abs=1e-5)
+    assert main([ckpt, "--adapter", "--out", str(tmp_path / "adapter")]) == 2  # exists: refused
+    assert main([random_qwen2_dir, "--merge", "--out", str(tmp_path / "x")]) == 2  # no adapter: refused
