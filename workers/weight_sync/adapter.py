@@ -49,6 +49,14 @@ class AdapterWeightSync(CpuWeightSync):
                                for r in self._replicas))
         self._source = directory
 
+    async def admit(self, index: int, replica: Any, *, loaded_version: int) -> None:
+        """Replace replica `index` by `replica` (started on the base, labelled `loaded_version`): it
+        first serves the current adapter, also when that is `loaded_version`'s own (a resumed
+        run's checkpointed adapter); then as the file backend's `admit`."""
+        if self._source is not None and self._version == loaded_version:
+            await call(replica, self.LOAD_METHOD, self._source, self._version, initial=True)
+        await super().admit(index, replica, loaded_version=loaded_version)
+
     async def sync(self, version: int) -> WeightSyncReport:
         """Export the trainer's adapter as `version` into `weights_dir/adapter-v{version}`, push it
         to every live replica, then remove directories older than the last `keep`. Raises
