@@ -9,7 +9,10 @@ Invariants:
   vLLM's prefix cache keys every block by the LoRA's name and path
   (vllm/v1/core/kv_cache_utils.py `_gen_lora_extra_hash_keys`), so KV computed under one version
   is never served to a request of another, and an adapter load needs no cache reset.
-- A version is unloaded (vLLM `remove_lora`) once it is not current and no request uses it.
+- A version is unloaded (vLLM `remove_lora`) once it is older than the current one and no request
+  uses it; a newer version (registered, still loading) is never unloaded: a request that ends
+  while the next adapter loads must not drop it (found by the probe in an async run: the replica
+  then served the base model labelled as the new version).
 - Before the first adapter load the current version is served by the base model alone (the
   adapter's init is B = 0: version 0 is the base); `request_for` then gives None.
 
@@ -68,7 +71,9 @@ class AdapterVersions:
         return self._unused()
 
     def _unused(self) -> list[int]:
-        gone = [v for v in self._loaded if v != self.current and not self._users.get(v)]
+        # only versions below the current one: a newer one is being loaded (registered by `add`
+        # before vLLM has it, made current after); unloading it then would serve the base
+        gone = [v for v in self._loaded if v < self.current and not self._users.get(v)]
         for v in gone:
             del self._loaded[v]
         return [self.lora_id(v) for v in gone]
