@@ -116,7 +116,6 @@ def write_adapter_dir(directory: str, config, adapter: dict[str, torch.Tensor]) 
     tmp = tempfile.mkdtemp(dir=parent, prefix=".partial-adapter-")
     try:
         cfg = config.to_dict()
-        cfg["target_modules"] = sorted(cfg["target_modules"]) if isinstance(cfg["target_modules"], set) else cfg["target_modules"]
         with open(os.path.join(tmp, ADAPTER_CONFIG_FILE), "w") as f:
             json.dump(_jsonable(cfg), f, indent=2, sort_keys=True)
         save_file(adapter, os.path.join(tmp, ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
