@@ -33,6 +33,8 @@ def model_dir_of(path: Path) -> Path:
     """The checkpoint model directory of `path` (a run dir: its latest checkpoint's; else `path`).
     Raises ValueError when it holds no LoRA adapter, CheckpointError for a corrupt checkpoint."""
     ckpt = load_latest(path) if (path / "checkpoints").is_dir() else None
+    if ckpt is None and (path / "config.yaml").is_file() and not (path / "config.json").is_file():
+        raise ValueError(f"run {path} has no checkpoint to export (run with trainer.save_freq > 0, e.g. 10)")
     model = ckpt.model_dir if ckpt is not None else path
     if not (model / LORA_ADAPTER_DIR / "adapter_config.json").is_file():
         raise ValueError(f"{model} holds no LoRA adapter ({LORA_ADAPTER_DIR}/): export needs a run trained with "
