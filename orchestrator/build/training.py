@@ -216,13 +216,14 @@ def _acr_totals(pool: RolloutPool, restored: dict[str, int]) -> Callable[[], Awa
 def _probed(cfg: RunConfig, rt: Runtime, a: _Actors) -> WeightSync:
     """The run's weight sync with the proof of arrival after every sync
     (workers/weight_sync/probe.py; `trainer.weight_sync.probe`), or as built. Off with
-    cluster=colocated (the engines sleep around the update)."""
+    cluster=colocated (the engines sleep around the update) and trainer=verl (its engine exposes
+    no HF model to score the probe with)."""
     from transformers import AutoConfig
 
     from workers.weight_sync.probe import ProbedWeightSync, probe_tokens
 
     ws = cfg.trainer.weight_sync
-    if not ws.probe or cfg.cluster.name == "colocated":
+    if not ws.probe or cfg.cluster.name == "colocated" or cfg.trainer.name != "fsdp":
         return a.weights
     atol = ws.probe_atol if ws.probe_atol is not None else (1e-3 if cfg.inference.dtype == "float32" else 5e-2)
     vocab = int(AutoConfig.from_pretrained(rt.model_path).vocab_size)

@@ -36,7 +36,7 @@ class WeightSyncConfig:
     dtype is `inference.dtype`. `probe`: after every sync, each engine scores a fixed probe
     sequence and the trainer compares with its own log-probs (workers/weight_sync/probe.py): a max
     |difference| over `probe_atol` stops the run naming the version; null atol: 1e-3 with
-    inference.dtype=float32, 5e-2 with bfloat16."""
+    inference.dtype=float32, 5e-2 with bfloat16. Off with cluster=colocated and trainer=verl."""
 
     backend: str = "file"
     bucket_mb: float = 512.0
