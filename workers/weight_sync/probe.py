@@ -9,7 +9,8 @@ policy (verl #7495, SkyRL #2064, miles #2075 failed silently this way).
 when max |Δ| > `atol`. The last difference is the metric `weight_sync/probe_max_abs_diff`.
 
 Invariant: the wrapper changes nothing else: version, report and errors of the inner sync pass
-through; the probe runs after the inner sync confirmed, so a failed push never reaches it.
+through; the probe runs after the inner sync confirmed, so a failed push never reaches it. A
+replica whose actor died meanwhile is left out (the replica supervisor replaces it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from workers.core.calls import call
+from workers.core.calls import actor_died, call
 
 PROBE_LENGTH = 16
 METRIC = "weight_sync/probe_max_abs_diff"
@@ -65,8 +66,13 @@ class ProbedWeightSync:
         lost = self.inner.lost() if hasattr(self.inner, "lost") else frozenset()
         live = [i for i in range(len(self._replicas)) if i not in lost]
         ours = await call(self._trainer, "probe_logprobs", self._tokens)
-        theirs = await asyncio.gather(*(call(self._replicas[i], "prompt_logprobs", self._tokens) for i in live))
-        diffs = {i: max(abs(a - b) for a, b in zip(ours, lp)) for i, lp in zip(live, theirs)}
+        theirs = await asyncio.gather(*(call(self._replicas[i], "prompt_logprobs", self._tokens) for i in live),
+                                      return_exceptions=True)
+        for r in theirs:  # a replica that died since the push is the supervisor's, not a failed sync
+            if isinstance(r, BaseException) and not actor_died(r):
+                raise r
+        diffs = {i: max(abs(a - b) for a, b in zip(ours, lp)) for i, lp in zip(live, theirs)
+                 if not isinstance(lp, BaseException)}
         self.last_diff = max(diffs.values(), default=0.0)
         bad = {i: d for i, d in diffs.items() if not d <= self._atol}
         if bad:
