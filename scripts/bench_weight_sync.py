@@ -11,6 +11,15 @@ receiver's own tensors hold the values), excluding process start and group setup
   shm:  bucketed broadcast through /dev/shm slots (workers/weight_sync/transport.py), receiver in
         another process copying each tensor into its model.
   gloo: bucketed broadcast over a stateless gloo group (TCP on loopback), receiver as above.
+LoRA rows (--lora-ranks, e.g. 8 64; issue 27): a rank-r adapter on every matrix of the model
+(A [r, in], B [out, r], fp32), one sync each way, on the file path with the file under --file-dir:
+  lora_adapter: the adapter alone, written as a PEFT directory (workers/trainer/lora.py
+        `write_adapter_dir`, what `inference.lora_sync=adapter` sends) and read back into tensors;
+  lora_merged:  W + (alpha / r) B A for every matrix (workers/trainer/lora.py `merged_state_dict`),
+        then the full file path as `file` (what `inference.lora_sync=merged` sends).
+  Each row reports bytes per sync and their ratio to the full-weight `file` sync (bytes_ratio,
+  time_ratio against the lora_merged row of the same size and rank). vLLM's own load of the
+  adapter (`add_lora`) or of the weights is not included.
 memcpy: `dst.copy_(src)` of a --memcpy-mb buffer, best of 5 after a warm-up (single thread and
 all threads), and again (1 thread, 256 MiB) right before each path, since other processes on a
 shared machine change both: `fraction_of_memcpy` divides by that adjacent figure,
@@ -101,6 +110,54 @@ def bench_file(sd: dict[str, torch.Tensor], directory: str, repeats: int) -> dic
     return {"times_s": times, "write_s": writes}
 
 
+def lora_of(sd: dict[str, torch.Tensor], rank: int, seed: int = 1) -> dict[str, torch.Tensor]:
+    """A rank-`rank` adapter (PEFT's full-model names) on every 2-D tensor of `sd`."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        if t.dim() == 2:
+            module = "base_model.model." + name.removesuffix(".weight")
+            out[f"{module}.lora_A.default.weight"] = torch.randn(rank, t.shape[1], generator=g) * 0.01
+            out[f"{module}.lora_B.default.weight"] = torch.randn(t.shape[0], rank, generator=g) * 0.01
+    return out
+
+
+def bench_lora(sd: dict[str, torch.Tensor], rank: int, directory: str, repeats: int) -> list[dict]:
+    """lora_adapter and lora_merged rows (module docstring) for one model and rank."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    from workers.trainer.lora import ADAPTER_WEIGHTS_FILE, adapter_state_dict, merged_state_dict, write_adapter_dir
+
+    lora = lora_of(sd, rank)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["weight"])
+    peft_sd = {f"base_model.model.{k.removesuffix('.weight')}.base_layer.weight" if sd[k].dim() == 2
+               else f"base_model.model.{k}": v for k, v in sd.items()} | lora
+    adapter_dir = os.path.join(directory, f"bench-adapter-{os.getpid()}")
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        write_adapter_dir(adapter_dir, config, adapter_state_dict(lora))
+        received = load_file(os.path.join(adapter_dir, ADAPTER_WEIGHTS_FILE))
+        times.append(time.perf_counter() - t0)
+    adapter_bytes = os.path.getsize(os.path.join(adapter_dir, ADAPTER_WEIGHTS_FILE))
+    assert len(received) == len(lora)
+    import shutil
+
+    shutil.rmtree(adapter_dir, ignore_errors=True)
+    merge_times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        merged = merged_state_dict(peft_sd, 2.0)
+        merge_times.append(time.perf_counter() - t0)
+    merged_row = bench_file(merged, directory, repeats)
+    merged_row["times_s"] = [m + f for m, f in zip(merge_times, merged_row["times_s"])]
+    merged_row["merge_s"] = merge_times
+    merged_bytes = sum(t.numel() * t.element_size() for t in merged.values())
+    return [{"path": "lora_adapter", "times_s": times, "sync_bytes": adapter_bytes},
+            {"path": "lora_merged", **merged_row, "sync_bytes": merged_bytes}]
+
+
 def bench_broadcast(sd: dict[str, torch.Tensor], backend: str, bucket_mb: float, threads: int, repeats: int) -> dict:
     specs: list[TensorSpec] = specs_of(sd)
     info = new_group_info(backend, 1, timeout_s=600)
@@ -141,6 +198,7 @@ def main() -> None:
     ap.add_argument("--memcpy-mb", type=float, default=512.0)
     ap.add_argument("--file-dir", default=tempfile.gettempdir())
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    ap.add_argument("--lora-ranks", type=int, nargs="*", default=[], help="LoRA rows at these ranks (e.g. 8 64)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -170,6 +228,17 @@ def main() -> None:
                   f"{rate / 1e9:5.2f} GB/s  {100 * r['fraction_of_memcpy']:5.1f}% of memcpy now ({now / 1e9:.2f} GB/s); "
                   f"best push {100 * r['best_fraction_of_memcpy']:5.1f}%",
                   flush=True)
+        for rank in args.lora_ranks:
+            lora_rows = bench_lora(sd, rank, args.file_dir, args.repeats)
+            merged_s = statistics.median(lora_rows[1]["times_s"])
+            for r in lora_rows:
+                r.update(num_params=int(size), lora_rank=rank, elapsed_s=statistics.median(r["times_s"]),
+                         bytes_ratio=r["sync_bytes"] / total)
+                r["time_ratio_vs_merged"] = r["elapsed_s"] / merged_s
+                rows.append(r)
+                print(f"{int(size) / 1e6:6.0f}M params rank {rank:3d} {r['path']:12s} {r['sync_bytes'] / 2**20:8.1f} MiB "
+                      f"({100 * r['bytes_ratio']:5.2f}% of full) {r['elapsed_s']:7.3f} s "
+                      f"({r['time_ratio_vs_merged']:.3f}x merged)", flush=True)
         del sd
     out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                        "load_avg": os.getloadavg()},

@@ -111,6 +111,16 @@ def test_default_config_is_the_embedded_default():
         ("rollout.contract=a2a rollout.rollout_slots=0", "rollout.rollout_slots"),
         ("rollout.acr.limits.sessions_per_s=0", "rollout.acr.limits.sessions_per_s"),
         ("task=swe_mini", "rollout.contract"),  # its agent speaks A2A only
+        ("model.lora.rank=-1", "model.lora.rank"),  # issue 27: LoRA
+        ("model.lora.rank=1024", "model.lora.rank"),  # over vLLM's largest max_lora_rank
+        ("model.lora.rank=8 model.lora.alpha=0", "model.lora.alpha"),
+        ("model.lora.rank=8 model.lora.dropout=1", "model.lora.dropout"),
+        ("model.lora.rank=8 model.lora.init=pissa", "model.lora.init"),
+        ("model.lora.rank=8 model.lora.target_modules=[]", "model.lora.target_modules"),
+        ("model.lora.rank=8 trainer=verl", "trainer.name"),
+        ("model.lora.rank=8 trainer.weight_sync.backend=shm", "trainer.weight_sync.backend"),  # adapter sync: file only
+        ("inference.lora_sync=full", "inference.lora_sync"),
+        ("trainer.weight_sync.probe_atol=0", "trainer.weight_sync.probe_atol"),
     ],
 )
 def test_bad_value_names_the_key(override, key):
@@ -355,3 +365,11 @@ def test_a2a_lifecycle_keys_reach_the_workers_and_the_slot_cap():
     limits = pool_limits(cfg.rollout)
     assert (limits.rollout_slots, limits.max_open_sessions) == (128, 256)
     assert pool_limits(compose_config().rollout).rollout_slots is None
+
+
+def test_lora_configs_that_run():
+    """rank 0 / null is off; the merged sync takes any backend; max_lora_rank is vLLM's next choice."""
+    assert not compose_config([]).model.lora.enabled
+    assert not compose_config(["model.lora.rank=null"]).model.lora.enabled
+    cfg = compose_config(["model.lora.rank=12", "inference.lora_sync=merged", "trainer.weight_sync.backend=shm"])
+    assert cfg.model.lora.enabled and cfg.model.lora.max_lora_rank() == 16

@@ -146,7 +146,8 @@ def test_engine_kv_cache_is_what_the_utilization_leaves():
 
 
 def test_a_plan_that_does_not_fit_names_the_gpu_and_the_bytes():
-    cfg = compose_config(["+experiment=swe_agent_2node", "model.path=/models/Qwen3-32B"])
+    # full fine-tuning (the preset trains LoRA, issue 27: 32B then fits the trainer's GPUs)
+    cfg = compose_config(["+experiment=swe_agent_2node", "model.path=/models/Qwen3-32B", "model.lora.rank=0"])
     with pytest.raises(ConfigError, match=r"node 0 GPU \d \(trainer rank \d\) needs [\d,]+ bytes .* but has "
                                           r"85,899,345,920 bytes"):
         check_plan(build_plan(cfg))
@@ -164,7 +165,7 @@ def test_unknown_model_without_config_json_is_a_config_error():
 
 @pytest.mark.parametrize("overrides,code,needle", [
     ([], 0, "dry run: the plan fits; nothing was started"),
-    (["model.path=/models/Qwen3-32B"], 2, "config error: dry run: node 0 GPU"),
+    (["model.path=/models/Qwen3-32B", "model.lora.rank=0"], 2, "config error: dry run: node 0 GPU"),
 ])
 def test_main_dry_run_exit_status(tmp_path, overrides, code, needle):
     """The acceptance command: prints the plan, exits 0; a plan that cannot fit exits 2. Nothing starts:

@@ -41,9 +41,11 @@ def close_quietly(closing: contextlib.AsyncExitStack, fn: Callable[..., Awaitabl
     closing.push_async_callback(close)
 
 
-def replica_spawner(cfg: RunConfig, placed: PlacedGroups, model_path: str, version: int) -> Callable[[int], ActorHandle]:
+def replica_spawner(cfg: RunConfig, placed: PlacedGroups, model_path: str, version: int,
+                    lora_rank: int | None = None) -> Callable[[int], ActorHandle]:
     """`spawn(i)`: inference replica i (a Ray actor, not started yet) on the weights of `model_path`
-    (policy `version`), placed by `placed`; also how a dead replica's replacement is made."""
+    (policy `version`), placed by `placed`; also how a dead replica's replacement is made.
+    `lora_rank`: the LoRA rank it serves (None: `model.lora.rank`)."""
     import ray
 
     from workers.inference.worker import InferenceWorker
@@ -51,7 +53,8 @@ def replica_spawner(cfg: RunConfig, placed: PlacedGroups, model_path: str, versi
     inference_cls = ray.remote(num_cpus=0, max_concurrency=1000)(InferenceWorker)
     return lambda i: inference_cls.options(runtime_env=QUIET_VLLM, **placed.inference_options(i)).remote(
         inference_settings(cfg.inference, mode=cfg.mode, async_=cfg.async_, cluster=cfg.cluster, seed=cfg.seed,
-                           model_path=model_path, replica=i, initial_policy_version=version))
+                           model_path=model_path, replica=i, initial_policy_version=version,
+                           lora_rank=(cfg.model.lora.rank or 0) if lora_rank is None else lora_rank))
 
 
 def gateway_actor(cfg: RunConfig, model_path: str) -> ActorHandle:

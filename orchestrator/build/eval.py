@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator.build.actors import close_quietly, gateway_actor, replica_spawner, run_rollout_settings, start_pool
@@ -36,6 +38,18 @@ class BuiltEval:
     closing: contextlib.AsyncExitStack
 
 
+def _adapter_rank(adapter_path: str | None) -> int | None:
+    """The rank `r` of the PEFT adapter at `adapter_path` (its adapter_config.json), None without
+    one. Raises ValueError naming eval.adapter_path when it is not a PEFT adapter directory."""
+    if not adapter_path:
+        return None
+    config = Path(adapter_path) / "adapter_config.json"
+    try:
+        return int(json.loads(config.read_text())["r"])
+    except (OSError, KeyError, ValueError) as e:
+        raise ValueError(f"eval.adapter_path {adapter_path} is not a PEFT LoRA adapter directory ({e})") from e
+
+
 async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -> BuiltEval:
     """Start mode=eval's parts (see the module docstring)."""
     closing = contextlib.AsyncExitStack()
@@ -53,8 +67,8 @@ async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -
 
             placed = place(cfg.cluster)
             stack.callback(placed.remove)
-            spawn = replica_spawner(cfg, placed, rt.model_path, rt.checkpoint.state.policy_version
-                                    if rt.checkpoint else 0)
+            version = rt.checkpoint.state.policy_version if rt.checkpoint else 0
+            spawn = replica_spawner(cfg, placed, rt.model_path, version, lora_rank=_adapter_rank(cfg.eval.adapter_path))
             replicas = [spawn(i) for i in range(cfg.inference.replicas)]
             engines_up = [r.start.remote() for r in replicas]  # the longest start: first, the buffer meanwhile
             close_quietly(closing, lambda: asyncio.gather(*(r.shutdown.remote() for r in replicas)))
@@ -64,6 +78,9 @@ async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -
         stack.callback(buffer.stop)
         if gateway is not None:
             await asyncio.gather(*engines_up)
+            if cfg.eval.adapter_path:  # base + adapter: every replica serves the adapter as the current version
+                await asyncio.gather(*(r.load_adapter.remote(cfg.eval.adapter_path, version, initial=True)
+                                       for r in replicas))
             phase("engines ready; starting the gateway and the rollout pool")
             await gateway.set_engines.remote(replicas)
             base_url = await gateway.start.remote()

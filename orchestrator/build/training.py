@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from orchestrator.build.actors import close_quietly, gateway_actor, replica_spawner, run_rollout_settings, start_pool
 from orchestrator.build.runtime import Runtime
-from orchestrator.config import (RunConfig, buffer_config, eval_rollout_settings, eval_settings, sampler_settings,
+from orchestrator.config import (RunConfig, buffer_config, lora_settings, eval_rollout_settings, eval_settings, sampler_settings,
                                  trainer_class, trainer_settings)
 from orchestrator.loop.common import LoopParts, LoopPosition, Trainer
 from orchestrator.tasks import TASKS
@@ -113,7 +114,8 @@ async def _start_actors(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack
     trainer = await start_trainer_ranks(  # one actor, or N data-parallel ranks behind the same .remote surface
         ray.remote(num_cpus=0)(trainer_cls),
         trainer_settings(cfg.trainer, algorithm=cfg.algorithm, inference=cfg.inference, model_path=model_path,
-                         sampling=(cfg.rollout.temperature, cfg.rollout.top_p)),
+                         sampling=(cfg.rollout.temperature, cfg.rollout.top_p), lora=lora_settings(cfg.model.lora),
+                         lora_adapter_path=_checkpoint_adapter(cfg, rt)),
         world_size=len(placed.plan.trainer) if placed.plan.groups else 1,
         rank_options=lambda r: {"runtime_env": threads, **placed.trainer_options(r)}, **trainer_kw)
     gateway = gateway_actor(cfg, model_path)
@@ -128,10 +130,13 @@ async def _start_actors(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack
     phase("engines ready; starting the weight sync")
     if ckpt is not None:
         await trainer.load_optimizer.remote(str(ckpt.optimizer_path))
+    adapter_sync = cfg.model.lora.enabled and cfg.inference.lora_sync == "adapter"
     weights = await open_weight_sync(cfg.trainer.weight_sync.backend, trainer, replicas,  # file, or a broadcast group
                                      ranks_per_replica=cfg.cluster.inference.tensor_parallel_size,
-                                     initial_version=version, weights_dir=rt.run_dir / "weights")
+                                     initial_version=version, weights_dir=rt.run_dir / "weights",
+                                     lora_adapter=adapter_sync, keep_adapters=cfg.async_.max_staleness + 2)
     close_quietly(closing, close_weight_sync, weights, trainer)  # the sender's /dev/shm slots, process groups
+    await _restore_policy(cfg, rt, weights, version)
     await gateway.set_engines.remote(replicas)  # no turn reaches the gateway before the loop starts
     return _Actors(replicas, spawn_replica, trainer, gateway, buffer, pool, weights, settings, pad_id)
 
@@ -170,14 +175,16 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
         watchers.append(_slot_steering(cfg, concurrency, a.pool))  # the window steers rollout slots
         concurrency = None  # dispatch: the staleness budget and the container slots only
     ledger = RolloutLedger()
+    weights = _probed(cfg, rt, a)
     if ckpt is not None:
         ledger.restore(ckpt.state.counters)  # cumulative counters go on from the checkpoint's
     acr_totals = _acr_totals(a.pool, ckpt.state.counters if ckpt else {})
     parts = LoopParts(
         prompts=prompts, rollouts=a.pool, ledger=ledger,
         store=BufferStore(a.buffer, cfg.rollout.n, cfg.rollout.timeout_s),
-        trainer=_colocated(cfg, trainer_client, a.replicas), weights=a.weights, logger=logger,
+        trainer=_colocated(cfg, trainer_client, a.replicas), weights=weights, logger=logger,
         probe=_probes(_with_gate(GatewayProbe(a.gateway, a.replicas), concurrency), *(w.metrics for w in watchers),
+                      *([weights.metrics] if hasattr(weights, "metrics") else []),
                       lambda: _pool_recovery_metrics(a.pool), directory.refresh, cpu, ResourceProbe(a.buffer),
                       SlotProbe(a.pool.slot_stats)),
         checkpoint=RunCheckpointer(run_dir, a.trainer, prompts, save_freq=cfg.trainer.save_freq,
@@ -204,6 +211,49 @@ def _acr_totals(pool: RolloutPool, restored: dict[str, int]) -> Callable[[], Awa
         return {k: carried.get(k, 0) + now.get(k, 0) for k in sorted({*carried, *now})}
 
     return totals
+
+
+def _probed(cfg: RunConfig, rt: Runtime, a: _Actors) -> WeightSync:
+    """The run's weight sync with the proof of arrival after every sync
+    (workers/weight_sync/probe.py; `trainer.weight_sync.probe`), or as built. Off with
+    cluster=colocated (the engines sleep around the update) and trainer=verl (its engine exposes
+    no HF model to score the probe with)."""
+    from transformers import AutoConfig
+
+    from workers.weight_sync.probe import ProbedWeightSync, probe_tokens
+
+    ws = cfg.trainer.weight_sync
+    if not ws.probe or cfg.cluster.name == "colocated" or cfg.trainer.name != "fsdp":
+        return a.weights
+    atol = ws.probe_atol if ws.probe_atol is not None else (1e-3 if cfg.inference.dtype == "float32" else 5e-2)
+    vocab = int(AutoConfig.from_pretrained(rt.model_path).vocab_size)
+    return ProbedWeightSync(a.weights, a.trainer, a.replicas, probe_tokens(vocab), atol=atol)  # type: ignore[return-value]
+
+
+def _checkpoint_adapter(cfg: RunConfig, rt: Runtime) -> str | None:
+    """The LoRA adapter directory of the checkpoint a run resumes from (`lora_adapter/` beside the
+    base weights, workers/trainer/shell.py `save_hf`), None on a fresh start or without LoRA."""
+    from workers.trainer.shell import LORA_ADAPTER_DIR
+
+    if not cfg.model.lora.enabled or rt.checkpoint is None:
+        return None
+    path = Path(rt.model_path) / LORA_ADAPTER_DIR
+    return str(path) if path.is_dir() else None
+
+
+async def _restore_policy(cfg: RunConfig, rt: Runtime, weights: WeightSync, version: int) -> None:
+    """A resumed LoRA run's engines start on the checkpoint's base weights: serve its adapter as
+    `version` before the loop starts (adapter sync). Raises RuntimeError when a LoRA checkpoint
+    has no adapter, or with the merged sync (not supported on resume)."""
+    adapter = _checkpoint_adapter(cfg, rt)
+    if not cfg.model.lora.enabled or rt.checkpoint is None:
+        return
+    if adapter is None:
+        raise RuntimeError(f"checkpoint {rt.model_path} has no LoRA adapter to resume model.lora from")
+    if not hasattr(weights, "open_adapter"):
+        raise RuntimeError("resuming model.lora with inference.lora_sync=merged is not supported (the engines would "
+                           "start on the base weights); resume with inference.lora_sync=adapter")
+    await weights.open_adapter(adapter)  # type: ignore[attr-defined]
 
 
 def _supervisor(cfg: RunConfig, a: _Actors, version: int) -> ReplicaSupervisor | None:

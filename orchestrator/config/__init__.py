@@ -21,7 +21,7 @@ from orchestrator.config.gateway import GatewayGroupConfig, gateway_net
 from orchestrator.config.inference import InferenceConfig, inference_settings
 from orchestrator.config.logger import LoggerConfig
 from orchestrator.config.mode import ModeConfig
-from orchestrator.config.model import ModelConfig, gateway_config
+from orchestrator.config.model import LoraConfig, ModelConfig, gateway_config, lora_settings
 from orchestrator.config.rollout import (AcrConfig, AcrLimitsSchema, RolloutConfig, acr_client_config, acr_region,
                                          buffer_config, pool_limits, rollout_settings)
 from orchestrator.config.run import (GROUP_SCHEMAS, RunConfig, async_loop_settings, register, sync_loop_settings,
@@ -36,7 +36,7 @@ __all__ = [
     "GROUP_SCHEMAS", "InferenceConfig", "InferencePlacementConfig", "LoggerConfig", "ModeConfig", "ModelConfig",
     "RejectionRuleConfig", "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "TASK_NAMES", "TaskConfig",
     "TrainerConfig", "TrainerPlacementConfig", "VerlEngineConfig", "WeightSyncConfig", "acr_client_config", "acr_region",
-    "async_loop_settings", "buffer_config", "eval_rollout_settings", "eval_settings", "gateway_config", "gateway_net", "inference_settings", "pool_limits", "register",
+    "async_loop_settings", "buffer_config", "eval_rollout_settings", "eval_settings", "gateway_config", "gateway_net", "lora_settings", "LoraConfig", "inference_settings", "pool_limits", "register",
     "rollout_settings", "sampler_settings", "sync_loop_settings", "to_run_config", "trainer_class", "trainer_settings",
     "verl_settings",
 ]

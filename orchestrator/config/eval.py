@@ -23,7 +23,9 @@ class EvalConfig:
     gateway, no engine; the payload carries no base_url / api_key / model_id); mode=eval only.
     progress: "auto" (a bar on a terminal, plain lines otherwise) | "bar" | "lines" | "none".
     max_concurrent_rollouts: evaluation rollouts in flight at once, as whole prompts (null: one
-    training step's, rollout.batch_size x rollout.n: the bound the ACR limits were sized for)."""
+    training step's, rollout.batch_size x rollout.n: the bound the ACR limits were sized for).
+    adapter_path: a PEFT LoRA adapter directory (`python -m orchestrator.export RUN_DIR --adapter`)
+    served on the base model (`model.path`) by every replica (mode=eval; null: the model alone)."""
 
     n: int = 4
     temperature: float = 1.0
@@ -33,6 +35,7 @@ class EvalConfig:
     serve_model: bool = True
     progress: str = "auto"
     max_concurrent_rollouts: Optional[int] = None
+    adapter_path: Optional[str] = None
 
     def __post_init__(self) -> None:
         check(self.n >= 1, "eval.n", "must be >= 1", self.n)

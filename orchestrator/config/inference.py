@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 INFERENCE_ENGINES = ("vllm_cpu", "vllm")  # vllm_cpu: vLLM's CPU build; vllm: vLLM on CUDA GPUs
 INFERENCE_DTYPES = ("float32", "bfloat16")  # also the dtype weight sync sends (workers/weight_sync/plan.py)
+LORA_SYNC_MODES = ("adapter", "merged")  # model.lora's weight sync: the adapter alone, or merged full weights
 
 
 @dataclass
@@ -27,7 +28,10 @@ class InferenceConfig:
     split, so it must hold a whole `max_model_len` prompt there). `block_size`: tokens per KV-cache
     block (vLLM's `--block-size`; null: the platform's default, 128 on CPU, 16 on CUDA; the unit in
     which the cache fills and `perf/kv_cache_usage` moves). `enable_prefix_caching`: reuse the KV of
-    shared prompt prefixes (a multi-turn agent's history). `enforce_eager`: no CUDA graphs."""
+    shared prompt prefixes (a multi-turn agent's history). `enforce_eager`: no CUDA graphs.
+    `lora_sync` (with `model.lora`): "adapter" sends only the adapter each sync and the engines serve
+    it as a vLLM LoRA adapter (file backend only), "merged" merges it into full weights and syncs
+    those by `trainer.weight_sync.backend` (for engines or models that cannot serve LoRA)."""
 
     name: str = "vllm_cpu"
     replicas: int = 1
@@ -45,6 +49,7 @@ class InferenceConfig:
     max_restarts: Optional[int] = None
     health_check_s: float = 2.0  # seconds between the supervisor's liveness checks of the replicas
     replica_wait_s: float = 300.0  # a turn with no healthy replica waits this long for a replacement
+    lora_sync: str = "adapter"
 
     def __post_init__(self) -> None:
         one_of(self.name, "inference.name", INFERENCE_ENGINES)
@@ -73,14 +78,19 @@ class InferenceConfig:
         check(self.max_restarts is None or self.max_restarts >= 0, "inference.max_restarts", "must be null or >= 0",
               self.max_restarts)
         check(self.health_check_s > 0, "inference.health_check_s", "must be > 0", self.health_check_s)
+        one_of(self.lora_sync, "inference.lora_sync", LORA_SYNC_MODES)
         check(self.replica_wait_s >= 0, "inference.replica_wait_s", "must be >= 0", self.replica_wait_s)
 
 
 def inference_settings(inf: InferenceConfig, *, mode: ModeConfig, async_: AsyncConfig, cluster: ClusterConfig,
-                       seed: int, model_path: str, replica: int, initial_policy_version: int) -> InferenceSettings:
+                       seed: int, model_path: str, replica: int, initial_policy_version: int,
+                       lora_rank: int = 0) -> InferenceSettings:
     """Settings of replica `replica` (its sampling seed is `seed + replica`). Sync mode drains
     requests in flight at a weight update; async mode applies `async.in_flight`. Colocated
-    engines are built with sleep mode (they sleep while the trainer updates on their GPUs)."""
+    engines are built with sleep mode (they sleep while the trainer updates on their GPUs).
+    `lora_rank` (`model.lora.rank`, served as an adapter with `lora_sync=adapter`): the engine
+    serves LoRA adapters up to that rank, up to `async.max_staleness + 1` versions at once in
+    async mode (requests keep the version they started on), 1 in sync mode."""
     from workers.inference.settings import InferenceSettings
 
     return InferenceSettings(
@@ -91,4 +101,6 @@ def inference_settings(inf: InferenceConfig, *, mode: ModeConfig, async_: AsyncC
         max_num_seqs=inf.max_num_seqs, seed=seed + replica,
         in_flight=async_.in_flight if mode.name == "async" else SYNC_IN_FLIGHT,  # type: ignore[arg-type]
         resume_aborted=async_.resume_aborted, tensor_parallel_size=cluster.inference.tensor_parallel_size,
-        enable_sleep_mode=cluster.name == "colocated", initial_policy_version=initial_policy_version)
+        enable_sleep_mode=cluster.name == "colocated", initial_policy_version=initial_policy_version,
+        lora_rank=lora_rank if inf.lora_sync == "adapter" else 0,
+        max_loras=async_.max_staleness + 1 if mode.name == "async" else 1)

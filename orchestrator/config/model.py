@@ -1,11 +1,12 @@
-"""`model` group: the policy and how the gateway renders it; maps to the gateway's GatewayConfig.
+"""`model` group: the policy, its LoRA adapter (`model.lora`), and how the gateway renders it;
+maps to the gateway's GatewayConfig and (`lora_settings`) to the trainer's LoraSettings.
 
 Values only: whether `path` and `chat_template` exist is checked by orchestrator/control/preflight.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
 from orchestrator.config.errors import check
 from orchestrator.config.gateway import GatewayGroupConfig, gateway_net
@@ -14,6 +15,52 @@ from workers.gateway.tool_parsers import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from workers.gateway.config import GatewayConfig
+    from workers.trainer.settings import LoraSettings
+
+LORA_INITS = ("default", "gaussian")  # PEFT init_lora_weights True / "gaussian": B = 0, the adapter starts as the identity
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's `max_lora_rank` choices (config/lora.py)
+
+
+@dataclass
+class LoraConfig:
+    """LoRA (PEFT) on the policy; `rank` 0 or null trains every weight (no adapter).
+
+    rank: r of W + (alpha / r) B A; at most 512 (vLLM's largest `max_lora_rank`).
+    alpha: the scale numerator (`lora_alpha`), > 0. dropout: PEFT's `lora_dropout` in [0, 1),
+    applied in the training forward only (π_old and the probes score without it).
+    target_modules: module names the adapter wraps (PEFT `target_modules`), or ["all-linear"]:
+    every linear layer except the output head.
+    init: "default" (PEFT's Kaiming A, B = 0) or "gaussian" (A ~ N(0, 1/r), B = 0); both start as
+    the base model, so version 0 is the base the engines already serve. Inits that rewrite the base
+    weights (PiSSA, OLoRA, LoftQ) are refused: the engines serve the unmodified base.
+    """
+
+    rank: Optional[int] = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    init: str = "default"
+
+    def __post_init__(self) -> None:
+        r = self.rank or 0
+        check(0 <= r <= VLLM_MAX_LORA_RANKS[-1], "model.lora.rank",
+              f"must be 0 / null (LoRA off) or in 1..{VLLM_MAX_LORA_RANKS[-1]} (vLLM's largest max_lora_rank)", self.rank)
+        check(self.alpha > 0, "model.lora.alpha", "must be > 0", self.alpha)
+        check(0 <= self.dropout < 1, "model.lora.dropout", "must be in [0, 1)", self.dropout)
+        check(bool(self.target_modules) and all(isinstance(m, str) and m for m in self.target_modules),
+              "model.lora.target_modules", "must be a non-empty list of module names (or [all-linear])",
+              self.target_modules)
+        check(self.init in LORA_INITS, "model.lora.init",
+              f"must be one of {list(LORA_INITS)} (inits that rewrite the base weights, e.g. pissa or olora, "
+              "cannot run: the engines serve the unmodified base)", self.init)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.rank)
+
+    def max_lora_rank(self) -> int:
+        """The smallest vLLM `max_lora_rank` choice that holds `rank`."""
+        return next(r for r in VLLM_MAX_LORA_RANKS if r >= (self.rank or 0))
 
 
 
@@ -27,6 +74,7 @@ class ModelConfig:
     tool_call_parser: the gateway's tool-call format: "auto" (from the template), "hermes",
     "qwen3_coder", "llama3_json", "harmony" (gpt-oss) or "none" (requests offering tools are then
     refused with a 400).
+    lora: train a LoRA adapter instead of every weight (`LoraConfig`; rank 0 / null: off).
     """
 
     name: str = "tiny"
@@ -34,6 +82,7 @@ class ModelConfig:
     served_name: str = "policy"
     chat_template: str | None = None
     tool_call_parser: str = "auto"
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         from workers.embedded.qwen3_random import EMBEDDED_MODELS  # torch-free: names only
@@ -59,3 +108,13 @@ def gateway_config(model: ModelConfig, *, rollout: RolloutConfig, model_path: st
                          chat_template=model.chat_template, tool_call_parser=model.tool_call_parser,
                          max_context_tokens=rollout.max_context_tokens, max_tokens=rollout.max_tokens,
                          temperature=rollout.temperature, top_p=rollout.top_p, replica_wait_s=replica_wait_s)
+
+
+def lora_settings(lora: LoraConfig) -> LoraSettings | None:
+    """`model.lora` as the trainer's LoraSettings (workers/trainer/settings.py), None when off."""
+    from workers.trainer.settings import LoraSettings
+
+    if not lora.enabled:
+        return None
+    return LoraSettings(rank=int(lora.rank or 0), alpha=lora.alpha, dropout=lora.dropout,
+                        target_modules=tuple(lora.target_modules), init=lora.init)

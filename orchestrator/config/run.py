@@ -101,6 +101,7 @@ class RunConfig:
         check(self.rollout.top_p == 1.0 or self.trainer.name != "verl", "rollout.top_p",
               "must be 1 with trainer=verl (verl's actor scores the tempered distribution without top-p "
               "truncation, so its log-probs could not match the engine's); use trainer=fsdp", self.rollout.top_p)
+        self._check_lora()
         check(self.rollout.concurrency == "fixed" or self.mode.name == "async", "rollout.concurrency",
               "adaptive needs mode=async (the sync loop dispatches whole batches)", self.rollout.concurrency)
         check(not self.inference.max_restarts or self.replica_replaceable, "inference.max_restarts",
@@ -108,6 +109,19 @@ class RunConfig:
               "(resume it with trainer.resume_mode=auto)", self.inference.max_restarts)
         check(self.eval.serve_model or self.mode.name == "eval", "eval.serve_model",
               "can be false only with mode=eval (training needs the served policy)", self.eval.serve_model)
+
+    def _check_lora(self) -> None:
+        """`model.lora` runs with trainer=fsdp only; its adapter sync (`inference.lora_sync=adapter`)
+        with the file weight sync only (the engines load the adapter as a PEFT directory)."""
+        if not self.model.lora.enabled or self.mode.name == "eval":
+            return
+        check(self.trainer.name == "fsdp", "trainer.name",
+              "must be fsdp with model.lora (the verl engine option trains every weight; LoRA through verl is "
+              "not supported here)", self.trainer.name)
+        check(self.inference.lora_sync == "merged" or self.trainer.weight_sync.backend == "file",
+              "trainer.weight_sync.backend", "must be file with model.lora and inference.lora_sync=adapter (the "
+              "engines load the adapter from a PEFT directory; the broadcast backends carry full weights only: "
+              "use inference.lora_sync=merged with them)", self.trainer.weight_sync.backend)
 
     @property
     def replica_replaceable(self) -> bool:

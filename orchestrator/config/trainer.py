@@ -18,7 +18,7 @@ from workers.trainer.settings import MixedPrecision, VerlStrategy
 from workers.weight_sync.setup import BROADCAST_BACKENDS, FILE_BACKEND
 
 if TYPE_CHECKING:
-    from workers.trainer.settings import TrainerSettings, VerlSettings
+    from workers.trainer.settings import LoraSettings, TrainerSettings, VerlSettings
 
 TRAINER_NAMES = ("fsdp", "verl")  # trainer_class() below maps each to its actor class
 WEIGHT_SYNC_BACKENDS = (FILE_BACKEND, *BROADCAST_BACKENDS)
@@ -33,14 +33,21 @@ class WeightSyncConfig:
     | cuda_ipc (the same through CUDA IPC buffers, trainer and inference on one GPU) | gloo
     (bucketed broadcast over a TCP process group) | nccl (the same over NCCL, GPU).
     `bucket_mb`: broadcast bucket size in MiB (verl: update_weights_bucket_megabytes). The sent
-    dtype is `inference.dtype`."""
+    dtype is `inference.dtype`. `probe`: after every sync, each engine scores a fixed probe
+    sequence and the trainer compares with its own log-probs (workers/weight_sync/probe.py): a max
+    |difference| over `probe_atol` stops the run naming the version; null atol: 1e-3 with
+    inference.dtype=float32, 5e-2 with bfloat16. Off with cluster=colocated and trainer=verl."""
 
     backend: str = "file"
     bucket_mb: float = 512.0
+    probe: bool = True
+    probe_atol: Optional[float] = None
 
     def __post_init__(self) -> None:
         one_of(self.backend, "trainer.weight_sync.backend", WEIGHT_SYNC_BACKENDS)
         check(self.bucket_mb > 0, "trainer.weight_sync.bucket_mb", "must be > 0", self.bucket_mb)
+        check(self.probe_atol is None or self.probe_atol > 0, "trainer.weight_sync.probe_atol", "must be null or > 0",
+              self.probe_atol)
 
 
 @dataclass
@@ -122,10 +129,12 @@ class TrainerConfig:
 
 
 def trainer_settings(t: TrainerConfig, *, algorithm: AlgorithmConfig, inference: InferenceConfig,
-                     model_path: str, sampling: tuple[float, float] = (1.0, 1.0)) -> TrainerSettings:
+                     model_path: str, sampling: tuple[float, float] = (1.0, 1.0), lora: LoraSettings | None = None,
+                     lora_adapter_path: str | None = None) -> TrainerSettings:
     """What every trainer rank is built with (workers/trainer/settings.py); the PPO clip and the
     rollout correction come from `algorithm`, the sent weights' dtype from `inference.dtype`, the
-    scored distribution from the rollouts' `sampling` (temperature, top_p)."""
+    scored distribution from the rollouts' `sampling` (temperature, top_p); `lora`
+    (orchestrator/config/model.py lora_settings) and the adapter a resumed run starts from."""
     from workers.trainer.settings import TrainerSettings
 
     alg = algorithm
@@ -136,7 +145,7 @@ def trainer_settings(t: TrainerConfig, *, algorithm: AlgorithmConfig, inference:
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, mixed_precision=t.mixed_precision,  # type: ignore[arg-type]
         activation_checkpointing=t.activation_checkpointing, weight_sync_dtype=inference.dtype,
         weight_sync_bucket_mb=t.weight_sync.bucket_mb, sampling_temperature=sampling[0], sampling_top_p=sampling[1],
-        collective_timeout_s=t.collective_timeout_s)
+        collective_timeout_s=t.collective_timeout_s, lora=lora, lora_adapter_path=lora_adapter_path)
 
 
 def verl_settings(v: VerlEngineConfig) -> VerlSettings:

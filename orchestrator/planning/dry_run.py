@@ -151,17 +151,37 @@ def _hardware_line(cfg: RunConfig, gpus_per_node: int) -> str:
 def _trainer_load(cfg: RunConfig, world: int) -> TrainerLoad:
     t = cfg.trainer
     tokens = t.max_tokens_per_micro_batch or t.micro_batch_size * cfg.rollout.max_context_tokens
-    return TrainerLoad(world, t.mixed_precision, tokens, t.activation_checkpointing)
+    return TrainerLoad(world, t.mixed_precision, tokens, t.activation_checkpointing, lora_rank=cfg.model.lora.rank or 0)
 
 
-def _engine_load(cfg: RunConfig, gpu_bytes: int) -> EngineLoad:
+def _engine_load(cfg: RunConfig, gpu_bytes: int, shape: ModelShape | None = None) -> EngineLoad:
     inf = cfg.inference
     return EngineLoad(tensor_parallel_size=cfg.cluster.inference.tensor_parallel_size, dtype=inf.dtype,
                       gpu_bytes=gpu_bytes, gpu_memory_utilization=inf.gpu_memory_utilization,
                       kv_cache_bytes=None if inf.kv_cache_gib is None else int(inf.kv_cache_gib * GIB),
                       max_model_len=inf.max_model_len,
                       max_num_batched_tokens=inf.max_num_batched_tokens or VLLM_DEFAULT_BATCHED_TOKENS,
-                      max_num_seqs=inf.max_num_seqs)
+                      max_num_seqs=inf.max_num_seqs, lora_params=_engine_lora_params(cfg, shape))
+
+
+def _lora_note(cfg: RunConfig, shape: ModelShape) -> str:
+    """`, LoRA rank r (Q M adapter params, sync: adapter|merged)` with `model.lora`, else ''."""
+    lora = cfg.model.lora
+    if not lora.enabled:
+        return ""
+    q = shape.lora_params(lora.rank or 0)
+    return (f", LoRA rank {lora.rank} alpha {lora.alpha:g} ({q / 1e6:.1f} M trained parameters, frozen base; "
+            f"sync: {cfg.inference.lora_sync})")
+
+
+def _engine_lora_params(cfg: RunConfig, shape: ModelShape | None) -> int:
+    """Parameters of the adapter slots a replica allocates with the LoRA adapter sync: `max_loras`
+    (async: `async.max_staleness` + 1) adapters at vLLM's `max_lora_rank`; 0 otherwise."""
+    lora = cfg.model.lora
+    if shape is None or not lora.enabled or cfg.inference.lora_sync != "adapter":
+        return 0
+    slots = cfg.async_.max_staleness + 1 if cfg.mode.name == "async" else 1
+    return slots * shape.lora_params(lora.max_lora_rank())
 
 
 def _local_plan(cfg: RunConfig, shape: ModelShape, header: list[str], machine_bytes: int | None) -> RunPlan:
@@ -176,7 +196,7 @@ def _local_plan(cfg: RunConfig, shape: ModelShape, header: list[str], machine_by
     machine = machine_bytes if machine_bytes is not None else machine_memory_bytes()
     ranks = c.trainer_replicas
     trainer = trainer_memory(shape, _trainer_load(cfg, ranks))
-    engine = replace(engine_memory(shape, _engine_load(cfg, machine)).memory, other=0)  # no CUDA overhead on CPU
+    engine = replace(engine_memory(shape, _engine_load(cfg, machine, shape)).memory, other=0)  # no CUDA overhead on CPU
     roles = [f"trainer rank {r}" for r in range(ranks)] + [f"inference replica {i}" for i in range(inf.replicas)]
     plan.host = HostPlan(roles, host_memory(trainer, ranks, engine, inf.replicas), machine)
     header.append(f"cluster=local: no GPUs are placed; the trainer and the engine run on CPU, in this machine's "
@@ -200,12 +220,12 @@ def build_plan(cfg: RunConfig, machine_bytes: int | None = None) -> RunPlan:
     if not placement.groups:
         return _local_plan(cfg, shape, header, machine_bytes)
     world = len(placement.trainer)
-    trainer_load, load = _trainer_load(cfg, world), _engine_load(cfg, gpu_bytes)
+    trainer_load, load = _trainer_load(cfg, world), _engine_load(cfg, gpu_bytes, shape)
     tokens, tp = trainer_load.tokens_per_micro_batch, load.tensor_parallel_size
     trainer = trainer_memory(shape, trainer_load)
     engine = engine_memory(shape, load)
     header += [f"trainer: {world} rank(s), FSDP2 {t.mixed_precision or 'fp32'}, {tokens} tokens per micro-batch"
-               f"{', activation checkpointing' if t.activation_checkpointing else ''}",
+               f"{', activation checkpointing' if t.activation_checkpointing else ''}{_lora_note(cfg, shape)}",
                f"inference: {inf.replicas} replica(s) x tensor_parallel_size {tp}, {inf.dtype}, "
                f"gpu_memory_utilization {inf.gpu_memory_utilization:g}, KV cache {engine.kv_tokens} tokens per GPU "
                f"({engine.kv_tokens // max(1, inf.max_model_len)} sequences of {inf.max_model_len} tokens)",

@@ -10,6 +10,9 @@ Trainer rank (world size W, FSDP2 full sharding, workers/trainer/worker.py):
   prefetched), in the compute dtype (bf16 with `trainer.mixed_precision=bf16`, else fp32);
 - gradients: the fp32 gradient shard 4·P/W;
 - optimizer state: AdamW's two fp32 moments 8·P/W;
+- with LoRA (`model.lora.rank` r, `ModelShape.lora_params`: Q = r·Σ(fan_in + fan_out) over the
+  adapted matrices): the frozen base shard in the compute dtype (2·P/W with bf16, else 4·P/W),
+  and the adapter's fp32 master 4·Q/W, gradients 4·Q/W and AdamW moments 8·Q/W only;
 - activations at the token budget T (`trainer.max_tokens_per_micro_batch`, else micro_batch_size ×
   max_context_tokens): tensors saved for backward per token and decoder layer,
   2·(4h + (a + 2k)·d + 2·a·d + 4·I) bytes in bf16 (Korthikanti et al. 2022, "Reducing Activation
@@ -19,7 +22,8 @@ Trainer rank (world size W, FSDP2 full sharding, workers/trainer/worker.py):
   T·V·14 bytes (bf16 logits 2, their fp32 cast 4, softmax for the entropy 4, fp32 gradient 4;
   workers/trainer/helpers.py `token_logprobs`).
 
-vLLM replica (tensor parallel t, `inference.dtype`): weights 2·P/t (bf16); activations of one
+vLLM replica (tensor parallel t, `inference.dtype`): weights 2·P/t (bf16), plus with the LoRA
+adapter sync the `max_loras` adapter slots vLLM allocates at `max_lora_rank`; activations of one
 engine step of `max_num_batched_tokens` N tokens, N·2·(4h + 3·I/t) bytes, plus fp32 logits of
 `max_num_seqs` rows, plus `VLLM_OVERHEAD_BYTES` (CUDA graphs, NCCL buffers, allocator slack);
 KV cache: what is left of `gpu_memory_utilization` × GPU memory (vLLM's own sizing), or
@@ -106,6 +110,16 @@ class ModelShape:
     def num_params(self) -> int:
         return self.num_hidden_layers * self.layer_params + self.root_params
 
+    def lora_params(self, rank: int) -> int:
+        """Parameters of a rank-`rank` LoRA adapter on every linear layer of the decoder (PEFT's
+        all-linear: q, k, v, o and the MLP's gate, up, down, each expert's with MoE; not the
+        output head): r · (fan_in + fan_out) per adapted matrix. An upper bound for narrower
+        `target_modules`."""
+        h, a, k, d = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        attn = (h + a * d) + 2 * (h + k * d) + (a * d + h)
+        inter, experts = (self.moe_intermediate_size, self.num_experts) if self.num_experts else (self.intermediate_size, 1)
+        return rank * self.num_hidden_layers * (attn + experts * 3 * (h + inter))
+
     def activation_bytes_per_token_layer(self) -> int:
         """bf16 bytes saved for backward per token and layer (module docstring formula)."""
         h, a, k, d = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
@@ -176,6 +190,7 @@ class TrainerLoad:
     mixed_precision: str | None
     tokens_per_micro_batch: int
     activation_checkpointing: bool
+    lora_rank: int = 0  # model.lora.rank: 0 trains every weight
 
 
 @dataclass(frozen=True)
@@ -190,6 +205,7 @@ class EngineLoad:
     max_model_len: int
     max_num_batched_tokens: int
     max_num_seqs: int
+    lora_params: int = 0  # parameters of the LoRA slots the engine allocates (max_loras x one adapter at max_lora_rank)
 
 
 @dataclass(frozen=True)
@@ -214,6 +230,11 @@ def trainer_memory(shape: ModelShape, load: TrainerLoad) -> GpuMemory:
     else:
         layers = shape.num_hidden_layers * per_layer
     logits = t * shape.vocab_size * LOGITS_BYTES_PER_ENTRY
+    if load.lora_rank:  # frozen base in the compute dtype; only the adapter has fp32 master, grads, Adam
+        q = shape.lora_params(load.lora_rank)
+        return GpuMemory(weights=compute_bytes * p // w + MASTER_BYTES_PER_PARAM * q // w + gathered,
+                         gradients=MASTER_BYTES_PER_PARAM * q // w, optimizer=ADAM_BYTES_PER_PARAM * q // w,
+                         activations=layers + logits)
     return GpuMemory(weights=MASTER_BYTES_PER_PARAM * p // w + gathered, gradients=MASTER_BYTES_PER_PARAM * p // w,
                      optimizer=ADAM_BYTES_PER_PARAM * p // w, activations=layers + logits)
 
@@ -223,7 +244,7 @@ def engine_memory(shape: ModelShape, load: EngineLoad) -> EngineMemory:
     The KV cache is `kv_cache_bytes` when given, else what `gpu_memory_utilization` leaves (may be < 0:
     the caller refuses the plan)."""
     tp, dtype_bytes = load.tensor_parallel_size, DTYPE_BYTES[load.dtype]
-    weights = dtype_bytes * shape.num_params // tp
+    weights = dtype_bytes * (shape.num_params + load.lora_params) // tp
     acts = (load.max_num_batched_tokens * 2 * (4 * shape.hidden_size + 3 * shape.intermediate_size // tp)
             + load.max_num_seqs * shape.vocab_size * 4)
     if load.kv_cache_bytes is not None:

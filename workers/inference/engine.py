@@ -79,6 +79,7 @@ def build_engine(s: InferenceSettings, *, kv_usage: "KvCacheUsage") -> tuple["As
         tensor_parallel_size=s.tensor_parallel_size,
         enable_sleep_mode=bool(sleep_level),
         disable_log_stats=True,
+        **lora_engine_args(s),
     )
     # built inside the return expression, never bound to a local: vLLM's lazy imports keep this
     # frame (and so its locals) alive past shutdown, which would keep the engine alive too
@@ -89,6 +90,19 @@ def build_engine(s: InferenceSettings, *, kv_usage: "KvCacheUsage") -> tuple["As
         max_num_seqs=s.max_num_seqs,
         sleep_level=sleep_level,
     )
+
+
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's `max_lora_rank` choices
+
+
+def lora_engine_args(s: InferenceSettings) -> dict:
+    """vLLM's LoRA arguments for `s.lora_rank` > 0 (none otherwise): `max_lora_rank` the smallest
+    choice that holds the rank, `max_loras` adapters in one batch, one more kept loaded in host
+    memory (`max_cpu_loras`) so a new version loads while `max_loras` older ones still serve."""
+    if not s.lora_rank:
+        return {}
+    rank = next(r for r in VLLM_MAX_LORA_RANKS if r >= s.lora_rank)
+    return {"enable_lora": True, "max_lora_rank": rank, "max_loras": s.max_loras, "max_cpu_loras": s.max_loras + 1}
 
 
 def current_platform_is_cpu() -> bool:

@@ -42,6 +42,10 @@ class InferenceSettings:
     enable_sleep_mode: build the engine so that `sleep()` releases device memory (vLLM sleep
         mode, level 1). Where the platform has no sleep mode (vLLM's CPU build), the engine is
         built without it and `sleep()` only pauses scheduling (level 0); see `SleepReport`.
+    lora_rank: > 0 serves the policy as a LoRA adapter of up to this rank on the base
+        (`load_adapter`; vLLM `enable_lora`, `max_lora_rank` the smallest choice that holds it);
+        0: no LoRA. max_loras: adapter versions served at once (vLLM `max_loras`): in async mode
+        `async.max_staleness + 1`, since a request keeps the adapter of the version it started on.
     """
 
     model_path: str
@@ -62,6 +66,8 @@ class InferenceSettings:
     resume_aborted: bool = True
     tensor_parallel_size: int = 1
     enable_sleep_mode: bool = False
+    lora_rank: int = 0
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -81,6 +87,10 @@ class InferenceSettings:
             raise ValueError(f"inference.initial_policy_version must be >= 0, got {self.initial_policy_version}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"inference.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0 <= self.lora_rank <= 512:
+            raise ValueError(f"model.lora.rank must be in 0..512 to be served by vLLM, got {self.lora_rank}")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.in_flight not in IN_FLIGHT_MODES:
             raise ValueError(f"inference.in_flight must be one of {IN_FLIGHT_MODES}, got {self.in_flight!r}")
 

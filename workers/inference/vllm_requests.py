@@ -16,9 +16,11 @@ from workers.inference.segments import SegmentedGeneration, versions_from_spans
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def add_output(segments: SegmentedGeneration, request_id: str, out: Any) -> None:
+def add_output(segments: SegmentedGeneration, request_id: str, out: Any, version: int | None = None) -> None:
     """Append one finished vLLM `CompletionOutput` (FINAL_ONLY: all of the segment's tokens).
-    Raises RuntimeError on a missing log-prob or version label, or an unknown finish reason."""
+    `version`: every token's version (a request pinned to a LoRA adapter version); None: from the
+    engine's weight-version spans. Raises RuntimeError on a missing log-prob or version label, or
+    an unknown finish reason."""
     ids = [int(t) for t in out.token_ids]
     positions = out.logprobs or []
     if len(positions) != len(ids):
@@ -29,7 +31,7 @@ def add_output(segments: SegmentedGeneration, request_id: str, out: Any) -> None
     segments.add(
         ids,
         [float(pos[tok].logprob) for tok, pos in zip(ids, positions)],
-        versions_from_spans(request_id, out.weight_versions, len(ids)),
+        [version] * len(ids) if version is not None else versions_from_spans(request_id, out.weight_versions, len(ids)),
         reason,
     )
 

@@ -36,6 +36,11 @@ log-probs are the sampled token's log-probability under the distribution actuall
 request resumed after an abort ("abort_resume") continues with a fresh generator of the same seed,
 so it is reproducible but differs from the same request run without an update.
 
+LoRA (`settings.lora_rank` > 0, `load_adapter`): the policy is the base plus an adapter per
+version; a request is pinned to the adapter of the version current at its admission and keeps it
+to its end, so its tokens all carry that version; up to `max_loras` versions serve at once, and a
+version no request uses is unloaded (workers/inference/adapters.py).
+
 Callers: the gateway's replica router (generate), the weight sync (update_weights), tests and
 probes (prompt_logprobs). The package's other modules: settings.py (InferenceSettings and the
 reports, no vLLM), engine.py (building the engine), vllm_requests.py (requests and outputs in
@@ -54,6 +59,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator, Awaitable, Callable
 
 from workers.core.types import EngineLoad, GenerateRequest, GenerateResult
+from workers.inference.adapters import AdapterVersions
 from workers.inference.engine import EXTENSION_CLS, KvCacheUsage, build_engine
 from workers.inference.segments import SegmentedGeneration
 from workers.inference.settings import (
@@ -97,6 +103,7 @@ class InferenceWorker(WeightSwap):
         self._running = 0  # requests in flight outside the gate ("continue" / "abort_resume")
         self._sleep_level = 0  # set by start(): 1 where vLLM sleep mode is available and asked for
         self._asleep = False
+        self._adapters = AdapterVersions(settings.initial_policy_version) if settings.lora_rank else None
 
     async def start(self) -> EngineInfo:
         """Build the engine (loads the model, allocates the KV cache). Call once, in the event loop
@@ -154,23 +161,23 @@ class InferenceWorker(WeightSwap):
         if req.max_tokens < 1:
             raise ValueError(f"request {req.request_id}: max_tokens must be >= 1, got {req.max_tokens}")
         out = SegmentedGeneration(req.request_id, req.max_tokens)
-        async with self._admitted():
+        async with self._admitted(), self._pinned() as (pinned, lora):
             while True:
                 swaps_done_at_submit = self._swaps_done
                 final = await last_output(
                     engine.generate(
                         prompt=tokens_prompt(req.prompt_ids + out.ids()),
                         sampling_params=sampling_params(req, out.remaining_tokens()),
-                        request_id=out.next_segment_id(),
+                        request_id=out.next_segment_id(), lora_request=lora,
                     )
                 )
-                add_output(out, req.request_id, final.outputs[0])
+                add_output(out, req.request_id, final.outputs[0], version=pinned)
                 if not (out.finish_reason() == "abort" and self._resumes(swaps_done_at_submit)):
                     break
                 if out.remaining_tokens() == 0:  # the budget was spent just as the abort landed
-                    return out.result(finish_reason="length", version_if_empty=self._version)
+                    return out.result(finish_reason="length", version_if_empty=self._version if pinned is None else pinned)
                 logger.debug("request %s aborted by a weight update after %d tokens; resuming", req.request_id, out.num_tokens())
-        return out.result(version_if_empty=self._version)
+        return out.result(version_if_empty=self._version if pinned is None else pinned)
 
     async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """log p(token_t | tokens_<t) for t = 1 .. len-1 under the current weights, temperature 1.
@@ -183,11 +190,12 @@ class InferenceWorker(WeightSwap):
         if len(token_ids) < 2:
             raise ValueError(f"prompt_logprobs needs at least 2 tokens, got {len(token_ids)}")
         params = probe_params()
-        async with self._admitted():
+        async with self._admitted(), self._pinned() as (_, lora):
             while True:
                 swaps_done_at_submit = self._swaps_done
                 final = await last_output(
-                    engine.generate(prompt=tokens_prompt(token_ids), sampling_params=params, request_id=f"probe-{uuid.uuid4().hex}")
+                    engine.generate(prompt=tokens_prompt(token_ids), sampling_params=params,
+                                    request_id=f"probe-{uuid.uuid4().hex}", lora_request=lora)
                 )
                 aborted = str(final.outputs[0].finish_reason) == "abort"
                 if not (aborted and self._swaps_begun > swaps_done_at_submit):
@@ -218,6 +226,57 @@ class InferenceWorker(WeightSwap):
                 raise RuntimeError(f"weight reload from {path} loaded no tensors (per worker: {counts})")
 
         await self._swap(version, load, f"from {path}", check=lambda: self._check_update(path, version))
+
+    async def load_adapter(self, path: str, version: int, *, initial: bool = False) -> None:
+        """Serve the PEFT adapter directory `path` as policy `version` (LoRA on the base weights;
+        `settings.lora_rank` > 0). Requests in flight keep the adapter they started on (nothing is
+        paused or reset: vLLM keys its prefix cache by adapter), new requests get `version`; an
+        older version is unloaded as soon as no request uses it (workers/inference/adapters.py).
+        `initial`: the version may equal the current one (a resumed run's adapter at start).
+        Raises RuntimeError without LoRA or when vLLM refuses the adapter, ValueError if `version`
+        does not increase, FileNotFoundError when `path` holds no PEFT adapter."""
+        from workers.trainer.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+
+        engine = self._require_engine()
+        if self._adapters is None:
+            raise RuntimeError("load_adapter on a replica built without LoRA (InferenceSettings.lora_rank=0)")
+        if version < self._version or (version == self._version and not initial):
+            raise ValueError(f"policy version must increase: current {self._version}, got {version}")
+        for name in (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE):
+            if not (Path(path) / name).is_file():
+                raise FileNotFoundError(f"adapter directory {path} has no {name}")
+        t0 = time.perf_counter()
+        req = self._adapters.add(version, str(path))
+        try:
+            loaded = await engine.add_lora(req)
+        except Exception as e:  # vLLM re-raises the engine's error as a bare Exception
+            raise RuntimeError(f"vLLM could not load adapter {path} as version {version}: {e}") from e
+        if not loaded:
+            raise RuntimeError(f"vLLM did not load adapter {path} as version {version}")
+        self._version = version
+        await self._unload(self._adapters.make_current(version))
+        logger.info("adapter v%d loaded from %s in %.2f s", version, path, time.perf_counter() - t0)
+
+    def adapter_versions(self) -> list[int]:
+        """Versions whose adapter this replica holds loaded now (ascending); [] without LoRA."""
+        return [] if self._adapters is None else self._adapters.loaded()
+
+    async def _unload(self, lora_ids: list[int]) -> None:
+        for lora_id in lora_ids:
+            await self._require_engine().remove_lora(lora_id)
+
+    @asynccontextmanager
+    async def _pinned(self) -> AsyncIterator[tuple[int | None, object]]:
+        """(version, LoRARequest) a request runs on to its end: the current adapter's (see
+        workers/inference/adapters.py), released after; (None, None) without LoRA."""
+        if self._adapters is None:
+            yield None, None
+            return
+        version, lora = self._adapters.acquire()
+        try:
+            yield version, lora
+        finally:
+            await self._unload(self._adapters.release(version))
 
     async def sleep(self) -> SleepReport:
         """Stop generating so a co-located trainer can use the GPU (cluster=colocated).

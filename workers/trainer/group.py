@@ -7,7 +7,7 @@ handle's methods with `.remote`, drive N ranks without change.
 
 - `update(batch)` splits the mini-batch by whole groups (workers/trainer/shard.py), runs every
   rank's `update` concurrently and merges their metrics (`merge_rank_metrics`).
-- Collective methods (`export_weights`, `save_hf`, `save_optimizer`, `load_optimizer`,
+- Collective methods (`export_weights`, `export_adapter`, `probe_logprobs`, `save_hf`, `save_optimizer`, `load_optimizer`,
   `full_state_dict`, `open_weight_group`, `broadcast_weights`, `close`) are called on every rank at
   once (each gathers shards, so every rank must take part) and return rank 0's result, the one
   that wrote the file or sent the weights.
@@ -166,6 +166,16 @@ class TrainerGroup:
     async def full_state_dict(self) -> dict:
         """Full fp32 weights under HF names (rank 0's complete copy)."""
         return (await self._all("full_state_dict"))[0]
+
+    @_remote_method
+    async def export_adapter(self, directory: str) -> str:
+        """The LoRA adapter as a PEFT directory (rank 0 writes); returns directory."""
+        return (await self._all("export_adapter", directory))[0]
+
+    @_remote_method
+    async def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Plain log-probs of `token_ids` (every rank runs the forward); rank 0's result."""
+        return (await self._all("probe_logprobs", token_ids))[0]
 
     @_remote_method
     async def compute_logprobs(self, batch: TrainBatch) -> Any:

@@ -8,7 +8,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -167,3 +167,21 @@ def plan_update(batch: "TrainBatch", rc_cfg: "RolloutCorrectionConfig",
         old_logprobs = train.rollout_logprobs  # π_old := π_rollout
     is_weights = rc.weights if rc is not None and rc_cfg.applies_weights else None
     return UpdatePlan(train, old_logprobs, rc, is_weights, extra)
+
+
+@torch.no_grad()
+def raw_token_logprobs(engine: Any, token_ids: list[int]) -> list[float]:
+    """log softmax(logits)[t-1, token t] for t = 1 .. len-1 (temperature 1, no top-p) from one
+    forward of `engine.model` (an HF causal LM, or its FSDP / PEFT wrapper; every rank of a sharded
+    model must call it). Raises ValueError for fewer than 2 tokens, RuntimeError for an engine
+    without an HF `model`."""
+    if len(token_ids) < 2:
+        raise ValueError(f"probe needs at least 2 tokens, got {len(token_ids)}")
+    model = getattr(engine, "model", None)
+    if model is None:
+        raise RuntimeError(f"{type(engine).__name__} has no HF model to score a probe with")
+    device = next(model.parameters()).device
+    ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+    logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+    lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+    return [float(x) for x in lp.cpu()]

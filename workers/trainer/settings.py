@@ -19,6 +19,35 @@ MIXED_PRECISION_MODES: tuple[MixedPrecision, ...] = get_args(MixedPrecision)
 
 
 @dataclass(frozen=True)
+class LoraSettings:
+    """A LoRA adapter (PEFT) on the policy: W x + (alpha / rank) B A x on each module of
+    `target_modules` (("all-linear",): every linear layer but the output head). `init`: "default"
+    (PEFT's Kaiming A, B = 0) or "gaussian"; both start as the base model. `dropout`: PEFT's
+    lora_dropout, active in the training forward only (workers/trainer/lora.py)."""
+
+    rank: int
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("all-linear",)
+    init: str = "default"
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"model.lora.rank must be >= 1 for an adapter, got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"model.lora.alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.init not in ("default", "gaussian"):
+            raise ValueError(f"model.lora.init must be default or gaussian, got {self.init!r}")
+
+    @property
+    def scaling(self) -> float:
+        """alpha / rank: the factor of B A in the adapted layer."""
+        return self.alpha / self.rank
+
+
+@dataclass(frozen=True)
 class TrainerSettings:
     """What a TrainerWorker needs. Ratios are PPO's ε; thresholds are IS weight caps.
 
@@ -41,6 +70,9 @@ class TrainerSettings:
         tempered, top-p-truncated distribution the engine sampled from (helpers.sampling_logits),
         as the engine's `processed_logprobs` are. trainer=verl scores the temperature only (verl's
         actor), so it refuses top_p < 1.
+    lora: train only a LoRA adapter on the frozen base (`LoraSettings`), None: every weight.
+    lora_adapter_path: a PEFT adapter directory to start the adapter from (a resumed checkpoint's
+        `lora_adapter/`); None: the adapter's init.
     """
 
     model_path: str
@@ -68,8 +100,12 @@ class TrainerSettings:
     extra_model_kwargs: dict = field(default_factory=dict)
     sampling_temperature: float = 1.0
     sampling_top_p: float = 1.0
+    lora: LoraSettings | None = None
+    lora_adapter_path: str | None = None
 
     def __post_init__(self) -> None:
+        if self.lora_adapter_path is not None and self.lora is None:
+            raise ValueError("lora_adapter_path needs model.lora (an adapter to load it into)")
         if self.sampling_temperature <= 0:
             raise ValueError(f"rollout.temperature must be > 0 for training, got {self.sampling_temperature}")
         if not 0 < self.sampling_top_p <= 1:

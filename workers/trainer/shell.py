@@ -41,6 +41,7 @@ from workers.weight_sync.rendezvous import StoreAddress, host_store, join_store,
 from workers.weight_sync.transport import BucketTransport, WeightGroupInfo, open_transport
 
 WEIGHTS_FILENAME = "model.safetensors"  # single-file HF checkpoint name
+LORA_ADAPTER_DIR = "lora_adapter"  # a LoRA checkpoint's PEFT adapter directory, beside the base weights
 RENDEZVOUS_TIMEOUT_S = 600.0  # bound on the process group's store waits (s): model loads precede the first
 SUM_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy")
 
@@ -207,12 +208,42 @@ class TrainerShell:
 
     def save_hf(self, directory: str) -> str:
         """Write an HF model directory (config.json, generation config, model.safetensors, tokenizer
-        files when the source directory has them) that `from_pretrained` loads; return directory."""
+        files when the source directory has them) that `from_pretrained` loads; return directory.
+        With LoRA (`cfg.lora`): model.safetensors holds the frozen base, and `lora_adapter/` the
+        adapter in PEFT's format (`export_adapter`): a checkpoint resumes the adapter exactly."""
         if self.rank == 0:
             os.makedirs(directory, exist_ok=True)
             self.engine.write_hf_metadata(directory)
-        self.export_weights(os.path.join(directory, WEIGHTS_FILENAME))
+        if self.cfg.lora is None:
+            self.export_weights(os.path.join(directory, WEIGHTS_FILENAME))
+            return directory
+        sd = self.engine.full_state_dict(merge=False)
+        if self.rank == 0:
+            _atomic_write(os.path.join(directory, WEIGHTS_FILENAME), lambda tmp: save_file(sd, tmp, metadata={"format": "pt"}))
+        self.export_adapter(os.path.join(directory, LORA_ADAPTER_DIR))
         return directory
+
+    def export_adapter(self, directory: str) -> str:
+        """Write the LoRA adapter as a PEFT directory (adapter_config.json + adapter_model.safetensors,
+        replaced atomically) at `directory`; return it. Every rank must call it (the gather is
+        collective); only rank 0 writes. Raises RuntimeError without `cfg.lora`."""
+        from workers.trainer.lora import peft_config, write_adapter_dir
+
+        if self.cfg.lora is None:
+            raise RuntimeError("export_adapter needs model.lora (this trainer trains every weight)")
+        adapter = self.engine.adapter_state_dict()
+        if self.rank == 0:
+            write_adapter_dir(directory, peft_config(self.cfg.lora, self.cfg.model_path), adapter)
+        self._barrier()
+        return directory
+
+    def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        """log p(token_t | tokens_<t), t = 1 .. len-1, of the plain softmax (temperature 1, no
+        top-p) under the current weights: what `InferenceWorker.prompt_logprobs` returns for the
+        same tokens (the weight sync's proof of arrival). Every rank must call it."""
+        from workers.trainer.helpers import raw_token_logprobs
+
+        return raw_token_logprobs(self.engine, token_ids)
 
     def weight_specs(self) -> list[TensorSpec]:
         """Name, full shape and sync dtype of every tensor `broadcast_weights` sends (HF names, tied

@@ -24,6 +24,10 @@ Invariants:
   statistics (`workers/core/algorithms/rejection.py`).
 - Dropout is off (the model stays in eval mode), so on the first micro-batch π_θ == π_old exactly.
 - `export_weights` writes the full, unsharded fp32 state dict under HF parameter names, atomically.
+- LoRA (`TrainerSettings.lora`, workers/trainer/lora.py): the base is frozen (in bf16 with
+  `mixed_precision=bf16`: no fp32 master copy, no gradient, no optimizer state), only the
+  adapter trains and holds AdamW state; full weights out are the merged ones, `export_adapter`
+  writes the adapter alone.
 - `broadcast_weights` sends the same tensors (in `weight_sync_dtype`) in buckets to the weight-sync
   group (workers/weight_sync/broadcast.py), gathering one parameter at a time.
 - At GPU scale (workers/trainer/scale.py): micro-batches by token budget
@@ -55,6 +59,8 @@ from torch.distributed.fsdp import fully_shard
 from workers.core.algorithms.batch import TrainBatch
 from workers.core.algorithms.losses import ppo_clip_loss
 from workers.trainer.helpers import _tied_parameter_names, token_logprobs, trained_columns
+from workers.trainer.lora import (PEFT_PREFIX, adapter_state_dict, load_adapter_weights, merged_state_dict,
+                                  set_lora_dropout, wrap_lora)
 from workers.trainer.protocol import StepInputs, StepOutcome
 from workers.trainer.scale import (
     checkpoint_layers,
@@ -87,6 +93,15 @@ class FsdpEngine:
         layers = getattr(getattr(model, "model", None), "layers", None)
         if layers is None:
             raise ValueError(f"{type(model).__name__} has no .model.layers; only HF decoder-only LMs are supported")
+        self.hf_model = model  # the HF model (under the adapter with LoRA): config, tied names
+        if cfg.lora is not None:  # frozen base, trainable adapter (workers/trainer/lora.py)
+            model = wrap_lora(model, cfg.lora, cfg.model_path)
+            if cfg.lora_adapter_path:
+                load_adapter_weights(model, cfg.lora_adapter_path)
+            if cfg.mixed_precision == "bf16":  # the frozen base needs no fp32 master copy
+                for p in model.parameters():
+                    if not p.requires_grad:
+                        p.data = p.data.to(torch.bfloat16)
         if cfg.activation_checkpointing:
             checkpoint_layers(layers)
         for layer in layers:
@@ -94,9 +109,9 @@ class FsdpEngine:
         fully_shard(model, mesh=mesh, mp_policy=mixed_precision_policy(cfg.mixed_precision, root=True))
         model.eval()  # dropout off: π_θ equals π_old before the first step
         self.model = model
-        self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
-        )
+        self.optimizer = torch.optim.AdamW(  # with LoRA: the adapter's parameters only
+            [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=cfg.betas,
+            weight_decay=cfg.weight_decay)
         self._loss_cfg = cfg.policy_loss_config()
 
     # --- forward passes -------------------------------------------------------------------
@@ -162,6 +177,16 @@ class FsdpEngine:
         sums = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/pg_clipfrac_lower": 0.0,
                 "actor/entropy": 0.0}
         current = torch.zeros(train.batch_size, train.seq_len) if inputs.capture_logprobs else None
+        if self.cfg.lora is not None and self.cfg.lora.dropout > 0:
+            set_lora_dropout(self.model, True)  # the training forward only; off again below
+        try:
+            return self._accumulate_and_step(train, inputs, sums, current)
+        finally:
+            if self.cfg.lora is not None:
+                set_lora_dropout(self.model, False)
+
+    def _accumulate_and_step(self, train: TrainBatch, inputs: StepInputs, sums: dict[str, float],
+                             current: torch.Tensor | None) -> StepOutcome:
         for idx in self.micro_batches(train):
             mb = take_rows(train, idx)
             mask = train.loss_mask[idx].to(self.device)
@@ -197,9 +222,16 @@ class FsdpEngine:
 
     # --- weights and optimizer state ------------------------------------------------------
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        tied = _tied_parameter_names(self.model)
+    def _gathered(self) -> dict[str, torch.Tensor]:
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def full_state_dict(self, *, merge: bool = True) -> dict[str, torch.Tensor]:
+        """HF names, fp32, tied aliases left out. With LoRA: the merged weights (`merge`), or the
+        frozen base alone (`merge=False`, what a checkpoint stores beside the adapter)."""
+        sd = self._gathered()
+        if self.cfg.lora is not None:
+            sd = merged_state_dict(sd, self.cfg.lora.scaling if merge else 0.0)
+        tied = _tied_parameter_names(self.hf_model)
         seen: set[int] = set()
         out: dict[str, torch.Tensor] = {}
         for name, tensor in sd.items():
@@ -212,15 +244,30 @@ class FsdpEngine:
             out[name] = t.contiguous()
         return out
 
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapter under PEFT's saved names (fp32, on CPU; collective). Raises
+        RuntimeError without `model.lora`."""
+        if self.cfg.lora is None:
+            raise RuntimeError("adapter_state_dict needs model.lora (this trainer trains every weight)")
+        return adapter_state_dict(self._gathered())
+
     def weight_specs(self) -> list[TensorSpec]:
-        tied = _tied_parameter_names(self.model)
+        tied = _tied_parameter_names(self.hf_model)
+        if self.cfg.lora is not None:  # the merged weights under HF names (see full_tensors)
+            shapes = {k.replace(PEFT_PREFIX, "", 1).replace(".base_layer.", "."): tuple(t.shape)
+                      for k, t in self.model.state_dict().items() if ".lora_" not in k}
+            return [TensorSpec(n, s, self.cfg.weight_sync_dtype) for n, s in shapes.items() if n not in tied]
         return [TensorSpec(name, tuple(t.shape), self.cfg.weight_sync_dtype)
                 for name, t in self.model.state_dict().items() if name not in tied]
 
     def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor on this device) one parameter at a time: a collective all-gather per
-        tensor, so every rank must iterate to the end together."""
-        tied = _tied_parameter_names(self.model)
+        tensor, so every rank must iterate to the end together. With LoRA the merged weights,
+        gathered at once (`full_state_dict`)."""
+        if self.cfg.lora is not None:
+            yield from self.full_state_dict().items()
+            return
+        tied = _tied_parameter_names(self.hf_model)
         for name, t in self.model.state_dict().items():
             if name in tied:
                 continue
@@ -230,9 +277,9 @@ class FsdpEngine:
     def write_hf_metadata(self, directory: str) -> None:
         from transformers import AutoTokenizer
 
-        self.model.config.save_pretrained(directory)
-        if getattr(self.model, "generation_config", None) is not None:
-            self.model.generation_config.save_pretrained(directory)
+        self.hf_model.config.save_pretrained(directory)
+        if getattr(self.hf_model, "generation_config", None) is not None:
+            self.hf_model.generation_config.save_pretrained(directory)
         try:
             tok = AutoTokenizer.from_pretrained(self.cfg.model_path)
         except (OSError, ValueError):  # the source directory has no tokenizer: weights only

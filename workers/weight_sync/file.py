@@ -81,7 +81,11 @@ class WeightReceiver(Protocol):
 
 
 class CpuWeightSync:
-    """Pushes a safetensors file written by the trainer to every replica; see the module docstring."""
+    """Pushes a safetensors file written by the trainer to every replica; see the module docstring.
+    `LOAD_METHOD`: the replica method that loads a pushed source (`update_weights(path, version)`;
+    the LoRA adapter sync, workers/weight_sync/adapter.py, pushes directories to `load_adapter`)."""
+
+    LOAD_METHOD = "update_weights"
 
     def __init__(self, replicas: Sequence[Any], *, initial_version: int = 0, trainer: Any = None,
                  weights_dir: Path | None = None) -> None:
@@ -141,7 +145,7 @@ class CpuWeightSync:
             t0 = time.perf_counter()
             live = [i for i in range(len(self._replicas)) if i not in self._lost]
             results = await asyncio.gather(
-                *(call(self._replicas[i], "update_weights", source, version) for i in live), return_exceptions=True
+                *(call(self._replicas[i], self.LOAD_METHOD, source, version) for i in live), return_exceptions=True
             )
             self._lost.update(i for i, r in zip(live, results) if isinstance(r, BaseException) and actor_died(r))
             failed = [(i, r) for i, r in zip(live, results) if isinstance(r, BaseException) and i not in self._lost]
@@ -165,6 +169,6 @@ class CpuWeightSync:
             if self._version > loaded_version:
                 if self._source is None:
                     raise RuntimeError(f"no weights file of version {self._version} to load into replica {index}")
-                await call(replica, "update_weights", self._source, self._version)
+                await call(replica, self.LOAD_METHOD, self._source, self._version)
             self._replicas[index] = replica
             self._lost.discard(index)

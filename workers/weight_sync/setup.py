@@ -1,5 +1,7 @@
 """The run's weight sync, chosen by `trainer.weight_sync.backend`, formed once and closed at the end.
 
+- LoRA with `inference.lora_sync=adapter`: `AdapterWeightSync` (workers/weight_sync/adapter.py),
+  the file backend sending the adapter alone as a PEFT directory.
 - "file": `CpuWeightSync` (workers/weight_sync/file.py). `sync(v)` has the trainer write a
   safetensors file for version v under `weights_dir`, every replica reloads it.
 - "shm" | "cuda_ipc" | "gloo" | "nccl": `BroadcastWeightSync` (workers/weight_sync/broadcast.py).
@@ -35,16 +37,27 @@ CLOSE_TIMEOUT_S = 30.0
 
 async def open_weight_sync(backend: str, trainer: Any, replicas: Sequence[Any], *, ranks_per_replica: int = 1,
                            initial_version: int = 0, timeout_s: float = 300.0,
-                           weights_dir: Path | None = None) -> WeightSync:
+                           weights_dir: Path | None = None, lora_adapter: bool = False,
+                           keep_adapters: int = 2) -> WeightSync:
     """The WeightSync for `backend` (see the module docstring), ready to push.
 
     trainer: the sender (TrainerWorker-like: `open_weight_group`, `broadcast_weights`; one rank).
     replicas: InferenceWorker-like receivers; ranks_per_replica: each replica's tensor-parallel
     size (its workers take consecutive ranks). timeout_s: bound on every wait of the group.
     weights_dir: the file backend's folder of `policy-v{version}.safetensors`.
-    Raises ValueError for an unknown backend, RuntimeError (naming who failed) when the group
-    cannot be formed, e.g. "nccl" / "cuda_ipc" without a CUDA device.
+    lora_adapter: sync only the LoRA adapter (`AdapterWeightSync`, file backend only), keeping
+    `keep_adapters` versions' directories on disk.
+    Raises ValueError for an unknown backend or an adapter sync on another backend, RuntimeError
+    (naming who failed) when the group cannot be formed, e.g. "nccl" / "cuda_ipc" without a CUDA device.
     """
+    if lora_adapter:
+        if backend != FILE_BACKEND:
+            raise ValueError(f"the LoRA adapter sync runs on the {FILE_BACKEND} backend only, got {backend!r} "
+                             "(use inference.lora_sync=merged with a broadcast backend)")
+        from workers.weight_sync.adapter import AdapterWeightSync
+
+        return AdapterWeightSync(replicas, initial_version=initial_version, trainer=trainer, weights_dir=weights_dir,
+                                 keep=keep_adapters)
     if backend == FILE_BACKEND:
         return CpuWeightSync(replicas, initial_version=initial_version, trainer=trainer, weights_dir=weights_dir)
     if backend not in BROADCAST_BACKENDS:
