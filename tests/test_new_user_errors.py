@@ -59,3 +59,23 @@ def test_too_small_kv_cache_and_a_bad_agent_cmd_exit_2_naming_the_key(tmp_path, 
     assert "the agent did not start (agent 0" in agent.stderr and "| agent: unknown option --bogus" in agent.stderr
     assert "Traceback" not in agent.stderr
     assert not (run_dir / "metrics.jsonl").exists()  # failed before its first step: a rerun may reuse run_dir
+
+
+def test_an_agent_missing_a_module_is_told_where_to_install_it(tmp_path):
+    log = tmp_path / "emulator.log"
+    log.write_text("Traceback (most recent call last):\n  File \"app.py\", line 3\n"
+                   "ModuleNotFoundError: No module named 'agentcore_rl_toolkit'\n"
+                   "Traceback (most recent call last):\n  File x\nRuntimeError: agent 0 (pid 7) exited with 1\n")
+    msg = agent_start_failure("emulator exited with 1", log)
+    assert msg is not None and "no module 'agentcore_rl_toolkit': install it where the agent runs" in msg
+
+
+async def test_an_agent_command_that_is_not_a_program_fails_naming_it():
+    import aiohttp
+    import pytest
+
+    from workers.embedded.emulator_agents import start_agents
+
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(RuntimeError, match=r"^agent 0 could not be started: 'no_such_agent_cmd': No such file"):
+            await start_agents(["no_such_agent_cmd", "--port", "{port}"], 1, {}, http, start_timeout_s=5)

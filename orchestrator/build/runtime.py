@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass
@@ -134,6 +135,7 @@ def _start_local_stack(cfg: RunConfig, run_dir: Path, stack: contextlib.ExitStac
 
 
 AGENT_OUTPUT_LINES = 20  # of the agent's own output quoted when it does not start
+MISSING_MODULE = re.compile(r"ModuleNotFoundError: No module named '([^']+)'")
 
 
 def agent_start_failure(error: str, emulator_log: Path) -> str | None:
@@ -147,5 +149,8 @@ def agent_start_failure(error: str, emulator_log: Path) -> str | None:
     ends = [i for i, ln in enumerate(before) if ln.startswith("RuntimeError: ")]  # an earlier run's traceback
     own = [ln for ln in before[ends[-1] + 1 if ends else 0:] if ln.strip()][-AGENT_OUTPUT_LINES:]
     shown = "\n".join(f"  | {ln}" for ln in own) if own else "  (it printed nothing)"
+    missing = next((m.group(1) for ln in own if (m := MISSING_MODULE.search(ln))), None)
+    hint = (f"\nthe agent's Python has no module {missing!r}: install it where the agent runs (the example "
+            f"agents need `pip install -e .` of this repository, which `make run` does)") if missing else ""
     return (f"the agent did not start ({last.removeprefix('RuntimeError: ')}); its output:\n{shown}\n"
-            f"(full log: {emulator_log})")
+            f"(full log: {emulator_log}){hint}")

@@ -75,8 +75,9 @@ async def start_agents(
 ) -> list[AgentProcess]:
     """Launch num_agents agents and wait until each answers GET /ping with 200.
 
-    Raises RuntimeError naming the agent when one exits early or is not healthy within
-    start_timeout_s; agents already started are stopped before raising.
+    Raises RuntimeError naming the agent when its program cannot be run (not found, not
+    executable), when one exits early or is not healthy within start_timeout_s; agents already
+    started are stopped before raising.
     """
     agents: list[AgentProcess] = []
     try:
@@ -84,7 +85,10 @@ async def start_agents(
             port = free_port()
             argv = [a.replace("{port}", str(port)) for a in agent_cmd]
             env = {**os.environ, **agent_env, "PORT": str(port), "A2A_PORT": str(port)}
-            proc = await asyncio.create_subprocess_exec(*argv, env=env, preexec_fn=die_with_parent)
+            try:
+                proc = await asyncio.create_subprocess_exec(*argv, env=env, preexec_fn=die_with_parent)
+            except OSError as exc:  # no such program, not executable: the command, not the agent, is wrong
+                raise RuntimeError(f"agent {i} could not be started: {argv[0]!r}: {exc.strerror}") from exc
             agents.append(AgentProcess(index=i, port=port, proc=proc))
         deadline = time.monotonic() + start_timeout_s
         for a in agents:
