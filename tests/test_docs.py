@@ -254,3 +254,15 @@ def test_the_readme_is_a_landing_page():
     text = "\n".join(lines)
     for section in ("make run", "make test", "## Next steps", "## Documentation", "## Layout"):
         assert section in text, section
+
+
+def test_the_config_groups_table_lists_every_group_and_choice():
+    """docs/configuration.md's table has a row per config group of configs/, and that row names each
+    of the group's choices (a new task or preset the table misses is what a new user found)."""
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| [^|]* \| (.*) \|$",
+                                                           (DOCS / "configuration.md").read_text(), re.M)}
+    groups = {p.name: sorted(f.stem for f in p.glob("*.yaml")) for p in (REPO / "configs").iterdir() if p.is_dir()}
+    assert set(groups) <= set(rows), sorted(set(groups) - set(rows))
+    missing = {g: [c for c in choices if f"`{c}`" not in rows[g]] for g, choices in groups.items()
+               if g not in ("async", "eval", "gateway", "algorithm")}  # one `default` each, described, not listed
+    assert not any(missing.values()), missing

@@ -305,7 +305,7 @@ def test_a_simulated_run_executes_the_products_loop_code(config, tmp_path):
 def test_planner_writes_the_acceptance_keys(tmp_path, capsys):
     out = tmp_path / "f.json"
     assert planner(["workload=gsm8k_tools", "gpus=4", "hours=0.02", "--policy", "adaptive", "--out", str(out)]) == 0
-    f = json.loads(out.read_text())
+    f = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} is not standard JSON"))
     for key in ("kv_usage_mean", "throughput_ratio_vs_sync1", "staleness_max", "staleness_mean", "eta",
                 "sim_hours", "wall_s"):
         assert key in f

@@ -38,6 +38,7 @@ from typing import Any
 
 from orchestrator.planning.sim.run import CONFIGS, Scenario, SimulationTooShort, simulate
 from orchestrator.planning.sim.workload import Workload, WorkloadError, load_workload
+from orchestrator.watch.metrics import finite_json
 
 KEYS = ("workload", "gpus", "hours", "seed", "run_dir")
 COLUMNS = ("config", "tok/min/GPU", "ratio", "conc/replica", "kv_usage", "st_mean", "st_max", "expired", "cpu_s")
@@ -183,7 +184,7 @@ def run_sweep(w: Workload, gpus: int, hours: float, seed: int, bound: float, out
         print(f"\nno configuration keeps staleness within eta, mean <= {bound} and expired < 1 %")
     print("why:\n" + "\n".join(f"  - {line}" for line in result["why"]))
     if out:
-        out.write_text(json.dumps(result, indent=2, allow_nan=True) + "\n")
+        out.write_text(json.dumps(finite_json(result), indent=2, allow_nan=False) + "\n")
     return result
 
 
@@ -229,7 +230,7 @@ def run_container_sweep(w: Workload, sc: Scenario, factors: tuple[float, ...], *
     else:
         print(f"\nno container factor keeps staleness within eta, mean <= {bound} and expired < 1 %")
     if out:
-        out.write_text(json.dumps(result, indent=2, allow_nan=True) + "\n")
+        out.write_text(json.dumps(finite_json(result), indent=2, allow_nan=False) + "\n")
     return result
 
 
@@ -394,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     f["throughput_ratio_vs_sync1"] = f["tokens_per_min_per_gpu"] / base if base else math.nan
     f["overrides"] = overrides(w, sc, f)
     f["wall_s"] = time.perf_counter() - t0
-    text = json.dumps(f, indent=2, allow_nan=True)
+    text = json.dumps(finite_json(f), indent=2, allow_nan=False)  # standard JSON: NaN (not measured) is null
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
