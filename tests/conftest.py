@@ -5,7 +5,7 @@ Under pytest-xdist (`make test`: `-n 2 --dist loadgroup`) the HEAVY_MODULES (eac
 Ray, vLLM engines, the ACR stack, the trainer) run one test at a time, on one worker, from the start;
 every other module stays whole on one worker (its module fixtures start once) beside them. Two heavy
 tests at once would double a 2-core machine's load, and the time bounds of the Ctrl-C test with it.
-The LATE_HEAVY_MODULES (e2e runs with no time bound) are queued last, one unit each: whichever
+The LATE_HEAVY_MODULES and LATE_HEAVY_TESTS (e2e runs with no time bound) are queued last, one unit each: whichever
 worker is free takes the next, beside the tail of the heavy unit or another late one (the Ctrl-C
 tests are long done by then), so neither worker idles for minutes at the end of the suite.
 
@@ -29,6 +29,10 @@ from stand_ins import FakeClock, random_qwen2  # noqa: E402
 HEAVY_MODULES = frozenset({"test_e2e.py", "test_gsm8k_e2e.py", "test_own_agent_e2e.py", "test_eval_e2e.py",
                            "test_aws_rollout.py", "test_submit.py", "test_a2a_e2e.py"})
 LATE_HEAVY_MODULES = frozenset({"test_gsm8k_e2e.py", "test_eval_e2e.py", "test_a2a_e2e.py"})  # of HEAVY_MODULES: no time bound, queued last
+# tests of the heavy unit with no time bound, queued last as their own units (each kills a part and
+# resumes: ~150 s): in the heavy unit they made it the suite's critical path while the other worker idled
+LATE_HEAVY_TESTS = frozenset({"test_e2e.py::test_driver_killed_mid_checkpoint_resumes_with_every_prompt_trained_once",
+                              "test_e2e.py::test_a_killed_trainer_rank_restarts_from_the_last_checkpoint_inside_the_run"})
 # Markers (pyproject.toml): `e2e` the HEAVY_MODULES (each runs the main job); `integration` the
 # modules that start Ray, vLLM engines, trainer actors or the ACR stack with its agents (seconds per
 # test); `unit` everything else (pure logic, in-process servers, the simulator). `make test-fast`
@@ -49,10 +53,15 @@ def module_kind(module: str) -> str:
 
 def _xdist_group(nodeid: str) -> str:
     """The work unit of a test under `--dist loadgroup`: "heavy-late:<module>" for each of the
-    LATE_HEAVY_MODULES, "heavy" for the other HEAVY_MODULES, else its module."""
-    module = nodeid.split("::", 1)[0]
+    LATE_HEAVY_MODULES, "heavy-late:<module::test>" for each of the LATE_HEAVY_TESTS, "heavy" for
+    the other tests of the HEAVY_MODULES, else its module."""
+    module, _, test = nodeid.partition("::")
     name = Path(module).name
-    return f"heavy-late:{name}" if name in LATE_HEAVY_MODULES else "heavy" if name in HEAVY_MODULES else module
+    if name in LATE_HEAVY_MODULES:
+        return f"heavy-late:{name}"
+    if f"{name}::{test.split('[', 1)[0]}" in LATE_HEAVY_TESTS:
+        return f"heavy-late:{name}::{test}"
+    return "heavy" if name in HEAVY_MODULES else module
 
 
 def _unit_order(nodeid: str) -> int:
