@@ -179,6 +179,33 @@ def tiny_renderer(tiny_model_dir):
     return ChatRenderer.from_pretrained(tiny_model_dir)
 
 
+TRAINER_DEFAULTS = {"lr": 1e-3, "weight_decay": 0.0, "micro_batch_size": 2, "seed": 0}
+
+
+@pytest.fixture
+def trainer_defaults() -> dict:
+    """TrainerSettings values `make_trainer` starts from; a module overrides this fixture to change them."""
+    return dict(TRAINER_DEFAULTS)
+
+
+@pytest.fixture
+def make_trainer(trainer_defaults):
+    """Builds TrainerWorkers (`make_trainer(model_path, **overrides)` on `trainer_defaults`) and closes
+    them (and their gloo process group) after the test."""
+    from workers.trainer.worker import TrainerSettings, TrainerWorker
+
+    made: list[TrainerWorker] = []
+
+    def build(model_path: str, **overrides) -> TrainerWorker:
+        worker = TrainerWorker(TrainerSettings(model_path=model_path, **(trainer_defaults | overrides)))
+        made.append(worker)
+        return worker
+
+    yield build
+    for w in made:
+        w.close()
+
+
 @pytest.fixture
 def tiny_gateway(tiny_model_dir, tiny_renderer, zero_cost_engine):
     """Starts the real GatewayServer on the tiny model behind one zero-cost engine that answers

@@ -19,20 +19,6 @@ from workers.trainer.worker import TrainerSettings, TrainerWorker
 VOCAB = 128
 
 
-@pytest.fixture
-def make_trainer():
-    """Builds TrainerWorkers and closes them (and their gloo process group) after the test."""
-    made: list[TrainerWorker] = []
-
-    def build(model_path: str, **overrides) -> TrainerWorker:
-        kw = {"lr": 1e-3, "weight_decay": 0.0, "micro_batch_size": 2, "seed": 0} | overrides
-        worker = TrainerWorker(TrainerSettings(model_path=model_path, **kw))
-        made.append(worker)
-        return worker
-
-    yield build
-    for w in made:
-        w.close()
 
 
 def row(prompt: list[int], generated: list[int]) -> TrajectoryRow:

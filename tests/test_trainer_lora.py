@@ -23,19 +23,9 @@ PROBE = [1, 17, 42, 99, 5, 110, 71, 8, 64, 127, 7, 50, 2, 45, 90, 11]
 
 
 @pytest.fixture
-def make_trainer():
-    made: list[TrainerWorker] = []
-
-    def build(model_path: str, **overrides) -> TrainerWorker:
-        kw = {"lr": 1e-2, "weight_decay": 0.0, "micro_batch_size": 4, "seed": 0,
-              "lora": LoraSettings(rank=4, alpha=8.0)} | overrides
-        worker = TrainerWorker(TrainerSettings(model_path=model_path, **kw))
-        made.append(worker)
-        return worker
-
-    yield build
-    for w in made:
-        w.close()
+def trainer_defaults() -> dict:
+    """make_trainer's settings here: a rank-4 adapter at a LoRA learning rate."""
+    return {"lr": 1e-2, "weight_decay": 0.0, "micro_batch_size": 4, "seed": 0, "lora": LoraSettings(rank=4, alpha=8.0)}
 
 
 def batch() -> TrainBatch:
