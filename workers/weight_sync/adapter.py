@@ -61,12 +61,8 @@ class AdapterWeightSync(CpuWeightSync):
         """Export the trainer's adapter as `version` into `weights_dir/adapter-v{version}`, push it
         to every live replica, then remove directories older than the last `keep`. Raises
         RuntimeError without a trainer and weights_dir, and what `push` raises."""
-        if self._trainer is None or self._weights_dir is None:
-            raise RuntimeError("AdapterWeightSync.sync needs the trainer and weights_dir it exports with")
-        if version <= self._version:
-            raise ValueError(f"policy version must increase: current {self._version}, got {version}")
-        self._weights_dir.mkdir(parents=True, exist_ok=True)
-        path = str(await call(self._trainer, "export_adapter", str(self._weights_dir / f"adapter-v{version}")))
+        weights_dir = self._export_dir(version)
+        path = str(await call(self._trainer, "export_adapter", str(weights_dir / f"adapter-v{version}")))
         report = await self.push(path, version)
         self._dirs.append(Path(path))
         while len(self._dirs) > self._keep:

@@ -116,16 +116,22 @@ class CpuWeightSync:
             self._lock = asyncio.Lock()
         return self._lock
 
+    def _export_dir(self, version: int) -> Path:
+        """The folder `sync(version)` exports into, created. Raises RuntimeError without a trainer
+        and weights_dir, ValueError when `version` does not increase."""
+        if self._trainer is None or self._weights_dir is None:
+            raise RuntimeError(f"{type(self).__name__}.sync needs the trainer and weights_dir it exports with")
+        if version <= self._version:
+            raise ValueError(f"policy version must increase: current {self._version}, got {version}")
+        self._weights_dir.mkdir(parents=True, exist_ok=True)
+        return self._weights_dir
+
     async def sync(self, version: int) -> WeightSyncReport:
         """Export the trainer's weights as `version` into `weights_dir`, push them to every live
         replica, then remove the superseded file. Raises RuntimeError without a trainer and
         weights_dir, and what `push` raises (the new file is kept then, the old one too)."""
-        if self._trainer is None or self._weights_dir is None:
-            raise RuntimeError("CpuWeightSync.sync needs the trainer and weights_dir it exports with")
-        if version <= self._version:
-            raise ValueError(f"policy version must increase: current {self._version}, got {version}")
-        self._weights_dir.mkdir(parents=True, exist_ok=True)
-        path = str(await call(self._trainer, "export_weights", str(self._weights_dir / f"policy-v{version}.safetensors")))
+        weights_dir = self._export_dir(version)
+        path = str(await call(self._trainer, "export_weights", str(weights_dir / f"policy-v{version}.safetensors")))
         previous = self._source
         report = await self.push(path, version)
         if previous is not None and previous != path and Path(previous).parent == self._weights_dir:
