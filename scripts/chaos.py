@@ -32,7 +32,9 @@ rollouts lost or duplicated (the ledger identity dispatched == completed + faile
 broken one way or the other),
 prompts consumed twice or never (consumed_prompts.jsonl across the whole run against the seeded
 prompt order), sessions leaked (the emulator's open sessions at exit, summary.json), processes
-left after a driver kill, and the wall time from the fault to the next logged step (recovery;
+left after a driver kill, for a sync run resumed after a driver kill whether its first step trained
+exactly what the killed run had logged for that step (`identical_next_step`: rewards, trained tokens,
+loss, entropy, grad norm; seeded sampling makes a step reproducible in fresh processes), and the wall time from the fault to the next logged step (recovery;
 `totals.recover_s_by_kind` per fault kind).
 
 Writes `--out` (JSON): {"runs": [...], "totals": {...}}. Exit status 0 when every run finished
@@ -67,6 +69,10 @@ CKPT_WAIT_S = 120.0  # ... and for how long before it kills the driver anyway
 ACTOR_TITLES = {"inference": "ray::InferenceWorker", "trainer": "ray::TrainerWorker", "rollout": "ray::RolloutActor"}
 LEFTOVER_WAIT_S = 15.0  # a killed driver's processes must be gone by then (seconds)
 BATCH, N = 2, 2  # groups per step, samples per group: small, the point is the faults
+# what a step trained: a sync run resumed from step k's checkpoint recomputes step k + 1 exactly as
+# the killed run logged it (seeded sampling per rollout), so these must be equal (`identical_next_step`)
+TRAINED_KEYS = ("reward/mean", "perf/trained_tokens", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
+                "rollout_corr/log_ppl_diff")
 
 
 def job_args(mode: str, steps: int, num_prompts: int, run_dir: Path, resume: bool) -> list[str]:
@@ -191,6 +197,31 @@ def checkpointed_step(run_dir: Path) -> int:
 
 
 
+def logged_steps(run_dir: Path) -> dict[int, dict]:
+    """step -> its metrics.jsonl record (the last one logged for that step)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by the kill
+            continue
+        out[rec["step"]] = rec
+    return out
+
+
+def identical_next_step(killed: dict[int, dict], resumed: dict[int, dict], from_step: int) -> bool | None:
+    """Whether the resumed run's first step (`from_step` + 1, recomputed from the checkpoint of
+    `from_step`) trained exactly what the killed run had logged for it (TRAINED_KEYS equal); None
+    when there is nothing to compare (the killed run never logged that step, or it trained nothing)."""
+    step = from_step + 1
+    if step not in killed or step not in resumed or "actor/pg_loss" not in killed[step]:
+        return None
+    return all(killed[step].get(k) == resumed[step].get(k) for k in TRAINED_KEYS)
+
+
 def prompt_accounting(run_dir: Path, mode: str, num_prompts: int, seed: int) -> dict:
     """Prompts consumed twice and never, from consumed_prompts.jsonl against the seeded order."""
     from orchestrator.config.task import TaskConfig
@@ -254,6 +285,7 @@ def one_run(i: int, kind: str, mode: str, args: argparse.Namespace, rng: random.
                     time.sleep(0.2)
                 rec["processes_left"] = len(still_running(killed["tree"]))
                 rec["staging_left"] = len(list((run_dir / "checkpoints").glob(".step-*")))
+                killed_steps, resumed_from = logged_steps(run_dir), checkpointed_step(run_dir)
             code = job.wait_exit(args.run_timeout_s) if kind not in DRIVER_KILLS else -9
             while code != 0 and resumed < 2:
                 if code is None:  # hung: kill it (its reaper cleans up) and resume
@@ -266,6 +298,8 @@ def one_run(i: int, kind: str, mode: str, args: argparse.Namespace, rng: random.
                 resumed += 1
                 job = Job(job_args(mode, args.steps, num_prompts, run_dir, resume=True), log)
                 code = job.wait_exit(args.run_timeout_s)
+            if kind in DRIVER_KILLS and mode == "sync":  # async interleaving is not reproducible step by step
+                rec["identical_next_step"] = identical_next_step(killed_steps, logged_steps(run_dir), resumed_from)
             after = [t for t, _ in job.steps_seen if t > t_fault]
             rec["recover_s"] = round(after[0] - t_fault, 1) if after else None
         else:  # ended (or hung) before the fault could be injected
@@ -316,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({"runs": runs, "totals": result}, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     ok = (result["survived"] == len(runs) and not any(result[k] for k in
-          ("rollouts_lost", "rollouts_duplicated", "prompts_twice", "prompts_never", "sessions_leaked", "processes_left", "duplicate_step_lines")))
+          ("rollouts_lost", "rollouts_duplicated", "prompts_twice", "prompts_never", "sessions_leaked", "processes_left",
+           "duplicate_step_lines", "next_step_differs")))
     return 0 if ok else 1
 
 
@@ -355,6 +390,8 @@ def totals(runs: list[dict]) -> dict:
         "recover_s_by_kind": {k: recover_stats([r["recover_s"] for r in runs if r["kind"] == k and r.get("recover_s") is not None])
                               for k in sorted({r["kind"] for r in runs})},
         "mid_checkpoint_kills": sum(bool(r.get("mid_checkpoint")) for r in runs),
+        "next_step_compared": sum(r.get("identical_next_step") is not None for r in runs),
+        "next_step_differs": sum(r.get("identical_next_step") is False for r in runs),
     }
 
 

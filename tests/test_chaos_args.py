@@ -1,6 +1,7 @@
 """scripts/chaos.py refuses bad arguments with a message naming the flag (issue 29: `--modes ""`
 raised ZeroDivisionError, `--steps 1` blamed `--kill`)."""
 
+import json
 import subprocess
 import sys
 
@@ -44,3 +45,19 @@ def test_ten_chaos_runs_draw_every_fault_kind_in_both_modes(seed):
     assert modes.count("sync") == modes.count("async") == 5
     sixteen = chaos.schedule(list(chaos.KINDS), ["sync", "async"], 16, random.Random(seed))
     assert sorted(sixteen) == sorted((k, m) for k in chaos.KINDS for m in ("sync", "async"))  # no pair twice
+
+
+def test_the_resumed_first_step_is_compared_with_what_the_killed_run_logged(tmp_path):
+    """The identical-next-step check (moved from the suite's kill-mid-checkpoint e2e into chaos.py):
+    equal when every trained key matches, False on any difference, None when the killed run never
+    logged the step or trained nothing in it; a line cut short by the kill is skipped."""
+    chaos = _chaos_module()
+    step2 = {"step": 2, **{k: 0.5 for k in chaos.TRAINED_KEYS}}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "actor/pg_loss": 0.1}) + "\n"
+                                            + json.dumps(step2) + "\n" + '{"step": 3, "actor/pg')
+    killed = chaos.logged_steps(tmp_path)
+    assert sorted(killed) == [1, 2]
+    assert chaos.identical_next_step(killed, {2: dict(step2)}, from_step=1) is True
+    assert chaos.identical_next_step(killed, {2: {**step2, "actor/grad_norm": 0.25}}, from_step=1) is False
+    assert chaos.identical_next_step(killed, {3: step2}, from_step=2) is None  # step 3 never logged before the kill
+    assert chaos.identical_next_step({2: {"step": 2}}, {2: {"step": 2}}, from_step=1) is None  # nothing trained
