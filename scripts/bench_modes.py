@@ -1,5 +1,11 @@
 """Benchmark the blog's four configurations (sync/async × 1/2 mini-batches per weight sync).
 
+The async ones run twice: with partial rollouts (the default `async.in_flight=continue`: a weight
+sync swaps the weights under the requests in flight, which go on with the new policy) and without
+(`async_k_no_partial`: `async.in_flight=drain`, the sync waits for the requests in flight and holds
+new ones), so the share of the async gain that partial rollouts give is a figure (verl and ROLL
+attribute most of theirs to it).
+
 Each configuration runs the real main job (`python -m orchestrator.main +experiment=blog_<mode>_<k>`)
 on the same seed, prompts and model, with the example agent adding environment time drawn from a
 log-normal distribution (median `--env-median-s`, shape `--env-sigma`, seeded by the rollout's
@@ -50,7 +56,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # the product's modules and workload_from_run, imported where used
-CONFIGS = ("sync_1", "sync_2", "async_1", "async_2")
+NO_PARTIAL = "_no_partial"  # async with partial rollouts off: async.in_flight=drain
+CONFIGS = ("sync_1", "sync_2", "async_1", "async_2", f"async_1{NO_PARTIAL}", f"async_2{NO_PARTIAL}")
 
 
 def _mean(values: list[float]) -> float:
@@ -64,7 +71,8 @@ def run_config(name: str, args: argparse.Namespace, work: Path) -> dict:
     if (run_dir / "summary.json").is_file():  # kept from an earlier invocation with the same --runs-dir
         print(f"{name}: reusing {run_dir}", flush=True)
         return _figures(name, args, run_dir, wall_s=math.nan)
-    cmd = [sys.executable, "-m", "orchestrator.main", f"+experiment=blog_{name}",
+    no_partial = ["async.in_flight=drain"] if name.endswith(NO_PARTIAL) else []
+    cmd = [sys.executable, "-m", "orchestrator.main", f"+experiment=blog_{name.removesuffix(NO_PARTIAL)}", *no_partial,
            f"trainer.total_steps={args.steps}", f"seed={args.seed}", "logger=console", f"run_dir={run_dir}",
            f"+rollout.acr.agent_env.LETTERS_ENV_TIME_MEDIAN_S={args.env_median_s}",
            f"+rollout.acr.agent_env.LETTERS_ENV_TIME_SIGMA={args.env_sigma}",
@@ -150,6 +158,8 @@ def validate(rows: list[dict], work: Path, args: argparse.Namespace) -> list[dic
     w = parse_workload(raw, str(work / "fitted_workload.yaml"))
     out = []
     for r in rows:
+        if r["config"] not in SIM_CONFIGS:  # the simulator's engine keeps generating across a swap (continue)
+            continue
         sc = replace(SIM_CONFIGS[r["config"]], gpus=1, colocated=True, sleeps=False)
         f = simulate(w, sc, hours=args.sim_hours, seed=args.seed, warmup_steps=args.warmup_steps)
         row = {"config": r["config"], "fitted_from": args.fit_from}
@@ -180,6 +190,23 @@ def print_validation(out: list[dict], args: argparse.Namespace) -> None:
             cells += [f"{v['measured_' + key]:.0f}", f"{v['predicted_' + key]:.0f}", f"{100 * v['error_' + key]:+.1f} %"]
         cells += [f"{v['measured_step_s']:.2f}", f"{v['predicted_step_s']:.2f}"]
         print(" | ".join(f"{c:>13}" for c in cells))
+
+
+def partial_share(rows: list[dict]) -> dict[str, float]:
+    """async_k -> the share of its trained-tokens/min gain over sync-1 that partial rollouts give:
+    (async_k - async_k_no_partial) / (async_k - sync_1), for each k whose three rows ran."""
+    by = {r["config"]: r["trained_tokens_per_min"] for r in rows}
+    out = {}
+    for k in ("async_1", "async_2"):
+        if {k, k + NO_PARTIAL, "sync_1"} <= by.keys() and by[k] != by["sync_1"]:
+            out[k] = (by[k] - by[k + NO_PARTIAL]) / (by[k] - by["sync_1"])
+    return out
+
+
+def print_partial_share(rows: list[dict]) -> None:
+    for k, share in partial_share(rows).items():
+        print(f"{k}: partial rollouts (in-flight weight update, async.in_flight=continue) give {100 * share:.0f} % "
+              f"of its gain over sync_1 ({k}{NO_PARTIAL}: a weight sync waits for the requests in flight)")
 
 
 def main() -> None:
@@ -241,11 +268,13 @@ def main() -> None:
                  f"{r['reward_gain_per_cpu_hour']:.2f}", f"{r['speedup']:.2f}x",
                  f"{r['speedup_steps']:.2f}x")
         print(" | ".join(f"{c:>12}" for c in cells))
+    print_partial_share(rows)
     if checks:
         print_validation(checks, args)
     if args.out:
         args.out.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k != "out"}
-                                        | {"out": str(args.out)}, "results": rows, "validation": checks},
+                                        | {"out": str(args.out)}, "results": rows, "validation": checks,
+                                        "partial_rollout_share": partial_share(rows)},
                                        indent=2, default=str) + "\n")
         print(f"wrote {args.out}")
 
