@@ -13,7 +13,14 @@ Measured (written to --out as JSON, and printed):
 - lost (requests without an outcome), duplicated (session ids stored twice, or outcomes per
   request != 1), leaked sessions (emulator sessions open after the run + worker-side count);
 - terminal states and failure reasons, the faults the emulator injected, and the emulator's
-  peak request rate and peak open sessions against the configured limits.
+  peak request rate and peak open sessions against the configured limits;
+- with `--driver` (the default), the driver's side of the data path as the loops run it: samples
+  go into a real TransferQueue trajectory buffer (Ray, one storage unit), and once a group's
+  outcomes are in, a driver stage in its own thread and event loop (its own TQ client) reads the
+  group through the loop's store adapter (orchestrator/adapters/clients.py `BufferStore`) and
+  clears it. `driver.cpu_s_per_1000_rollouts` is that thread's CPU time per 1000 rollouts;
+  `driver.bytes_per_rollout` the pickled bytes the driver receives per rollout (the outcome the
+  rollout pool returns, plus what the store returns).
 
 Run: `python scripts/bench_rollout.py --faults 0.2 --rollouts 10000 --out FILE.json`
 (`--contract s3|http`, `--concurrency C` rollouts in flight, `--timeout-s` per rollout).
@@ -25,16 +32,20 @@ import argparse
 import asyncio
 import json
 import os
+import pickle
+import queue
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workers.core.types import GenerateRequest, GenerateResult, RolloutRequest, Sample  # noqa: E402
+from workers.core.types import (PROMPT_VERSION, GenerateRequest, GenerateResult, RolloutRequest, Sample,  # noqa: E402
+                                TrajectoryRow)
 from workers.acr.client import AcrClientConfig, AsyncAcrClient  # noqa: E402
 from workers.embedded.faults import FaultRates  # noqa: E402
 from workers.acr.limits import AcrLimitsConfig, limit_clients, limit_stats, local_limits  # noqa: E402
@@ -43,6 +54,7 @@ from workers.rollout.worker import RolloutSettings, RolloutWorker  # noqa: E402
 from workers.rollout.results import ResultBoard, ResultServer  # noqa: E402
 
 STUB_AGENT = [sys.executable, "-m", "workers.embedded.stub_agent"]
+GROUP_SIZE = 4  # rollouts per group (rollout.n)
 MODEL_ID = "bench-model"
 
 
@@ -68,6 +80,91 @@ class TimedSink:
         now = time.monotonic()
         self.samples.extend(samples)
         self.times.extend([now] * len(samples))
+
+
+class BufferSink(TimedSink):
+    """TimedSink that also puts every sample into the trajectory buffer (the product's SampleSink).
+
+    The stub agent makes no model call, so its samples have no rows; a sample that has none is
+    stored with `row` (a synthetic trajectory of `--tokens-per-rollout` tokens, the second half
+    generated) so that the buffer and its readers move what a real rollout's tokens would."""
+
+    def __init__(self, buffer, row: TrajectoryRow | None) -> None:
+        super().__init__()
+        self._buffer = buffer
+        self._row = row
+
+    async def put(self, samples: list[Sample], partition: str) -> None:
+        if self._row is not None:
+            samples = [replace(s, rows=(self._row,)) if not s.rows else s for s in samples]
+        await self._buffer.put(samples, partition)
+        await super().put(samples, partition)
+
+
+def synthetic_row(num_tokens: int) -> TrajectoryRow | None:
+    """A trajectory of `num_tokens` tokens whose second half is generated (policy version 0)."""
+    if num_tokens <= 0:
+        return None
+    gen = num_tokens // 2
+    return TrajectoryRow(token_ids=tuple(range(100, 100 + num_tokens)), loss_mask=(0,) * (num_tokens - gen) + (1,) * gen,
+                         rollout_logprobs=(0.0,) * (num_tokens - gen) + (-0.5,) * gen,
+                         versions=(PROMPT_VERSION,) * (num_tokens - gen) + (0,) * gen)
+
+
+class DriverStage:
+    """The driver's part of the data path (see the module docstring), in its own thread and loop.
+
+    `submit(group_id, outcomes)` once every outcome of the group is in; `close()` waits for the
+    queue to empty. Counts: groups read, samples returned, pickled bytes received, thread CPU s."""
+
+    def __init__(self, handle, group_size: int, partition: str) -> None:
+        self._handle, self._n, self._partition = handle, group_size, partition
+        self._q: queue.Queue = queue.Queue()
+        self.cpu_s = 0.0
+        self.bytes_outcomes = self.bytes_store = self.groups = self.samples = 0
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="driver-stage", daemon=True)
+        self._thread.start()
+
+    def submit(self, group_id: int, outcomes: list) -> None:
+        self._q.put((group_id, outcomes))
+
+    def close(self, timeout_s: float = 300.0) -> None:
+        self._q.put(None)
+        self._thread.join(timeout_s)
+
+    async def _run(self) -> None:
+        from orchestrator.adapters.clients import BufferStore
+        from workers.buffer.store import TrajectoryBuffer
+
+        buffer = TrajectoryBuffer.connect(self._handle)
+        store = BufferStore(buffer, self._n, 30.0)
+        try:
+            while (item := await asyncio.to_thread(self._q.get)) is not None:
+                t0 = time.thread_time()
+                group_id, outcomes = item
+                try:
+                    self.bytes_outcomes += len(pickle.dumps(outcomes))
+                    got = await store.get_groups(self._partition, [group_id])
+                    self.bytes_store += len(pickle.dumps(got))
+                    self.samples += len(got)
+                    await store.clear_groups(self._partition, [group_id])
+                except Exception as e:  # noqa: BLE001 - counted and reported, the bench goes on
+                    self.errors.append(f"group {group_id}: {type(e).__name__}: {e}"[:300])
+                self.groups += 1
+                self.cpu_s += time.thread_time() - t0
+        finally:
+            buffer.close()
+
+
+def start_buffer():
+    """Ray (this machine's CPUs) and a TransferQueue trajectory buffer with one storage unit."""
+    import ray
+
+    from workers.buffer.store import BufferConfig, TrajectoryBuffer
+
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    return TrajectoryBuffer.start(BufferConfig(num_storage_units=1))
 
 
 def cpu_processes(stack: LocalStack) -> dict:
@@ -120,10 +217,19 @@ async def run_bench(args: argparse.Namespace, stack: LocalStack) -> dict:
         gateway_base_url=base_url, model_id=MODEL_ID, max_tokens=8, temperature=1.0, top_p=1.0,
         timeout_s=args.timeout_s, max_context_tokens=512, contract=args.contract, push_grace_s=args.push_grace_s,
         max_consecutive_bad_results=10**9)  # fmt: skip
-    sink = TimedSink()
+    owner = start_buffer() if args.driver else None
+    if owner is not None:
+        from workers.buffer.store import TrajectoryBuffer
+
+        writer = TrajectoryBuffer.connect(owner.handle)  # this loop's client (one buffer per event loop)
+        sink: TimedSink = BufferSink(writer, synthetic_row(args.tokens_per_rollout))
+        driver = DriverStage(owner.handle, GROUP_SIZE, "bench")
+    else:
+        sink, driver = TimedSink(), None
     worker = RolloutWorker(settings, gateway, acr, sink, slots=clients.sessions, results=board, result_url=result_url)
-    reqs = [RolloutRequest(group_id=i // 4, input_id=f"row-{i // 4}", sample_index=i % 4, row={"prompt": "p"})
-            for i in range(args.rollouts)]
+    reqs = [RolloutRequest(group_id=i // GROUP_SIZE, input_id=f"row-{i // GROUP_SIZE}", sample_index=i % GROUP_SIZE,
+                           row={"prompt": "p"}) for i in range(args.rollouts)]
+    pending = Counter(r.group_id for r in reqs)
     outcomes: list = [None] * len(reqs)
     extra_outcomes = 0
     sem = asyncio.Semaphore(args.concurrency)
@@ -135,6 +241,11 @@ async def run_bench(args: argparse.Namespace, stack: LocalStack) -> dict:
         if outcomes[i] is not None:
             extra_outcomes += 1
         outcomes[i] = o
+        gid = reqs[i].group_id
+        pending[gid] -= 1
+        if driver is not None and pending[gid] == 0:
+            first = gid * GROUP_SIZE
+            driver.submit(gid, outcomes[first:first + GROUP_SIZE])
 
     procs = cpu_processes(stack)
     cpu0 = {name: cpu_s(p) for name, p in procs.items()}
@@ -146,10 +257,15 @@ async def run_bench(args: argparse.Namespace, stack: LocalStack) -> dict:
         await clients.sessions.drain()
         rate_st, cap_st = await limit_stats(handles)
         emu = await asyncio.to_thread(stack.stats)
+        if driver is not None:
+            await asyncio.to_thread(driver.close)
     finally:
         await server.stop()
         await acr.close()
         await gateway.stop()
+        if owner is not None:
+            writer.close()
+            owner.stop()
     done = [o for o in outcomes if o is not None]
     stored = Counter(s.session_id for s in sink.samples)
     lat_ms = [o.result_to_stored_s * 1e3 for o in done if o.result_to_stored_s is not None]
@@ -180,6 +296,12 @@ async def run_bench(args: argparse.Namespace, stack: LocalStack) -> dict:
         "acr_client": asdict(acr.stats()),
         "load_avg_start_end": [args.load_start, list(os.getloadavg())],
         "cpu_s_during_run": cpu,  # where the CPU went: this process (client), emulator, agents, moto
+        "driver": None if driver is None else {
+            "groups": driver.groups, "samples": driver.samples, "errors": driver.errors[:5], "num_errors": len(driver.errors),
+            "cpu_s": round(driver.cpu_s, 3), "cpu_s_per_1000_rollouts": round(1000 * driver.cpu_s / len(reqs), 3),
+            "bytes_per_rollout": (driver.bytes_outcomes + driver.bytes_store) / len(reqs),
+            "bytes_from_rollouts_per_rollout": driver.bytes_outcomes / len(reqs),
+            "bytes_from_buffer_per_rollout": driver.bytes_store / len(reqs)},
     }
 
 
@@ -197,6 +319,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-open-sessions", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-uvloop", dest="uvloop", action="store_false", help="plain asyncio loop in this process")
+    p.add_argument("--tokens-per-rollout", type=int, default=2048,
+                   help="--driver: tokens of the synthetic trajectory stored with each sample (0: none)")
+    p.add_argument("--no-driver", dest="driver", action="store_false",
+                   help="samples go to an in-memory sink only: no TransferQueue, no driver stage")
     return p.parse_args(argv)
 
 
@@ -221,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report, indent=2))
     print(f"lost {report['lost']}, duplicated {report['duplicated']}, leaked sessions {report['leaked_sessions']}, "
           f"latency p50 {lat['p50']:.1f} ms / p99 {lat['p99']:.1f} ms, {report['rollouts_per_s']:.0f} rollouts/s")
+    if report["driver"] is not None:
+        d = report["driver"]
+        print(f"driver: {d['cpu_s_per_1000_rollouts']:.2f} CPU s per 1000 rollouts, {d['bytes_per_rollout']:.0f} bytes "
+              f"per rollout ({d['bytes_from_rollouts_per_rollout']:.0f} from the pool, {d['bytes_from_buffer_per_rollout']:.0f} "
+              f"from the buffer), {d['num_errors']} read errors")
     return 0
 
 
