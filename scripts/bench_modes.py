@@ -60,6 +60,17 @@ NO_PARTIAL = "_no_partial"  # async with partial rollouts off: async.in_flight=d
 CONFIGS = ("sync_1", "sync_2", "async_1", "async_2", f"async_1{NO_PARTIAL}", f"async_2{NO_PARTIAL}")
 
 
+def sync_every(name: str) -> int:
+    """Mini-batches per weight sync of a configuration (`sync_2`, `async_2_no_partial` -> 2)."""
+    return int(name.removesuffix(NO_PARTIAL).rsplit("_", 1)[1])
+
+
+def syncs(name: str, updates: int) -> int:
+    """Weight syncs (the main job's steps) that make `updates` optimizer updates in `name`: every
+    configuration trains the same mini-batches, so reward gain per CPU-hour compares like with like."""
+    return max(1, updates // sync_every(name))
+
+
 def _mean(values: list[float]) -> float:
     vals = [v for v in values if isinstance(v, (int, float)) and not math.isnan(v)]
     return sum(vals) / len(vals) if vals else math.nan
@@ -73,7 +84,7 @@ def run_config(name: str, args: argparse.Namespace, work: Path) -> dict:
         return _figures(name, args, run_dir, wall_s=math.nan)
     no_partial = ["async.in_flight=drain"] if name.endswith(NO_PARTIAL) else []
     cmd = [sys.executable, "-m", "orchestrator.main", f"+experiment=blog_{name.removesuffix(NO_PARTIAL)}", *no_partial,
-           f"trainer.total_steps={args.steps}", f"seed={args.seed}", "logger=console", f"run_dir={run_dir}",
+           f"trainer.total_steps={syncs(name, args.steps)}", f"seed={args.seed}", "logger=console", f"run_dir={run_dir}",
            f"+rollout.acr.agent_env.LETTERS_ENV_TIME_MEDIAN_S={args.env_median_s}",
            f"+rollout.acr.agent_env.LETTERS_ENV_TIME_SIGMA={args.env_sigma}",
            f"rollout.acr.session_rate_per_s={args.acr_rate}", f"rollout.acr.limits.requests_per_s={2 * args.acr_rate}",
@@ -88,14 +99,15 @@ def run_config(name: str, args: argparse.Namespace, work: Path) -> dict:
 
 def _figures(name: str, args: argparse.Namespace, run_dir: Path, wall_s: float) -> dict:
     all_steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = all_steps[args.warmup_steps:]
+    warmup = syncs(name, args.warmup_steps) if args.warmup_steps else 0
+    steps = all_steps[warmup:]
     from orchestrator.watch.metrics import read_summary
     summary = read_summary(run_dir / "summary.json")  # null (not measured) read as NaN
     loop_s = sum(s["timing_s/step"] for s in steps)
     tokens = sum(s.get("perf/trained_tokens", 0.0) for s in steps)
     total_tokens = sum(s.get("perf/total_num_tokens", math.nan) for s in steps)  # NaN: a run before it was logged
     n = _group_size(run_dir)
-    base = all_steps[args.warmup_steps - 1] if args.warmup_steps else {}
+    base = all_steps[warmup - 1] if warmup else {}
     samples = n * (all_steps[-1].get("rollout/trained_groups", 0.0) - base.get("rollout/trained_groups", 0.0))
     from orchestrator.planning.sim.run import finished_rollouts  # the simulator's count, so both sides count alike
 
@@ -161,7 +173,8 @@ def validate(rows: list[dict], work: Path, args: argparse.Namespace) -> list[dic
         if r["config"] not in SIM_CONFIGS:  # the simulator's engine keeps generating across a swap (continue)
             continue
         sc = replace(SIM_CONFIGS[r["config"]], gpus=1, colocated=True, sleeps=False)
-        f = simulate(w, sc, hours=args.sim_hours, seed=args.seed, warmup_steps=args.warmup_steps)
+        f = simulate(w, sc, hours=args.sim_hours, seed=args.seed,
+                     warmup_steps=syncs(r["config"], args.warmup_steps) if args.warmup_steps else 0)
         row = {"config": r["config"], "fitted_from": args.fit_from}
         for key, sim_key in (("total_tokens_per_min", "tokens_per_min_per_gpu"),  # gpus=1
                              ("trained_tokens_per_min", "generated_tokens_per_min"),
@@ -211,11 +224,13 @@ def print_partial_share(rows: list[dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=20, help="weight syncs per configuration")
+    ap.add_argument("--steps", type=int, default=20,
+                    help="optimizer updates (mini-batches) per configuration: steps / sync_every weight syncs")
     ap.add_argument("--env-median-s", type=float, default=0.2, help="median environment time per rollout (s)")
     ap.add_argument("--env-sigma", type=float, default=1.0, help="log-normal shape of the environment time")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the figures")
+    ap.add_argument("--warmup-steps", type=int, default=2,
+                    help="first optimizer updates left out of the figures (in whole weight syncs)")
     ap.add_argument("--acr-rate", type=float, default=200.0,
                     help="ACR session creations per second (emulator); the limiter gets twice this (invoke + stop)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
