@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from orchestrator.loop.validation import Validator
     from workers.buffer.store import TrajectoryBuffer
     from workers.rollout.pool import RolloutPool
-    from workers.rollout.worker import RolloutSettings
+    from workers.rollout.settings import RolloutSettings
     from workers.weight_sync.file import WeightSync
 
 Probe = Callable[[], Awaitable[dict[str, float]]]
