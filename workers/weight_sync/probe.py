@@ -20,7 +20,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from workers.core.calls import actor_died, call
+from workers.core.calls import actor_died
+from workers.weight_sync.parts import WeightReceiverClient, WeightSenderClient
 
 PROBE_LENGTH = 16
 METRIC = "weight_sync/probe_max_abs_diff"
@@ -65,8 +66,8 @@ class ProbedWeightSync:
         """Compare every live replica's probe log-probs with the trainer's; returns max |Δ|."""
         lost = self.inner.lost() if hasattr(self.inner, "lost") else frozenset()
         live = [i for i in range(len(self._replicas)) if i not in lost]
-        ours = await call(self._trainer, "probe_logprobs", self._tokens)
-        theirs = await asyncio.gather(*(call(self._replicas[i], "prompt_logprobs", self._tokens) for i in live),
+        ours = await WeightSenderClient(self._trainer).probe_logprobs(self._tokens)
+        theirs = await asyncio.gather(*(WeightReceiverClient(self._replicas[i]).prompt_logprobs(self._tokens) for i in live),
                                       return_exceptions=True)
         for r in theirs:  # a replica that died since the push is the supervisor's, not a failed sync
             if isinstance(r, BaseException) and not actor_died(r):
