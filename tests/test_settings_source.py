@@ -79,3 +79,23 @@ def test_validation_writes_nothing_into_the_config():
     cfg = compose_config(["algorithm.rollout_correction.rs=[{name: token_k1, threshold: 2.0}]"])
     for path, node in _config_nodes(cfg):
         assert set(vars(node)) == {f.name for f in fields(node)}, path
+
+
+INFERENCE_SHARED = ("dtype", "max_model_len", "gpu_memory_utilization", "max_num_batched_tokens", "block_size",
+                    "enable_prefix_caching", "enforce_eager", "max_num_seqs")
+
+
+def test_inference_and_gateway_groups_take_their_settings_defaults():
+    from orchestrator.config.gateway import GatewayGroupConfig
+    from orchestrator.config.inference import inference_settings
+    from workers.gateway.config import GatewayConfig
+    from workers.inference.settings import InferenceSettings
+
+    cfg = compose_config([])
+    got = inference_settings(cfg.inference, mode=cfg.mode, async_=cfg.async_, cluster=cfg.cluster, seed=0,
+                             model_path="m", replica=0, initial_policy_version=0)
+    own = InferenceSettings(model_path="m")
+    assert {k: getattr(got, k) for k in INFERENCE_SHARED} == {k: getattr(own, k) for k in INFERENCE_SHARED}
+    g, gw = GatewayGroupConfig(), GatewayConfig
+    assert all(getattr(g, k) == next(f.default for f in fields(gw) if f.name == k)
+               for k in ("port", "advertise_url", "history_mode", "on_nonlinear"))

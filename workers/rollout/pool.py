@@ -284,10 +284,10 @@ class RolloutPool:
         await self._stop_lost(list(plan.to_stop))
         if plan.failed:
             error = f"{ACTOR_LOST}: rollout actor {name} died running this rollout"
-            await store.put([Sample(session_id=a.session_id, group_id=a.req.group_id,
-                                                 input_id=a.req.input_id, sample_index=a.req.sample_index, rows=(),
-                                                 reward=None, status="failed", latency_s=0.0, error=error)
-                                          for a in plan.failed], partition)
+            await store.put([Sample(session_id=a.session_id, group_id=a.req.group_id, input_id=a.req.input_id,
+                                    sample_index=a.req.sample_index, rows=(), reward=None, status="failed",
+                                    latency_s=0.0, error=error)
+                             for a in plan.failed], partition)
             self.counts["rollout/failed"] += len(plan.failed)
             self.counts[f"rollout/failed/{ACTOR_LOST}"] += len(plan.failed)
         self.counts["rollout/redispatched"] += len(plan.redispatch)
