@@ -27,6 +27,7 @@ from orchestrator.config.task import eval_split
 from orchestrator.tasks import TASKS
 from orchestrator.loop.validation import EvalRecord, evaluate_rows, summarize
 from orchestrator.watch.progress import phase
+from workers.inference.client import ReplicaClient
 
 PARTITION = "eval"
 LINES_EVERY = 10  # plain progress: a line per this many percent of the rollouts
@@ -99,7 +100,7 @@ async def run_eval(cfg: RunConfig, rt: Any, stack: contextlib.ExitStack) -> dict
         acr = await built.pool.acr_stats()
         counts = await built.pool.rollout_counts()
         with contextlib.suppress(Exception):
-            await asyncio.gather(*(r.shutdown.remote() for r in built.replicas))
+            await asyncio.gather(*(ReplicaClient(r).shutdown() for r in built.replicas))
     summary = {"task": cfg.task.name, "split": eval_split(cfg.task), "model_path": rt.model_path,
                "serve_model": cfg.eval.serve_model, "temperature": cfg.eval.temperature,
                **summarize(records, n=settings.n, pass_threshold=settings.pass_threshold, wall_s=wall_s),

@@ -245,7 +245,9 @@ async def _stop_engines(replicas: list) -> None:
     """Shut the vLLM engines down (bounded; Ray's shutdown kills whatever is left)."""
     from orchestrator.control.stopping import mark
 
-    await _bounded(asyncio.gather(*(r.shutdown.remote(ENGINE_STOP_S) for r in replicas)))
+    from workers.inference.client import ReplicaClient
+
+    await _bounded(asyncio.gather(*(ReplicaClient(r).shutdown(ENGINE_STOP_S) for r in replicas)))
     mark("inference replicas shut down")
 
 

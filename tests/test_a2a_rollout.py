@@ -62,7 +62,7 @@ async def rig(stack, tiny_model_dir, tiny_renderer):
     settings = RolloutSettings(exp_id=EXP_ID, agent_runtime_arn=stack.agent_runtime_arn, qualifier=None,
                                s3_bucket=stack.bucket, gateway_base_url=base_url, model_id=MODEL_ID, max_tokens=8,
                                temperature=1.0, top_p=1.0, timeout_s=TIMEOUT_S, max_context_tokens=512,
-                               contract="a2a", a2a_poll_initial_s=0.02, a2a_poll_max_s=0.2)
+                               contract="a2a", poll_initial_s=0.02, poll_max_s=0.2)
     sink = Sink([])
     try:
         yield stack, gateway, engine, acr, settings, sink

@@ -207,7 +207,7 @@ async def test_500_rollouts_with_20_percent_faults_all_end_terminal_within_limit
 async def test_http_background_start_then_get_polls_to_the_result(stack, parts):
     plan = FaultPlan(RATES)
     before = await asyncio.to_thread(stack.stats)
-    pool = _pool(stack, parts, "http", actors=1, http_background=True, http_poll_initial_s=0.05)
+    pool = _pool(stack, parts, "http", actors=1, http_background=True, poll_initial_s=0.05)
     try:
         reqs = [RolloutRequest(group_id=0, input_id="row-bg", sample_index=i, row={"prompt": "p", "delay_s": 0.3})
                 for i in range(8)]

@@ -8,14 +8,19 @@ exactly the rows of the given groups, each row carrying its sample's GRPO advant
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
 import torch
 
 from workers.core.algorithms.advantages import grpo_outcome_advantages
 from workers.core.algorithms.batch import SampleTable, TrainBatch
 from workers.core.calls import actor_died
+from workers.core.types import EngineLoad
+from workers.gateway.client import GatewayClient
+from workers.inference.client import ReplicaClient
 from orchestrator.loop.batching import Group
+
+T = TypeVar("T")
 
 
 def build_train_batch(groups: tuple[Group, ...], *, pad_id: int, norm_adv_by_std: bool) -> TrainBatch:
@@ -103,7 +108,7 @@ class GatewayProbe:
         self._last_busy = 0.0
 
     async def __call__(self) -> dict[str, float]:
-        m = await self._gateway.metrics.remote()
+        m = await GatewayClient(self._gateway).metrics()
         now = self._clock()
         dt, busy = now - self._last_t, m.engine_busy_s - self._last_busy
         self._last_t, self._last_busy = now, m.engine_busy_s
@@ -113,19 +118,19 @@ class GatewayProbe:
                "gateway/turns_context_exceeded": float(m.turns_context_exceeded),
                "gateway/turns_healed": float(m.turns_healed), "gateway/turns_nonlinear": float(m.turns_nonlinear),
                "gateway/healed_prefix_tokens": float(m.healed_prefix_tokens)}
-        usage = await self._ask("kv_cache_usage")
+        usage = await self._ask(lambda r: r.kv_cache_usage())
         if usage:
             out["perf/kv_cache_usage"] = sum(usage) / len(usage)
-        loads = await self._ask("engine_load")
+        loads = await self._ask(lambda r: r.engine_load())
         if loads:
             out.update({"rollout/engine_running": float(sum(ld.num_running for ld in loads)),
                         "rollout/engine_waiting": float(sum(ld.num_waiting for ld in loads)),
                         "rollout/engine_preempted": float(sum(ld.num_preempted for ld in loads))})
         return out
 
-    async def _ask(self, method: str) -> list:
-        """Every replica's answer to `method`; a replica that just died is left out."""
-        got = await asyncio.gather(*(getattr(r, method).remote() for r in self._replicas), return_exceptions=True)
+    async def _ask(self, ask: Callable[[ReplicaClient], Awaitable[T]]) -> list[T]:
+        """Every replica's answer to `ask`; a replica that just died is left out."""
+        got = await asyncio.gather(*(ask(ReplicaClient(r)) for r in self._replicas), return_exceptions=True)
         for u in got:
             if isinstance(u, BaseException) and not actor_died(u):
                 raise u
@@ -139,7 +144,5 @@ class EngineLoads:
     def __init__(self, replicas: list[Any]) -> None:
         self._replicas = list(replicas)
 
-    async def __call__(self) -> list:
-        from workers.core.calls import call
-
-        return list(await asyncio.gather(*(call(r, "engine_load") for r in self._replicas)))
+    async def __call__(self) -> list[EngineLoad]:
+        return list(await asyncio.gather(*(ReplicaClient(r).engine_load() for r in self._replicas)))

@@ -12,28 +12,33 @@ reported, never assumed: `perf/inference_sleep_level` (0 or 1), `perf/inference_
 Invariant: when `update` returns or raises, every replica it put to sleep has been woken (a
 failed wake raises RuntimeError naming the replicas: the run must stop, never continue with an
 engine that does not generate). Replicas are InferenceWorker-like objects or Ray actor handles
-of one (detected by `.remote`); this module does not import Ray.
+of one, called through their one adapter (workers/inference/client.py `ReplicaClient`); this
+module does not import Ray. The wrapped trainer is reached only through the loop's `Trainer`
+protocol (orchestrator/loop/common.py): `SleepingTrainer` delegates each of its methods
+explicitly, and nothing else passes through.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from orchestrator.loop.batching import Group
+from orchestrator.loop.common import Trainer
+from workers.inference.client import ReplicaClient
 
 
 class SleepingTrainer:
     """A Trainer whose `update` runs while the co-located inference replicas sleep."""
 
-    def __init__(self, trainer: Any, replicas: Sequence[Any], *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, trainer: Trainer, replicas: Sequence[Any], *, clock: Callable[[], float] = time.monotonic) -> None:
         """trainer: the loop's Trainer; replicas: at least one engine (awake again when `update`
         returns, so the weight sync that follows finds them serving)."""
         if not replicas:
             raise ValueError("SleepingTrainer needs at least one inference replica")
         self._trainer = trainer
-        self._replicas = list(replicas)
+        self._replicas = [ReplicaClient(r) for r in replicas]
         self._clock = clock
 
     async def update(self, groups: tuple[Group, ...]) -> dict[str, float]:
@@ -41,30 +46,24 @@ class SleepingTrainer:
         docstring for the metrics added to the trainer's. Raises RuntimeError if a replica fails
         to sleep or to wake (after trying to wake the others)."""
         t0 = self._clock()
-        slept = await _call_all(self._replicas, "sleep")
+        slept = await _each(r.sleep() for r in self._replicas)
         asleep = [r for r, rep in zip(self._replicas, slept) if not isinstance(rep, BaseException)]
         try:
             _raise_failed("sleep", slept)
             metrics = await self._trainer.update(groups)
         finally:
-            _raise_failed("wake_up", await _call_all(asleep, "wake_up"))
+            _raise_failed("wake_up", await _each(r.wake_up() for r in asleep))
         reports = [r for r in slept if not isinstance(r, BaseException)]
         return {**metrics,
                 "perf/inference_sleep_s": self._clock() - t0,
                 "perf/inference_sleep_level": float(max(r.level for r in reports)),
                 "perf/inference_released_memory": float(all(r.released_memory for r in reports))}
 
-    def __getattr__(self, name: str) -> Any:  # checkpointing and other trainer calls pass through
-        return getattr(self._trainer, name)
 
-
-async def _call_all(replicas: Sequence[Any], method: str) -> list[Any]:
-    async def call(replica: Any) -> Any:
-        fn = getattr(replica, method)
-        remote = getattr(fn, "remote", None)
-        return await (remote() if remote is not None else fn())
-
-    return list(await asyncio.gather(*(call(r) for r in replicas), return_exceptions=True))
+async def _each(calls: Any) -> list[Any]:
+    """Every call's result, or the exception it raised, in order."""
+    aws: list[Awaitable[Any]] = list(calls)
+    return list(await asyncio.gather(*aws, return_exceptions=True))
 
 
 def _raise_failed(what: str, results: list[Any]) -> None:

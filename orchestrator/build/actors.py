@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from workers.buffer.store import TrajectoryBuffer
     from workers.placement_groups import PlacedGroups
     from workers.rollout.pool import RolloutPool
-    from workers.rollout.worker import RolloutSettings
+    from workers.rollout.settings import RolloutSettings
 
 CLOSE_TIMEOUT_S = 5.0  # bound on each part's own shutdown at the end of a run (seconds)
 QUIET_VLLM = {"env_vars": {"VLLM_LOGGING_LEVEL": "ERROR"}}  # a reload warns per step about rotary buffers

@@ -19,6 +19,8 @@ from orchestrator.build.actors import close_quietly, gateway_actor, replica_spaw
 from orchestrator.build.runtime import Runtime
 from orchestrator.config import RunConfig, buffer_config, eval_rollout_settings
 from orchestrator.watch.progress import phase
+from workers.gateway.client import GatewayClient
+from workers.inference.client import ReplicaClient
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -70,20 +72,20 @@ async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -
             version = rt.checkpoint.state.policy_version if rt.checkpoint else 0
             spawn = replica_spawner(cfg, placed, rt.model_path, version, lora_rank=_adapter_rank(cfg.eval.adapter_path))
             replicas = [spawn(i) for i in range(cfg.inference.replicas)]
-            engines_up = [r.start.remote() for r in replicas]  # the longest start: first, the buffer meanwhile
-            close_quietly(closing, lambda: asyncio.gather(*(r.shutdown.remote() for r in replicas)))
+            engines_up = [asyncio.ensure_future(ReplicaClient(r).start()) for r in replicas]  # the longest: first
+            close_quietly(closing, lambda: asyncio.gather(*(ReplicaClient(r).shutdown() for r in replicas)))
             gateway = gateway_actor(cfg, rt.model_path)
-            close_quietly(closing, lambda: gateway.stop.remote())
+            close_quietly(closing, GatewayClient(gateway).stop, what="gateway")
         buffer = await TrajectoryBuffer.start_async(buffer_config())
         stack.callback(buffer.stop)
         if gateway is not None:
             await asyncio.gather(*engines_up)
             if cfg.eval.adapter_path:  # base + adapter: every replica serves the adapter as the current version
-                await asyncio.gather(*(r.load_adapter.remote(cfg.eval.adapter_path, version, initial=True)
+                await asyncio.gather(*(ReplicaClient(r).load_adapter(cfg.eval.adapter_path, version, initial=True)
                                        for r in replicas))
             phase("engines ready; starting the gateway and the rollout pool")
-            await gateway.set_engines.remote(replicas)
-            base_url = await gateway.start.remote()
+            await GatewayClient(gateway).set_engines(replicas)
+            base_url = await GatewayClient(gateway).start()
         settings = eval_rollout_settings(cfg.eval, run_rollout_settings(cfg, rt, base_url))
         pool = await start_pool(cfg, rt, settings, gateway, buffer, closing)
         return BuiltEval(pool=pool, store=BufferStore(buffer, cfg.eval.n, cfg.rollout.timeout_s), replicas=replicas,

@@ -29,6 +29,9 @@ from orchestrator.loop.common import LoopParts, LoopPosition, Trainer
 from orchestrator.tasks import TASKS
 from orchestrator.watch.metrics import MetricLogger
 from orchestrator.watch.progress import phase
+from workers.gateway.client import GatewayClient
+from workers.inference.client import ReplicaClient
+from workers.trainer.client import TrainerRankClient
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -38,7 +41,7 @@ if TYPE_CHECKING:
     from orchestrator.loop.validation import Validator
     from workers.buffer.store import TrajectoryBuffer
     from workers.rollout.pool import RolloutPool
-    from workers.rollout.worker import RolloutSettings
+    from workers.rollout.settings import RolloutSettings
     from workers.weight_sync.file import WeightSync
 
 Probe = Callable[[], Awaitable[dict[str, float]]]
@@ -109,7 +112,7 @@ async def _start_actors(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack
     phase(f"starting {cfg.inference.replicas} inference replica(s) (vLLM) and the trainer")
     spawn_replica = replica_spawner(cfg, placed, model_path, version)
     replicas = [spawn_replica(i) for i in range(cfg.inference.replicas)]
-    engines_up = [r.start.remote() for r in replicas]  # the longest start (vLLM import, engine build): first
+    engines_up = [asyncio.ensure_future(ReplicaClient(r).start()) for r in replicas]  # the longest start: first
     threads = {"env_vars": {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads)}}
     trainer = await start_trainer_ranks(  # one actor, or N data-parallel ranks behind the same .remote surface
         ray.remote(num_cpus=0)(trainer_cls),
@@ -119,8 +122,8 @@ async def _start_actors(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack
         world_size=len(placed.plan.trainer) if placed.plan.groups else 1,
         rank_options=lambda r: {"runtime_env": threads, **placed.trainer_options(r)}, **trainer_kw)
     gateway = gateway_actor(cfg, model_path)
-    close_quietly(closing, lambda: gateway.stop.remote(), what="gateway")
-    gateway_up = gateway.start.remote()  # loads the tokenizer and chat template while the engines start
+    close_quietly(closing, GatewayClient(gateway).stop, what="gateway")
+    gateway_up = asyncio.ensure_future(GatewayClient(gateway).start())  # the tokenizer and chat template meanwhile
     buffer = await TrajectoryBuffer.start_async(buffer_config())  # awaited: a Ctrl-C meanwhile is seen at once
     stack.callback(buffer.stop)
     settings = run_rollout_settings(cfg, rt, await gateway_up)
@@ -129,7 +132,7 @@ async def _start_actors(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack
     await asyncio.gather(*engines_up, pool.prepare())  # the rollout actors build their clients meanwhile
     phase("engines ready; starting the weight sync")
     if ckpt is not None:
-        await trainer.load_optimizer.remote(str(ckpt.optimizer_path))
+        await TrainerRankClient(trainer).load_optimizer(str(ckpt.optimizer_path))
     adapter_sync = cfg.model.lora.enabled and cfg.inference.lora_sync == "adapter"
     weights = await open_weight_sync(cfg.trainer.weight_sync.backend, trainer, replicas,  # file, or a broadcast group
                                      ranks_per_replica=cfg.cluster.inference.tensor_parallel_size,
@@ -137,7 +140,7 @@ async def _start_actors(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack
                                      lora_adapter=adapter_sync, keep_adapters=cfg.async_.max_staleness + 2)
     close_quietly(closing, close_weight_sync, weights, trainer)  # the sender's /dev/shm slots, process groups
     await _restore_policy(cfg, rt, weights, version)
-    await gateway.set_engines.remote(replicas)  # no turn reaches the gateway before the loop starts
+    await GatewayClient(gateway).set_engines(replicas)  # no turn reaches the gateway before the loop starts
     return _Actors(replicas, spawn_replica, trainer, gateway, buffer, pool, weights, settings, pad_id)
 
 

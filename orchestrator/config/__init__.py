@@ -6,9 +6,12 @@ to the settings of the worker it configures (`inference_settings`, `trainer_sett
 `gateway_config`, `rollout_settings`, ...). `OmegaConf.to_object` turns the composed config into
 these dataclasses, which runs each `__post_init__`; a bad value raises `ConfigError` whose message
 starts with the dotted key (`rollout.n must be >= 1, got 0`). Validation reads values only; the
-file-system checks are orchestrator/control/preflight.py's. Nothing here imports Ray, torch or vLLM (the
-mapping functions import worker classes when called), so a bad config fails in about a second,
-before any process starts. Choice lists are defined once, in the worker module that gives them
+file-system checks are orchestrator/control/preflight.py's. One source per setting: a field that
+maps onto a worker's settings dataclass takes its default from that dataclass (`defaults.py`
+`default_of`), and a value that dataclass checks is checked there only (the group builds the
+settings once while validating). Nothing here imports Ray, torch or vLLM (the light settings
+modules are imported; heavier worker classes when a mapping function is called), so a bad config
+fails in about a second, before any process starts. Choice lists are defined once, in the worker module that gives them
 their meaning where that module is light, else in the group's module here.
 """
 

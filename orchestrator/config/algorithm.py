@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
+from orchestrator.config.defaults import default_of
 from orchestrator.config.errors import ConfigError, check, one_of
 from workers.core.algorithms.rollout_correction_config import RejectionRule, parse_is_threshold
 from workers.core.algorithms.rollout_correction_config import RolloutCorrectionConfig as TypedRolloutCorrection
@@ -38,15 +39,20 @@ class RolloutCorrectionConfig:
     is_level: token | sequence | null (no IS weights; diagnostics only).
     is_threshold: TIS cap C (> 1), or a quoted IcePop band "lo_hi" (weights outside it are 0).
     rs: rejection rules; a token is trained only if every rule keeps it.
-    The typed form is parsed once here and read with `typed()`.
+    `typed()` parses and checks them (also at construction) and returns the typed form.
     """
 
-    mode: str = "decoupled"
-    is_level: Optional[str] = "token"
-    is_threshold: Any = 2.0
+    mode: str = default_of(TypedRolloutCorrection, "mode")
+    is_level: Optional[str] = default_of(TypedRolloutCorrection, "is_level")
+    is_threshold: Any = default_of(TypedRolloutCorrection, "is_threshold")
     rs: list[RejectionRuleConfig] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.typed()  # parses and checks; writes nothing into this config
+
+    def typed(self) -> TypedRolloutCorrection:
+        """The validated, typed settings the trainer takes (`TrainerSettings.rollout_correction`).
+        Raises ConfigError naming the key."""
         key = "algorithm.rollout_correction"
         try:
             upper, lower = parse_is_threshold(self.is_threshold, f"{key}.is_threshold")
@@ -56,7 +62,7 @@ class RolloutCorrectionConfig:
                 )
                 for i, r in enumerate(self.rs)
             )
-            self._typed = TypedRolloutCorrection(
+            return TypedRolloutCorrection(
                 mode=self.mode, is_level=self.is_level, is_threshold=upper,  # type: ignore[arg-type]
                 is_threshold_lower=lower, rs=rules,
             )
@@ -64,10 +70,6 @@ class RolloutCorrectionConfig:
             raise
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-
-    def typed(self) -> TypedRolloutCorrection:
-        """The validated, typed settings the trainer takes (`TrainerSettings.rollout_correction`)."""
-        return self._typed
 
 
 @dataclass

@@ -11,7 +11,7 @@ from orchestrator.config.errors import check
 
 if TYPE_CHECKING:
     from orchestrator.loop.validation import EvalSettings
-    from workers.rollout.worker import RolloutSettings
+    from workers.rollout.settings import RolloutSettings
 
 
 @dataclass

@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from orchestrator.config.defaults import default_of
 from orchestrator.config.errors import check
 from workers.core.netaddr import AUTO
+from workers.gateway.config import HISTORY_MODES, ON_NONLINEAR, GatewayConfig
 
 LOOPBACK = "127.0.0.1"
 ALL_INTERFACES = "0.0.0.0"
@@ -31,18 +33,16 @@ class GatewayGroupConfig:
     does with a request that edits the history (workers/gateway/config.py says each)."""
 
     host: Optional[str] = None
-    port: int = 0
-    advertise_url: Optional[str] = None
-    history_mode: str = "tree"
-    on_nonlinear: str = "reset"
+    port: int = default_of(GatewayConfig, "port")
+    advertise_url: Optional[str] = default_of(GatewayConfig, "advertise_url")
+    history_mode: str = default_of(GatewayConfig, "history_mode")
+    on_nonlinear: str = default_of(GatewayConfig, "on_nonlinear")
 
     def __post_init__(self) -> None:
         check(0 <= self.port <= 65535, "gateway.port", "must be in [0, 65535]", self.port)
         url = self.advertise_url
         check(url is None or url == AUTO or url.startswith(("http://", "https://")), "gateway.advertise_url",
               "must be null, auto or an http(s):// base URL", url)
-        from workers.gateway.config import HISTORY_MODES, ON_NONLINEAR
-
         check(self.history_mode in HISTORY_MODES, "gateway.history_mode", f"must be one of {', '.join(HISTORY_MODES)}",
               self.history_mode)
         check(self.on_nonlinear in ON_NONLINEAR, "gateway.on_nonlinear", f"must be one of {', '.join(ON_NONLINEAR)}",

@@ -1,18 +1,17 @@
 """`inference` group: the vLLM replicas; maps to each replica's InferenceSettings
-(workers/inference/settings.py)."""
+(workers/inference/settings.py), whose defaults the fields it shares take (`default_of`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from orchestrator.config.async_ import SYNC_IN_FLIGHT, AsyncConfig
 from orchestrator.config.cluster import ClusterConfig
+from orchestrator.config.defaults import default_of
 from orchestrator.config.errors import check, one_of
 from orchestrator.config.mode import ModeConfig
-
-if TYPE_CHECKING:
-    from workers.inference.settings import InferenceSettings
+from workers.inference.settings import InferenceSettings
 
 INFERENCE_ENGINES = ("vllm_cpu", "vllm")  # vllm_cpu: vLLM's CPU build; vllm: vLLM on CUDA GPUs
 INFERENCE_DTYPES = ("float32", "bfloat16")  # also the dtype weight sync sends (workers/weight_sync/plan.py)
@@ -35,15 +34,15 @@ class InferenceConfig:
 
     name: str = "vllm_cpu"
     replicas: int = 1
-    max_model_len: int = 512
+    max_model_len: int = default_of(InferenceSettings, "max_model_len")
     kv_cache_gib: Optional[float] = 1.0
-    max_num_seqs: int = 64
-    dtype: str = "float32"
-    gpu_memory_utilization: float = 0.9
-    max_num_batched_tokens: Optional[int] = None
-    block_size: Optional[int] = None
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = True
+    max_num_seqs: int = default_of(InferenceSettings, "max_num_seqs")
+    dtype: str = default_of(InferenceSettings, "dtype")
+    gpu_memory_utilization: float = default_of(InferenceSettings, "gpu_memory_utilization")
+    max_num_batched_tokens: Optional[int] = default_of(InferenceSettings, "max_num_batched_tokens")
+    block_size: Optional[int] = default_of(InferenceSettings, "block_size")
+    enable_prefix_caching: bool = default_of(InferenceSettings, "enable_prefix_caching")
+    enforce_eager: bool = default_of(InferenceSettings, "enforce_eager")
     # dead replicas replaced over the run, then the run stops; null: DEFAULT_REPLICA_RESTARTS where a
     # replica can be replaced (file weight sync, disaggregated), 0 elsewhere (`replica_restarts`)
     max_restarts: Optional[int] = None
@@ -91,8 +90,6 @@ def inference_settings(inf: InferenceConfig, *, mode: ModeConfig, async_: AsyncC
     `lora_rank` (`model.lora.rank`, served as an adapter with `lora_sync=adapter`): the engine
     serves LoRA adapters up to that rank, up to `async.max_staleness + 1` versions at once in
     async mode (requests keep the version they started on), 1 in sync mode."""
-    from workers.inference.settings import InferenceSettings
-
     return InferenceSettings(
         model_path=model_path, dtype=inf.dtype, max_model_len=inf.max_model_len,
         kv_cache_bytes=None if inf.kv_cache_gib is None else int(inf.kv_cache_gib * 2**30),

@@ -3,24 +3,26 @@ RolloutSettings (workers/rollout/worker.py), the ACR client's AcrClientConfig
 (workers/acr/client.py), the cluster-wide AcrLimitsConfig (workers/acr/limits.py, which also
 validates `rollout.acr.limits.*`) and the trajectory buffer's BufferConfig.
 
-The contract names are workers/rollout/contract.py's `Contract`."""
+One source per setting: a field these settings take has its default in the settings dataclass
+(`default_of`) and its check in that dataclass's `__post_init__`, reached here by building the
+settings once; validation returns values and writes nothing into the config. The contract names
+are workers/rollout/contract.py's `Contract`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any, Optional, get_args
+from typing import TYPE_CHECKING, Any, Optional
 
 from orchestrator.loop.concurrency import CONCURRENCY_CHOICES, AdaptiveConcurrency
 from orchestrator.config.errors import ConfigError, check, one_of
 from workers.acr.arn import check_bucket_name, parse_runtime_arn
+from orchestrator.config.defaults import default_of
 from workers.acr.limits import AcrLimitsConfig
-from workers.acr.client import POLL_INITIAL_S, POLL_MAX_S
-from workers.rollout.contract import Contract
+from workers.acr.client import AcrClientConfig
+from workers.rollout.settings import RolloutSettings
 
 if TYPE_CHECKING:
-    from workers.acr.client import AcrClientConfig
     from workers.buffer.store import BufferConfig
-    from workers.rollout.worker import RolloutSettings
 
 ROLLOUT_BACKENDS = ("local", "aws")  # local: the ACR emulator + moto S3 on loopback; aws: real AWS
 
@@ -37,10 +39,10 @@ class AcrLimitsSchema:
     requests_per_s bounds them).
     """
 
-    requests_per_s: float = 25.0
-    headroom: float = 0.2
-    max_open_sessions: int = 1000
-    sessions_per_s: Optional[float] = None
+    requests_per_s: float = default_of(AcrLimitsConfig, "requests_per_s")
+    headroom: float = default_of(AcrLimitsConfig, "headroom")
+    max_open_sessions: int = default_of(AcrLimitsConfig, "max_open_sessions")
+    sessions_per_s: Optional[float] = default_of(AcrLimitsConfig, "sessions_per_s")
 
     def __post_init__(self) -> None:
         self.typed()  # AcrLimitsConfig checks the values, naming rollout.acr.limits.<key>
@@ -70,16 +72,16 @@ class AcrConfig:
     agent_cmd: str | None = None
     agent_env: dict[str, str] = field(default_factory=dict)  # extra env vars of the agent processes
     limits: AcrLimitsSchema = field(default_factory=lambda: AcrLimitsSchema())
-    retry_mode: str = "standard"  # botocore retry mode for throttling / 5xx (defaults and checks: AcrClientConfig)
-    max_attempts: int = 8  # botocore total attempts per call
-    runtime_error_attempts: int = 3  # invocations of one session on RuntimeClientError (424)
+    retry_mode: str = default_of(AcrClientConfig, "retry_mode")  # botocore retry mode for throttling / 5xx
+    max_attempts: int = default_of(AcrClientConfig, "max_attempts")  # botocore total attempts per call
+    runtime_error_attempts: int = default_of(AcrClientConfig, "runtime_error_attempts")  # invocations of one session on RuntimeClientError (424)
     # rollout=local only: fault injection rates of the emulator (workers/embedded/faults.py FaultRates
     # fields, e.g. {crash: 0.05, throttle: 0.05, seed: 1}); empty: none
     faults: dict[str, float] = field(default_factory=dict)
     # DeleteObject on each result once read (S3 contract): rollout=local's moto keeps every object
     # in memory (+~22 MB per 100 steps of the default run, scripts/soak.py); on AWS the bucket is
     # the durable record, bounded by the bucket's lifecycle rule
-    delete_results: bool = False
+    delete_results: bool = default_of(RolloutSettings, "delete_results")
 
 
 @dataclass
@@ -111,25 +113,26 @@ class RolloutConfig:
     top_p: float = 1.0
     timeout_s: float = 120.0
     acr: AcrConfig = field(default_factory=AcrConfig)  # the endpoint, its agents, limits and retries
-    poll_initial_s: float = POLL_INITIAL_S  # S3 result (and A2A GetTask) polling backoff (workers/acr/client.py owns the values)
-    poll_max_s: float = POLL_MAX_S
+    # S3 result, A2A GetTask and HTTP `get` polling backoff (first wait, cap; AcrClientConfig owns the values)
+    poll_initial_s: float = default_of(AcrClientConfig, "poll_initial_s")
+    poll_max_s: float = default_of(AcrClientConfig, "poll_max_s")
     max_context_tokens: int = 512
-    contract: str = "s3"  # s3: `_rollout` + result in S3 | http: `_config` + `_agentcore_runtime` records | a2a: one A2A task (setup, rollout)
-    http_background: bool = False  # http: start in the background and poll `get` (else the start answers)
-    push_grace_s: float = 5.0  # s3: once agents POST results, S3 polling starts this long after the invoke
+    contract: str = default_of(RolloutSettings, "contract")  # s3: `_rollout` + result in S3 | http: `_config` + `_agentcore_runtime` records | a2a: one A2A task (setup, rollout)
+    http_background: bool = default_of(RolloutSettings, "http_background")  # http: start in the background and poll `get` (else the start answers)
+    push_grace_s: float = default_of(RolloutSettings, "push_grace_s")  # s3: once agents POST results, S3 polling starts this long after the invoke
     # where rollout actors take posted results: an interface address, "auto" (listen on every
     # interface, tell agents this node's routable address; rollout=aws) or "" (S3 polling only)
     result_host: str = "127.0.0.1"
-    max_consecutive_bad_results: int = 32  # agent results in a row without a usable reward: stop the run
+    max_consecutive_bad_results: int = default_of(RolloutSettings, "max_consecutive_bad_results")  # agent results in a row without a usable reward: stop the run
     redispatch_lost: int = 1  # times a rollout whose actor died runs again (new session id), then failed actor_lost
     # a rollout that ran out of context ends `truncated` (workers/rollout/overflow.py); its tokens train
     # at reward 0 (train_zero), not at all (drop) or with the agent's reward (train_reward)
-    overflow: str = "train_zero"
+    overflow: str = default_of(RolloutSettings, "overflow")
     # contract=a2a: the two phases' own bounds (null: timeout_s) and the cluster-wide cap on rollouts
     # running past their setup (null: none). Containers are the open-session cap
     # (acr.limits.max_open_sessions): more of them than rollout_slots set up ahead (a warm pool)
-    setup_timeout_s: float | None = None
-    run_timeout_s: float | None = None
+    setup_timeout_s: float | None = default_of(RolloutSettings, "setup_timeout_s")
+    run_timeout_s: float | None = default_of(RolloutSettings, "run_timeout_s")
     rollout_slots: int | None = None
     concurrency: str = "fixed"  # fixed: (η + 1)·B groups in flight | adaptive: an AIMD window on the engines' KV cache
     adaptive: AdaptiveConcurrencyConfig = field(default_factory=AdaptiveConcurrencyConfig)
@@ -217,15 +220,13 @@ def rollout_settings(r: RolloutConfig, *, exp_id: str, agent_runtime_arn: str, g
     """What every rollout of the run shares (workers/rollout/worker.py); the agents reach the
     policy through the gateway at `gateway_base_url` as `model_id` (`model.served_name`); `seed`
     (the run's) seeds each rollout's sampling (workers/core/seeds.py)."""
-    from workers.rollout.worker import RolloutSettings
-
     return RolloutSettings(
         exp_id=exp_id, agent_runtime_arn=agent_runtime_arn, qualifier=r.acr.qualifier, s3_bucket=r.acr.s3_bucket,
         gateway_base_url=gateway_base_url, model_id=model_id, max_tokens=r.max_tokens,
         temperature=r.temperature, top_p=r.top_p, timeout_s=r.timeout_s, max_context_tokens=r.max_context_tokens,
         contract=r.contract, http_background=r.http_background, push_grace_s=r.push_grace_s,  # type: ignore[arg-type]
         max_consecutive_bad_results=r.max_consecutive_bad_results, seed=seed,
-        a2a_poll_initial_s=r.poll_initial_s, a2a_poll_max_s=r.poll_max_s,
+        poll_initial_s=r.poll_initial_s, poll_max_s=r.poll_max_s,
         setup_timeout_s=r.setup_timeout_s, run_timeout_s=r.run_timeout_s,
         delete_results=r.acr.delete_results, overflow=r.overflow)  # type: ignore[arg-type]
 
@@ -254,7 +255,6 @@ def local_fault_rates(acr: AcrConfig) -> Any:
 def acr_client_config(r: RolloutConfig) -> AcrClientConfig:
     """botocore, retry and S3-polling settings of each rollout actor's ACR client; an A2A runtime
     gets the `A2A-Version` header on every invocation."""
-    from workers.acr.client import AcrClientConfig
     from workers.rollout.a2a import A2A_VERSION
 
     acr = r.acr

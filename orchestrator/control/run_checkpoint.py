@@ -33,6 +33,7 @@ from orchestrator.loop.common import LoopPosition
 from orchestrator.loop.prompts import PromptCycle, PromptCycleState
 from orchestrator.loop.sampler import DifficultySampler, SamplerSettings
 from orchestrator.loop.staleness import AdmissionState
+from workers.trainer.client import TrainerRankClient
 
 CONSUMED_FILENAME = "consumed_prompts.jsonl"
 
@@ -137,8 +138,9 @@ class RunCheckpointer:
                          prompts=prompt_state, admission=AdmissionState(pos.policy_version, pos.trained_groups),
                          pending_rows=(*pos.pending_rows, *undrawn), counters={**acr, **counters})
         with stage_checkpoint(self._run_dir, pos.step, keep_last=self._keep_last) as stage:
-            await self._trainer.save_hf.remote(str(stage.model_dir))
-            await self._trainer.save_optimizer.remote(str(stage.optimizer_path))
+            trainer = TrainerRankClient(self._trainer)
+            await trainer.save_hf(str(stage.model_dir))
+            await trainer.save_optimizer(str(stage.optimizer_path))
             self.saved.append(stage.commit(state))
 
 

@@ -26,12 +26,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from workers.core.calls import actor_died, call
+from workers.core.calls import PartClient, actor_died
+from workers.gateway.client import GatewayClient
+from workers.inference.client import ReplicaClient
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class ReplicaAdmission(Protocol):
+    """The weight sync as the supervisor sees it (workers/weight_sync/file.py `CpuWeightSync.admit`)."""
+
+    async def admit(self, index: int, replica: Any, *, loaded_version: int) -> None: ...
 
 
 class ReplicasExhausted(RuntimeError):
@@ -47,7 +55,7 @@ class ReplicaSupervisor:
     over the run; check_every_s: seconds between health checks.
     """
 
-    def __init__(self, replicas: list[Any], *, spawn: Callable[[int], Any], weights: Any, gateway: Any,
+    def __init__(self, replicas: list[Any], *, spawn: Callable[[int], Any], weights: ReplicaAdmission, gateway: Any,
                  loaded_version: int, max_restarts: int, check_every_s: float) -> None:
         if max_restarts < 0 or check_every_s <= 0:
             raise ValueError(f"need max_restarts >= 0 and check_every_s > 0, got {max_restarts}, {check_every_s}")
@@ -69,7 +77,7 @@ class ReplicaSupervisor:
     async def check(self) -> list[int]:
         """Replace every replica found dead now; returns their indices. Raises ReplicasExhausted,
         or what a replica's health call raised other than its death."""
-        got = await asyncio.gather(*(call(r, "policy_version") for r in self._replicas), return_exceptions=True)
+        got = await asyncio.gather(*(ReplicaClient(r).policy_version() for r in self._replicas), return_exceptions=True)
         dead = []
         for i, g in enumerate(got):
             if isinstance(g, BaseException):
@@ -87,11 +95,12 @@ class ReplicaSupervisor:
         self.restarts += 1
         log.warning("inference replica %d died; starting a replacement (%d/%d)", i, self.restarts, self._max_restarts)
         new = self._spawn(i)
-        await call(new, "start")
-        await call(self._weights, "admit", i, new, loaded_version=self._loaded_version)
+        await ReplicaClient(new).start()
+        await self._weights.admit(i, new, loaded_version=self._loaded_version)
         self._replicas[i] = new
-        await call(self._gateway, "set_engines", list(self._replicas))
-        log.warning("inference replica %d replaced; serving policy version %d", i, await call(new, "policy_version"))
+        await GatewayClient(self._gateway).set_engines(self._replicas)
+        log.warning("inference replica %d replaced; serving policy version %d", i,
+                    await ReplicaClient(new).policy_version())
 
     async def metrics(self) -> dict[str, float]:
         """`inference/restarts`: replacements so far (a step metric)."""
@@ -164,19 +173,13 @@ class ActorDirectory:
         key = tuple(id(h) for h in named.values())
         if key == self._seen:
             return {}
-        pids = await asyncio.gather(*(call(h, "__ray_call__", _pid) for h in named.values()), return_exceptions=True)
+        pids = await asyncio.gather(*(PartClient(h).pid() for h in named.values()), return_exceptions=True)
         self._pids = {n: p for n, p in zip(named, pids) if isinstance(p, int)}
         tmp = self._path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self._pids, indent=2) + "\n")
         os.replace(tmp, self._path)
         self._seen = key
         return {}
-
-
-def _pid(_: Any) -> int:
-    import os
-
-    return os.getpid()
 
 
 class TrainerLost(RuntimeError):
@@ -210,7 +213,7 @@ async def explain_trainer_loss(exc: BaseException, ranks: Sequence[Any], run_dir
 
 
 async def _dead_rank(ranks: Sequence[Any]) -> int | None:
-    pings = [asyncio.ensure_future(call(r, "__ray_call__", _noop)) for r in ranks]
+    pings = [asyncio.ensure_future(PartClient(r).ping()) for r in ranks]
     try:
         await asyncio.wait(pings, timeout=PING_TIMEOUT_S)
         for i, p in enumerate(pings):
@@ -220,7 +223,3 @@ async def _dead_rank(ranks: Sequence[Any]) -> int | None:
     finally:
         for p in pings:
             p.cancel()
-
-
-def _noop(_: Any) -> None:
-    return None

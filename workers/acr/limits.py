@@ -50,7 +50,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
-from workers.core.calls import call
+from workers.core.calls import PartClient, invoke
 
 log = logging.getLogger(__name__)
 
@@ -508,9 +508,9 @@ async def start_limit_actors(cfg: AcrLimitsConfig, *, suffix: str = "") -> Limit
                      if cfg.rollout_slots else None,
                      named(RateLimiterService, SESSION_RATE_ACTOR_NAME).remote(cfg.sessions_per_s, 1)
                      if cfg.sessions_per_s else None)
-    r, s = await asyncio.gather(h.rate.stats.remote(), h.sessions.stats.remote())
-    ro = (await h.rollouts.stats.remote()).configured if h.rollouts is not None else None  # steered: its limit moves
-    sr = (await h.session_rate.stats.remote()).limit if h.session_rate is not None else None
+    r, s = await limit_stats(h)
+    ro = (await SessionCapClient(h.rollouts).stats()).configured if h.rollouts is not None else None  # steered: its limit moves
+    sr = (await RateLimiterClient(h.session_rate).stats()).limit if h.session_rate is not None else None
     if (r.limit, r.burst, s.limit, ro, sr) != (cfg.bucket_rate_per_s, cfg.bucket_burst, cfg.max_open_sessions,
                                                cfg.rollout_slots, cfg.sessions_per_s):
         raise ValueError(f"limit actors '{RATE_ACTOR_NAME + suffix}'/'{SESSIONS_ACTOR_NAME + suffix}' already run "
@@ -524,15 +524,45 @@ def limit_clients(handles: LimitHandles, owner: str = "") -> LimitClients:
     event loop that will use them. owner: the name the session cap counts this process's slots
     under (a rollout actor's name: `release_owner` frees them if it dies)."""
     def slots(cap: Any) -> SessionSlots:
-        return SessionSlots(functools.partial(call, cap, "acquire", owner=owner),
-                            functools.partial(call, cap, "release", owner=owner))
+        c = SessionCapClient(cap)
+        return SessionSlots(functools.partial(c.acquire, owner=owner), functools.partial(c.release, owner=owner))
 
-    return LimitClients(Coalescer(functools.partial(call, handles.rate, "acquire")), slots(handles.sessions),
+    return LimitClients(Coalescer(RateLimiterClient(handles.rate).acquire), slots(handles.sessions),
                         slots(handles.rollouts) if handles.rollouts is not None else None,
-                        Coalescer(functools.partial(call, handles.session_rate, "acquire"))
+                        Coalescer(RateLimiterClient(handles.session_rate).acquire)
                         if handles.session_rate is not None else None)
 
 
 async def limit_stats(handles: LimitHandles) -> tuple[LimitStats, LimitStats]:
     """(rate, sessions) stats of the two services (actor handles or local services)."""
-    return await call(handles.rate, "stats"), await call(handles.sessions, "stats")
+    return await RateLimiterClient(handles.rate).stats(), await SessionCapClient(handles.sessions).stats()
+
+
+class RateLimiterClient(PartClient):
+    """A RateLimiterService (actor handle or local object) as its users call it."""
+
+    async def acquire(self, n: int) -> int:
+        return await invoke(self.target.acquire, n)
+
+    async def stats(self) -> LimitStats:
+        return await invoke(self.target.stats)
+
+
+class SessionCapClient(PartClient):
+    """A SessionCapService (actor handle or local object) as its users call it."""
+
+    async def acquire(self, n: int, owner: str = "", priority: float = 0.0) -> int:
+        return await invoke(self.target.acquire, n, owner=owner, priority=priority)
+
+    async def release(self, n: int, owner: str = "") -> None:
+        await invoke(self.target.release, n, owner=owner)
+
+    async def set_capacity(self, n: int) -> None:
+        await invoke(self.target.set_capacity, n)
+
+    async def release_owner(self, owner: str) -> int:
+        """Give back every slot `owner` (a dead rollout actor's name) held; returns how many."""
+        return await invoke(self.target.release_owner, owner)
+
+    async def stats(self) -> LimitStats:
+        return await invoke(self.target.stats)

@@ -19,4 +19,5 @@ Modules (one job each; import the one you need, nothing heavy is imported here):
   config.py         GatewayConfig
   app.py            aiohttp app factory: routes, error middleware
   server.py         GatewayServer: the object rollout workers call (wrapped as an async Ray actor)
+  client.py         GatewayClient: the typed adapter the driver calls the gateway through
 """

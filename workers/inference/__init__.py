@@ -2,6 +2,7 @@
 
 Modules:
   worker.py         InferenceWorker: generate, prompt log-probs, weight updates, sleep / wake-up
+  client.py         ReplicaClient: the one typed adapter the driver calls a replica through
   settings.py       InferenceSettings, IN_FLIGHT_MODES, EngineInfo, SleepReport (no vLLM, no torch)
   engine.py         building the vLLM engine (start_engine), the KV-cache usage hook
   vllm_requests.py  requests and finished outputs in vLLM's types

@@ -3,6 +3,8 @@
 Modules:
   contract.py  the two agent contracts as pure functions: payloads out, rewards in
   results.py   fast completion: agents POST their result to the worker that waits for it
+  settings.py  RolloutSettings: the one default and check of each value the rollout config sets
   worker.py    RolloutWorker: invoke, wait for the result, stop the session, collect the capture
   pool.py      RolloutActor (an async Ray actor per worker) and RolloutPool
+  clients.py   typed adapters: rollout actors, the gateway's sessions, the sample store
 """

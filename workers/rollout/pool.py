@@ -32,14 +32,16 @@ import asyncio
 import logging
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from workers.acr.journal import JournalWriter
-from workers.core.calls import actor_died, call, is_actor_method
+from workers.acr.limits import SessionCapClient
+from workers.core.calls import actor_died, is_actor_method
 from workers.core.netaddr import listen_and_advertise
-from workers.core.types import RolloutRequest, Sample, SessionCapture
+from workers.core.types import RolloutRequest, Sample
+from workers.rollout.clients import GatewaySessionsClient, RolloutActorClient, SampleStoreClient
 from workers.rollout.contract import new_session_id
 from workers.rollout.recovery import ACTOR_LOST, Attempt, plan_lost
 from workers.rollout.stops import LostStop
@@ -106,7 +108,7 @@ class RolloutActor:
             url = await self._server.start()
             advertise = opts.result_advertise_host or advertise or listen
             url = url.replace(f"//{listen}:", f"//{advertise}:", 1)
-        gateway = NoGateway() if self._gateway_handle is None else GatewayActorClient(self._gateway_handle)
+        gateway = NoGateway() if self._gateway_handle is None else GatewaySessionsClient(self._gateway_handle)
         return RolloutWorker(self._settings, gateway, self._acr,
                              _sink_for(self._buffer_handle), slots=clients.sessions if clients else None,
                              rollout_slots=clients.rollouts if clients else None,
@@ -169,37 +171,10 @@ class RolloutActor:
         return still_open
 
 
-class GatewayActorClient:
-    """GatewaySessions over the gateway: its Ray actor handle or a local GatewayServer."""
-
-    def __init__(self, handle: Any) -> None:
-        self._h = handle
-
-    async def open_session(self, session_id: str, max_context_tokens: int | None = None,
-                           sampling: dict | None = None) -> str:
-        return await call(self._h, "open_session", session_id, max_context_tokens, sampling)
-
-    async def close_session(self, session_id: str) -> SessionCapture:
-        return await call(self._h, "close_session", session_id)
-
-
-class _ActorSink:
-    """SampleSink over any actor handle with a `put(samples, partition)` method."""
-
-    def __init__(self, handle: Any) -> None:
-        self._h = handle
-
-    async def put(self, samples: list[Sample], partition: str) -> None:
-        await call(self._h, "put", samples, partition)
-
-    async def sample_infos(self, partition: str) -> list:
-        return await call(self._h, "sample_infos", partition)
-
-
 def _sink_for(handle: Any):
     """The trajectory buffer for a BufferHandle; an actor with a `put` actor method is used as is."""
     if is_actor_method(getattr(handle, "put", None)):
-        return _ActorSink(handle)
+        return SampleStoreClient(handle)
     from workers.buffer.store import TrajectoryBuffer
 
     return TrajectoryBuffer.connect(handle)
@@ -259,7 +234,7 @@ class RolloutPool:
 
     async def prepare(self) -> None:
         """Have every actor build its worker now (`RolloutActor.prepare`); optional."""
-        await asyncio.gather(*(call(a, "prepare") for a in self._actors))
+        await asyncio.gather(*(RolloutActorClient(a).prepare() for a in self._actors))
 
     async def run_all(self, reqs: list[RolloutRequest], partition: str) -> list[RolloutOutcome]:
         """Run every request; outcomes in request order. Raises what an actor raised (a lost actor
@@ -287,7 +262,7 @@ class RolloutPool:
         if self._journal is not None:
             self._journal.record(a.session_id for a in attempts)
         try:
-            outcomes = await call(actor, "run_many", reqs, partition)
+            outcomes = await RolloutActorClient(actor).run_many(reqs, partition)
         except Exception as exc:
             if self._recovery is None or not actor_died(exc):
                 raise
@@ -302,16 +277,17 @@ class RolloutPool:
         assert rec is not None
         name = await self._replace(dead)
         log.warning("rollout actor %s died (%s); settling its %d rollouts", name, type(exc).__name__, len(attempts))
-        infos = {i.session_id: i for i in await call(rec.store, "sample_infos", partition)}
+        store = SampleStoreClient(rec.store)
+        infos = {i.session_id: i for i in await store.sample_infos(partition)}
         plan = plan_lost(attempts, infos.keys(), max_redispatch=rec.max_redispatch,
                          new_session_id=lambda r: new_session_id(rec.exp_id, r.group_id, r.sample_index))
         await self._stop_lost(list(plan.to_stop))
         if plan.failed:
             error = f"{ACTOR_LOST}: rollout actor {name} died running this rollout"
-            await call(rec.store, "put", [Sample(session_id=a.session_id, group_id=a.req.group_id,
-                                                 input_id=a.req.input_id, sample_index=a.req.sample_index, rows=(),
-                                                 reward=None, status="failed", latency_s=0.0, error=error)
-                                          for a in plan.failed], partition)
+            await store.put([Sample(session_id=a.session_id, group_id=a.req.group_id, input_id=a.req.input_id,
+                                    sample_index=a.req.sample_index, rows=(), reward=None, status="failed",
+                                    latency_s=0.0, error=error)
+                             for a in plan.failed], partition)
             self.counts["rollout/failed"] += len(plan.failed)
             self.counts[f"rollout/failed/{ACTOR_LOST}"] += len(plan.failed)
         self.counts["rollout/redispatched"] += len(plan.redispatch)
@@ -341,16 +317,16 @@ class RolloutPool:
         self._actors[i], self._names[i] = rec.spawn()  # no await before this: one replacement per death
         self.counts["rollout/actors_lost"] += 1
         if rec.sessions_cap is not None and name:
-            self.counts["rollout/slots_released"] += await call(rec.sessions_cap, "release_owner", name)
+            self.counts["rollout/slots_released"] += await SessionCapClient(rec.sessions_cap).release_owner(name)
         if rec.rollouts_cap is not None and name:
-            self.counts["rollout/rollout_slots_released"] += await call(rec.rollouts_cap, "release_owner", name)
+            self.counts["rollout/rollout_slots_released"] += await SessionCapClient(rec.rollouts_cap).release_owner(name)
         return name
 
     async def _stop_lost(self, session_ids: list[str]) -> None:
         if not session_ids:
             return
         try:
-            ends = await call(self._actors[0], "stop_lost_sessions", session_ids)
+            ends = await RolloutActorClient(self._actors[0]).stop_lost_sessions(session_ids)
         except Exception as exc:  # noqa: BLE001 - visible; kept in the journal (the reaper or the next start stops them)
             log.warning("stopping %d sessions of a lost rollout actor failed: %s", len(session_ids), exc)
             self.counts["acr/stop_failed"] += len(session_ids)
@@ -364,7 +340,7 @@ class RolloutPool:
         return dict(zip(self._names, self._actors))
 
     async def acr_stats(self) -> dict[str, int]:
-        return _sum(await self._each("acr_stats"))
+        return _sum(await self._each(lambda a: a.acr_stats()))
 
     async def resize_rollout_slots(self, n: int) -> None:
         """Set the cluster-wide rollout-slot cap to `n` (orchestrator/loop/slot_steering.py).
@@ -372,14 +348,14 @@ class RolloutPool:
         cap = self._recovery.rollouts_cap if self._recovery else None
         if cap is None:
             raise RuntimeError("this rollout pool has no rollout-slot cap (rollout.rollout_slots)")
-        await call(cap, "set_capacity", n)
+        await SessionCapClient(cap).set_capacity(n)
 
     async def slot_stats(self) -> dict[str, Any]:
         """The cluster-wide slot caps' `LimitStats` (workers/acr/limits.py): "container" (the
         open-session cap) and, under `rollout.rollout_slots`, "rollout"; {} for a pool without caps."""
         rec = self._recovery
         caps = {"container": rec.sessions_cap if rec else None, "rollout": rec.rollouts_cap if rec else None}
-        got = await asyncio.gather(*(call(c, "stats") for c in caps.values() if c is not None))
+        got = await asyncio.gather(*(SessionCapClient(c).stats() for c in caps.values() if c is not None))
         return dict(zip([k for k, c in caps.items() if c is not None], got))
 
     async def acr_counts(self) -> dict[str, int]:
@@ -394,10 +370,10 @@ class RolloutPool:
     async def rollout_counts(self) -> dict[str, int]:
         """Summed `rollout/...` counts of every live actor (terminal states and failure reasons),
         plus the pool's own: actors lost, rollouts re-dispatched or failed `actor_lost`."""
-        return _sum([*await self._each("rollout_counts"), dict(self.counts)])
+        return _sum([*await self._each(lambda a: a.rollout_counts()), dict(self.counts)])
 
-    async def _each(self, method: str) -> list[dict[str, int]]:
-        got = await asyncio.gather(*(call(a, method) for a in self._actors), return_exceptions=True)
+    async def _each(self, ask: Callable[[RolloutActorClient], Awaitable[dict[str, int]]]) -> list[dict[str, int]]:
+        got = await asyncio.gather(*(ask(RolloutActorClient(a)) for a in self._actors), return_exceptions=True)
         for g in got:
             if isinstance(g, BaseException) and not actor_died(g):
                 raise g
@@ -406,7 +382,7 @@ class RolloutPool:
     async def shutdown(self) -> None:
         """Shut every actor down (each stops the sessions of its cancelled rollouts). When all of
         them answered, the journal forgets every session of this run but those still open."""
-        got = await asyncio.gather(*(call(a, "shutdown") for a in self._actors), return_exceptions=True)
+        got = await asyncio.gather(*(RolloutActorClient(a).shutdown() for a in self._actors), return_exceptions=True)
         if self._journal is not None and not any(isinstance(g, BaseException) for g in got):
             self._journal.forget_all_but(s for g in got for s in (g or ()))
 

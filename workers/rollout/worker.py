@@ -37,7 +37,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Literal, Protocol, get_args
+from typing import Literal, Protocol
 
 import tenacity
 
@@ -47,7 +47,6 @@ from workers.rollout.contract import (
     RESERVED_KEYS,
     BadResult,
     BadResultStreak,
-    Contract,
     ContractError,
     check_row,
     http_payload,
@@ -63,93 +62,15 @@ from workers.rollout.contract import (
 from workers.rollout import a2a
 from workers.rollout.failures import FailReason, fail_reason, reaching as _reaching
 from workers.rollout.lifecycle import Bounds, Spans, run_bounded
-from workers.rollout.overflow import OVERFLOW_POLICIES, OverflowPolicy, truncation
+from workers.rollout.overflow import truncation
 from workers.rollout.results import ResultBoard
+from workers.rollout.settings import RolloutSettings
 from workers.rollout.stops import LostStop, SessionStops
 
 __all__ = ["RESERVED_KEYS", "ContractError", "BadResult", "NoGateway", "RolloutSettings", "RolloutOutcome", "RolloutWorker",
            "build_payload", "new_session_id", "parse_reward", "result_key", "FailReason"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RolloutSettings:
-    """What every rollout of a run shares. Times in seconds.
-
-    contract: "s3" (`_rollout`, result in S3) or "http" (`_config` + `_agentcore_runtime`).
-    http_background: HTTP contract: start in the background and poll `get` (backoff
-        `http_poll_initial_s` doubling to `http_poll_max_s`); False: the start answers the result.
-    push_grace_s: with a result board, once this worker has received one posted result (its
-        agents POST to `result_url`), S3 polling of later rollouts starts this long after the
-        invoke: a posted result wins without any S3 request, and S3 stays the durable fallback.
-        Until then (agents that only write S3) polling starts at once.
-    max_consecutive_bad_results: bad agent results in a row that stop the run (ContractError).
-    a2a_poll_initial_s, a2a_poll_max_s: A2A contract: GetTask polling backoff (first wait, cap;
-        rollout.poll_initial_s / poll_max_s). Every poll is one ACR request under the rate limit.
-    overflow: what a rollout that ran out of context trains on (workers/rollout/overflow.py):
-        train_zero (reward 0), drop (not trained) or train_reward (the agent's reward).
-    seed: the run seed; each session samples with `session_seed(seed, input_id, group_id,
-        sample_index)` (workers/core/seeds.py), so a resumed run or a re-dispatched rollout samples
-        what the uninterrupted run would have; None: unseeded.
-    """
-
-    exp_id: str
-    agent_runtime_arn: str
-    qualifier: str | None
-    s3_bucket: str
-    gateway_base_url: str
-    model_id: str
-    max_tokens: int
-    temperature: float
-    top_p: float
-    timeout_s: float
-    max_context_tokens: int
-    contract: Contract = "s3"
-    http_background: bool = False
-    http_poll_initial_s: float = 0.05
-    http_poll_max_s: float = 1.0
-    a2a_poll_initial_s: float = 0.05
-    a2a_poll_max_s: float = 5.0
-    push_grace_s: float = 5.0
-    max_consecutive_bad_results: int = 32
-    seed: int | None = None
-    delete_results: bool = False
-    setup_timeout_s: float | None = None  # a2a: the setup phase's bound (None: timeout_s)
-    run_timeout_s: float | None = None  # a2a: the run phase's bound (None: timeout_s)
-    overflow: OverflowPolicy = "train_zero"
-
-    def __post_init__(self) -> None:
-        """The one check of these values; each message starts with the config key that sets it
-        (orchestrator/config/rollout.py turns the ValueError into a ConfigError)."""
-        if self.overflow not in OVERFLOW_POLICIES:
-            raise ValueError(f"rollout.overflow must be one of {list(OVERFLOW_POLICIES)} (what a rollout that ran out "
-                             f"of context trains on), got {self.overflow!r}")
-        if self.contract not in get_args(Contract):
-            raise ValueError(f"rollout.contract must be one of {list(get_args(Contract))}, got {self.contract!r}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"rollout.timeout_s must be > 0, got {self.timeout_s}")
-        for key in ("setup_timeout_s", "run_timeout_s"):
-            value = getattr(self, key)
-            if value is not None and (self.contract != "a2a" or value <= 0):
-                raise ValueError(f"rollout.{key} must be > 0 or null, and applies to rollout.contract=a2a only "
-                                 f"(the setup/run split), got {value} with contract {self.contract!r}")
-        if self.push_grace_s < 0:
-            raise ValueError(f"rollout.push_grace_s must be >= 0, got {self.push_grace_s}")
-        if self.max_consecutive_bad_results < 1:
-            raise ValueError(f"rollout.max_consecutive_bad_results must be >= 1, got {self.max_consecutive_bad_results}")
-        if not 0 < self.http_poll_initial_s <= self.http_poll_max_s:
-            raise ValueError(f"need 0 < http_poll_initial_s <= http_poll_max_s, got {self.http_poll_initial_s}, "
-                             f"{self.http_poll_max_s}")
-        if self.temperature <= 0:
-            raise ValueError(f"rollout.temperature must be > 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"rollout.max_tokens must be >= 1, got {self.max_tokens}")
-        if self.max_context_tokens <= self.max_tokens:
-            raise ValueError(f"rollout.max_context_tokens must be > rollout.max_tokens={self.max_tokens} "
-                             f"(prompt + answer must fit), got {self.max_context_tokens}")
 
 
 @dataclass(frozen=True)
@@ -433,7 +354,7 @@ class RolloutWorker:
             with _reaching("acr_unavailable"):
                 return await self._acr.invoke(s.agent_runtime_arn, sid, body, s.qualifier)
 
-        session = a2a.A2ASession(call, sid, poll_initial_s=s.a2a_poll_initial_s, poll_max_s=s.a2a_poll_max_s)
+        session = a2a.A2ASession(call, sid, poll_initial_s=s.poll_initial_s, poll_max_s=s.poll_max_s)
         try:
             dump = await run_bounded(session, task, self._bounds, spans, self._clock, priority=req.group_id)
         finally:
@@ -516,8 +437,8 @@ class RolloutWorker:
         if record.status == "in_progress":  # background start: poll `get` with bounded backoff
             poll = tenacity.AsyncRetrying(
                 retry=tenacity.retry_if_result(lambda r: r.status == "in_progress"),
-                wait=tenacity.wait_exponential_jitter(initial=s.http_poll_initial_s, max=s.http_poll_max_s,
-                                                      jitter=s.http_poll_initial_s),
+                wait=tenacity.wait_exponential_jitter(initial=s.poll_initial_s, max=s.poll_max_s,
+                                                      jitter=s.poll_initial_s),
                 stop=tenacity.stop_never,  # bounded by the rollout timeout around this call
             )
             record = await poll(call, "get")

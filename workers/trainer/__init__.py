@@ -14,5 +14,6 @@ One shell, two engines, one protocol:
   scale.py        token-budget micro-batches, bf16 mixed precision, activation checkpointing
   shard.py        split a mini-batch across ranks by whole groups, merge the ranks' metrics
   group.py        TrainerGroup and start_trainer_ranks
+  client.py       TrainerRankClient: the typed adapter for checkpoint and weight-sync calls
 Rendezvous of the ranks: workers/weight_sync/rendezvous.py.
 """

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from workers.core.algorithms.batch import TrainBatch
-from workers.core.calls import actor_died, call, is_actor_method
+from workers.core.calls import PartClient, actor_died, call, is_actor_method
 from workers.trainer.shard import merge_rank_metrics, shard_batch
 from workers.weight_sync.rendezvous import StoreAddress, host_store, release_store
 
@@ -123,7 +123,7 @@ class TrainerGroup:
         actors = [r for r in self.ranks if is_actor_method(getattr(r, "__ray_call__", None))]
         if len(actors) != self.world_size:
             return None
-        pings = [asyncio.ensure_future(call(r, "__ray_call__", _noop)) for r in self.ranks]
+        pings = [asyncio.ensure_future(PartClient(r).ping()) for r in self.ranks]
         await asyncio.wait(pings, timeout=PING_TIMEOUT_S)
         dead = next((i for i, p in enumerate(pings) if p.done() and not p.cancelled() and p.exception() is not None
                      and actor_died(p.exception())), None)

@@ -4,8 +4,9 @@
 it. Three classes implement it: `TrainerWorker` (HF FSDP2) and `VerlTrainerWorker` (verl's engine),
 both a `TrainerShell` (workers/trainer/shell.py) around an engine, and `TrainerGroup`
 (workers/trainer/group.py), which drives N ranks as one. A rank answers directly; a Ray actor
-handle or a `TrainerGroup` answers with an awaitable of the same value, so callers go through
-`workers.core.calls.call(trainer, "update", batch)`, which awaits either. `TRAINER_METHODS` names
+handle or a `TrainerGroup` answers with an awaitable of the same value, so callers go through a
+typed adapter that awaits either (workers/trainer/client.py `TrainerRankClient`, over
+workers/core/calls.py `invoke`). `TRAINER_METHODS` names
 the methods; tests/test_trainer_group.py checks that all three classes take the same arguments.
 
 `TrainerEngine` is the model-specific part behind the shell: forwards, the training step, the

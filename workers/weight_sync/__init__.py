@@ -1,6 +1,7 @@
 """Trainer -> inference weight transfer, versioned: one safetensors file, or a bucketed broadcast.
 
 Modules:
+  parts.py      the typed adapters of the trainer and the replicas as the weight sync calls them
   file.py       the file backend: the trainer writes one safetensors file, every replica reloads it
   plan.py       bucket planner of the broadcast (pure)
   transport.py  byte movers of the broadcast: /dev/shm, CUDA IPC, gloo, NCCL

@@ -23,14 +23,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from workers.core.calls import call
 from workers.weight_sync.file import CpuWeightSync, WeightSyncReport
+from workers.weight_sync.parts import WeightReceiverClient, WeightSenderClient
 
 
 class AdapterWeightSync(CpuWeightSync):
     """Adapter-only pushes to replicas with LoRA; see the module docstring."""
-
-    LOAD_METHOD = "load_adapter"
 
     def __init__(self, replicas: Sequence[Any], *, initial_version: int = 0, trainer: Any = None,
                  weights_dir: Path | None = None, keep: int = 2) -> None:
@@ -45,7 +43,7 @@ class AdapterWeightSync(CpuWeightSync):
     async def open_adapter(self, directory: str) -> None:
         """Serve the adapter at `directory` as the current version on every replica (a resumed
         run's checkpointed adapter, before the loop starts). Raises what a replica raised."""
-        await asyncio.gather(*(call(r, self.LOAD_METHOD, directory, self._version, initial=True)
+        await asyncio.gather(*(WeightReceiverClient(r).load_adapter(directory, self._version, initial=True)
                                for r in self._replicas))
         self._source = directory
 
@@ -54,7 +52,7 @@ class AdapterWeightSync(CpuWeightSync):
         first serves the current adapter, also when that is `loaded_version`'s own (a resumed
         run's checkpointed adapter); then as the file backend's `admit`."""
         if self._source is not None and self._version == loaded_version:
-            await call(replica, self.LOAD_METHOD, self._source, self._version, initial=True)
+            await WeightReceiverClient(replica).load_adapter(self._source, self._version, initial=True)
         await super().admit(index, replica, loaded_version=loaded_version)
 
     async def sync(self, version: int) -> WeightSyncReport:
@@ -62,9 +60,13 @@ class AdapterWeightSync(CpuWeightSync):
         to every live replica, then remove directories older than the last `keep`. Raises
         RuntimeError without a trainer and weights_dir, and what `push` raises."""
         weights_dir = self._export_dir(version)
-        path = str(await call(self._trainer, "export_adapter", str(weights_dir / f"adapter-v{version}")))
+        path = str(await WeightSenderClient(self._trainer).export_adapter(str(weights_dir / f"adapter-v{version}")))
         report = await self.push(path, version)
         self._dirs.append(Path(path))
         while len(self._dirs) > self._keep:
             shutil.rmtree(self._dirs.pop(0), ignore_errors=True)
         return report
+
+    async def _load(self, replica: Any, source: str, version: int) -> None:
+        """Make one replica serve the adapter directory `source` as `version`."""
+        await WeightReceiverClient(replica).load_adapter(source, version)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from workers.core.calls import call
+from workers.weight_sync.parts import WeightReceiverClient, WeightSenderClient
 from workers.weight_sync.file import WeightSyncReport
 from workers.weight_sync.plan import MIB, BucketPlan, TensorSpec, dtype_from_name, flatten_into, plan_buckets, unflatten
 from workers.weight_sync.rendezvous import host_store
@@ -192,7 +192,9 @@ class BroadcastWeightSync:
         if info.world_size != 1 + sum(widths):
             raise ValueError(f"group world_size {info.world_size} != 1 + {sum(widths)} receiver ranks")
         self._first_ranks = [1 + sum(widths[:i]) for i in range(len(widths))]
-        self._senders, self._receivers, self._info = list(senders), list(receivers), info
+        self._senders = [WeightSenderClient(s) for s in senders]
+        self._receivers = [WeightReceiverClient(r) for r in receivers]
+        self._info = info
         self._version = initial_version
         self._connected = False
         self.last_send: SendReport | None = None
@@ -202,8 +204,8 @@ class BroadcastWeightSync:
 
     async def connect(self) -> None:
         """Form the group: trainer ranks and receivers join concurrently (rendezvous)."""
-        calls = [call(s, "open_weight_group", self._info) for s in self._senders]
-        calls += [call(r, "join_weight_group", self._info, rank) for r, rank in zip(self._receivers, self._first_ranks)]
+        calls = [s.open_weight_group(self._info) for s in self._senders]
+        calls += [r.join_weight_group(self._info, rank) for r, rank in zip(self._receivers, self._first_ranks)]
         await self._gather(calls, what="joining the weight-sync group")
         self._connected = True
 
@@ -217,8 +219,8 @@ class BroadcastWeightSync:
         if not self._connected:
             await self.connect()
         t0 = time.perf_counter()
-        calls = [call(s, "broadcast_weights", version) for s in self._senders]
-        calls += [call(r, "receive_weights", version) for r in self._receivers]
+        calls = [s.broadcast_weights(version) for s in self._senders]
+        calls += [r.receive_weights(version) for r in self._receivers]
         results = await self._gather(calls, what=f"weight sync to version {version}")
         self.last_send = next((r for r in results[: len(self._senders)] if isinstance(r, SendReport)), None)
         self._version = version

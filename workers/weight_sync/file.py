@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from workers.core.calls import actor_died, call
+from workers.core.calls import actor_died
+from workers.weight_sync.parts import WeightReceiverClient, WeightSenderClient
 
 
 @dataclass(frozen=True)
@@ -82,10 +83,8 @@ class WeightReceiver(Protocol):
 
 class CpuWeightSync:
     """Pushes a safetensors file written by the trainer to every replica; see the module docstring.
-    `LOAD_METHOD`: the replica method that loads a pushed source (`update_weights(path, version)`;
-    the LoRA adapter sync, workers/weight_sync/adapter.py, pushes directories to `load_adapter`)."""
-
-    LOAD_METHOD = "update_weights"
+    `_load` loads a pushed source into one replica (`update_weights(path, version)`; the LoRA
+    adapter sync, workers/weight_sync/adapter.py, pushes directories to `load_adapter`)."""
 
     def __init__(self, replicas: Sequence[Any], *, initial_version: int = 0, trainer: Any = None,
                  weights_dir: Path | None = None) -> None:
@@ -131,7 +130,7 @@ class CpuWeightSync:
         replica, then remove the superseded file. Raises RuntimeError without a trainer and
         weights_dir, and what `push` raises (the new file is kept then, the old one too)."""
         weights_dir = self._export_dir(version)
-        path = str(await call(self._trainer, "export_weights", str(weights_dir / f"policy-v{version}.safetensors")))
+        path = str(await WeightSenderClient(self._trainer).export_weights(str(weights_dir / f"policy-v{version}.safetensors")))
         previous = self._source
         report = await self.push(path, version)
         if previous is not None and previous != path and Path(previous).parent == self._weights_dir:
@@ -151,7 +150,7 @@ class CpuWeightSync:
             t0 = time.perf_counter()
             live = [i for i in range(len(self._replicas)) if i not in self._lost]
             results = await asyncio.gather(
-                *(call(self._replicas[i], self.LOAD_METHOD, source, version) for i in live), return_exceptions=True
+                *(self._load(self._replicas[i], source, version) for i in live), return_exceptions=True
             )
             self._lost.update(i for i, r in zip(live, results) if isinstance(r, BaseException) and actor_died(r))
             failed = [(i, r) for i, r in zip(live, results) if isinstance(r, BaseException) and i not in self._lost]
@@ -175,6 +174,10 @@ class CpuWeightSync:
             if self._version > loaded_version:
                 if self._source is None:
                     raise RuntimeError(f"no weights file of version {self._version} to load into replica {index}")
-                await call(replica, self.LOAD_METHOD, self._source, self._version)
+                await self._load(replica, self._source, self._version)
             self._replicas[index] = replica
             self._lost.discard(index)
+
+    async def _load(self, replica: Any, source: str, version: int) -> None:
+        """Make one replica serve the weights file `source` as `version`."""
+        await WeightReceiverClient(replica).update_weights(source, version)

@@ -9,7 +9,8 @@ policy (verl #7495, SkyRL #2064, miles #2075 failed silently this way).
 when max |Δ| > `atol`. The last difference is the metric `weight_sync/probe_max_abs_diff`.
 
 Invariant: the wrapper changes nothing else: version, report and errors of the inner sync pass
-through; the probe runs after the inner sync confirmed, so a failed push never reaches it. A
+through (its methods are delegated one by one: `version`, `sync`, `lost`; the inner sync stays
+reachable as `inner` for the rest); the probe runs after the inner sync confirmed, so a failed push never reaches it. A
 replica whose actor died meanwhile is left out (the replica supervisor replaces it).
 """
 
@@ -20,7 +21,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from workers.core.calls import actor_died, call
+from workers.core.calls import actor_died
+from workers.weight_sync.parts import WeightReceiverClient, WeightSenderClient
 
 PROBE_LENGTH = 16
 METRIC = "weight_sync/probe_max_abs_diff"
@@ -63,10 +65,10 @@ class ProbedWeightSync:
 
     async def check(self, version: int) -> float:
         """Compare every live replica's probe log-probs with the trainer's; returns max |Δ|."""
-        lost = self.inner.lost() if hasattr(self.inner, "lost") else frozenset()
+        lost = self.lost()
         live = [i for i in range(len(self._replicas)) if i not in lost]
-        ours = await call(self._trainer, "probe_logprobs", self._tokens)
-        theirs = await asyncio.gather(*(call(self._replicas[i], "prompt_logprobs", self._tokens) for i in live),
+        ours = await WeightSenderClient(self._trainer).probe_logprobs(self._tokens)
+        theirs = await asyncio.gather(*(WeightReceiverClient(self._replicas[i]).prompt_logprobs(self._tokens) for i in live),
                                       return_exceptions=True)
         for r in theirs:  # a replica that died since the push is the supervisor's, not a failed sync
             if isinstance(r, BaseException) and not actor_died(r):
@@ -86,5 +88,6 @@ class ProbedWeightSync:
         """`weight_sync/probe_max_abs_diff` of the last sync (absent before the first)."""
         return {} if math.isnan(self.last_diff) else {METRIC: self.last_diff}
 
-    def __getattr__(self, name: str) -> Any:  # lost(), admit(), push() of the inner sync
-        return getattr(self.inner, name)
+    def lost(self) -> frozenset[int]:
+        """Indices of replicas the inner sync found dead (none when it does not track them)."""
+        return self.inner.lost() if hasattr(self.inner, "lost") else frozenset()

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from workers.core.calls import call, is_actor_method
 from workers.weight_sync.file import CpuWeightSync, WeightSync
+from workers.weight_sync.parts import WeightSenderClient
 from workers.weight_sync.rendezvous import StoreAddress, host_store_in
 
 FILE_BACKEND = "file"
@@ -78,13 +78,11 @@ async def close_weight_sync(sync: WeightSync, trainer: Any) -> None:
     call at the end of the run). No-op for the file backend."""
     if isinstance(sync, CpuWeightSync):
         return
-    await asyncio.wait_for(call(trainer, "close"), CLOSE_TIMEOUT_S)
+    await asyncio.wait_for(WeightSenderClient(trainer).close(), CLOSE_TIMEOUT_S)
 
 
 async def _host_in_sender(trainer: Any) -> StoreAddress:
     """Start the group's store in the trainer's (rank 0's) process, on its node's IP and a port
     the OS picked there (`host_store_in`, run through Ray's `__ray_call__` for an actor or a
     TrainerGroup); in this process for a plain object."""
-    if is_actor_method(getattr(trainer, "__ray_call__", None)):
-        return await trainer.__ray_call__.remote(host_store_in)
-    return host_store_in(trainer)
+    return await WeightSenderClient(trainer).run_inside(host_store_in)
