@@ -2,7 +2,7 @@
 
 Parts are handed either actor handles (production) or plain objects (tests, benchmarks, one
 process). Each kind of part has one typed adapter (a `PartClient` subclass beside the Protocol it
-implements: `workers.inference.client.ReplicaClient`, `workers.rollout.actor_client.RolloutActorClient`,
+implements: `workers.inference.client.ReplicaClient`, `workers.rollout.clients.RolloutActorClient`,
 `workers.trainer.client.TrainerRankClient`, ...), whose methods name the part's methods as
 attributes, so a reader and a type checker can follow every call. Inside an adapter,
 `invoke(target.method, *args)` awaits `target.method.remote(*args)` for an actor (a Ray ObjectRef is
