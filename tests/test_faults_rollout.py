@@ -48,8 +48,7 @@ class Collector:
         self.samples.extend((partition, s) for s in samples)
 
     def sample_infos(self, partition: str) -> list[SampleInfo]:
-        return [SampleInfo(s.session_id, s.group_id, s.input_id, s.sample_index, s.status, s.reward, len(s.rows),
-                           s.num_generated_tokens, None, None) for p, s in self.samples if p == partition]
+        return [s.info() for p, s in self.samples if p == partition]
 
     def all(self, partition: str) -> list[Sample]:
         return [s for p, s in self.samples if p == partition]

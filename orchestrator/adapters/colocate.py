@@ -21,7 +21,7 @@ import asyncio
 import time
 from typing import Any, Callable, Sequence
 
-from orchestrator.loop.batching import Group
+from workers.core.types import TrainOrder
 
 
 class SleepingTrainer:
@@ -36,8 +36,8 @@ class SleepingTrainer:
         self._replicas = list(replicas)
         self._clock = clock
 
-    async def update(self, groups: tuple[Group, ...]) -> dict[str, float]:
-        """Sleep every replica, run `trainer.update(groups)`, wake every replica; see the module
+    async def update(self, order: TrainOrder) -> dict[str, float]:
+        """Sleep every replica, run `trainer.update(order)`, wake every replica; see the module
         docstring for the metrics added to the trainer's. Raises RuntimeError if a replica fails
         to sleep or to wake (after trying to wake the others)."""
         t0 = self._clock()
@@ -45,7 +45,7 @@ class SleepingTrainer:
         asleep = [r for r, rep in zip(self._replicas, slept) if not isinstance(rep, BaseException)]
         try:
             _raise_failed("sleep", slept)
-            metrics = await self._trainer.update(groups)
+            metrics = await self._trainer.update(order)
         finally:
             _raise_failed("wake_up", await _call_all(asleep, "wake_up"))
         reports = [r for r in slept if not isinstance(r, BaseException)]
