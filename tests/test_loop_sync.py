@@ -187,3 +187,62 @@ def test_total_num_tokens_counts_every_token_of_the_trained_rows_and_sums_over_m
     m = mean_update_metrics([{"perf/total_num_tokens": 11.0, "actor/num_tokens": 7.0, "actor/pg_loss": 1.0},
                              {"perf/total_num_tokens": 5.0, "actor/num_tokens": 2.0, "actor/pg_loss": 3.0}])
     assert m == {"perf/total_num_tokens": 16.0, "actor/num_tokens": 9.0, "actor/pg_loss": 2.0}
+
+
+async def test_buffer_store_reads_tags_once_and_names_a_missing_sample():
+    """The driver's store reads each group's metadata once after its rollouts returned: a sample
+    missing then is an error naming the group and what it holds (no wait, no poll); what it
+    returned is counted as the driver's bytes from the buffer, with no token in it."""
+    from orchestrator.adapters.clients import BufferStore, DriverBytes, MeteredRollouts
+    from stand_ins import make_sample
+
+    class Listing:
+        def __init__(self, infos):
+            self.infos, self.calls = infos, 0
+
+        async def sample_infos(self, partition, group_ids):
+            self.calls += 1
+            return [i for i in self.infos if i.group_id in group_ids]
+
+    whole = [make_sample(g, i, float(i % 2)).info() for g in (0, 1) for i in range(3)]
+    meter = DriverBytes()
+    buffer = Listing(whole)
+    assert await BufferStore(buffer, 3, meter).sample_infos("step-1", [0, 1]) == whole and buffer.calls == 1
+    short = Listing([i for i in whole if (i.group_id, i.sample_index) != (1, 2)])
+    with pytest.raises(RuntimeError, match=r"\{1: \[0, 1\]\}"):
+        await BufferStore(short, 3).sample_infos("step-1", [0, 1])
+    assert short.calls == 1
+
+    class Pool:
+        async def run_all(self, reqs, partition):
+            return [("outcome", r) for r in reqs]
+
+    await MeteredRollouts(Pool(), meter).run_all(list(range(6)), "step-1")
+    m = await meter()
+    assert m["driver/rollouts_returned"] == 6 and 0 < m["driver/bytes_from_buffer"] <= 1024 * 6
+    assert m["driver/bytes_per_rollout"] == (m["driver/bytes_from_rollouts"] + m["driver/bytes_from_buffer"]) / 6
+    assert (await meter())["driver/bytes_from_buffer"] == 0.0  # per step: reset once taken
+
+
+async def test_trainer_client_skips_an_order_with_no_row_and_completes_the_others():
+    """An order whose samples are all masked trains nothing: no trainer call, a skipped step; any
+    other order reaches the trainer with the advantage settings, pad id and buffer handle."""
+    from orchestrator.adapters.clients import TrainerClient
+    from workers.core.types import OrderSample, TrainOrder
+
+    class Trainer:
+        def __init__(self):
+            self.orders = []
+
+        async def update(self, order):
+            self.orders.append(order)
+            return {"actor/num_tokens": 5.0}
+
+    trainer = Trainer()
+    client = TrainerClient(trainer, pad_id=7, norm_adv_by_std=False, buffer="handle")
+    masked = TrainOrder("async", (OrderSample("a", 0, 1.0), OrderSample("b", 0, 0.0)), masked=("a", "b"))
+    assert (await client.update(masked))["actor/step_skipped"] == 1.0 and not trainer.orders
+    order = TrainOrder("async", (OrderSample("a", 0, 1.0, ("a/0",), (4,)), OrderSample("b", 0, 0.0, ("b/0",), (3,))))
+    assert (await client.update(order))["trainer/rows_ordered"] == 2.0
+    (sent,) = trainer.orders
+    assert (sent.pad_id, sent.norm_adv_by_std, sent.buffer, sent.samples) == (7, False, "handle", order.samples)

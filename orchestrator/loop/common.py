@@ -165,7 +165,8 @@ async def sync_weights(parts: LoopParts, version: int) -> int:
     return version + 1
 
 
-STEP_SUMS = ("actor/num_tokens", "perf/total_num_tokens")  # counts: a step's is the sum over its mini-batches
+STEP_SUMS = ("actor/num_tokens", "perf/total_num_tokens",  # counts: a step's is the sum over its mini-batches
+             "trainer/rows_read", "trainer/rows_ordered")
 
 
 def mean_update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
