@@ -200,6 +200,7 @@ def step_metrics(parts: LoopParts, *, samples: list[SampleInfo], updates: list[d
         "perf/throughput": trained_tokens / step_s if step_s > 0 else 0.0,
         "perf/trained_tokens": trained_tokens,
         "perf/total_num_tokens": 0.0,  # nothing trained; the updates' sum replaces it (mean_update_metrics)
+        "trainer/rows_read": 0.0, "trainer/rows_ordered": 0.0,  # rows the ranks read / the orders named
         "timing_s/gen": t_gen,
         "timing_s/update_actor": t_update,
         "timing_s/update_weights": t_sync,
