@@ -16,7 +16,7 @@ import pytest
 from stand_ins import own_ray
 from workers.core.types import PROMPT_VERSION, Sample, TrajectoryRow
 from workers.buffer.store import BufferConfig, TrajectoryBuffer
-from workers.buffer.codec import BufferCorruptError, SampleInfo, complete_sessions, decode_samples, encode_sample
+from workers.buffer.codec import BufferCorruptError, complete_sessions, decode_samples, encode_sample
 
 AWAIT_TIMEOUT_S = 60.0  # bound on every await in this file
 

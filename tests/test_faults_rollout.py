@@ -29,7 +29,7 @@ from stand_ins import REPO, STUB_AGENT, own_ray  # noqa: E402
 from workers.acr.client import AcrClientConfig  # noqa: E402
 from workers.acr.journal import JournalWriter, SessionJournal  # noqa: E402
 from workers.acr.limits import AcrLimitsConfig, limit_stats, start_limit_actors  # noqa: E402
-from workers.buffer.codec import SampleInfo  # noqa: E402
+from workers.core.types import SampleInfo  # noqa: E402
 from workers.core.types import RolloutRequest, Sample  # noqa: E402
 from workers.rollout.pool import PoolOptions, PoolRecovery, RolloutPool, rollout_actor_spawner  # noqa: E402
 from workers.rollout.worker import RolloutSettings  # noqa: E402

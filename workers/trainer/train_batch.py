@@ -68,7 +68,8 @@ def sample_order(samples: Sequence[Sample], *, masked: Sequence[str] = (), norm_
         order_samples.append(OrderSample(s.session_id, s.group_id, float(s.reward),  # type: ignore[arg-type]
                                          tuple(info.row_keys[j] for j in read), tuple(info.row_lens[j] for j in read)))
         rows += [s.rows[j] for j in read]
-    order = TrainOrder(partition, tuple(order_samples), tuple(m for m in masked if m in {s.session_id for s in samples}),
+    sessions = {s.session_id for s in samples}
+    order = TrainOrder(partition, tuple(order_samples), tuple(m for m in masked if m in sessions),
                        norm_adv_by_std=norm_adv_by_std, pad_id=pad_id)
     return order, rows
 
