@@ -63,7 +63,7 @@ def test_main_job_runs_end_to_end_on_real_parts(tmp_path):
     # step's train orders named was read from TransferQueue by a rank, once (each rank counts the rows
     # it read; the order sharding gives each key to one rank: tests/test_trainer_group.py)
     for s in steps:
-        assert s["driver/rollouts_returned"] == 4 * 4, s
+        assert s["driver/rollouts_returned"] == s["driver/samples_listed"] == 4 * 4, s
         assert s["driver/bytes_from_rollouts"] + s["driver/bytes_from_buffer"] <= 1024 * s["driver/rollouts_returned"], s
         assert s["driver/bytes_from_buffer"] > 0 and s["driver/bytes_per_rollout"] <= 1024, s
         assert s["trainer/rows_read"] == s["trainer/rows_ordered"], s

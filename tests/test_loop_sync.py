@@ -219,8 +219,10 @@ async def test_buffer_store_reads_tags_once_and_names_a_missing_sample():
 
     await MeteredRollouts(Pool(), meter).run_all(list(range(6)), "step-1")
     m = await meter()
-    assert m["driver/rollouts_returned"] == 6 and 0 < m["driver/bytes_from_buffer"] <= 1024 * 6
-    assert m["driver/bytes_per_rollout"] == (m["driver/bytes_from_rollouts"] + m["driver/bytes_from_buffer"]) / 6
+    assert m["driver/rollouts_returned"] == m["driver/samples_listed"] == 6
+    assert 0 < m["driver/bytes_from_buffer"] <= 1024 * 6
+    assert m["driver/bytes_per_rollout"] == pytest.approx(
+        (m["driver/bytes_from_rollouts"] + m["driver/bytes_from_buffer"]) / 6)
     assert (await meter())["driver/bytes_from_buffer"] == 0.0  # per step: reset once taken
 
 

@@ -22,26 +22,30 @@ from workers.core.types import RolloutRequest, SampleInfo, TrainOrder
 
 class DriverBytes:
     """Pickled bytes the driver received, per step: `driver/bytes_from_rollouts` (what the rollout
-    pool's `run_all` returned), `driver/bytes_from_buffer` (what the buffer's listing returned),
-    `driver/rollouts_returned` and their sum per rollout, `driver/bytes_per_rollout`."""
+    pool's `run_all` returned, for `driver/rollouts_returned` rollouts), `driver/bytes_from_buffer`
+    (what the buffer's listings returned, for `driver/samples_listed` samples), and
+    `driver/bytes_per_rollout`: the two per-rollout means added (in async mode the rollouts that
+    return in a step and the samples it lists differ, so each is divided by its own count)."""
 
     def __init__(self) -> None:
-        self._rollouts = self._buffer = self._returned = 0
+        self._rollouts = self._buffer = self._returned = self._listed = 0
 
     def from_rollouts(self, outcomes: Any, count: int) -> None:
         self._rollouts += len(pickle.dumps(outcomes))
         self._returned += count
 
-    def from_buffer(self, infos: Any) -> None:
+    def from_buffer(self, infos: list[Any]) -> None:
         self._buffer += len(pickle.dumps(infos))
+        self._listed += len(infos)
 
     async def __call__(self) -> dict[str, float]:
         """The step's counts (then reset)."""
-        n = self._returned
+        per = (self._rollouts / self._returned if self._returned else 0.0) + (
+            self._buffer / self._listed if self._listed else 0.0)
         out = {"driver/bytes_from_rollouts": float(self._rollouts), "driver/bytes_from_buffer": float(self._buffer),
-               "driver/rollouts_returned": float(n),
-               "driver/bytes_per_rollout": (self._rollouts + self._buffer) / n if n else 0.0}
-        self._rollouts = self._buffer = self._returned = 0
+               "driver/rollouts_returned": float(self._returned), "driver/samples_listed": float(self._listed),
+               "driver/bytes_per_rollout": per}
+        self._rollouts = self._buffer = self._returned = self._listed = 0
         return out
 
 
