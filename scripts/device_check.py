@@ -124,7 +124,7 @@ def check_trainer(args, model_dir: str, shapes: dict) -> dict:
     try:
         batch = random_batch(args.rows, args.seq_len, shapes["vocab_size"])
         t0 = time.perf_counter()
-        warm = trainer.update(batch)
+        warm = trainer.train_batch(batch)
         warm_s = time.perf_counter() - t0
         if not args.dry_run:
             torch.cuda.synchronize()
@@ -132,7 +132,7 @@ def check_trainer(args, model_dir: str, shapes: dict) -> dict:
         times, metrics = [], warm
         for _ in range(args.steps):
             t0 = time.perf_counter()
-            metrics = trainer.update(batch)
+            metrics = trainer.train_batch(batch)
             if not args.dry_run:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)

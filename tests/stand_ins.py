@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.loop.batching import Group
-from workers.core.types import Sample, TrajectoryRow
+from workers.core.types import Sample, SampleInfo, TrainOrder, TrajectoryRow
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
@@ -324,12 +324,28 @@ class MemoryStore:
     def __init__(self) -> None:
         self.partitions: dict[str, list[Sample]] = {}
         self.cleared: list[str] = []
+        self.rows_read = 0
 
     async def put(self, samples: Sequence[Sample], partition: str) -> None:
         self.partitions.setdefault(partition, []).extend(samples)
 
-    async def get_groups(self, partition: str, group_ids: Sequence[int]) -> list[Sample]:
-        return [s for s in self.partitions.get(partition, []) if s.group_id in group_ids]
+    async def sample_infos(self, partition: str, group_ids: Sequence[int]) -> list[SampleInfo]:
+        """The samples' metadata (what the loops get from the product's store: no token)."""
+        return [s.info() for s in self.partitions.get(partition, []) if s.group_id in group_ids]
+
+    def sample(self, partition: str, session_id: str) -> Sample:
+        """One stored sample whole (what a test's trainer stand-in inspects); KeyError if absent."""
+        found = [s for s in self.partitions.get(partition, []) if s.session_id == session_id]
+        if len(found) != 1:
+            raise KeyError(f"{session_id} is stored {len(found)} times in {partition!r}")
+        return found[0]
+
+    def read_rows(self, partition: str, keys: Sequence[str]) -> list[TrajectoryRow]:
+        """The rows under `keys`, as a trainer rank reads them (`TrajectoryBuffer.read_rows`);
+        KeyError for a key not stored; `rows_read` counts them."""
+        by_key = {k: r for s in self.partitions.get(partition, []) for k, r in zip(s.info().row_keys, s.rows)}
+        self.rows_read += len(keys)
+        return [by_key[k] for k in keys]
 
     async def clear(self, partition: str) -> None:
         self.partitions.pop(partition, None)
@@ -389,21 +405,21 @@ def alternating_reward(request: Any) -> float:
 
 
 class RecordingTrainer:
-    """The trainer seam: records (replica version at the update, sample) for every sample with a
-    generated token, builds the real train batch, exports weights as `/w/{version}`."""
+    """The trainer seam: reads the order's rows from the store as a rank does, records (replica
+    version at the update, sample) for every sample with a row read, builds the real train batch."""
 
-    def __init__(self, engine: SimReplica) -> None:
-        self.engine = engine
+    def __init__(self, engine: SimReplica, store: MemoryStore) -> None:
+        self.engine, self.store = engine, store
         self.trained: list[tuple[int, Sample]] = []
 
-    async def update(self, groups: Sequence[Group]) -> dict[str, float]:
-        from orchestrator.adapters.clients import build_train_batch
+    async def update(self, order: TrainOrder) -> dict[str, float]:
+        from workers.trainer.train_batch import order_batch
 
-        for g in groups:
-            for s in g.samples:
-                if any(r.num_generated for r in s.rows):
-                    self.trained.append((self.engine.version, s))
-        batch = build_train_batch(groups, pad_id=0, norm_adv_by_std=True)
+        for s in order.samples:
+            if s.row_keys:
+                self.trained.append((self.engine.version, self.store.sample(order.partition, s.session_id)))
+        rows = self.store.read_rows(order.partition, [k for s in order.samples for k in s.row_keys])
+        batch = order_batch(order, rows)
         await asyncio.sleep(0.005)
         return {"actor/num_tokens": float(batch.num_loss_tokens)}
 
@@ -436,22 +452,15 @@ def random_mask(gen, bsz: int, seq: int):
 
 
 class FileTrainer:
-    """The trainer actor's checkpoint surface (`save_hf`, `save_optimizer` via `.remote`), writing
-    real files so that `RunCheckpointer` commits a complete, verifiable checkpoint."""
+    """The trainer's checkpoint surface (`save_hf`, `save_optimizer`: coroutines, as a TrainerGroup's),
+    writing real files so that `RunCheckpointer` commits a complete, verifiable checkpoint."""
 
-    class _Call:
-        def __init__(self, fn):
-            self.remote = fn
+    async def save_hf(self, d: str) -> None:
+        Path(d).mkdir(parents=True, exist_ok=True)
+        (Path(d) / "config.json").write_text("{}")
 
-    def __init__(self):
-        async def save_hf(d):
-            Path(d).mkdir(parents=True, exist_ok=True)
-            (Path(d) / "config.json").write_text("{}")
-
-        async def save_optimizer(p):
-            Path(p).write_bytes(b"adam")
-
-        self.save_hf, self.save_optimizer = self._Call(save_hf), self._Call(save_optimizer)
+    async def save_optimizer(self, p: str) -> None:
+        Path(p).write_bytes(b"adam")
 
 
 class BlockingAcr:
@@ -495,3 +504,11 @@ class BlockingAcr:
                 c._wait(c._client.close(), 5)
             c._loop.call_soon_threadsafe(c._loop.stop)
         cls._open.clear()
+
+
+def groups_batch(groups: Sequence[Group], *, pad_id: int = 0, norm_adv_by_std: bool = True):
+    """A rank's train batch of whole `groups` of Samples (workers/trainer/train_batch.py
+    `build_train_batch` over their samples, group by group)."""
+    from workers.trainer.train_batch import build_train_batch
+
+    return build_train_batch([s for g in groups for s in g.samples], pad_id=pad_id, norm_adv_by_std=norm_adv_by_std)

@@ -16,7 +16,7 @@ import pytest
 from stand_ins import own_ray
 from workers.core.types import PROMPT_VERSION, Sample, TrajectoryRow
 from workers.buffer.store import BufferConfig, TrajectoryBuffer
-from workers.buffer.codec import BufferCorruptError, SampleInfo, complete_sessions, decode_samples, encode_sample
+from workers.buffer.codec import BufferCorruptError, complete_sessions, decode_samples, encode_sample
 
 AWAIT_TIMEOUT_S = 60.0  # bound on every await in this file
 
@@ -194,7 +194,7 @@ async def test_put_from_actor_get_in_driver_is_bit_exact(buffer, producer):
     samples = mixed_batch()
     await remote(producer.put.remote(samples, "step-0"))
 
-    got = await bounded(buffer.get_groups("step-0", [10, 11], group_size=3, timeout_s=10))
+    got = await bounded(buffer.get_groups("step-0", [10, 11]))
 
     assert got == sorted(samples, key=lambda s: (s.group_id, s.sample_index))
     for a, b in zip(got, sorted(samples, key=lambda s: (s.group_id, s.sample_index))):
@@ -214,35 +214,31 @@ async def test_tags_are_listed_without_fetching_tokens(buffer, producer):
 
     for s in samples:
         vr = s.version_range()
-        assert infos[s.session_id] == SampleInfo(
-            session_id=s.session_id, group_id=s.group_id, input_id=s.input_id, sample_index=s.sample_index,
-            status=s.status, reward=s.reward, num_rows=len(s.rows), num_generated_tokens=s.num_generated_tokens,
-            min_version=None if vr is None else vr[0], max_version=None if vr is None else vr[1],
-        )
+        info = infos[s.session_id]
+        assert info == s.info()  # the buffer's listing is the sample's metadata, exactly
+        assert (info.status, info.reward, info.latency_s, info.error, info.num_generated_tokens) == (
+            s.status, s.reward, s.latency_s, s.error, s.num_generated_tokens)
+        assert info.version_range() == vr and info.num_rows == len(s.rows)
+        assert info.row_lens == tuple(len(r.token_ids) for r in s.rows)
+        assert info.row_generated == tuple(r.num_generated for r in s.rows)
+    assert [i.session_id for i in await bounded(buffer.sample_infos("step-tags", [11]))] == [
+        s.session_id for s in sorted(samples, key=lambda s: s.sample_index) if s.group_id == 11]
     assert await bounded(buffer.group_counts("step-tags")) == {10: 3, 11: 3}
     await bounded(buffer.clear("step-tags"))
 
 
-async def test_get_groups_waits_for_a_put_that_lands_later(buffer, producer):
+async def test_read_rows_returns_the_rows_asked_in_order_and_a_missing_key_raises(buffer, producer):
+    """What a trainer rank reads: the rows under the keys of its order, in the order asked, equal
+    to those put; a key that is not stored is an error naming the read, not a wait."""
     rng = random.Random(3)
-    group = [make_sample(rng, 20, i, num_rows=2) for i in range(4)]
-    first, rest = group[:2], group[2:]
-    await remote(producer.put.remote(first, "step-wait"))
-    put_later = producer.put.remote(rest, "step-wait", 0.5)  # lands while the driver waits
-
-    got = await bounded(buffer.get_groups("step-wait", [20], group_size=4, timeout_s=20))
-
-    await remote(put_later)
-    assert got == group
-    await bounded(buffer.clear("step-wait"))
-
-
-async def test_get_groups_times_out_naming_the_short_group(buffer, producer):
-    rng = random.Random(4)
-    await remote(producer.put.remote([make_sample(rng, 30, 0)], "step-short"))
-    with pytest.raises(TimeoutError, match=r"\{30: 1, 31: 0\}|\{31: 0, 30: 1\}"):
-        await bounded(buffer.get_groups("step-short", [30, 31], group_size=2, timeout_s=0.3))
-    await bounded(buffer.clear("step-short"))
+    group = [make_sample(rng, 20, i, num_rows=2) for i in range(3)]
+    await remote(producer.put.remote(group, "step-rows"))
+    keys = [k for s in reversed(group) for k in reversed(s.info().row_keys)]
+    rows = await bounded(buffer.read_rows("step-rows", keys))
+    assert rows == [r for s in reversed(group) for r in reversed(s.rows)]
+    with pytest.raises(BufferCorruptError, match="vanished"):
+        await bounded(buffer.read_rows("step-rows", [keys[0], "no-such-session/0"]))
+    await bounded(buffer.clear("step-rows"))
 
 
 async def test_clear_empties_groups_then_the_partition(buffer, producer):
@@ -274,7 +270,7 @@ async def test_put_get_latency_32_samples_of_64_tokens(buffer, producer):
         t0 = time.perf_counter()
         await bounded(buffer.put(samples, part))
         t1 = time.perf_counter()
-        got = await bounded(buffer.get_groups(part, groups, group_size=8, timeout_s=10))
+        got = await bounded(buffer.get_groups(part, groups))
         t2 = time.perf_counter()
         await remote(producer.put.remote(samples, part + "-actor"))
         t3 = time.perf_counter()
@@ -292,7 +288,7 @@ def test_sync_wrappers_round_trip(buffer):
     rng = random.Random(8)
     samples = [make_sample(rng, 60, i, num_rows=2) for i in range(2)]
     buffer.put_sync(samples, "step-sync")
-    assert buffer.get_groups_sync("step-sync", [60], group_size=2, timeout_s=10) == samples
+    assert buffer.get_groups_sync("step-sync", [60]) == samples
     buffer.clear_sync("step-sync")
     assert buffer.get_groups_sync("step-sync", [60]) == []
 
@@ -306,7 +302,7 @@ async def test_two_storage_units_round_trip_and_stop_kills_the_actors(buffer, pr
         assert len(second.handle.storage_infos) == 2
         samples = mixed_batch()
         await bounded(second.put(samples, "two-units"))
-        got = await bounded(second.get_groups("two-units", [10, 11], group_size=3, timeout_s=10))
+        got = await bounded(second.get_groups("two-units", [10, 11]))
         assert got == sorted(samples, key=lambda s: (s.group_id, s.sample_index))
         assert await bounded(buffer.group_counts("two-units")) == {}  # a separate TQ instance
         names = second.handle.actor_names
@@ -345,6 +341,6 @@ async def test_put_past_capacity_raises_and_leaves_nothing_behind(buffer):
         assert await bounded(small.row_count("cap")) == 0
         refill = [make_sample(rng, 72, i) for i in range(4)]  # clearing freed the storage
         await bounded(small.put(refill, "cap"))
-        assert await bounded(small.get_groups("cap", [72], group_size=4, timeout_s=10)) == refill
+        assert await bounded(small.get_groups("cap", [72])) == refill
     finally:
         small.stop()

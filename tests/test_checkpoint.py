@@ -220,8 +220,8 @@ def test_trainer_resumes_weights_and_optimizer_exactly(tmp_path, checkpoint_tiny
     """Train 2 steps, checkpoint, resume in a new worker; the next step matches the uninterrupted
     worker's. Without the optimizer state (fresh AdamW moments) the step differs."""
     a = checkpoint_trainers(checkpoint_tiny_model)
-    a.update(batch(1))
-    a.update(batch(2))
+    a.train_batch(batch(1))
+    a.train_batch(batch(2))
     with stage_checkpoint(tmp_path, 2) as stage:
         a.save_hf(str(stage.model_dir))
         a.save_optimizer(str(stage.optimizer_path))
@@ -233,8 +233,8 @@ def test_trainer_resumes_weights_and_optimizer_exactly(tmp_path, checkpoint_tiny
     assert b.num_updates == 2
     fresh = checkpoint_trainers(ckpt.model_dir)  # weights only
 
-    ma, mb = a.update(batch(3)), b.update(batch(3))
-    fresh.update(batch(3))
+    ma, mb = a.train_batch(batch(3)), b.train_batch(batch(3))
+    fresh.train_batch(batch(3))
     assert mb["actor/pg_loss"] == ma["actor/pg_loss"] and mb["actor/grad_norm"] == ma["actor/grad_norm"]  # the next step's loss
     wa, wb, wf = a.full_state_dict(), b.full_state_dict(), fresh.full_state_dict()
     for name in wa:

@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 
-from orchestrator.adapters.clients import build_train_batch
+from stand_ins import groups_batch
 from orchestrator.loop.batching import assemble
 from stand_ins import make_row, make_sample
 from workers.core.algorithms.advantages import grpo_outcome_advantages
@@ -83,7 +83,7 @@ async def test_one_rollout_two_lineages_two_exact_rows_one_advantage(gateway, ti
     rollout = Sample(f"lineages-{kind}", 0, "in-0", 0, cap.rows, 1.0, "completed", 0.1, num_turns=cap.num_turns)
     peer = make_sample(0, 1, 0.0, rows=[make_row([1, 2, 3], [4, 5, 6, 7])])
     [group] = assemble([rollout, peer], filter_zero_variance=True).trainable
-    batch = build_train_batch((group,), pad_id=0, norm_adv_by_std=True)
+    batch = groups_batch((group,), pad_id=0, norm_adv_by_std=True)
     adv = grpo_outcome_advantages(torch.tensor([1.0, 0.0]), [0, 0], norm_adv_by_std=True).tolist()
     row_adv = [batch.advantages[r][batch.loss_mask[r] == 1].unique().tolist() for r in range(3)]
     assert row_adv == [[pytest.approx(adv[0])], [pytest.approx(adv[0])], [pytest.approx(adv[1])]]
@@ -129,7 +129,7 @@ def test_a_rollout_split_into_two_rows_weighs_the_same_as_one_row(mode):
     rollout = Sample("r", 0, "in-0", 0, split_rows, 1.0, "completed", 0.1)
     peer = make_sample(0, 1, 0.0, rows=[make_row([1, 2], [3, 4, 5, 6, 7])])
     [group] = assemble([rollout, peer], filter_zero_variance=True).trainable
-    split = build_train_batch((group,), pad_id=0, norm_adv_by_std=True)
+    split = groups_batch((group,), pad_id=0, norm_adv_by_std=True)
     merged = _merged(split)
     assert (split.batch_size, merged.batch_size, split.num_trained_rollouts(), merged.num_trained_rollouts()) == (
         3, 2, 2, 2)
@@ -152,6 +152,6 @@ def test_num_trained_rollouts_counts_each_sample_once():
                Sample("b", 0, "in", 1, (rows[2],), 0.0, "completed", 0.1),
                Sample("c", 0, "in", 2, (masked,), 0.5, "completed", 0.1)]
     [group] = assemble(samples, filter_zero_variance=True).trainable
-    batch = build_train_batch((group,), pad_id=0, norm_adv_by_std=True)
+    batch = groups_batch((group,), pad_id=0, norm_adv_by_std=True)
     assert batch.batch_size == 3 and batch.num_trained_rollouts() == 2  # 'c' has no row: nothing trained
     assert batch.select(0, 2).num_trained_rollouts() == 2  # no SampleTable: rows with a trained token

@@ -142,12 +142,16 @@ class OverflowRollouts:
 
 
 class Trainer:
-    def __init__(self) -> None:
+    """Takes each order's samples from the store, as a rank reads them."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self.store = store
         self.samples: list[Sample] = []
 
-    async def update(self, groups):
-        self.samples += [s for g in groups for s in g.samples]
-        return {"actor/num_tokens": float(sum(s.num_generated_tokens for g in groups for s in g.samples))}
+    async def update(self, order):
+        taken = [self.store.sample(order.partition, s.session_id) for s in order.samples]
+        self.samples += taken
+        return {"actor/num_tokens": float(sum(s.num_generated_tokens for s in taken))}
 
 
 class Push:
@@ -157,7 +161,8 @@ class Push:
 
 @pytest.mark.parametrize("policy", OVERFLOW_POLICIES)
 async def test_truncated_rollouts_close_truncated_and_train_as_rollout_overflow_says(policy):
-    store, trainer, logger = MemoryStore(), Trainer(), ListLogger()
+    store, logger = MemoryStore(), ListLogger()
+    trainer = Trainer(store)
     rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(4)]
     parts = LoopParts(prompts=PromptCycle(rows, seed=0), rollouts=OverflowRollouts(store, policy), store=store,
                       trainer=trainer, weights=Push(), logger=logger, ledger=RolloutLedger())
@@ -221,8 +226,7 @@ def test_a_multi_turn_row_is_never_cut_at_the_per_turn_cap():
     """rLLM PR #575: a merged multi-turn row was padded/truncated to the per-turn generation cap,
     dropping later turns. Here three turns of 16 generated tokens (rollout.max_tokens=16) plus tool
     tokens make a 62-token row: the train batch holds all of it, every generated token trained."""
-    from orchestrator.adapters.clients import build_train_batch
-    from orchestrator.loop.batching import Group
+    from workers.trainer.train_batch import build_train_batch
 
     max_tokens = 16
     ids, mask = [1, 2], [0, 0]
@@ -232,8 +236,8 @@ def test_a_multi_turn_row_is_never_cut_at_the_per_turn_cap():
     from workers.core.types import TrajectoryRow
 
     row = TrajectoryRow(tuple(ids), tuple(mask), tuple(-0.1 * m for m in mask), tuple(0 if m else -1 for m in mask))
-    group = Group(0, (make_sample(0, 0, 1.0, rows=[row]), make_sample(0, 1, 0.0)))
-    batch = build_train_batch((group,), pad_id=0, norm_adv_by_std=True)
+    batch = build_train_batch((make_sample(0, 0, 1.0, rows=[row]), make_sample(0, 1, 0.0)), pad_id=0,
+                              norm_adv_by_std=True)
     assert batch.seq_len == len(ids) == 62 and batch.input_ids[0].tolist() == ids
     assert int(batch.loss_mask[0].sum()) == 3 * max_tokens
 
@@ -265,7 +269,7 @@ async def test_the_async_loop_goes_on_and_closes_truncated_rollouts_once(policy)
 
     store, engine = TruncatingStore(policy), SimReplica()
     rollouts = SimRollouts(store, engine, random.Random(7), alternating_reward, 0.05)
-    trainer, logger = RecordingTrainer(engine), ListLogger()
+    trainer, logger = RecordingTrainer(engine, store), ListLogger()
     rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(50)]
     parts = LoopParts(prompts=PromptCycle(rows, seed=7), rollouts=rollouts, store=store, trainer=trainer,
                       weights=engine, logger=logger, ledger=RolloutLedger())

@@ -57,7 +57,7 @@ async def test_the_async_loop_stops_with_the_message_and_every_rollout_accounted
     store, engine = MemoryStore(), SimReplica(0)
     rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(50)]
     parts = LoopParts(prompts=PromptCycle(rows, seed=0), rollouts=FailingRollouts(store, engine, random.Random(0), None),
-                      store=store, trainer=RecordingTrainer(engine), weights=engine, logger=ListLogger(),
+                      store=store, trainer=RecordingTrainer(engine, store), weights=engine, logger=ListLogger(),
                       ledger=RolloutLedger(), first_rollouts=FirstRollouts(8, "http"))
     settings = AsyncLoopSettings(total_steps=50, groups_per_update=2, n=4, sync_every=1, max_staleness=1,
                                  on_stale="drop", filter_zero_variance=True, drain_timeout_s=1)
@@ -74,7 +74,7 @@ async def test_the_sync_loop_names_the_contract_instead_of_a_bare_all_failed():
     store, engine = MemoryStore(), SimReplica(0)
     rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(50)]
     parts = LoopParts(prompts=PromptCycle(rows, seed=0), rollouts=FailingRollouts(store, engine, random.Random(0), None),
-                      store=store, trainer=RecordingTrainer(engine), weights=engine, logger=ListLogger(),
+                      store=store, trainer=RecordingTrainer(engine, store), weights=engine, logger=ListLogger(),
                       ledger=RolloutLedger(), first_rollouts=FirstRollouts(8, "s3"))
     report = await asyncio.wait_for(run_sync(parts, SyncLoopSettings(total_steps=5, batch_size=2, n=4, sync_every=1,
                                                                      filter_zero_variance=True)), timeout=30)

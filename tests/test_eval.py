@@ -151,7 +151,7 @@ async def test_sync_loop_validates_before_training_and_every_test_freq_steps():
     v = validator(VersionedPool(engine), val_store)
     parts = LoopParts(prompts=PromptCycle(rows, seed=0),
                       rollouts=SimRollouts(store, engine, random.Random(0), alternating_reward, 0.001), store=store,
-                      trainer=RecordingTrainer(engine), weights=engine, logger=logger, ledger=RolloutLedger(),
+                      trainer=RecordingTrainer(engine, store), weights=engine, logger=logger, ledger=RolloutLedger(),
                       validator=v)
     await run_sync(parts, SyncLoopSettings(total_steps=5, batch_size=2, n=4, sync_every=1, filter_zero_variance=False))
     val = [(s, m["val/policy_version"], round(m["val/reward/mean"], 9)) for s, m in logger.steps if "val/reward/mean" in m]
@@ -167,7 +167,7 @@ async def test_async_validation_lane_never_feeds_the_trainer_and_takes_no_admiss
     store, engine, logger = MemoryStore(), SimReplica(), ListLogger()
     rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(50)]
     pool = VersionedPool(engine)
-    trainer = RecordingTrainer(engine)
+    trainer = RecordingTrainer(engine, store)
     rollouts = SimRollouts(store, engine, random.Random(1), alternating_reward, 0.005)
     parts = LoopParts(prompts=PromptCycle(rows, seed=0), rollouts=rollouts, store=store, trainer=trainer,
                       weights=engine, logger=logger, ledger=RolloutLedger(), validator=validator(pool, MemoryStore()))

@@ -29,7 +29,7 @@ from stand_ins import REPO, STUB_AGENT, own_ray  # noqa: E402
 from workers.acr.client import AcrClientConfig  # noqa: E402
 from workers.acr.journal import JournalWriter, SessionJournal  # noqa: E402
 from workers.acr.limits import AcrLimitsConfig, limit_stats, start_limit_actors  # noqa: E402
-from workers.buffer.codec import SampleInfo  # noqa: E402
+from workers.core.types import SampleInfo  # noqa: E402
 from workers.core.types import RolloutRequest, Sample  # noqa: E402
 from workers.rollout.pool import PoolOptions, PoolRecovery, RolloutPool, rollout_actor_spawner  # noqa: E402
 from workers.rollout.worker import RolloutSettings  # noqa: E402
@@ -48,8 +48,7 @@ class Collector:
         self.samples.extend((partition, s) for s in samples)
 
     def sample_infos(self, partition: str) -> list[SampleInfo]:
-        return [SampleInfo(s.session_id, s.group_id, s.input_id, s.sample_index, s.status, s.reward, len(s.rows),
-                           s.num_generated_tokens, None, None) for p, s in self.samples if p == partition]
+        return [s.info() for p, s in self.samples if p == partition]
 
     def all(self, partition: str) -> list[Sample]:
         return [s for p, s in self.samples if p == partition]

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from stand_ins import own_ray
-from test_trainer_group import grouped_batch
+from test_trainer_group import grouped_samples
 from orchestrator.control.supervise import explain_trainer_loss
 from workers.trainer.group import TrainerRankLost, start_trainer_ranks
 
@@ -50,25 +50,36 @@ def _run_dir(tmp_path):
 def test_a_dead_rank_stops_the_update_at_once_and_is_named_with_the_last_checkpoint(ray_local, tmp_path):
     from workers.trainer.worker import TrainerWorker
 
+    import dataclasses
+
+    from workers.buffer.store import BufferConfig, TrajectoryBuffer
+    from workers.trainer.train_batch import sample_order
+
     cls = ray_local.remote(num_cpus=0)(TrainerWorker)
-    batch = grouped_batch([[[5], [9]], [[12], [3, 4]], [[7], [2]]], vocab=200, seed=1)
+    samples = grouped_samples([[[5], [9]], [[12], [3, 4]], [[7], [2]]], vocab=200, seed=1)
+    buffer = TrajectoryBuffer.start(BufferConfig())
+    buffer.put_sync(samples, "step-1")  # each rank reads its rows from it
+    order = dataclasses.replace(sample_order(samples, partition="step-1")[0], buffer=buffer.handle)
     threads = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}
 
     async def scenario():
         group = await start_trainer_ranks(cls, _settings(), world_size=2, rank_options=lambda r: threads)
         try:
-            await group.update(batch)  # both ranks up and in the group
+            await group.update(order)  # both ranks up and in the group
             os.kill(await group.ranks[1].__ray_call__.remote(lambda w: os.getpid()), signal.SIGKILL)
             t0 = time.monotonic()
             with pytest.raises(TrainerRankLost) as info:
-                await asyncio.wait_for(group.update(batch), BOUND_S)
+                await asyncio.wait_for(group.update(order), BOUND_S)
             lost = await explain_trainer_loss(info.value, group.ranks, _run_dir(tmp_path))
             return info.value, lost, time.monotonic() - t0
         finally:
             for r in group.ranks:
                 ray_local.kill(r)
 
-    exc, lost, took_s = asyncio.run(scenario())
+    try:
+        exc, lost, took_s = asyncio.run(scenario())
+    finally:
+        buffer.stop()
     assert exc.rank == 1 and took_s < BOUND_S
     assert "trainer rank 1 of 2 died" in str(lost)
     assert str(tmp_path / "checkpoints" / "step-00000003") in str(lost) and "trainer.resume_mode=auto" in str(lost)

@@ -242,7 +242,7 @@ async def test_probe_after_a_real_trainer_update_matches_the_trainers_logprobs(w
         # one big step that favours the probe's tokens (rollout log-probs = the trainer's: on-policy)
         before = trainer.compute_logprobs(probe)[0]
         row = TrajectoryRow(tuple(PROBE), probe_row.loss_mask, tuple(before.tolist()), probe_row.versions)
-        metrics = trainer.update(TrainBatch.from_rows([row, row], [1.0, 1.0], pad_id=0))
+        metrics = trainer.train_batch(TrainBatch.from_rows([row, row], [1.0, 1.0], pad_id=0))
         assert metrics["actor/grad_norm"] > 0
         path = trainer.export_weights(str(tmp_path / "policy.safetensors"))
         version = worker.policy_version() + 1

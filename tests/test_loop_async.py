@@ -19,7 +19,7 @@ from stand_ins import ListLogger, MemoryStore, RecordingTrainer, SimReplica, Sim
 def build(reward_fn, *, seed=0, max_latency_s=0.02):
     store, engine = MemoryStore(), SimReplica()
     rollouts = SimRollouts(store, engine, random.Random(seed), reward_fn, max_latency_s)
-    trainer, logger = RecordingTrainer(engine), ListLogger()
+    trainer, logger = RecordingTrainer(engine, store), ListLogger()
     rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(50)]
     parts = LoopParts(prompts=PromptCycle(rows, seed=seed), rollouts=rollouts, store=store, trainer=trainer,
                           weights=engine, logger=logger, ledger=RolloutLedger())

@@ -1,7 +1,7 @@
 """The sync loop we ship, driven with simulated parts at its seams (no models, no Ray)."""
 
+import dataclasses
 import math
-
 import re
 
 import pytest
@@ -10,7 +10,8 @@ from orchestrator.loop.batching import RolloutLedger
 from orchestrator.loop.common import LoopParts
 from orchestrator.loop.sync_loop import SyncLoopSettings, run_sync
 from orchestrator.loop.prompts import PromptCycle
-from orchestrator.adapters.clients import build_train_batch
+from orchestrator.loop.batching import train_order
+from workers.trainer.train_batch import build_train_batch, order_batch
 from stand_ins import ListLogger, MemoryStore
 from workers.core.types import Sample, TrajectoryRow
 
@@ -36,13 +37,16 @@ class SimRollouts:
 
 
 class RecordingTrainer:
-    def __init__(self):
-        self.updates = []
+    """Reads each order's rows from the store as a rank does and builds the real batch."""
 
-    async def update(self, groups):
-        assert all(s.status == "completed" for g in groups for s in g.samples)
-        self.updates.append(groups)
-        batch = build_train_batch(groups, pad_id=0, norm_adv_by_std=True)
+    def __init__(self, store):
+        self.store, self.updates = store, []
+
+    async def update(self, order):
+        samples = [self.store.sample(order.partition, s.session_id) for s in order.samples]
+        assert all(s.status == "completed" for s in samples)
+        self.updates.append(order)
+        batch = order_batch(order, self.store.read_rows(order.partition, [k for s in order.samples for k in s.row_keys]))
         return {"actor/num_tokens": float(batch.num_loss_tokens), "rollout_corr/rollout_is_mean": 1.0}
 
 
@@ -56,7 +60,8 @@ class RecordingPush:
 
 @pytest.mark.parametrize("sync_every", [1, 2, 4])
 async def test_sync_loop_closes_every_rollout_and_bumps_version_once_per_step(sync_every):
-    store, push, trainer, logger = MemoryStore(), RecordingPush(), RecordingTrainer(), ListLogger()
+    store, push, logger = MemoryStore(), RecordingPush(), ListLogger()
+    trainer = RecordingTrainer(store)
     rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(10)]
     parts = LoopParts(prompts=PromptCycle(rows, seed=0), rollouts=SimRollouts(store, push.versions),
                           store=store, trainer=trainer, weights=push, logger=logger, ledger=RolloutLedger())
@@ -78,12 +83,12 @@ async def test_sync_loop_closes_every_rollout_and_bumps_version_once_per_step(sy
 
 async def test_sync_loop_raises_when_buffer_loses_a_sample():
     class LossyStore(MemoryStore):
-        async def get_groups(self, partition, group_ids):
-            return (await super().get_groups(partition, group_ids))[1:]
+        async def sample_infos(self, partition, group_ids):
+            return (await super().sample_infos(partition, group_ids))[1:]
 
     store, push = LossyStore(), RecordingPush()
     parts = LoopParts(prompts=PromptCycle([{"input_id": "p", "prompt": "x"}], seed=0),
-                          rollouts=SimRollouts(store, push.versions), store=store, trainer=RecordingTrainer(),
+                          rollouts=SimRollouts(store, push.versions), store=store, trainer=RecordingTrainer(store),
                           weights=push, logger=ListLogger())
     with pytest.raises(RuntimeError, match="buffer returned 3 samples for 4 rollouts"):
         await run_sync(parts, SyncLoopSettings(total_steps=1, batch_size=1, n=4, sync_every=1,
@@ -104,8 +109,11 @@ def test_train_batch_gives_each_row_its_sample_advantage():
     row = TrajectoryRow((1, 2, 3), (0, 1, 1), (0.0, -1.0, -1.0), (-1, 0, 0))
     samples = [Sample(f"s{i}", 0, "in", i, (row, row) if i == 0 else (row,), float(i), "completed", 0.0)
                for i in range(2)]
-    [group] = assemble(samples, filter_zero_variance=True).trainable
-    batch = build_train_batch((group,), pad_id=0, norm_adv_by_std=False)
+    [group] = assemble([s.info() for s in samples], filter_zero_variance=True).trainable
+    order = train_order("p", (group,))
+    batch = order_batch(dataclasses.replace(order, norm_adv_by_std=False), [samples[0].rows[0], row, row])
+    assert order.num_rows == 3
+    assert build_train_batch(samples, pad_id=0, norm_adv_by_std=False).advantages.tolist() == batch.advantages.tolist()
     # rewards 0 and 1: advantages -0.5, +0.5; sample 0 has two rows
     assert batch.batch_size == 3
     assert batch.advantages[:, 1].tolist() == [-0.5, -0.5, 0.5]
@@ -114,7 +122,8 @@ def test_train_batch_gives_each_row_its_sample_advantage():
 async def test_a_step_where_every_rollout_failed_stops_the_run():
     """Regression (new-user report): with ACR unreachable every rollout failed and the run still
     'succeeded' with nothing trained. A step with no usable sample now stops the run."""
-    store, push, trainer, logger = MemoryStore(), RecordingPush(), RecordingTrainer(), ListLogger()
+    store, push, logger = MemoryStore(), RecordingPush(), ListLogger()
+    trainer = RecordingTrainer(store)
     class AllFail(SimRollouts):
         async def run_all(self, reqs, partition):
             out = [Sample(f"sess-{r.group_id}-{r.sample_index}", r.group_id, r.input_id, r.sample_index, (), None,
@@ -137,7 +146,8 @@ async def test_a_step_where_every_rollout_failed_stops_the_run():
 async def test_a_step_with_nothing_to_train_neither_syncs_nor_advances_the_version():
     """Regression (new-user report): with a reward that never varies every group was filtered, yet
     each step pushed weights, bumped the policy version and logged is_mean=nan."""
-    store, push, trainer, logger = MemoryStore(), RecordingPush(), RecordingTrainer(), ListLogger()
+    store, push, logger = MemoryStore(), RecordingPush(), ListLogger()
+    trainer = RecordingTrainer(store)
 
     class SameReward(SimRollouts):
         async def run_all(self, reqs, partition):
@@ -157,21 +167,84 @@ async def test_a_step_with_nothing_to_train_neither_syncs_nor_advances_the_versi
     assert [m["policy_version"] for _, m in logger.steps] == [0.0, 0.0]
 
 
-def test_total_num_tokens_counts_every_token_of_the_trained_samples_and_sums_over_mini_batches():
-    """verl's perf/total_num_tokens: prompt and generated tokens of the samples that train; a
-    sample whose tokens are all loss-masked trains nothing and is not counted; a step's count is
-    the sum of its mini-batches' (a per-token metric is their mean)."""
+def test_total_num_tokens_counts_every_token_of_the_trained_rows_and_sums_over_mini_batches():
+    """verl's perf/total_num_tokens: prompt and generated tokens of the rows that train (what the
+    ranks read: the order's rows); a masked sample trains nothing, has no row read and is not
+    counted, nor is a row without a generated token; a step's count is the sum of its mini-batches'
+    (a per-token metric is their mean)."""
     from orchestrator.loop.batching import Group
-    from orchestrator.adapters.clients import total_num_tokens
     from orchestrator.loop.common import mean_update_metrics
 
     trained = TrajectoryRow((1, 2, 3, 4, 5), (0, 0, 1, 1, 1), (0.0, 0.0, -0.1, -0.1, -0.1), (-1, -1, 0, 0, 0))
     turn2 = TrajectoryRow((1, 2, 3), (0, 1, 1), (0.0, -0.1, -0.1), (-1, 0, 0))
-    masked = TrajectoryRow((1, 2, 3, 4), (0, 0, 0, 0), (0.0, 0.0, 0.0, 0.0), (-1, -1, -1, -1))
-    groups = (Group(0, (Sample("a", 0, "p", 0, (trained, turn2), 1.0, "completed", 0.0),
-                        Sample("b", 0, "p", 1, (masked,), 0.0, "completed", 0.0))),
-              Group(1, (Sample("c", 1, "q", 0, (turn2,), 0.5, "completed", 0.0),)))
-    assert total_num_tokens(groups) == 5 + 3 + 3
+    prompt_only = TrajectoryRow((1, 2, 3, 4), (0, 0, 0, 0), (0.0, 0.0, 0.0, 0.0), (-1, -1, -1, -1))
+    groups = (Group(0, (Sample("a", 0, "p", 0, (trained, turn2, prompt_only), 1.0, "completed", 0.0).info(),
+                        Sample("b", 0, "p", 1, (trained,), 0.0, "completed", 0.0).info())),
+              Group(1, (Sample("c", 1, "q", 0, (turn2,), 0.5, "completed", 0.0).info(),)))
+    order = train_order("step-1", groups, masked={"b"})
+    assert order.num_tokens == 5 + 3 + 3 and order.num_rows == 3 and order.masked == ("b",)
+    assert [s.row_keys for s in order.samples] == [("a/0", "a/1"), (), ("c/0",)]
     m = mean_update_metrics([{"perf/total_num_tokens": 11.0, "actor/num_tokens": 7.0, "actor/pg_loss": 1.0},
                              {"perf/total_num_tokens": 5.0, "actor/num_tokens": 2.0, "actor/pg_loss": 3.0}])
     assert m == {"perf/total_num_tokens": 16.0, "actor/num_tokens": 9.0, "actor/pg_loss": 2.0}
+
+
+async def test_buffer_store_reads_tags_once_and_names_a_missing_sample():
+    """The driver's store reads each group's metadata once after its rollouts returned: a sample
+    missing then is an error naming the group and what it holds (no wait, no poll); what it
+    returned is counted as the driver's bytes from the buffer, with no token in it."""
+    from orchestrator.adapters.clients import BufferStore, DriverBytes, MeteredRollouts
+    from stand_ins import make_sample
+
+    class Listing:
+        def __init__(self, infos):
+            self.infos, self.calls = infos, 0
+
+        async def sample_infos(self, partition, group_ids):
+            self.calls += 1
+            return [i for i in self.infos if i.group_id in group_ids]
+
+    whole = [make_sample(g, i, float(i % 2)).info() for g in (0, 1) for i in range(3)]
+    meter = DriverBytes()
+    buffer = Listing(whole)
+    assert await BufferStore(buffer, 3, meter).sample_infos("step-1", [0, 1]) == whole and buffer.calls == 1
+    short = Listing([i for i in whole if (i.group_id, i.sample_index) != (1, 2)])
+    with pytest.raises(RuntimeError, match=r"\{1: \[0, 1\]\}"):
+        await BufferStore(short, 3).sample_infos("step-1", [0, 1])
+    assert short.calls == 1
+
+    class Pool:
+        async def run_all(self, reqs, partition):
+            return [("outcome", r) for r in reqs]
+
+    await MeteredRollouts(Pool(), meter).run_all(list(range(6)), "step-1")
+    m = await meter()
+    assert m["driver/rollouts_returned"] == m["driver/samples_listed"] == 6
+    assert 0 < m["driver/bytes_from_buffer"] <= 1024 * 6
+    assert m["driver/bytes_per_rollout"] == pytest.approx(
+        (m["driver/bytes_from_rollouts"] + m["driver/bytes_from_buffer"]) / 6)
+    assert (await meter())["driver/bytes_from_buffer"] == 0.0  # per step: reset once taken
+
+
+async def test_trainer_client_skips_an_order_with_no_row_and_completes_the_others():
+    """An order whose samples are all masked trains nothing: no trainer call, a skipped step; any
+    other order reaches the trainer with the advantage settings, pad id and buffer handle."""
+    from orchestrator.adapters.clients import TrainerClient
+    from workers.core.types import OrderSample, TrainOrder
+
+    class Trainer:
+        def __init__(self):
+            self.orders = []
+
+        async def update(self, order):
+            self.orders.append(order)
+            return {"actor/num_tokens": 5.0}
+
+    trainer = Trainer()
+    client = TrainerClient(trainer, pad_id=7, norm_adv_by_std=False, buffer="handle")
+    masked = TrainOrder("async", (OrderSample("a", 0, 1.0), OrderSample("b", 0, 0.0)), masked=("a", "b"))
+    assert (await client.update(masked))["actor/step_skipped"] == 1.0 and not trainer.orders
+    order = TrainOrder("async", (OrderSample("a", 0, 1.0, ("a/0",), (4,)), OrderSample("b", 0, 0.0, ("b/0",), (3,))))
+    assert (await client.update(order))["trainer/rows_ordered"] == 2.0
+    (sent,) = trainer.orders
+    assert (sent.pad_id, sent.norm_adv_by_std, sent.buffer, sent.samples) == (7, False, "handle", order.samples)

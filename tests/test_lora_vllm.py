@@ -52,7 +52,7 @@ def train_once(trainer: TrainerWorker, seed: int) -> None:
             for _ in range(4)]
     b = TrainBatch.from_rows(rows, advantages=[1.0, -1.0, 1.0, -1.0], pad_id=0)
     lp = trainer.compute_logprobs(b)
-    trainer.update(TrainBatch(b.input_ids, b.attention_mask, b.loss_mask, lp * b.loss_mask, b.advantages))
+    trainer.train_batch(TrainBatch(b.input_ids, b.attention_mask, b.loss_mask, lp * b.loss_mask, b.advantages))
 
 
 def probed(engine, trainer, weights_dir, replicas=None) -> ProbedWeightSync:

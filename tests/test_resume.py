@@ -55,7 +55,7 @@ def build(prompts, engine_version=0, trained_before=0, seed=0):
     store, engine = MemoryStore(), SimReplica(engine_version)
     rollouts = BoundCheckingRollouts(store, engine, random.Random(seed), alternating_reward, 0.03,
                                      trained_before=trained_before)
-    trainer, logger = RecordingTrainer(engine), ListLogger()
+    trainer, logger = RecordingTrainer(engine, store), ListLogger()
     parts = LoopParts(prompts=prompts, rollouts=rollouts, store=store, trainer=trainer, weights=engine,
                       logger=logger, ledger=RolloutLedger())
     rollouts.ledger = parts.ledger

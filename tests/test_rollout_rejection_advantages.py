@@ -17,7 +17,7 @@ from workers.core.algorithms.losses import PolicyLossConfig, ppo_clip_loss
 from workers.core.algorithms.rejection import apply_rejection, last_token_index
 from workers.core.algorithms.rollout_correction import RejectionRule, RolloutCorrectionConfig, compute_rollout_correction
 from orchestrator.loop.batching import Group
-from orchestrator.adapters.clients import build_train_batch
+from stand_ins import groups_batch
 from stand_ins import make_group, make_sample, seeded_row
 from workers.core.types import TrajectoryRow
 
@@ -35,7 +35,7 @@ def reject_last_token(batch: TrainBatch, rows: list[int]) -> torch.Tensor:
 
 
 def test_driver_batch_carries_the_sample_table():
-    batch = build_train_batch((make_group(7, [1.0, 0.0]), make_group(9, [0.0, 1.0, 1.0])), pad_id=0, norm_adv_by_std=True)
+    batch = groups_batch((make_group(7, [1.0, 0.0]), make_group(9, [0.0, 1.0, 1.0])), pad_id=0, norm_adv_by_std=True)
     assert batch.samples is not None
     assert batch.samples.group_index.tolist() == [7, 7, 9, 9, 9]
     assert batch.samples.rewards.tolist() == [1.0, 0.0, 0.0, 1.0, 1.0]
@@ -47,7 +47,7 @@ def test_rejected_reward_token_excludes_the_sample_from_its_group():
     """Group 0 rewards [1, 0, 0.5]; sample 1's reward token is rejected. Group 0 is recomputed over
     [1, 0.5]: mean 0.75, unbiased std 0.3536, A = ±0.25/0.3536 = ±0.7071. Sample 1 trains no token.
     Group 1 keeps the driver's advantages exactly."""
-    batch = build_train_batch((make_group(0, [1.0, 0.0, 0.5]), make_group(1, [1.0, 0.0, 0.0])), pad_id=0,
+    batch = groups_batch((make_group(0, [1.0, 0.0, 0.5]), make_group(1, [1.0, 0.0, 0.0])), pad_id=0,
                               norm_adv_by_std=True)
     out = apply_rejection(batch, reject_last_token(batch, [1]))
     b = out.batch
@@ -62,7 +62,7 @@ def test_rejected_reward_token_excludes_the_sample_from_its_group():
 
 
 def test_rejected_middle_token_leaves_every_advantage_alone():
-    batch = build_train_batch((make_group(0, [1.0, 0.0, 0.5]),), pad_id=0, norm_adv_by_std=True)
+    batch = groups_batch((make_group(0, [1.0, 0.0, 0.5]),), pad_id=0, norm_adv_by_std=True)
     keep = batch.loss_mask.clone()
     keep[2, 3] = 0.0  # row 2 trains columns 2..6; column 3 is not its last token
     out = apply_rejection(batch, keep)
@@ -75,7 +75,7 @@ def test_rejected_middle_token_leaves_every_advantage_alone():
 def test_sequence_with_every_token_rejected_leaves_group_mean_and_std():
     """seq_mean_k3 rejects sample 0 of group [0, 1, 1, 0] entirely (its ratio is e). The kept
     rewards [1, 1, 0] give mean 2/3, std 0.5774: A = (1/3)/0.5774 = 0.5774 and -1.1547."""
-    batch = build_train_batch((make_group(0, [0.0, 1.0, 1.0, 0.0]),), pad_id=0, norm_adv_by_std=True)
+    batch = groups_batch((make_group(0, [0.0, 1.0, 1.0, 0.0]),), pad_id=0, norm_adv_by_std=True)
     old = batch.rollout_logprobs.clone()
     old[0] += batch.loss_mask[0] * 1.0
     rc = compute_rollout_correction(old, batch.rollout_logprobs, batch.loss_mask,
@@ -89,7 +89,7 @@ def test_sequence_with_every_token_rejected_leaves_group_mean_and_std():
 
 
 def test_group_left_with_one_sample_has_no_baseline():
-    batch = build_train_batch((make_group(0, [1.0, 0.0]),), pad_id=0, norm_adv_by_std=True)
+    batch = groups_batch((make_group(0, [1.0, 0.0]),), pad_id=0, norm_adv_by_std=True)
     out = apply_rejection(batch, reject_last_token(batch, [1]))
     assert row_advantage(out.batch, 0) == 0.0  # no group left to compare with: no signal
     assert out.batch.loss_mask[1].sum() == 0
@@ -101,7 +101,7 @@ def test_sample_masked_before_batching_stays_in_group_statistics():
     masked = seeded_row(2, 3)
     masked = TrajectoryRow(masked.token_ids, (0,) * 5, (0.0,) * 5, (-1,) * 5)
     group = Group(0, (make_sample(0, 0, 1.0, rows=(masked,)), make_sample(0, 1, 0.0), make_sample(0, 2, 0.5)))
-    batch = build_train_batch((group,), pad_id=0, norm_adv_by_std=True)
+    batch = groups_batch((group,), pad_id=0, norm_adv_by_std=True)
     assert batch.batch_size == 2 and batch.samples.row_sample.tolist() == [1, 2]
     out = apply_rejection(batch, reject_last_token(batch, [1]))
     assert row_advantage(out.batch, 0) == pytest.approx(-1 / math.sqrt(2), rel=1e-5)
@@ -111,7 +111,7 @@ def test_sample_masked_before_batching_stays_in_group_statistics():
 def test_only_the_last_row_of_a_multi_row_sample_carries_the_reward_token():
     rows = (seeded_row(2, 3, 1), seeded_row(3, 4, 2))
     group = Group(0, (make_sample(0, 0, 1.0, rows=rows), make_sample(0, 1, 0.0), make_sample(0, 2, 0.5)))
-    batch = build_train_batch((group,), pad_id=0, norm_adv_by_std=True)
+    batch = groups_batch((group,), pad_id=0, norm_adv_by_std=True)
     assert batch.samples.row_sample.tolist() == [0, 0, 1, 2]
     first_row_end = apply_rejection(batch, reject_last_token(batch, [0]))
     assert first_row_end.num_excluded == 0
@@ -121,7 +121,7 @@ def test_only_the_last_row_of_a_multi_row_sample_carries_the_reward_token():
 
 
 def test_rejected_reward_token_without_sample_table_raises():
-    batch = build_train_batch((make_group(0, [1.0, 0.0]),), pad_id=0, norm_adv_by_std=True)
+    batch = groups_batch((make_group(0, [1.0, 0.0]),), pad_id=0, norm_adv_by_std=True)
     bare = TrainBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, batch.rollout_logprobs, batch.advantages)
     with pytest.raises(ValueError, match="SampleTable"):
         apply_rejection(bare, reject_last_token(bare, [0]))
@@ -140,7 +140,7 @@ def test_randomized_invariants(seed):
         n = int(torch.randint(2, 6, (1,), generator=gen))
         rewards = torch.randint(0, 3, (n,), generator=gen).float().tolist()
         groups.append(make_group(g, rewards))
-    batch = build_train_batch(tuple(groups), pad_id=0, norm_adv_by_std=bool(seed % 2))
+    batch = groups_batch(tuple(groups), pad_id=0, norm_adv_by_std=bool(seed % 2))
     keep = batch.loss_mask * (torch.rand(batch.loss_mask.shape, generator=gen) > 0.3).float()
     out = apply_rejection(batch, keep)
     table, b = batch.samples, out.batch

@@ -150,7 +150,7 @@ def sim_parts(prompts, engine_version=0):
     store, engine = MemoryStore(), SimReplica(engine_version)
     rollouts = SimRollouts(store, engine, random.Random(0),
                            lambda r: float(r.sample_index % 2) if teaching(r.input_id) else 1.0, 0.005)
-    return LoopParts(prompts=prompts, rollouts=rollouts, store=store, trainer=RecordingTrainer(engine),
+    return LoopParts(prompts=prompts, rollouts=rollouts, store=store, trainer=RecordingTrainer(engine, store),
                      weights=engine, logger=ListLogger(), ledger=RolloutLedger())
 
 

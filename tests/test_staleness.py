@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from workers.core.algorithms.advantages import grpo_outcome_advantages
-from orchestrator.loop.batching import Group
-from orchestrator.adapters.clients import build_train_batch
+from orchestrator.loop.batching import Group, train_order
+from workers.trainer.train_batch import order_batch
 from orchestrator.loop.staleness import (
     Admission,
     AdmissionState,
@@ -293,10 +293,14 @@ def test_train_masked_keeps_the_sample_in_group_statistics_without_gradient():
     samples = [sample_at([1], reward=1.0, idx=0),   # stale at v=5, η=1
                sample_at([5], reward=0.0, idx=1),
                sample_at([4], reward=0.0, idx=2)]
-    split = judge_samples(samples, trainer_version=5, policy=StalenessPolicy(1, "train_masked"))
+    split = judge_samples([s.info() for s in samples], trainer_version=5, policy=StalenessPolicy(1, "train_masked"))
     assert not split.expired and len(split.train) == 3
-    assert split.train[0].num_generated_tokens == 0 and split.train[1].num_generated_tokens == 1
-    batch = build_train_batch((Group(0, split.train),), pad_id=0, norm_adv_by_std=True)
+    stale = {f.session_id for f in split.facts if f.stale}
+    assert stale == {samples[0].session_id}
+    order = train_order("async", (Group(0, split.train),), masked=stale)  # what the async loop sends
+    assert order.masked == (samples[0].session_id,) and order.samples[0].row_keys == ()  # no row read
+    assert [s.reward for s in order.samples] == [1.0, 0.0, 0.0]  # ... yet in the group's statistics
+    batch = order_batch(order, [r for s in samples[1:] for r in s.rows])
     assert batch.batch_size == 2                       # the masked sample adds no row and no token
     # advantages of samples 1 and 2 come from the 3-sample group (mean 1/3), not from [0, 0]
     expected = grpo_outcome_advantages(torch.tensor([1.0, 0.0, 0.0]), [0, 0, 0], norm_adv_by_std=True)[1:]

@@ -74,7 +74,7 @@ def test_update_raises_logprob_of_favoured_tokens(random_qwen2_dir, make_trainer
     before = trainer.compute_logprobs(batch)
     batch = with_rollout_logprobs(batch, before)  # on-policy rollout: π_rollout == π_old
 
-    metrics = trainer.update(batch)
+    metrics = trainer.train_batch(batch)
     after = trainer.compute_logprobs(batch)
 
     mask = batch.loss_mask
@@ -100,7 +100,7 @@ def test_update_is_independent_of_micro_batch_size(random_qwen2_dir, make_traine
     for mbs in (1, 5):
         trainer = make_trainer(random_qwen2_dir, micro_batch_size=mbs)
         stale = with_rollout_logprobs(batch, trainer.compute_logprobs(batch) - 0.3)  # IS weights e^0.3
-        metrics = trainer.update(stale)
+        metrics = trainer.train_batch(stale)
         results.append((metrics, trainer.full_state_dict()))
         trainer.close()
     (m1, sd1), (m5, sd5) = results
@@ -142,7 +142,7 @@ def test_only_trained_columns_reach_the_vocabulary_and_the_step_is_unchanged(ran
             monkeypatch.setattr(worker_module, "trained_columns",
                                 lambda m: torch.arange(m.shape[1] - 1, device=m.device))
         t = make_trainer(random_qwen2_dir, micro_batch_size=2)
-        results.append((t.update(stale), t.full_state_dict()))
+        results.append((t.train_batch(stale), t.full_state_dict()))
         t.close()
     (m_kept, sd_kept), (m_all, sd_all) = results
     assert m_kept["actor/pg_loss"] == pytest.approx(m_all["actor/pg_loss"], abs=1e-6)
@@ -156,7 +156,7 @@ def test_tis_caps_weights_when_rollout_policy_is_far(random_qwen2_dir, make_trai
     batch = ragged_batch()
     trainer = make_trainer(random_qwen2_dir)
     far = with_rollout_logprobs(batch, trainer.compute_logprobs(batch) - 2.0)  # raw weights e^2 ≈ 7.4
-    metrics = trainer.update(far)
+    metrics = trainer.train_batch(far)
     assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(2.0)
     assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == 1.0
     assert metrics["rollout_corr/kl"] == pytest.approx(-2.0, abs=1e-5)
@@ -165,7 +165,7 @@ def test_tis_caps_weights_when_rollout_policy_is_far(random_qwen2_dir, make_trai
 def test_export_weights_round_trips_into_fresh_hf_model(random_qwen2_dir, make_trainer, tmp_path):
     batch = ragged_batch()
     trainer = make_trainer(random_qwen2_dir)
-    trainer.update(with_rollout_logprobs(batch, trainer.compute_logprobs(batch)))  # weights differ from disk
+    trainer.train_batch(with_rollout_logprobs(batch, trainer.compute_logprobs(batch)))  # weights differ from disk
     expected = trainer.compute_logprobs(batch)
 
     path = trainer.export_weights(str(tmp_path / "out" / "model.safetensors"))
@@ -190,7 +190,7 @@ def test_save_hf_of_tied_model_loads_with_from_pretrained(tmp_path, make_trainer
     src = random_qwen2(tmp_path / "tied", tie=True, seed=3)
     trainer = make_trainer(src)
     batch = ragged_batch()
-    trainer.update(with_rollout_logprobs(batch, trainer.compute_logprobs(batch)))
+    trainer.train_batch(with_rollout_logprobs(batch, trainer.compute_logprobs(batch)))
     expected = trainer.compute_logprobs(batch)
     out = trainer.save_hf(str(tmp_path / "saved"))
     assert "lm_head.weight" not in load_file(os.path.join(out, "model.safetensors"))
@@ -206,7 +206,7 @@ def test_update_rejects_batch_without_trained_tokens(random_qwen2_dir, make_trai
     trainer = make_trainer(random_qwen2_dir)
     empty = TrainBatch.from_rows([row([1, 2, 3], [])], advantages=[0.0], pad_id=0)
     with pytest.raises(ValueError, match="no trained token"):
-        trainer.update(empty)
+        trainer.train_batch(empty)
 
 
 def test_settings_reject_bad_values(random_qwen2_dir):
@@ -230,7 +230,7 @@ half = (batch.batch_size + 1) // 2
 shard = batch.select(0, half) if rank == 0 else batch.select(half, batch.batch_size)
 w = TrainerWorker(TrainerSettings(model_path=model_path, lr=1e-3, weight_decay=0.0, micro_batch_size=3),
                   rank=rank, world_size=world, init_method=init)
-metrics = w.update(shard)
+metrics = w.train_batch(shard)
 sd = w.full_state_dict()
 if rank == 0:
     torch.save({"metrics": metrics, "state_dict": sd}, out_path)
@@ -252,7 +252,7 @@ def test_two_data_parallel_ranks_take_the_same_step_as_one(random_qwen2_dir, mak
     batch = with_rollout_logprobs(batch, trainer.compute_logprobs(batch) - 0.3)
     torch.save({f: getattr(batch, f) for f in ("input_ids", "attention_mask", "loss_mask", "rollout_logprobs",
                                                  "advantages")}, tmp_path / "batch.pt")
-    one = trainer.update(batch)
+    one = trainer.train_batch(batch)
     sd_one = trainer.full_state_dict()
 
     script = tmp_path / "rank.py"
@@ -323,7 +323,7 @@ def test_a_rollout_of_two_rows_counts_once_in_the_loss(random_qwen2_dir, make_tr
     trainer = make_trainer(random_qwen2_dir, micro_batch_size=1, loss_agg_mode=mode)
     lp = trainer.compute_logprobs(batch) * batch.loss_mask
     on_policy = TrainBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, lp, batch.advantages, samples=table)
-    metrics = trainer.update(on_policy)
+    metrics = trainer.train_batch(on_policy)
     weighted = 7 * adv[0] + 5 * adv[1] + 2 * adv[2]
     want = {"token-mean": -weighted / 14, "seq-mean-token-sum": -weighted / 3,
             "seq-mean-token-mean": -(adv[0] + adv[1] + adv[2]) / 3}[mode]

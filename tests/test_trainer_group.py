@@ -1,4 +1,4 @@
-"""Data-parallel trainer ranks driven as one trainer: sharding (pure) and a real 2-rank gloo group.
+"""Data-parallel trainer ranks driven as one trainer: sharding an order (pure) and a real 2-rank gloo group.
 
 The parity test runs two TrainerWorker ranks as Ray actors through `TrainerGroup` and one
 TrainerWorker (world size 1) in this process on the whole batch: one update must give the same
@@ -14,107 +14,137 @@ import pytest
 import torch
 
 from stand_ins import own_ray
-from workers.core.algorithms.batch import SampleTable, TrainBatch
+from workers.core.algorithms.batch import TrainBatch
+from workers.core.types import Sample, TrainOrder, TrajectoryRow
 from workers.trainer.group import TrainerGroup, start_trainer_ranks
-from workers.trainer.shard import assign_rows, merge_rank_metrics, shard_batch
-from workers.core.types import TrajectoryRow
+from workers.trainer.order import merge_rank_metrics, shard_order
 from workers.trainer.scale import plan_micro_batches, split_to_count
+from workers.trainer.train_batch import build_train_batch, order_batch, sample_order
 
 
-def grouped_batch(group_rows: list[list[list[int]]], *, vocab: int = 100, seed: int = 0,
-                  rewards: list[list[float]] | None = None) -> TrainBatch:
+def grouped_samples(group_rows: list[list[list[int]]], *, vocab: int = 100, seed: int = 0,
+                    rewards: list[list[float]] | None = None) -> list[Sample]:
     """group_rows[g][s] = generated-token counts of the rows of sample s of group g (prompt 3 tokens
-    each); rollout log-probs random; advantages from +-1 per sample; a SampleTable over it all."""
+    each); rollout log-probs random; reward (s + g) % 2 unless given."""
     gen = torch.Generator().manual_seed(seed)
-    rows, adv, row_sample, group_index, rew = [], [], [], [], []
-    for g, samples in enumerate(group_rows):
-        for s, gens in enumerate(samples):
-            sample = len(group_index)
-            r = rewards[g][s] if rewards else float((s + g) % 2)
-            group_index.append(g)
-            rew.append(r)
+    samples = []
+    for g, sizes in enumerate(group_rows):
+        for s, gens in enumerate(sizes):
+            rows = []
             for n in gens:
                 ids = torch.randint(1, vocab, (3 + n,), generator=gen).tolist()
                 lps = (torch.rand(3 + n, generator=gen) * -3.0).tolist()
                 rows.append(TrajectoryRow(token_ids=tuple(ids), loss_mask=(0,) * 3 + (1,) * n,
                                           rollout_logprobs=tuple(0.0 if t < 3 else lps[t] for t in range(3 + n)),
                                           versions=(-1,) * 3 + (0,) * n))
-                adv.append(r - 0.5)
-                row_sample.append(sample)
-    table = SampleTable(group_index=torch.tensor(group_index), rewards=torch.tensor(rew),
-                        row_sample=torch.tensor(row_sample))
-    return TrainBatch.from_rows(rows, adv, pad_id=0, samples=table)
+            r = rewards[g][s] if rewards else float((s + g) % 2)
+            samples.append(Sample(f"g{g}-s{s}", g, f"in-{g}", s, tuple(rows), r, "completed", 0.0))
+    return samples
 
 
-def _groups_of(shard: TrainBatch) -> set[int]:
-    t = shard.samples
-    trained = shard.loss_mask.sum(-1) > 0
-    return {int(t.group_index[s]) for s, on in zip(t.row_sample.tolist(), trained.tolist()) if on}
+def rank_batches(samples: list[Sample], world_size: int, **kw) -> tuple[TrainBatch, list[TrainOrder], list[TrainBatch]]:
+    """The whole batch, each rank's shard of the order, and the batch each rank builds from the rows it
+    reads (by key, as from the buffer)."""
+    order, _ = sample_order(samples)
+    by_key = {k: r for s in samples for k, r in zip(s.info().row_keys, s.rows)}
+    shards = shard_order(order, world_size, **kw)
+    return (build_train_batch(samples, pad_id=0, norm_adv_by_std=True), shards,
+            [order_batch(sh, [by_key[k] for s in sh.samples for k in s.row_keys]) for sh in shards])
 
 
-# --- sharding (pure) ------------------------------------------------------------------------
+def _groups_read(shard: TrainOrder) -> set[int]:
+    return {s.group_id for s in shard.samples if s.row_keys}
+
+
+# --- sharding an order (pure) ------------------------------------------------------------------
 
 
 def test_shards_hold_whole_groups_every_row_once_and_balanced_tokens():
     sizes = [[[4], [9]], [[20], [2, 3]], [[5], [5]], [[30], [1]], [[7], [8]], [[3], [6]]]
-    batch = grouped_batch(sizes)
-    rows = assign_rows(batch, 2)
-    assert sorted(i for r in rows for i in r) == list(range(batch.batch_size))
-    shards = shard_batch(batch, 2, micro_batch_size=2)
-    groups = [_groups_of(s) for s in shards]
+    samples = grouped_samples(sizes)
+    whole, shards, batches = rank_batches(samples, 2, micro_batch_size=2)
+    keys = [k for sh in shards for s in sh.samples for k in s.row_keys]
+    assert sorted(keys) == sorted(k for s in samples for k in s.info().row_keys)  # every row read once
+    groups = [_groups_read(sh) for sh in shards]
     assert groups[0].isdisjoint(groups[1]) and groups[0] | groups[1] == set(range(len(sizes)))
-    tokens = [int(s.attention_mask.sum()) for s in shards]
-    total = int(batch.attention_mask.sum())
-    assert sum(tokens) == total
+    tokens = [sh.num_tokens for sh in shards]
+    total = int(whole.attention_mask.sum())
+    assert sum(tokens) == total and sum(int(b.attention_mask.sum()) for b in batches) == total  # no padding needed
     assert abs(tokens[0] - tokens[1]) < 0.25 * total
-    # every row arrives unchanged, with its group's rewards in the shard's own table
-    for shard, idx in zip(shards, rows):
-        torch.testing.assert_close(shard.input_ids[:, :batch.seq_len], batch.input_ids[idx])
-        torch.testing.assert_close(shard.advantages, batch.advantages[idx])
-        t = shard.samples
-        assert t.row_sample.tolist() == sorted(t.row_sample.tolist())
-        for r_local, r_global in enumerate(idx):
-            s_global = int(batch.samples.row_sample[r_global])
-            s_local = int(t.row_sample[r_local])
-            assert float(t.rewards[s_local]) == float(batch.samples.rewards[s_global])
-            assert int(t.group_index[s_local]) == int(batch.samples.group_index[s_global])
-        for g in _groups_of(shard):  # the whole group's samples, nothing else of that group elsewhere
-            assert int((t.group_index == g).sum()) == int((batch.samples.group_index == g).sum())
+    # every row arrives with the advantage the whole batch gives it, its group's samples in the shard
+    whole_adv = {k: float(whole.advantages[i].max() + whole.advantages[i].min())
+                 for i, k in enumerate(k for s in samples for k in s.info().row_keys)}
+    for sh, b in zip(shards, batches):
+        row_keys = [k for s in sh.samples for k in s.row_keys]
+        assert [float(b.advantages[i].max() + b.advantages[i].min()) for i in range(len(row_keys))] == \
+            pytest.approx([whole_adv[k] for k in row_keys])
+        for g in _groups_read(sh):  # the whole group's samples, with their rewards
+            assert [s.reward for s in sh.samples if s.group_id == g] == [s.reward for s in samples if s.group_id == g]
 
 
 def test_shards_get_equal_micro_batch_counts_by_padding_rows_without_tokens():
     # one group of 1-row samples vs one group of 8 rows: the small rank must run as many micro-batches
-    batch = grouped_batch([[[2], [3]], [[9, 8, 7, 6], [5, 4, 3, 2]]])
-    shards = shard_batch(batch, 2, micro_batch_size=2)
-    counts = [len(plan_micro_batches(s.attention_mask.sum(-1).tolist(), micro_batch_size=2, max_tokens=None))
-              for s in shards]
+    samples = grouped_samples([[[2], [3]], [[9, 8, 7, 6], [5, 4, 3, 2]]])
+    whole, shards, batches = rank_batches(samples, 2, micro_batch_size=2)
+    counts = [len(plan_micro_batches(b.attention_mask.sum(-1).tolist(), micro_batch_size=2, max_tokens=None))
+              for b in batches]
     target = max(counts)
-    for s, c in zip(shards, counts):  # what TrainerWorker.micro_batches does: split up to the max count
-        assert len(split_to_count(plan_micro_batches(s.attention_mask.sum(-1).tolist(), micro_batch_size=2,
+    for b in batches:  # what TrainerWorker.micro_batches does: split up to the max count
+        assert len(split_to_count(plan_micro_batches(b.attention_mask.sum(-1).tolist(), micro_batch_size=2,
                                                      max_tokens=None), target)) == target
-    small = min(shards, key=lambda s: s.num_loss_tokens)
-    assert small.batch_size == target == 4
+    small = min(batches, key=lambda b: b.num_loss_tokens)
+    assert small.batch_size == target == 4 and sorted(sh.pad_rows for sh in shards) == [0, 2]
     pad = small.loss_mask.sum(-1) == 0
     assert int(pad.sum()) == 2 and small.attention_mask[pad].sum(-1).tolist() == [1, 1]
-    assert sum(s.num_loss_tokens for s in shards) == batch.num_loss_tokens
+    assert sum(b.num_loss_tokens for b in batches) == whole.num_loss_tokens
     pad_samples = set(small.samples.row_sample[pad].tolist())
     assert len(pad_samples) == 1  # padding rows sit in a sample of a fresh group, alone
     (ps,) = pad_samples
     assert int((small.samples.group_index == small.samples.group_index[ps]).sum()) == 1
     # with a token budget the counts are matched the same way
-    budget = shard_batch(batch, 2, micro_batch_size=1, max_tokens_per_micro_batch=24)
-    assert sum(s.num_loss_tokens for s in budget) == batch.num_loss_tokens
+    _, _, budget = rank_batches(samples, 2, micro_batch_size=1, max_tokens_per_micro_batch=24)
+    assert sum(b.num_loss_tokens for b in budget) == whole.num_loss_tokens
 
 
 def test_fewer_groups_than_ranks_splits_by_sample_and_too_few_rows_raise():
-    batch = grouped_batch([[[3], [4], [5], [6]]])
-    shards = shard_batch(batch, 2, micro_batch_size=4)
-    assert all(s.num_loss_tokens > 0 for s in shards)
-    for s in shards:  # each rank still sees the whole group's rewards
-        assert s.samples.num_samples >= 4
+    samples = grouped_samples([[[3], [4], [5], [6]]])
+    _, shards, batches = rank_batches(samples, 2, micro_batch_size=4)
+    assert all(b.num_loss_tokens > 0 for b in batches)
+    for sh in shards:  # each rank still sees the whole group's rewards, reads only its rows
+        assert len(sh.samples) == 4 and 0 < sh.num_rows < 4
+    order, _ = sample_order(samples)
     with pytest.raises(ValueError, match="fewer than the 5 trainer ranks"):
-        shard_batch(batch, 5, micro_batch_size=4)
-    assert shard_batch(batch, 1, micro_batch_size=4)[0] is batch
+        shard_order(order, 5, micro_batch_size=4)
+    assert shard_order(order, 1, micro_batch_size=4) == [order]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_orders_shard_into_every_key_once_masked_samples_nowhere(seed):
+    """Seeded random orders (groups, samples, rows; some samples masked) over 1-4 ranks: every key
+    read by exactly one rank, a masked sample's by none, every shard's masked list its own masked
+    samples; whole groups per rank whenever there are at least as many groups as ranks."""
+    import random
+
+    rng = random.Random(seed)
+    sizes = [[[rng.randint(1, 9) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(2, 4))]
+             for _ in range(rng.randint(1, 5))]
+    samples = grouped_samples(sizes, seed=seed)
+    masked = [s.session_id for s in samples if rng.random() < 0.2]
+    order, _ = sample_order(samples, masked=masked)
+    world = rng.randint(1, 4)
+    if order.num_rows < world:
+        with pytest.raises(ValueError):
+            shard_order(order, world, micro_batch_size=2)
+        return
+    shards = shard_order(order, world, micro_batch_size=2)
+    read = [k for sh in shards for s in sh.samples for k in s.row_keys]
+    want = [k for s in samples if s.session_id not in masked for k in s.info().row_keys]
+    assert sorted(read) == sorted(want) and len(read) == len(set(read))
+    for sh in shards:
+        assert set(sh.masked) == {s.session_id for s in sh.samples} & set(masked)
+    if len({s.group_id for s in order.samples if s.row_keys}) >= world:
+        seen = [_groups_read(sh) for sh in shards]
+        assert sum(len(g) for g in seen) == len(set().union(*seen))
 
 
 def test_merge_rank_metrics_rules():
@@ -184,17 +214,23 @@ def ray_local():
 
 
 def test_two_rank_group_update_equals_one_rank_on_the_whole_batch(ray_local, tmp_path):
+    """The ranks read their own rows from a real trajectory buffer (TransferQueue), each key once:
+    the update equals one rank's on the whole batch built from the same samples."""
+    import dataclasses
+
+    from workers.buffer.store import BufferConfig, TrajectoryBuffer
     from workers.embedded.tiny_model import ensure_tiny_model
     from workers.trainer.worker import TrainerSettings, TrainerWorker
 
     model = str(ensure_tiny_model())
     settings = TrainerSettings(model_path=model, lr=1e-3, weight_decay=0.0, micro_batch_size=2, seed=0,
                                device="cpu")
-    batch = grouped_batch([[[5], [9]], [[12], [3, 4]], [[7], [2]]], vocab=200, seed=1)
+    samples = grouped_samples([[[5], [9]], [[12], [3, 4]], [[7], [2]]], vocab=200, seed=1)
+    batch = build_train_batch(samples, pad_id=0, norm_adv_by_std=True)
 
     one = TrainerWorker(settings)
     try:
-        m_one = one.update(batch)
+        m_one = one.train_batch(batch)
         sd_one = one.full_state_dict()
     finally:
         one.close()
@@ -202,6 +238,9 @@ def test_two_rank_group_update_equals_one_rank_on_the_whole_batch(ray_local, tmp
     from workers.core.placement import PlacementSpec, plan_placement
     from workers.placement_groups import PlacedGroups
 
+    buffer = TrajectoryBuffer.start(BufferConfig())
+    buffer.put_sync(samples, "step-1")
+    order = dataclasses.replace(sample_order(samples, partition="step-1")[0], buffer=buffer.handle)
     threads = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}
     cls = ray_local.remote(num_cpus=0)(TrainerWorker)
     # as main.py: ranks in their placement-group bundles; this process serves their rendezvous store
@@ -216,10 +255,11 @@ def test_two_rank_group_update_equals_one_rank_on_the_whole_batch(ray_local, tmp
             gpus = await asyncio.gather(*(r.__ray_call__.remote(lambda w: __import__("os").environ.get(
                 "CUDA_VISIBLE_DEVICES")) for r in group.ranks))
             assert len(set(gpus)) == 2 and None not in gpus  # one (logical) GPU per rank
-            assert await group.__ray_call__.remote(lambda w: w.rank) == 0  # runs inside rank 0
-            m = await group.update.remote(batch)  # the actor-handle spelling TrainerClient uses
+            assert await group.run_on_lead(lambda w: w.rank) == 0  # runs inside rank 0
+            assert not hasattr(group.update, "remote")  # one typed adapter: no imitation of a Ray handle
+            m = await group.update(order)
             sd = await group.full_state_dict()
-            path = await group.save_optimizer.remote(str(tmp_path / "optim.pt"))
+            path = await group.save_optimizer(str(tmp_path / "optim.pt"))
             await group.load_optimizer(path)
             return m, sd
         finally:
@@ -231,6 +271,9 @@ def test_two_rank_group_update_equals_one_rank_on_the_whole_batch(ray_local, tmp
         m_two, sd_two = asyncio.run(run_group())
     finally:
         placed.remove()
+        buffer.stop()
+    assert m_two["trainer/rows_read"] == order.num_rows == batch.batch_size  # each row once, by one rank
+    assert m_two["perf/total_num_tokens"] == order.num_tokens == int(batch.attention_mask.sum())
     assert m_two["actor/num_tokens"] == m_one["actor/num_tokens"] == batch.num_loss_tokens
     assert m_two["actor/pg_loss"] == pytest.approx(m_one["actor/pg_loss"], abs=1e-6)
     assert m_two["actor/grad_norm"] == pytest.approx(m_one["actor/grad_norm"], rel=1e-5)

@@ -41,7 +41,7 @@ def batch() -> TrainBatch:
 def step(trainer: TrainerWorker) -> dict[str, float]:
     b = batch()
     before = trainer.compute_logprobs(b)
-    return trainer.update(TrainBatch(b.input_ids, b.attention_mask, b.loss_mask, before * b.loss_mask, b.advantages))
+    return trainer.train_batch(TrainBatch(b.input_ids, b.attention_mask, b.loss_mask, before * b.loss_mask, b.advantages))
 
 
 def test_only_the_adapter_trains_and_holds_optimizer_state(random_qwen2_dir, make_trainer):

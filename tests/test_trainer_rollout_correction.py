@@ -13,7 +13,7 @@ import torch
 from workers.core.algorithms.batch import TrainBatch
 from workers.core.algorithms.rollout_correction_config import RejectionRule, RolloutCorrectionConfig
 from orchestrator.loop.batching import Group
-from orchestrator.adapters.clients import build_train_batch
+from stand_ins import groups_batch
 from workers.core.types import Sample, TrajectoryRow
 from workers.trainer.worker import TrainerSettings, TrainerWorker
 
@@ -94,9 +94,9 @@ def test_bypass_skips_the_recompute_and_uses_rollout_as_old(rc_trainer):
     ratio is π_θ/π_rollout, so its ppo_kl equals the rollout KL, decoupled's is 0."""
     dec, byp = rc_trainer(RolloutCorrectionConfig(mode="decoupled")), rc_trainer(RolloutCorrectionConfig(mode="bypass"))
     spec = [(0, 1.0, 0.5)] + SPEC[1:]  # sample 0 has A > 0 and ratio e^0.5 > 1 + ε: clipped in bypass
-    batch = build_train_batch(groups_of(samples_with_offsets(dec, spec)), pad_id=0, norm_adv_by_std=True)
+    batch = groups_batch(groups_of(samples_with_offsets(dec, spec)), pad_id=0, norm_adv_by_std=True)
     n_dec, n_byp = count_forwards(dec), count_forwards(byp)
-    m_dec, m_byp = dec.update(batch), byp.update(batch)
+    m_dec, m_byp = dec.train_batch(batch), byp.train_batch(batch)
     assert (n_dec[0], n_byp[0]) == (6, 3)
     for k, v in m_dec.items():
         if k.startswith("rollout_corr/"):
@@ -113,9 +113,9 @@ def test_bypass_equals_decoupled_without_weights_on_policy(rc_trainer):
     on_policy = [(g, r, 0.0) for g, r, _ in SPEC]
     dec = rc_trainer(RolloutCorrectionConfig(mode="decoupled", is_level=None))
     byp = rc_trainer(RolloutCorrectionConfig(mode="bypass"))
-    batch = build_train_batch(groups_of(samples_with_offsets(dec, on_policy)), pad_id=0, norm_adv_by_std=True)
-    dec.update(batch)
-    byp.update(batch)
+    batch = groups_batch(groups_of(samples_with_offsets(dec, on_policy)), pad_id=0, norm_adv_by_std=True)
+    dec.train_batch(batch)
+    byp.train_batch(batch)
     assert_same_weights(dec, byp)
 
 
@@ -128,9 +128,9 @@ def test_rejected_sample_contributes_nothing(rc_trainer, mode):
     with_rule = rc_trainer(RolloutCorrectionConfig(mode=mode, rs=(SEQ_RULE,)))
     reference = rc_trainer(RolloutCorrectionConfig(mode=mode))
     samples = samples_with_offsets(with_rule)
-    m = with_rule.update(build_train_batch(groups_of(samples), pad_id=0, norm_adv_by_std=True))
+    m = with_rule.train_batch(groups_batch(groups_of(samples), pad_id=0, norm_adv_by_std=True))
     kept = [s for i, s in enumerate(samples) if i != 1]
-    m_ref = reference.update(build_train_batch(groups_of(kept), pad_id=0, norm_adv_by_std=True))
+    m_ref = reference.train_batch(groups_batch(groups_of(kept), pad_id=0, norm_adv_by_std=True))
     assert_same_weights(with_rule, reference)
     assert m["actor/num_tokens"] == m_ref["actor/num_tokens"]
     assert m["rollout_corr/rs_excluded_sample_fraction"] == pytest.approx(1 / 6)
@@ -141,9 +141,9 @@ def test_rejected_sample_contributes_nothing(rc_trainer, mode):
 def test_every_token_rejected_skips_the_step(rc_trainer):
     trainer = rc_trainer(RolloutCorrectionConfig(rs=(SEQ_RULE,)))
     far = [(g, r, 1.0) for g, r, _ in SPEC]
-    batch = build_train_batch(groups_of(samples_with_offsets(trainer, far)), pad_id=0, norm_adv_by_std=True)
+    batch = groups_batch(groups_of(samples_with_offsets(trainer, far)), pad_id=0, norm_adv_by_std=True)
     before = trainer.full_state_dict()
-    m = trainer.update(batch)
+    m = trainer.train_batch(batch)
     assert m["actor/step_skipped"] == 1.0 and m["actor/num_tokens"] == 0.0
     assert m["rollout_corr/rollout_rs_masked_fraction"] == 1.0
     after = trainer.full_state_dict()
@@ -153,8 +153,8 @@ def test_every_token_rejected_skips_the_step(rc_trainer):
 def test_sequence_level_weights_reach_the_loss(rc_trainer):
     """Decoupled sequence-level TIS: sample 1 (offset 1 on 4..6 tokens) has weight min(e^{n}, 2) = 2."""
     trainer = rc_trainer(RolloutCorrectionConfig(is_level="sequence", is_threshold=2.0))
-    batch = build_train_batch(groups_of(samples_with_offsets(trainer)), pad_id=0, norm_adv_by_std=True)
-    m = trainer.update(batch)
+    batch = groups_batch(groups_of(samples_with_offsets(trainer)), pad_id=0, norm_adv_by_std=True)
+    m = trainer.train_batch(batch)
     assert m["rollout_corr/rollout_is_seq_max"] == pytest.approx(2.0)
     assert m["rollout_corr/rollout_is_seq_min"] == pytest.approx(1.0, abs=1e-5)
     assert m["actor/step_skipped"] == 0.0

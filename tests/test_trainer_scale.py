@@ -102,7 +102,7 @@ def test_token_budget_micro_batches_give_the_one_big_batch_gradient(scale_model,
         trainer = make_trainer(scale_model, loss_agg_mode=loss_agg_mode, **kw)
         plan = trainer.micro_batches(batch)
         lp = trainer.compute_logprobs(batch)
-        metrics = trainer.update(batch)
+        metrics = trainer.train_batch(batch)
         results.append((plan, lp, metrics, trainer.full_state_dict()))
     (plan_one, lp_one, m_one, sd_one), (plan_tok, lp_tok, m_tok, sd_tok) = results
     assert len(plan_one) == 1 and [mb.tolist() for mb in plan_tok] == [[3], [6], [2], [5, 1], [4, 0]]
@@ -126,7 +126,7 @@ def test_activation_checkpointing_recomputes_layers_and_keeps_the_step(scale_mod
         calls = [0]
         for layer in trainer.model.model.layers:
             layer.mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-        metrics = trainer.update(batch)  # decoupled: 2 no-grad micro-batches + 2 training ones
+        metrics = trainer.train_batch(batch)  # decoupled: 2 no-grad micro-batches + 2 training ones
         out.append((calls[0], metrics, trainer.full_state_dict()))
     (calls_off, m_off, sd_off), (calls_on, m_on, sd_on) = out
     assert calls_off == 2 * 2 * NUM_LAYERS  # (π_old pass + training pass) x 2 micro-batches x layers
@@ -147,7 +147,7 @@ def test_bf16_mixed_precision_trains_with_fp32_master_weights(scale_model, make_
     assert (lp - fp32).abs().max() < 0.1 and not torch.equal(lp, fp32)  # bf16 really computed
     on_policy = TrainBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, lp * batch.loss_mask,
                            torch.where(batch.loss_mask > 0, 1.0, 0.0))  # every trained token favoured
-    metrics = trainer.update(on_policy)
+    metrics = trainer.train_batch(on_policy)
     after = trainer.compute_logprobs(batch)
     mask = batch.loss_mask
     assert metrics["actor/step_skipped"] == 0.0 and metrics["actor/grad_norm"] > 0

@@ -94,7 +94,7 @@ def test_two_updates_match_trainer_worker(decoupled_pair):
     assert torch.allclose(lp_ours, lp_ref, atol=TOL)
     assert bool((lp_ours[:, 0] == 0).all()) and bool((lp_ours[batches[0].attention_mask == 0] == 0).all())
     for batch in batches:
-        m_ours, m_ref = ours.update(batch), ref.update(batch)
+        m_ours, m_ref = ours.train_batch(batch), ref.train_batch(batch)
         assert m_ours["actor/step_skipped"] == 0.0 and m_ours["actor/grad_norm"] > 0
         _assert_same_update(m_ours, m_ref)
         _assert_same_weights(ours, ref)
@@ -110,7 +110,7 @@ def test_weights_and_optimizer_files_are_interchangeable(decoupled_pair, tmp_pat
 
     ours, ref = decoupled_pair
     batch = make_batch(3, [0.5, -1.0, 1.0])
-    ours.update(batch), ref.update(batch)  # non-empty AdamW state, whatever ran before
+    ours.train_batch(batch), ref.train_batch(batch)  # non-empty AdamW state, whatever ran before
     w_ours = load_file(ours.export_weights(str(tmp_path / "ours.safetensors")))
     w_ref = load_file(ref.export_weights(str(tmp_path / "ref.safetensors")))
     assert w_ours.keys() == w_ref.keys()
@@ -171,7 +171,7 @@ def test_bypass_seq_mean_and_token_budget_match_trainer_worker(model_path):
     try:
         assert ours.hf_model().is_gradient_checkpointing
         batch = make_batch(2, [1.0, -1.0, 0.5, -0.5, 2.0, -1.5])
-        m_ours, m_ref = ours.update(batch), ref.update(batch)
+        m_ours, m_ref = ours.train_batch(batch), ref.train_batch(batch)
         assert "actor/entropy" not in m_ours
         assert m_ours["rollout_corr/training_log_ppl"] != 0.0  # π_θ really captured from the forward
         _assert_same_update(m_ours, m_ref)
@@ -198,7 +198,7 @@ def test_rollouts_of_several_rows_count_once_in_both_engines(model_path, mode):
                             row_sample=torch.tensor([0, 0, 1, 1, 1, 2]))
         batch = TrainBatch(b.input_ids, b.attention_mask, b.loss_mask, b.rollout_logprobs, b.advantages, samples=table)
         assert batch.num_trained_rollouts() == 3 and batch.rollout_num_tokens().tolist()[:2] == [8.0, 8.0]  # 3 + 5
-        m_ours, m_ref = ours.update(batch), ref.update(batch)
+        m_ours, m_ref = ours.train_batch(batch), ref.train_batch(batch)
         _assert_same_update(m_ours, m_ref)
         _assert_same_weights(ours, ref)
     finally:

@@ -1,87 +1,114 @@
 """Driver-side clients of the actors: the trainer client, the sample store, the gateway probe.
 
-Each turns a loop protocol call into calls on Ray actor handles (or any object with the same
-methods), so the loop never sees Ray. Invariant of `TrainerClient.update`: the batch it sends holds
-exactly the rows of the given groups, each row carrying its sample's GRPO advantage.
+Each turns a loop protocol call into calls on the actors (or any object with the same methods),
+so the loop never sees Ray. The driver is a control plane: it handles metadata, never a token.
+Invariants: `TrainerClient.update` sends a train order (keys, groups, rewards; the trainer ranks
+read the rows from the trajectory buffer themselves) and nothing when no row is to be trained;
+`BufferStore.sample_infos` reads the buffer's tags once and raises naming the samples a group
+lacks. `DriverBytes` measures both claims per step: the pickled bytes the driver got from the
+rollout pool and from the buffer (`driver/bytes_from_rollouts`, `driver/bytes_from_buffer`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import pickle
 from typing import Any, Awaitable, Callable, TypeVar
 
-import torch
-
-from workers.core.algorithms.advantages import grpo_outcome_advantages
-from workers.core.algorithms.batch import SampleTable, TrainBatch
 from workers.core.calls import actor_died
-from workers.core.types import EngineLoad
+from workers.core.types import EngineLoad, RolloutRequest, SampleInfo, TrainOrder
 from workers.gateway.client import GatewayClient
 from workers.inference.client import ReplicaClient
-from orchestrator.loop.batching import Group
 
 T = TypeVar("T")
 
 
-def build_train_batch(groups: tuple[Group, ...], *, pad_id: int, norm_adv_by_std: bool) -> TrainBatch:
-    """Rows of every sample in `groups`, each with its sample's GRPO advantage ([rows, seq] tensors).
+class DriverBytes:
+    """Pickled bytes the driver received, per step: `driver/bytes_from_rollouts` (what the rollout
+    pool's `run_all` returned, for `driver/rollouts_returned` rollouts), `driver/bytes_from_buffer`
+    (what the buffer's listings returned, for `driver/samples_listed` samples), and
+    `driver/bytes_per_rollout`: the two per-rollout means added (in async mode the rollouts that
+    return in a step and the samples it lists differ, so each is divided by its own count)."""
 
-    The batch carries a SampleTable (group and reward of every sample, row -> sample) so the trainer
-    can recompute group advantages when rejection masks exclude a sample (algorithms/rejection.py).
-    """
-    samples = [s for g in groups for s in g.samples]
-    rewards = torch.tensor([float(s.reward) for s in samples], dtype=torch.float32)  # type: ignore[arg-type]
-    group_ids = [s.group_id for s in samples]
-    adv = grpo_outcome_advantages(rewards, group_ids, norm_adv_by_std=norm_adv_by_std)
-    rows, row_adv, row_sample = [], [], []
-    for i, (s, a) in enumerate(zip(samples, adv.tolist())):
-        for r in s.rows:
-            if r.num_generated > 0:
-                rows.append(r)
-                row_adv.append(a)
-                row_sample.append(i)
-    table = SampleTable(group_index=torch.tensor(group_ids, dtype=torch.long), rewards=rewards,
-                        row_sample=torch.tensor(row_sample, dtype=torch.long), norm_adv_by_std=norm_adv_by_std)
-    return TrainBatch.from_rows(rows, row_adv, pad_id=pad_id, samples=table)
+    def __init__(self) -> None:
+        self._rollouts = self._buffer = self._returned = self._listed = 0
+
+    def from_rollouts(self, outcomes: Any, count: int) -> None:
+        self._rollouts += len(pickle.dumps(outcomes))
+        self._returned += count
+
+    def from_buffer(self, infos: list[Any]) -> None:
+        self._buffer += len(pickle.dumps(infos))
+        self._listed += len(infos)
+
+    async def __call__(self) -> dict[str, float]:
+        """The step's counts (then reset)."""
+        per = (self._rollouts / self._returned if self._returned else 0.0) + (
+            self._buffer / self._listed if self._listed else 0.0)
+        out = {"driver/bytes_from_rollouts": float(self._rollouts), "driver/bytes_from_buffer": float(self._buffer),
+               "driver/rollouts_returned": float(self._returned), "driver/samples_listed": float(self._listed),
+               "driver/bytes_per_rollout": per}
+        self._rollouts = self._buffer = self._returned = self._listed = 0
+        return out
 
 
-def total_num_tokens(groups: tuple[Group, ...]) -> int:
-    """Every token (prompt, environment and generated) of the samples in `groups` that train on at
-    least one token: a trained batch's sequence tokens before padding, as verl counts
-    `perf/total_num_tokens` (the attention mask's sum; its `perf/throughput` divides it by the step's
-    seconds and GPUs). A sample whose tokens are all loss-masked (stale, kept masked) trains
-    nothing and is not counted."""
-    return sum(len(r.token_ids) for g in groups for s in g.samples if any(r.num_generated for r in s.rows)
-               for r in s.rows)
+class MeteredRollouts:
+    """The loop's Rollouts over a rollout pool, counting the bytes `run_all` returns (`DriverBytes`)."""
+
+    def __init__(self, pool: Any, meter: DriverBytes) -> None:
+        self._pool, self._meter = pool, meter
+
+    async def run_all(self, reqs: list[RolloutRequest], partition: str) -> list[Any]:
+        outcomes = await self._pool.run_all(reqs, partition)
+        self._meter.from_rollouts(outcomes, len(reqs))
+        return outcomes
 
 
 class TrainerClient:
-    """Loop-facing trainer: builds the batch on the driver, updates on the trainer actor."""
+    """Loop-facing trainer: completes a train order (advantage settings, pad id, the buffer's
+    handle) and hands it to the trainer (a TrainerGroup: its ranks read their own rows)."""
 
-    def __init__(self, actor: Any, *, pad_id: int, norm_adv_by_std: bool) -> None:
-        self._actor = actor
+    def __init__(self, trainer: Any, *, pad_id: int, norm_adv_by_std: bool, buffer: Any) -> None:
+        self._trainer = trainer
         self._pad_id = pad_id
         self._norm = norm_adv_by_std
+        self._buffer = buffer  # BufferHandle: picklable, each rank connects with it
 
-    async def update(self, groups: tuple[Group, ...]) -> dict[str, float]:
-        """One optimizer step on `groups`; no step when no token is trainable (all masked). Adds
-        `perf/total_num_tokens` (`total_num_tokens`) to the trainer's metrics."""
-        if not any(r.num_generated for g in groups for s in g.samples for r in s.rows):
-            return {"actor/num_tokens": 0.0, "perf/total_num_tokens": 0.0, "actor/step_skipped": 1.0}
-        batch = build_train_batch(groups, pad_id=self._pad_id, norm_adv_by_std=self._norm)
-        return await self._actor.update.remote(batch) | {"perf/total_num_tokens": float(total_num_tokens(groups))}
+    async def update(self, order: TrainOrder) -> dict[str, float]:
+        """One optimizer step on `order`; no step when no row is to be trained (all masked). Adds
+        `trainer/rows_ordered` (rows the order asked the ranks to read; the ranks report
+        `trainer/rows_read`) to the trainer's metrics."""
+        if not order.num_rows:
+            return {"actor/num_tokens": 0.0, "perf/total_num_tokens": 0.0, "actor/step_skipped": 1.0,
+                    "trainer/rows_ordered": 0.0, "trainer/rows_read": 0.0}
+        order = dataclasses.replace(order, norm_adv_by_std=self._norm, pad_id=self._pad_id, buffer=self._buffer)
+        return await self._trainer.update(order) | {"trainer/rows_ordered": float(order.num_rows)}
 
 
 class BufferStore:
-    """The loop's SampleStore over a TrajectoryBuffer: waits until each group is whole."""
+    """The loop's SampleStore over a TrajectoryBuffer: one listing of tags per call, no token."""
 
-    def __init__(self, buffer: Any, group_size: int, timeout_s: float) -> None:
+    def __init__(self, buffer: Any, group_size: int, meter: DriverBytes | None = None) -> None:
         self._buffer = buffer
         self._n = group_size
-        self._timeout_s = timeout_s
+        self._meter = meter
 
-    async def get_groups(self, partition: str, group_ids: list[int]) -> list:
-        return await self._buffer.get_groups(partition, group_ids, group_size=self._n, timeout_s=self._timeout_s)
+    async def sample_infos(self, partition: str, group_ids: list[int]) -> list[SampleInfo]:
+        """The metadata of `group_ids`' samples, read once: their rollouts have returned, so every
+        sample is stored (a rollout worker puts before it returns). Raises RuntimeError naming the
+        group and the sample indices it lacks (or holds twice)."""
+        infos = await self._buffer.sample_infos(partition, group_ids)
+        if self._meter is not None:
+            self._meter.from_buffer(infos)
+        by_group: dict[int, list[int]] = {g: [] for g in group_ids}
+        for i in infos:
+            by_group[i.group_id].append(i.sample_index)
+        wrong = {g: sorted(ix) for g, ix in by_group.items() if sorted(ix) != list(range(self._n))}
+        if wrong:
+            raise RuntimeError(f"buffer partition {partition!r}: groups whose rollouts returned do not hold samples "
+                               f"0..{self._n - 1} (group -> sample indices stored): {wrong}")
+        return infos
 
     async def clear(self, partition: str) -> None:
         await self._buffer.clear(partition)

@@ -24,9 +24,9 @@ import asyncio
 import time
 from typing import Any, Awaitable, Callable, Sequence
 
-from orchestrator.loop.batching import Group
 from orchestrator.loop.common import Trainer
 from workers.inference.client import ReplicaClient
+from workers.core.types import TrainOrder
 
 
 class SleepingTrainer:
@@ -41,8 +41,8 @@ class SleepingTrainer:
         self._replicas = [ReplicaClient(r) for r in replicas]
         self._clock = clock
 
-    async def update(self, groups: tuple[Group, ...]) -> dict[str, float]:
-        """Sleep every replica, run `trainer.update(groups)`, wake every replica; see the module
+    async def update(self, order: TrainOrder) -> dict[str, float]:
+        """Sleep every replica, run `trainer.update(order)`, wake every replica; see the module
         docstring for the metrics added to the trainer's. Raises RuntimeError if a replica fails
         to sleep or to wake (after trying to wake the others)."""
         t0 = self._clock()
@@ -50,7 +50,7 @@ class SleepingTrainer:
         asleep = [r for r, rep in zip(self._replicas, slept) if not isinstance(rep, BaseException)]
         try:
             _raise_failed("sleep", slept)
-            metrics = await self._trainer.update(groups)
+            metrics = await self._trainer.update(order)
         finally:
             _raise_failed("wake_up", await _each(r.wake_up() for r in asleep))
         reports = [r for r in slept if not isinstance(r, BaseException)]

@@ -31,7 +31,6 @@ from orchestrator.watch.metrics import MetricLogger
 from orchestrator.watch.progress import phase
 from workers.gateway.client import GatewayClient
 from workers.inference.client import ReplicaClient
-from workers.trainer.client import TrainerRankClient
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
@@ -114,7 +113,7 @@ async def _start_actors(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack
     replicas = [spawn_replica(i) for i in range(cfg.inference.replicas)]
     engines_up = [asyncio.ensure_future(ReplicaClient(r).start()) for r in replicas]  # the longest start: first
     threads = {"env_vars": {"OMP_NUM_THREADS": str(cfg.cluster.torch_threads)}}
-    trainer = await start_trainer_ranks(  # one actor, or N data-parallel ranks behind the same .remote surface
+    trainer = await start_trainer_ranks(  # a TrainerGroup of one rank actor or N data-parallel ranks
         ray.remote(num_cpus=0)(trainer_cls),
         trainer_settings(cfg.trainer, algorithm=cfg.algorithm, inference=cfg.inference, model_path=model_path,
                          sampling=(cfg.rollout.temperature, cfg.rollout.top_p), lora=lora_settings(cfg.model.lora),
@@ -132,7 +131,7 @@ async def _start_actors(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack
     await asyncio.gather(*engines_up, pool.prepare())  # the rollout actors build their clients meanwhile
     phase("engines ready; starting the weight sync")
     if ckpt is not None:
-        await TrainerRankClient(trainer).load_optimizer(str(ckpt.optimizer_path))
+        await trainer.load_optimizer(str(ckpt.optimizer_path))
     adapter_sync = cfg.model.lora.enabled and cfg.inference.lora_sync == "adapter"
     weights = await open_weight_sync(cfg.trainer.weight_sync.backend, trainer, replicas,  # file, or a broadcast group
                                      ranks_per_replica=cfg.cluster.inference.tensor_parallel_size,
@@ -146,7 +145,7 @@ async def _start_actors(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack
 
 async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.AsyncExitStack) -> BuiltRun:
     """The loop's parts over the started actors: prompts, ledger, store, trainer, probes, checkpointer."""
-    from orchestrator.adapters.clients import BufferStore, GatewayProbe, TrainerClient
+    from orchestrator.adapters.clients import BufferStore, DriverBytes, GatewayProbe, MeteredRollouts, TrainerClient
     from orchestrator.control.run_checkpoint import ResumablePrompts, RunCheckpointer, position_of, trim_after
     from orchestrator.control.supervise import ActorDirectory
     from orchestrator.loop.batching import RolloutLedger
@@ -166,13 +165,15 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
                                        sampler_settings(cfg.task))
     supervisor = _supervisor(cfg, a, version)
     watchers = [w for w in (supervisor, _server_watch(rt)) if w is not None]
-    ranks = list(getattr(a.trainer, "ranks", [a.trainer]))
+    ranks = list(a.trainer.ranks)
     directory = ActorDirectory(run_dir / "actors.json", lambda: {
         **{f"inference-{i}": r for i, r in enumerate(a.replicas)}, **{f"trainer-rank-{i}": r for i, r in enumerate(ranks)},
         "gateway": a.gateway, **a.pool.named_actors()})
     await directory.refresh()
     cpu = CpuProbe(lambda: {**directory.pids(), **(rt.local.pids() if rt.local is not None else {})})
-    trainer_client = TrainerClient(a.trainer, pad_id=a.pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std)
+    trainer_client = TrainerClient(a.trainer, pad_id=a.pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
+                                   buffer=a.buffer.handle)
+    driver_bytes = DriverBytes()  # what the driver receives per step: outcomes and tags, never a token
     concurrency = _concurrency(cfg, a.replicas)  # rollout.concurrency=adaptive, else None
     if concurrency is not None and cfg.rollout.contract == "a2a" and cfg.rollout.rollout_slots:
         watchers.append(_slot_steering(cfg, concurrency, a.pool))  # the window steers rollout slots
@@ -183,13 +184,13 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
         ledger.restore(ckpt.state.counters)  # cumulative counters go on from the checkpoint's
     acr_totals = _acr_totals(a.pool, ckpt.state.counters if ckpt else {})
     parts = LoopParts(
-        prompts=prompts, rollouts=a.pool, ledger=ledger,
-        store=BufferStore(a.buffer, cfg.rollout.n, cfg.rollout.timeout_s),
+        prompts=prompts, rollouts=MeteredRollouts(a.pool, driver_bytes), ledger=ledger,
+        store=BufferStore(a.buffer, cfg.rollout.n, driver_bytes),
         trainer=_colocated(cfg, trainer_client, a.replicas), weights=weights, logger=logger,
         probe=_probes(_with_gate(GatewayProbe(a.gateway, a.replicas), concurrency), *(w.metrics for w in watchers),
                       *([weights.metrics] if hasattr(weights, "metrics") else []),
                       lambda: _pool_recovery_metrics(a.pool), directory.refresh, cpu, ResourceProbe(a.buffer),
-                      SlotProbe(a.pool.slot_stats)),
+                      SlotProbe(a.pool.slot_stats), driver_bytes),
         checkpoint=RunCheckpointer(run_dir, a.trainer, prompts, save_freq=cfg.trainer.save_freq,
                                    keep_last=cfg.trainer.max_ckpt_to_keep, counters=ledger.settled_counts,
                                    acr_counters=acr_totals),
@@ -318,7 +319,7 @@ async def _validator(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextli
     from orchestrator.loop.validation import Validator
 
     pool = await start_pool(cfg, rt, eval_rollout_settings(cfg.eval, a.settings), a.gateway, a.buffer, closing)
-    return Validator(pool=pool, store=BufferStore(a.buffer, cfg.eval.n, cfg.rollout.timeout_s),
+    return Validator(pool=pool, store=BufferStore(a.buffer, cfg.eval.n),
                      rows=TASKS[cfg.task.name].rows(cfg.task, cfg.task.val_split),
                      settings=eval_settings(cfg.eval, step_rollouts=cfg.samples_per_step),
                      test_freq=t.test_freq, val_before_train=t.val_before_train, clock=time.monotonic)

@@ -17,13 +17,12 @@ Every step (saved or not) the checkpointer appends `{"step", "input_ids"}` to
 filtered or failed), in order; a resume drops the lines after its checkpoint's step, so across a
 killed and resumed run the file lists what an uninterrupted run would have consumed.
 
-No Ray import: the trainer is any object whose `save_hf` / `save_optimizer` have a `.remote`.
+No Ray import: the trainer is any object whose `save_hf` / `save_optimizer` are coroutines (a TrainerGroup).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -33,7 +32,6 @@ from orchestrator.loop.common import LoopPosition
 from orchestrator.loop.prompts import PromptCycle, PromptCycleState
 from orchestrator.loop.sampler import DifficultySampler, SamplerSettings
 from orchestrator.loop.staleness import AdmissionState
-from workers.trainer.client import TrainerRankClient
 
 CONSUMED_FILENAME = "consumed_prompts.jsonl"
 
@@ -106,7 +104,7 @@ class RunCheckpointer:
 
     Args:
         run_dir: the run directory (checkpoints go to `run_dir/checkpoints/step-XXXXXXXX/`).
-        trainer: the trainer actor (`save_hf(dir)`, `save_optimizer(path)`, called with `.remote`).
+        trainer: the trainer (a TrainerGroup: `await save_hf(dir)`, `await save_optimizer(path)`).
         prompts: the loop's prompt source.
         save_freq: steps between checkpoints. keep_last: checkpoints kept (older ones pruned).
         counters: the run's cumulative counters now (the ledger's `settled_counts`), read with the position.
@@ -138,9 +136,8 @@ class RunCheckpointer:
                          prompts=prompt_state, admission=AdmissionState(pos.policy_version, pos.trained_groups),
                          pending_rows=(*pos.pending_rows, *undrawn), counters={**acr, **counters})
         with stage_checkpoint(self._run_dir, pos.step, keep_last=self._keep_last) as stage:
-            trainer = TrainerRankClient(self._trainer)
-            await trainer.save_hf(str(stage.model_dir))
-            await trainer.save_optimizer(str(stage.optimizer_path))
+            await self._trainer.save_hf(str(stage.model_dir))
+            await self._trainer.save_optimizer(str(stage.optimizer_path))
             self.saved.append(stage.commit(state))
 
 

@@ -6,7 +6,10 @@ none past the run's last update: orchestrator/loop/staleness.py) and runs each g
 rollouts as its own task; finished groups queue up. The consumer (this loop) takes finished
 groups, filters them, checks every sample's staleness (trainer version − oldest token version),
 trains `sync_every` mini-batches of B groups, pushes weights and bumps the version, which frees
-capacity.
+capacity. The loop holds only the samples' metadata (read once per finished group); a trained
+group's rows stay in the buffer until the trainer ranks have read them for its update, then go
+(`clear_groups`); an untrained group's go at once, and whatever is left at the end with the
+partition.
 
 Invariants: every dispatched rollout reaches exactly one terminal state in the ledger
 (`completed` = trained, `filtered`, `failed`, `expired` = too stale, or still running when the
@@ -25,7 +28,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from orchestrator.loop.batching import Group, assemble
+from orchestrator.loop.batching import Group, assemble, train_order
 from orchestrator.loop.common import (LoopParts, LoopPosition, LoopReport, close_sample, close_trained, close_untrained,
                                        dispatch_group, end_step, finish, ledger_key, report_groups, step_metrics,
                                        sync_weights)
@@ -33,7 +36,7 @@ from orchestrator.loop.staleness import AdmissionState
 from orchestrator.loop.staleness import Admission, SampleStaleness, StalenessPolicy, judge_samples, staleness_metrics
 from orchestrator.loop.staleness_gate import AdmissionGate
 from orchestrator.loop.validation import ValidationLane
-from workers.core.types import RolloutRequest, Sample
+from workers.core.types import RolloutRequest, SampleInfo
 
 PARTITION = "async"  # one buffer partition; groups are cleared one by one once consumed
 GROUP_WAIT_S = 0.5  # the consumer re-checks the producer's health at least this often (seconds)
@@ -88,8 +91,8 @@ class _StepStats:
     facts: list[SampleStaleness] = field(default_factory=list)
     masked: set[str] = field(default_factory=set)  # ledger keys trained with a zero loss mask
     wait_s: float = 0.0
-    samples: list[Sample] = field(default_factory=list)  # every sample the step collected (expired ones too)
-    trained: list[Sample] = field(default_factory=list)  # those its updates took
+    samples: list[SampleInfo] = field(default_factory=list)  # every sample the step collected (expired ones too)
+    trained: list[SampleInfo] = field(default_factory=list)  # those its updates took
 
 
 async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosition | None = None) -> LoopReport:
@@ -126,7 +129,9 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
                 groups = await _collect(parts, cfg, policy, controller, gate, ready, producer, version.value, st,
                                         inflight)
                 t0 = parts.clock()
-                update_metrics.append(await parts.trainer.update(tuple(groups)))
+                masked = {s.session_id for g in groups for s in g.samples if ledger_key(s) in st.masked}
+                update_metrics.append(await parts.trainer.update(train_order(PARTITION, tuple(groups), masked)))
+                await parts.store.clear_groups(PARTITION, [g.group_id for g in groups])  # read by the ranks: done
                 st.trained.extend(s for g in groups for s in g.samples)
                 t_update += parts.clock() - t0
                 close_trained(parts.ledger, groups, st.masked)
@@ -217,8 +222,7 @@ async def _collect(parts: LoopParts, cfg: AsyncLoopSettings, policy: StalenessPo
         t0 = parts.clock()
         gid = await _next_ready(ready, producer, inflight)
         st.wait_s += parts.clock() - t0
-        samples = await parts.store.get_groups(PARTITION, [gid])
-        await parts.store.clear_groups(PARTITION, [gid])
+        samples = await parts.store.sample_infos(PARTITION, [gid])  # metadata; the rows stay for the ranks
         inflight.rows.pop(gid, None)  # every sample of the group reaches its terminal state below
         st.samples.extend(samples)
         report_groups(parts.prompts, samples)
@@ -235,6 +239,7 @@ async def _collect(parts: LoopParts, cfg: AsyncLoopSettings, policy: StalenessPo
         if parts.first_rollouts is not None and (why := parts.first_rollouts.observe(samples)) is not None:
             raise _Stopped(why)
         if not batch.trainable:
+            await parts.store.clear_groups(PARTITION, [gid])  # nothing of it trains: its rows go now
             controller.on_finished(kept=False)  # capacity back: the producer may admit another group
             gate.notify()
             if (why := no_signal.observe(batch.filtered, len(groups), cfg.groups_per_update)) is not None:
@@ -257,7 +262,7 @@ class _NoSignal:
     reward_sum: float = 0.0
     samples: int = 0
 
-    def observe(self, filtered: tuple[Sample, ...], have: int, want: int) -> str | None:
+    def observe(self, filtered: tuple[SampleInfo, ...], have: int, want: int) -> str | None:
         """Count one untrained group; the stop message once `limit` is reached, else None."""
         if not filtered:
             return None  # failed or expired, not a lack of signal
@@ -301,7 +306,7 @@ async def _drain(parts: LoopParts, producer: asyncio.Task, running: set[asyncio.
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
     while not ready.empty():
-        gid = ready.get_nowait()
-        await parts.store.clear_groups(PARTITION, [gid])
+        ready.get_nowait()
+    await parts.store.clear(PARTITION)  # finished groups never trained (and any a stopped step held)
     for key in parts.ledger.open_rollouts():
         parts.ledger.on_terminal(key, "expired")  # generated after the last update: never trained

@@ -1,4 +1,4 @@
-"""Groups, filters and mini-batch split: from finished samples to what the trainer updates on.
+"""Groups, filters and mini-batch split: from finished samples' metadata to the train order of an update.
 
 Pure logic (no Ray, no HTTP, no torch). Invariant: every sample handed to `assemble` comes back
 in exactly one of `GroupBatch.trainable`, `.filtered`, `.failed` or `.dropped`; a sample without a
@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from workers.core.types import TERMINAL_STATES, RolloutStatus, Sample
+from workers.core.types import TERMINAL_STATES, OrderSample, RolloutStatus, SampleInfo, TrainOrder
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,7 @@ class Group:
     """The trainable samples of one prompt (completed, finite reward)."""
 
     group_id: int
-    samples: tuple[Sample, ...]
+    samples: tuple[SampleInfo, ...]
 
     @property
     def rewards(self) -> list[float]:
@@ -35,15 +36,15 @@ class GroupBatch:
     """One step's samples sorted by fate. `trainable` groups keep the dataset order of group ids."""
 
     trainable: tuple[Group, ...]
-    filtered: tuple[Sample, ...]
-    failed: tuple[Sample, ...]
-    dropped: tuple[Sample, ...] = ()  # truncated samples with no reward to train on (rollout.overflow)
+    filtered: tuple[SampleInfo, ...]
+    failed: tuple[SampleInfo, ...]
+    dropped: tuple[SampleInfo, ...] = ()  # truncated samples with no reward to train on (rollout.overflow)
 
 
-def assemble(samples: list[Sample], *, filter_zero_variance: bool, min_group_size: int = 2) -> GroupBatch:
+def assemble(samples: list[SampleInfo], *, filter_zero_variance: bool, min_group_size: int = 2) -> GroupBatch:
     """Group samples by `group_id` and decide each sample's fate.
 
-    - a trainable sample (`Sample.trainable`: completed, or truncated with the reward
+    - a trainable sample (`SampleInfo.trainable`: completed, or truncated with the reward
       rollout.overflow gave it) joins its group: a truncated one counts in the GRPO baseline;
     - a truncated sample without a reward (rollout.overflow=drop) goes to `dropped`;
     - any other (failed, expired) goes to `failed`;
@@ -52,9 +53,9 @@ def assemble(samples: list[Sample], *, filter_zero_variance: bool, min_group_siz
     - with `filter_zero_variance`, a group whose rewards are all equal carries no GRPO signal
       (every advantage is 0): its samples are `filtered`.
     """
-    by_group: dict[int, list[Sample]] = {}
-    failed: list[Sample] = []
-    dropped: list[Sample] = []
+    by_group: dict[int, list[SampleInfo]] = {}
+    failed: list[SampleInfo] = []
+    dropped: list[SampleInfo] = []
     for s in samples:
         if s.trainable:
             by_group.setdefault(s.group_id, []).append(s)
@@ -65,7 +66,7 @@ def assemble(samples: list[Sample], *, filter_zero_variance: bool, min_group_siz
         else:
             raise ValueError(f"sample {s.session_id} reached batching already {s.status!r}")
     trainable: list[Group] = []
-    filtered: list[Sample] = []
+    filtered: list[SampleInfo] = []
     for gid in sorted(by_group):
         members = sorted(by_group[gid], key=lambda s: s.sample_index)
         rewards = [float(s.reward) for s in members]  # type: ignore[arg-type]
@@ -96,7 +97,23 @@ def split_groups(groups: tuple[Group, ...], num_mini_batches: int) -> list[tuple
     return out
 
 
-def reward_stats(samples: list[Sample]) -> dict[str, float]:
+def train_order(partition: str, groups: tuple[Group, ...], masked: Collection[str] = ()) -> TrainOrder:
+    """The train order of one update on `groups` (stored in `partition`): every sample with its group
+    and reward, and the keys of the rows a trainer rank reads: those with a generated token, of the
+    samples not in `masked` (session ids trained with a zero loss mask: they stay in their group's
+    statistics, with no row read). No token: the ranks read the rows themselves."""
+    samples = []
+    for g in groups:
+        for s in g.samples:
+            read = () if s.session_id in masked else tuple(j for j, n in enumerate(s.row_generated) if n > 0)
+            samples.append(OrderSample(s.session_id, s.group_id, float(s.reward),  # type: ignore[arg-type]
+                                       tuple(s.row_keys[j] for j in read), tuple(s.row_lens[j] for j in read)))
+    in_order = {s.session_id for s in samples}
+    return TrainOrder(partition=partition, samples=tuple(samples),
+                      masked=tuple(sorted(m for m in masked if m in in_order)))
+
+
+def reward_stats(samples: list[SampleInfo]) -> dict[str, float]:
     """`reward/mean`, `reward/std`, `reward/max`, `reward/min` over completed samples (NaN if none)."""
     vals = [float(s.reward) for s in samples if s.status == "completed" and s.reward is not None]
     if not vals:

@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 from orchestrator.loop.batching import Group, GroupBatch, RolloutLedger, reward_stats
 from orchestrator.watch.alarms import HealthAlarms
-from workers.core.types import RolloutRequest, Sample
+from workers.core.types import RolloutRequest, SampleInfo, TrainOrder
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +52,17 @@ class Rollouts(Protocol):
 
 
 class SampleStore(Protocol):
-    async def get_groups(self, partition: str, group_ids: list[int]) -> list[Sample]: ...
+    """The buffer as the loops see it: metadata only. `sample_infos` is read once, after the
+    rollout pool returned the groups' outcomes (their samples are stored by then); a sample
+    missing then raises, naming it."""
+
+    async def sample_infos(self, partition: str, group_ids: list[int]) -> list[SampleInfo]: ...
     async def clear(self, partition: str) -> None: ...
     async def clear_groups(self, partition: str, group_ids: list[int]) -> None: ...
 
 
 class Trainer(Protocol):
-    async def update(self, groups: tuple[Group, ...]) -> dict[str, float]: ...
+    async def update(self, order: TrainOrder) -> dict[str, float]: ...  # the ranks read the order's rows
 
 
 class WeightSync(Protocol):
@@ -104,7 +108,7 @@ class LoopReport:
     stopped: str | None = None  # why the loop ended before its last step (None: it ran them all)
 
 
-def ledger_key(s: Sample | RolloutRequest) -> str:
+def ledger_key(s: SampleInfo | RolloutRequest) -> str:
     """The ledger's key of one rollout: `g{group_id}/s{sample_index}`."""
     return f"g{s.group_id}/s{s.sample_index}"
 
@@ -118,7 +122,7 @@ def dispatch_group(ledger: RolloutLedger, row: dict, group_id: int, n: int) -> l
     return reqs
 
 
-def report_groups(prompts: PromptSource, samples: list[Sample]) -> None:
+def report_groups(prompts: PromptSource, samples: list[SampleInfo]) -> None:
     """Feed each finished group's completed rewards back to the prompt source (one call per group;
     a group with no completed sample is reported with no rewards)."""
     by_group: dict[int, tuple[str, list[float]]] = {}
@@ -130,7 +134,7 @@ def report_groups(prompts: PromptSource, samples: list[Sample]) -> None:
         prompts.on_group_rewards(*by_group[gid])
 
 
-def close_sample(ledger: RolloutLedger, s: Sample, state: str) -> None:
+def close_sample(ledger: RolloutLedger, s: SampleInfo, state: str) -> None:
     """Close one rollout as `state`, or `truncated` when it ran out of context: a truncated rollout
     closes truncated whatever else befell it (orchestrator/loop/batching.py)."""
     ledger.on_terminal(ledger_key(s), "truncated" if s.status == "truncated" else state)  # type: ignore[arg-type]
@@ -161,7 +165,8 @@ async def sync_weights(parts: LoopParts, version: int) -> int:
     return version + 1
 
 
-STEP_SUMS = ("actor/num_tokens", "perf/total_num_tokens")  # counts: a step's is the sum over its mini-batches
+STEP_SUMS = ("actor/num_tokens", "perf/total_num_tokens",  # counts: a step's is the sum over its mini-batches
+             "trainer/rows_read", "trainer/rows_ordered")
 
 
 def mean_update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
@@ -174,9 +179,9 @@ def mean_update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[str, float]], t_gen: float,
+def step_metrics(parts: LoopParts, *, samples: list[SampleInfo], updates: list[dict[str, float]], t_gen: float,
                  t_update: float, t_sync: float, step_s: float, version: int,
-                 trained: list[Sample] | None = None) -> dict[str, float]:
+                 trained: list[SampleInfo] | None = None) -> dict[str, float]:
     """The metrics both loops log per step (times in seconds, throughput in trained tokens/s: the
     loss-mask tokens; `perf/total_num_tokens`, every token of the trained samples, prompts and
     environment tokens too, is verl's measure of throughput and the trainer's to report). With
@@ -195,6 +200,7 @@ def step_metrics(parts: LoopParts, *, samples: list[Sample], updates: list[dict[
         "perf/throughput": trained_tokens / step_s if step_s > 0 else 0.0,
         "perf/trained_tokens": trained_tokens,
         "perf/total_num_tokens": 0.0,  # nothing trained; the updates' sum replaces it (mean_update_metrics)
+        "trainer/rows_read": 0.0, "trainer/rows_ordered": 0.0,  # rows the ranks read / the orders named
         "timing_s/gen": t_gen,
         "timing_s/update_actor": t_update,
         "timing_s/update_weights": t_sync,

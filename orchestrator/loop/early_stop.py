@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from workers.core.types import Sample
+from workers.core.types import SampleInfo
 
 CONTRACT_REASONS = ("agent_error", "bad_result")  # workers/rollout/failures.py reasons an agent's contract causes
 FIRST_ROLLOUTS = 16  # how many first rollouts decide (fewer when a step has fewer)
@@ -36,7 +36,7 @@ CONTRACT_HINTS = {
 }
 
 
-def failure_reason(sample: Sample) -> str | None:
+def failure_reason(sample: SampleInfo) -> str | None:
     """The failure reason of a failed sample (its error starts with `reason:`), else None."""
     if sample.status != "failed" or not sample.error:
         return None
@@ -52,10 +52,10 @@ class FirstRollouts:
             raise ValueError(f"first_n must be >= 1, got {first_n}")
         self._n = first_n
         self._contract = contract
-        self._seen: list[Sample] = []
+        self._seen: list[SampleInfo] = []
         self._decided = False
 
-    def observe(self, samples: Iterable[Sample]) -> str | None:
+    def observe(self, samples: Iterable[SampleInfo]) -> str | None:
         """Take the next finished rollouts; the stop message once the first `first_n` all failed for
         one contract reason, else None (and None ever after once decided)."""
         if self._decided:

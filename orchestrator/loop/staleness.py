@@ -28,8 +28,8 @@ leaves the counters unchanged.
 
 Per-sample verdict: staleness = trainer version at update time - oldest policy version among the
 sample's generated tokens. A sample staler than η is either dropped (terminal state `expired`)
-or, with `on_stale="train_masked"`, kept in its group with every loss-mask bit zeroed (see
-`judge_samples`). Callers: `orchestrator/loop/async_loop.py`, `orchestrator/control/checkpoint.py`.
+or, with `on_stale="train_masked"`, kept in its group with no gradient (masked in the train
+order: no rank reads its rows; see `judge_samples`). Callers: `orchestrator/loop/async_loop.py`, `orchestrator/control/checkpoint.py`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from workers.core.types import Sample, TrajectoryRow
+from workers.core.types import SampleInfo
 
 OnStale = Literal["drop", "train_masked"]
 ON_STALE_CHOICES: tuple[OnStale, ...] = ("drop", "train_masked")
@@ -324,7 +324,7 @@ class SampleStaleness:
     stale: bool
 
 
-def sample_staleness(sample: Sample, trainer_version: int) -> int | None:
+def sample_staleness(sample: SampleInfo, trainer_version: int) -> int | None:
     """staleness = trainer_version - (oldest policy version among the sample's generated tokens)
     (docs/architecture.md, "staleness"); None when the sample generated nothing (failed samples, empty rows).
 
@@ -340,7 +340,7 @@ def sample_staleness(sample: Sample, trainer_version: int) -> int | None:
     return trainer_version - rng[0]
 
 
-def staleness_facts(sample: Sample, trainer_version: int, max_staleness: int) -> SampleStaleness:
+def staleness_facts(sample: SampleInfo, trainer_version: int, max_staleness: int) -> SampleStaleness:
     """`sample_staleness` plus the version range and the verdict: stale iff staleness > max_staleness."""
     st = sample_staleness(sample, trainer_version)
     if st is None:
@@ -351,12 +351,12 @@ def staleness_facts(sample: Sample, trainer_version: int, max_staleness: int) ->
 
 @dataclass(frozen=True)
 class StaleSplit:
-    """`judge_samples` output. `train`: samples for the batch, in input order (stale ones loss-
-    masked under train_masked). `expired`: stale samples dropped (status "expired").
+    """`judge_samples` output. `train`: samples for the batch, in input order (stale ones kept
+    under train_masked: the loop lists them as masked in its train order). `expired`: stale samples dropped (status "expired").
     `facts`: one SampleStaleness per input sample, in input order."""
 
-    train: tuple[Sample, ...]
-    expired: tuple[Sample, ...]
+    train: tuple[SampleInfo, ...]
+    expired: tuple[SampleInfo, ...]
     facts: tuple[SampleStaleness, ...]
 
     @property
@@ -364,29 +364,20 @@ class StaleSplit:
         return sum(f.stale for f in self.facts)
 
 
-def masked(sample: Sample) -> Sample:
-    """`sample` with every loss-mask bit (and rollout log-prob) zeroed: no token gets a gradient."""
-    rows = tuple(
-        TrajectoryRow(r.token_ids, (0,) * len(r.token_ids), (0.0,) * len(r.token_ids), r.versions)
-        for r in sample.rows
-    )
-    return dataclasses.replace(sample, rows=rows)
-
-
-def judge_samples(samples: list[Sample], trainer_version: int, policy: StalenessPolicy) -> StaleSplit:
+def judge_samples(samples: list[SampleInfo], trainer_version: int, policy: StalenessPolicy) -> StaleSplit:
     """Apply the staleness verdict to the completed samples an update is about to train.
 
     - drop: a stale sample leaves the batch with status "expired" (its group keeps the rest).
     - train_masked: a stale sample stays in the batch and in its group's reward statistics (the
-      GRPO mean/std baseline, and the group size) but contributes no gradient: every loss-mask
-      bit of its rows is 0, so it adds nothing to the loss nor to the token-mean denominator
-      (`build_train_batch` skips rows with no generated token).
+      GRPO mean/std baseline, and the group size) but contributes no gradient: the loop lists its
+      session id as masked in the train order (orchestrator/loop/batching.py `train_order`), so
+      no rank reads its rows and it adds nothing to the loss nor to the token-mean denominator.
 
     Raises StalenessError when a sample is newer than `trainer_version`.
     """
     facts = tuple(staleness_facts(s, trainer_version, policy.max_staleness) for s in samples)
-    train: list[Sample] = []
-    expired: list[Sample] = []
+    train: list[SampleInfo] = []
+    expired: list[SampleInfo] = []
     for s, f in zip(samples, facts):
         if not f.stale:
             train.append(s)
@@ -394,7 +385,7 @@ def judge_samples(samples: list[Sample], trainer_version: int, policy: Staleness
             error = f"stale: staleness {f.staleness} > max_staleness {policy.max_staleness}"
             expired.append(dataclasses.replace(s, status="expired", error=error))
         else:
-            train.append(masked(s))
+            train.append(s)  # masked by the loop's train order
     return StaleSplit(tuple(train), tuple(expired), facts)
 
 

@@ -4,7 +4,9 @@ Handed its `LoopParts` (orchestrator/loop/common.py) through small protocols, so
 stand in for the real ones. Invariant: at the end of every step, every rollout dispatched in that
 step is closed in the ledger (trained as `completed`, `filtered` or `failed`), the step's buffer
 partition is cleared, and the policy version has increased by exactly one when the step trained a
-group (a step with nothing to train neither updates nor syncs weights: the version stays); a step in
+group (a step with nothing to train neither updates nor syncs weights: the version stays); the loop
+holds only the samples' metadata, read once after the step's rollouts returned, and the trainer
+ranks read the rows of each update's train order themselves; a step in
 which every rollout failed ends the run there (`LoopReport.stopped` says why: nothing could ever
 train). Validation (`parts.validator`) runs at the step boundary on the weights just synced, and
 before the first step (logged as step 0) with `trainer.val_before_train`.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.loop.batching import assemble, split_groups
+from orchestrator.loop.batching import assemble, split_groups, train_order
 from orchestrator.loop.common import (LoopParts, LoopPosition, LoopReport, close_trained, close_untrained, dispatch_group,
                                        end_step, finish, ledger_key, report_groups, step_metrics,
                                        sync_weights)
@@ -47,7 +49,7 @@ async def run_sync(parts: LoopParts, cfg: SyncLoopSettings, *, start: LoopPositi
 
         t0 = parts.clock()
         await parts.rollouts.run_all(reqs, partition)
-        samples = await parts.store.get_groups(partition, sorted({r.group_id for r in reqs}))
+        samples = await parts.store.sample_infos(partition, sorted({r.group_id for r in reqs}))
         t_gen = parts.clock() - t0
         if {ledger_key(s) for s in samples} != {ledger_key(r) for r in reqs}:
             raise RuntimeError(f"step {step}: buffer returned {len(samples)} samples for {len(reqs)} rollouts")
@@ -62,7 +64,8 @@ async def run_sync(parts: LoopParts, cfg: SyncLoopSettings, *, start: LoopPositi
                        f"e.g. {errors[0][:160]})")
 
         t0 = parts.clock()
-        updates = [await parts.trainer.update(chunk) for chunk in split_groups(batch.trainable, cfg.sync_every)]
+        updates = [await parts.trainer.update(train_order(partition, chunk))
+                   for chunk in split_groups(batch.trainable, cfg.sync_every)]
         close_trained(parts.ledger, batch.trainable)
         t_update = parts.clock() - t0
 

@@ -18,10 +18,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from workers.core.types import RolloutStatus, Sample, TrajectoryRow
+from workers.core.types import RolloutStatus, Sample, SampleInfo, TrajectoryRow, row_key
 
 FIELDS: tuple[str, ...] = ("token_ids", "loss_mask", "rollout_logprobs", "versions")
 EMPTY_ROW_INDEX = -1  # row_index tag of the placeholder row that stands for a sample without rows
+ROW_TAGS = ("row_index", "seq_len", "row_generated")  # tags of one row; the others are its sample's
 
 
 class BufferCorruptError(RuntimeError):
@@ -69,7 +70,7 @@ def encode_sample(sample: Sample) -> list[StoredRow]:
         return [
             StoredRow(
                 key=f"{sample.session_id}/empty",
-                tags={**base, "row_index": EMPTY_ROW_INDEX, "seq_len": 0},
+                tags={**base, "row_index": EMPTY_ROW_INDEX, "seq_len": 0, "row_generated": 0},
                 token_ids=(),
                 loss_mask=(),
                 rollout_logprobs=(),
@@ -78,8 +79,8 @@ def encode_sample(sample: Sample) -> list[StoredRow]:
         ]
     return [
         StoredRow(
-            key=f"{sample.session_id}/{i}",
-            tags={**base, "row_index": i, "seq_len": len(row.token_ids)},
+            key=row_key(sample.session_id, i),
+            tags={**base, "row_index": i, "seq_len": len(row.token_ids), "row_generated": row.num_generated},
             token_ids=row.token_ids,
             loss_mask=row.loss_mask,
             rollout_logprobs=row.rollout_logprobs,
@@ -89,27 +90,18 @@ def encode_sample(sample: Sample) -> list[StoredRow]:
     ]
 
 
-@dataclass(frozen=True)
-class SampleInfo:
-    """A stored sample's tags, readable without fetching its tokens (see `TrajectoryBuffer.sample_infos`).
-
-    min_version / max_version: policy versions over generated tokens; None when nothing was generated.
-    """
-
-    session_id: str
-    group_id: int
-    input_id: str
-    sample_index: int
-    status: RolloutStatus
-    reward: float | None
-    num_rows: int
-    num_generated_tokens: int
-    min_version: int | None
-    max_version: int | None
-
-    @classmethod
-    def from_tags(cls, tags: dict[str, Any]) -> SampleInfo:
-        return cls(**{f: tags[f] for f in cls.__dataclass_fields__})
+def sample_info(listing: dict[str, dict[str, Any]], keys: list[str]) -> SampleInfo:
+    """The metadata of one complete sample from its rows' tags (`keys`: its TQ keys in row order,
+    as `complete_sessions` gives them); the placeholder row of a sample without rows is no row."""
+    t = listing[keys[0]]
+    rows = [k for k in keys if listing[k]["row_index"] != EMPTY_ROW_INDEX]
+    return SampleInfo(
+        session_id=t["session_id"], group_id=t["group_id"], input_id=t["input_id"], sample_index=t["sample_index"],
+        status=t["status"], reward=t["reward"], latency_s=t["latency_s"], error=t["error"], setup_s=t.get("setup_s"),
+        rollout_slot_wait_s=t.get("rollout_slot_wait_s"), num_turns=t.get("num_turns", 0),
+        num_generated_tokens=t["num_generated_tokens"], min_version=t["min_version"], max_version=t["max_version"],
+        row_keys=tuple(rows), row_lens=tuple(listing[k]["seq_len"] for k in rows),
+        row_generated=tuple(listing[k]["row_generated"] for k in rows))
 
 
 def complete_sessions(listing: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
@@ -152,9 +144,9 @@ def decode_samples(rows: Iterable[StoredRow]) -> list[Sample]:
     for sid, srows in by_session.items():
         srows.sort(key=lambda r: r.tags["row_index"])
         t = srows[0].tags
-        base = {k: v for k, v in t.items() if k not in ("row_index", "seq_len")}
+        base = {k: v for k, v in t.items() if k not in ROW_TAGS}
         for r in srows[1:]:
-            other = {k: v for k, v in r.tags.items() if k not in ("row_index", "seq_len")}
+            other = {k: v for k, v in r.tags.items() if k not in ROW_TAGS}
             if other != base:
                 raise BufferCorruptError(f"session {sid} rows disagree on their sample tags: {base} vs {other}")
         if t["num_rows"] == 0:

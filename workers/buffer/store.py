@@ -2,9 +2,10 @@
 
 The orchestrator's one entry point to TransferQueue (TQ, the `transferqueue` package). The driver
 starts the TQ controller and storage units as Ray actors with `TrajectoryBuffer.start`, hands the
-picklable `BufferHandle` to rollout workers, and each worker builds its own client with
-`TrajectoryBuffer.connect(handle)` inside its actor. Writers `put` samples; the loop reads whole
-groups back with `get_groups` and frees them with `clear`.
+picklable `BufferHandle` to rollout workers and trainer ranks, and each builds its own client with
+`TrajectoryBuffer.connect(handle)` inside its actor. Rollout workers `put` samples; the loop lists
+their metadata (`sample_infos`: tags only, never a token) and frees them with `clear`; each trainer
+rank reads the rows of its share of a train order (`read_rows`, workers/trainer/rows.py).
 
 Layout (one TQ row per trajectory row, TQ's key-value interface):
   key    `{session_id}/{row_index}`; a sample with no rows is stored as one placeholder row
@@ -14,16 +15,17 @@ Layout (one TQ row per trajectory row, TQ's key-value interface):
   tags   (TQ custom_meta, one dict per TQ row) the sample's scalars, repeated on each of its rows:
          session_id, group_id, input_id, sample_index, reward, status, latency_s, error,
          min_version, max_version (None when nothing was generated), num_generated_tokens,
-         plus row_index, num_rows and seq_len of this row.
+         plus row_index, num_rows, seq_len and row_generated (generated tokens) of this row.
 
-Invariant: `get_groups` returns Samples equal (`==`) to those put, and only complete ones: a
+Invariant: `get_groups` returns Samples equal (`==`) to those put (`sample_infos` their
+`Sample.info()`, `read_rows` their rows), and only complete ones: a
 sample's rows are written by one TQ put whose tags reach the controller in one message after the
 data is stored, and a reader keeps a sample only when its tagged rows are exactly
 0..num_rows-1; rows that contradict their sample (a session put twice with different rows)
 raise `BufferCorruptError` rather than yield a mixed sample.
 
 Callers: orchestrator main (start/stop), rollout workers (connect, put), the training loops
-(get_groups, group_counts, clear). Ray and TQ are imported inside functions, so importing this
+(sample_infos, clear), trainer ranks (connect, read_rows). Ray and TQ are imported inside functions, so importing this
 module (for `BufferConfig`, `BufferHandle`) needs neither; the pure layout code is in
 `workers.buffer.codec`.
 """
@@ -33,28 +35,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from workers.core.types import Sample
-from workers.buffer.codec import (
-    FIELDS,
-    BufferCorruptError,
-    SampleInfo,
-    StoredRow,
-    complete_sessions,
-    decode_samples,
-    encode_sample,
-)
+from workers.core.types import Sample, SampleInfo, TrajectoryRow, row_key
+from workers.buffer.codec import FIELDS, BufferCorruptError, StoredRow, complete_sessions, decode_samples, encode_sample, sample_info
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
-POLL_INTERVAL_S = 0.05  # get_groups re-lists the partition this often while waiting for samples
 _TQ_BACKEND = "SimpleStorage"  # TQ's in-memory ZMQ storage; needs nothing outside Ray
 
 
@@ -238,11 +230,15 @@ class TrajectoryBuffer:
 
         await self._bounded(write(), f"put of {len(samples)} samples to {partition!r}")
 
-    async def sample_infos(self, partition: str) -> list[SampleInfo]:
-        """Tags of the complete samples in `partition`, sorted by (group_id, sample_index, session_id);
-        one controller request, no token data moved. Empty if the partition does not exist."""
+    async def sample_infos(self, partition: str, group_ids: Sequence[int] | None = None) -> list[SampleInfo]:
+        """Metadata of the complete samples in `partition` (of `group_ids` only, when given), sorted by
+        (group_id, sample_index, session_id); one controller request, no token data moved. Empty if
+        the partition does not exist. The loops read a group's samples this way, once, after the
+        rollout pool said they are stored (a worker puts its sample before it returns its outcome)."""
         listing = await self._list(partition)
-        infos = [SampleInfo.from_tags(listing[keys[0]]) for keys in complete_sessions(listing).values()]
+        wanted = None if group_ids is None else set(group_ids)
+        infos = [sample_info(listing, keys) for keys in complete_sessions(listing).values()
+                 if wanted is None or listing[keys[0]]["group_id"] in wanted]
         return sorted(infos, key=lambda i: (i.group_id, i.sample_index, i.session_id))
 
     async def row_count(self, partition: str) -> int:
@@ -256,47 +252,24 @@ class TrajectoryBuffer:
             counts[info.group_id] += 1
         return dict(counts)
 
-    async def get_groups(
-        self,
-        partition: str,
-        group_ids: Sequence[int],
-        *,
-        group_size: int | None = None,
-        timeout_s: float = 60.0,
-    ) -> list[Sample]:
-        """The complete samples of `group_ids` in `partition`, sorted by (group_id, sample_index).
+    async def read_rows(self, partition: str, keys: Sequence[str]) -> list[TrajectoryRow]:
+        """The trajectory rows stored under `keys` (`SampleInfo.row_keys`), in the order asked: what
+        a trainer rank reads for its share of a train order. Raises BufferCorruptError when a key
+        is missing or not fully written."""
+        rows = await self._read_rows(partition, list(keys))
+        for r in rows:
+            if row_key(r.tags["session_id"], r.tags["row_index"]) != r.key:
+                raise BufferCorruptError(f"row {r.key} of {partition!r} came back tagged as row {r.tags['row_index']} "
+                                         f"of {r.tags['session_id']}")
+        return [TrajectoryRow(r.token_ids, r.loss_mask, r.rollout_logprobs, r.versions) for r in rows]
 
-        group_size: when set, wait until every listed group holds this many complete samples
-            (polling every POLL_INTERVAL_S); raises TimeoutError naming the short groups after
-            `timeout_s`, and ValueError if a group holds more. When None, return what is there.
-        The data stays in the buffer until `clear`.
-        """
+    async def get_groups(self, partition: str, group_ids: Sequence[int]) -> list[Sample]:
+        """The complete samples of `group_ids` in `partition` with their tokens, sorted by
+        (group_id, sample_index); no wait. For tests and tools: the loops read `sample_infos`,
+        the trainer ranks `read_rows`. The data stays in the buffer until `clear`."""
+        listing = await self._list(partition)
         wanted = set(group_ids)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            listing = await self._list(partition)
-            sessions = {
-                sid: keys
-                for sid, keys in complete_sessions(listing).items()
-                if listing[keys[0]]["group_id"] in wanted
-            }
-            if group_size is None:
-                break
-            counts: dict[int, int] = defaultdict(int)
-            for keys in sessions.values():
-                counts[listing[keys[0]]["group_id"]] += 1
-            over = {g: c for g, c in counts.items() if c > group_size}
-            if over:
-                raise ValueError(f"groups hold more than group_size={group_size} samples: {over}")
-            short = {g: counts.get(g, 0) for g in wanted if counts.get(g, 0) < group_size}
-            if not short:
-                break
-            if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"after {timeout_s}s, groups in {partition!r} still short of {group_size} samples: {short}"
-                )
-            await asyncio.sleep(POLL_INTERVAL_S)
-        keys = [k for ks in sessions.values() for k in ks]
+        keys = [k for ks in complete_sessions(listing).values() if listing[ks[0]]["group_id"] in wanted for k in ks]
         return decode_samples(await self._read_rows(partition, keys))
 
     async def clear(self, partition: str, group_ids: Sequence[int] | None = None) -> None:
@@ -330,9 +303,9 @@ class TrajectoryBuffer:
         """`put` from code that has no running event loop."""
         _run_sync(self.put(samples, partition))
 
-    def get_groups_sync(self, partition: str, group_ids: Sequence[int], **kwargs: Any) -> list[Sample]:
+    def get_groups_sync(self, partition: str, group_ids: Sequence[int]) -> list[Sample]:
         """`get_groups` from code that has no running event loop."""
-        return _run_sync(self.get_groups(partition, group_ids, **kwargs))
+        return _run_sync(self.get_groups(partition, group_ids))
 
     def clear_sync(self, partition: str, group_ids: Sequence[int] | None = None) -> None:
         """`clear` from code that has no running event loop."""

@@ -3,7 +3,7 @@
 Parts are handed either actor handles (production) or plain objects (tests, benchmarks, one
 process). Each kind of part has one typed adapter (a `PartClient` subclass beside the Protocol it
 implements: `workers.inference.client.ReplicaClient`, `workers.rollout.clients.RolloutActorClient`,
-`workers.trainer.client.TrainerRankClient`, ...), whose methods name the part's methods as
+`workers.weight_sync.parts.WeightSenderClient`, ...; the trainer's is `TrainerGroup`), whose methods name the part's methods as
 attributes, so a reader and a type checker can follow every call. Inside an adapter,
 `invoke(target.method, *args)` awaits `target.method.remote(*args)` for an actor (a Ray ObjectRef is
 awaitable, so no Ray import is needed here) and `target.method(*args)` otherwise, awaiting the

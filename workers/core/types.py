@@ -211,6 +211,119 @@ class Sample:
         vs = [v for r in self.rows for v in r.generated_versions()]
         return (min(vs), max(vs)) if vs else None
 
+    def info(self) -> SampleInfo:
+        """This sample's metadata, as the trajectory buffer lists it (no token)."""
+        vr = self.version_range()
+        return SampleInfo(self.session_id, self.group_id, self.input_id, self.sample_index, self.status, self.reward,
+                          self.latency_s, self.error, self.setup_s, self.rollout_slot_wait_s, self.num_turns,
+                          self.num_generated_tokens, None if vr is None else vr[0], None if vr is None else vr[1],
+                          tuple(row_key(self.session_id, i) for i in range(len(self.rows))),
+                          tuple(len(r.token_ids) for r in self.rows), tuple(r.num_generated for r in self.rows))
+
+
+def row_key(session_id: str, row_index: int) -> str:
+    """The trajectory buffer's key of one row of a sample: `{session_id}/{row_index}`."""
+    return f"{session_id}/{row_index}"
+
+
+@dataclass(frozen=True)
+class SampleInfo:
+    """A stored sample's metadata: every scalar the loops, metrics, staleness verdict and early
+    stop read, and the keys and sizes of its rows, without a token. The trajectory buffer lists it
+    from its tags (`TrajectoryBuffer.sample_infos`), the simulator from its samples
+    (`Sample.info`); the loops never hold more of a rollout than this.
+
+    min_version / max_version: policy versions over generated tokens; None when nothing was
+    generated. row_keys / row_lens / row_generated: each row's buffer key, token count and
+    generated (loss-mask) token count, in row order.
+    """
+
+    session_id: str
+    group_id: int
+    input_id: str
+    sample_index: int
+    status: RolloutStatus
+    reward: float | None
+    latency_s: float
+    error: str | None = None
+    setup_s: float | None = None
+    rollout_slot_wait_s: float | None = None
+    num_turns: int = 0
+    num_generated_tokens: int = 0
+    min_version: int | None = None
+    max_version: int | None = None
+    row_keys: tuple[str, ...] = ()
+    row_lens: tuple[int, ...] = ()
+    row_generated: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (len(self.row_keys) == len(self.row_lens) == len(self.row_generated)):
+            raise ValueError(f"sample {self.session_id}: row_keys, row_lens and row_generated differ in length")
+
+    @property
+    def trainable(self) -> bool:
+        """As `Sample.trainable`: completed, or truncated with a finite reward."""
+        return self.status in ("completed", "truncated") and self.reward is not None and math.isfinite(self.reward)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_keys)
+
+    @property
+    def num_tokens(self) -> int:
+        """Every token of every row (prompt, environment and generated)."""
+        return sum(self.row_lens)
+
+    def version_range(self) -> tuple[int, int] | None:
+        """As `Sample.version_range`: (min, max) policy version over generated tokens, or None."""
+        return None if self.min_version is None else (self.min_version, self.max_version)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class OrderSample:
+    """One sample of a train order: its group and reward (the GRPO statistics) and the rows a rank
+    reads (`row_keys`, with their token counts `row_lens`): the rows that carry a generated token;
+    none for a loss-masked sample (it counts in its group's statistics only) or, in a rank's shard,
+    for a sample of a shared group whose rows another rank reads."""
+
+    session_id: str
+    group_id: int
+    reward: float
+    row_keys: tuple[str, ...] = ()
+    row_lens: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class TrainOrder:
+    """What one optimizer update trains, without a token: the ranks read the rows from the
+    trajectory buffer themselves (workers/trainer/rows.py).
+
+    partition: the buffer partition of the rows. samples: every sample of the update's groups,
+    group by group. masked: session ids trained with a zero loss mask (too stale under
+    `async.on_stale=train_masked`: in the statistics, no gradient, no row read). norm_adv_by_std,
+    pad_id: the advantage and padding settings. buffer: the `BufferHandle` a rank connects with
+    (None: the trainer is handed rows another way, as in tests). pad_rows: rows without a trained
+    token a rank appends so that every rank runs as many micro-batches (workers/trainer/order.py).
+    """
+
+    partition: str
+    samples: tuple[OrderSample, ...]
+    masked: tuple[str, ...] = ()
+    norm_adv_by_std: bool = True
+    pad_id: int = 0
+    buffer: object = None
+    pad_rows: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        """Rows the order's ranks read."""
+        return sum(len(s.row_keys) for s in self.samples)
+
+    @property
+    def num_tokens(self) -> int:
+        """Every token of the rows the order reads (`perf/total_num_tokens`)."""
+        return sum(sum(s.row_lens) for s in self.samples)
+
 
 @dataclass(frozen=True)
 class RolloutRequest:

@@ -1,5 +1,7 @@
 """The trainer: one Ray actor per data-parallel rank, and `TrainerGroup`, which drives N ranks as one.
 
+The driver hands a train order (keys, groups, rewards: no token); each rank reads its own rows.
+
 One shell, two engines, one protocol:
   protocol.py     `Trainer` (what the driver calls; TrainerWorker, VerlTrainerWorker and TrainerGroup
                   implement it) and `TrainerEngine` (the model-specific seam behind the shell)
@@ -12,8 +14,9 @@ One shell, two engines, one protocol:
   settings.py     TrainerSettings, VerlSettings and their choice lists (no torch at import)
   helpers.py      per-token log-probs, tied weights, atomic file writes, the update plan (pure)
   scale.py        token-budget micro-batches, bf16 mixed precision, activation checkpointing
-  shard.py        split a mini-batch across ranks by whole groups, merge the ranks' metrics
-  group.py        TrainerGroup and start_trainer_ranks
-  client.py       TrainerRankClient: the typed adapter for checkpoint and weight-sync calls
+  order.py        split a train order across ranks by whole groups, merge the ranks' metrics (no torch)
+  rows.py         RowReader: a rank reads its own rows of an order from the trajectory buffer
+  train_batch.py  a rank's padded TrainBatch from its rows and order (GRPO advantages); build_train_batch
+  group.py        TrainerGroup (the driver's one adapter of the trainer) and start_trainer_ranks
 Rendezvous of the ranks: workers/weight_sync/rendezvous.py.
 """

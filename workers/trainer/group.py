@@ -1,18 +1,18 @@
-"""`TrainerGroup`: N data-parallel trainer ranks (TrainerWorker actors) driven as one trainer.
+"""`TrainerGroup`: the driver's one adapter of the trainer: N data-parallel ranks (TrainerWorker or
+VerlTrainerWorker actors, N >= 1) driven as one trainer.
 
-The group stands where one trainer actor handle stands: each method is awaitable directly
-(`await group.update(batch)`) and through `.remote(...)` (`await group.update.remote(batch)`), so
-`TrainerClient`, `RunCheckpointer`, the resume path and the weight-sync wiring, which call a
-handle's methods with `.remote`, drive N ranks without change.
+Every method is a plain coroutine (`await trainer.update(order)`); the driver, the checkpointer,
+the resume path and the weight sync call it the same way for one rank or many.
 
-- `update(batch)` splits the mini-batch by whole groups (workers/trainer/shard.py), runs every
-  rank's `update` concurrently and merges their metrics (`merge_rank_metrics`).
+- `update(order)` splits a train order by whole groups (workers/trainer/order.py), runs every
+  rank's `update` on its shard concurrently (each rank reads its own rows from the trajectory
+  buffer: workers/trainer/rows.py) and merges their metrics (`merge_rank_metrics`).
 - Collective methods (`export_weights`, `export_adapter`, `probe_logprobs`, `save_hf`, `save_optimizer`, `load_optimizer`,
   `full_state_dict`, `open_weight_group`, `broadcast_weights`, `close`) are called on every rank at
   once (each gathers shards, so every rank must take part) and return rank 0's result, the one
   that wrote the file or sent the weights.
-- `__ray_call__.remote(fn, ...)` runs `fn` inside rank 0 (the weight-sync rendezvous asks the
-  trainer's node for its address this way).
+- `run_on_lead(fn, ...)` runs `fn` inside rank 0 (the weight-sync rendezvous asks the trainer's
+  node for its address this way).
 
 Invariant: every call reaches all ranks or none (arguments are checked before any rank is called),
 so no rank waits in a collective for a peer that was never asked. `start_trainer_ranks` starts the
@@ -30,9 +30,9 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from workers.core.algorithms.batch import TrainBatch
 from workers.core.calls import PartClient, actor_died, call, is_actor_method
-from workers.trainer.shard import merge_rank_metrics, shard_batch
+from workers.core.types import TrainOrder
+from workers.trainer.order import merge_rank_metrics, shard_order
 from workers.weight_sync.rendezvous import StoreAddress, host_store, release_store
 
 
@@ -51,32 +51,6 @@ class TrainerRankLost(RuntimeError):
     def __init__(self, rank: int, cause: BaseException) -> None:
         super().__init__(f"trainer rank {rank} died ({type(cause).__name__}: {str(cause).splitlines()[0][:200]})")
         self.rank = rank
-
-
-class _Method:
-    """A bound async method that can also be called as `.remote(...)`, like an actor method."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self._fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fn(*args, **kwargs)
-
-    def remote(self, *args: Any, **kwargs: Any) -> Any:
-        return self._fn(*args, **kwargs)
-
-
-class _remote_method:
-    """Decorator: the method is awaitable as `obj.m(...)` and as `obj.m.remote(...)`."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self._fn = fn
-        self.__doc__ = fn.__doc__
-
-    def __get__(self, obj: Any, cls: type | None = None) -> Any:
-        if obj is None:
-            return self
-        return _Method(self._fn.__get__(obj, cls))
 
 
 class TrainerGroup:
@@ -131,69 +105,59 @@ class TrainerGroup:
             p.cancel()
         return dead
 
-    @_remote_method
-    async def update(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step of every rank on its shard of `batch` (`shard_batch`); the merged
-        metrics (`merge_rank_metrics`: actor/num_tokens, pg_loss, grad_norm global; per-rank means
-        weighted by the ranks' trained tokens). Raises ValueError before any rank is called when
-        the batch cannot be sharded (fewer trained rows than ranks)."""
-        shards = shard_batch(batch, self.world_size, micro_batch_size=self._mbs,
+    async def update(self, order: TrainOrder) -> dict[str, float]:
+        """One optimizer step of every rank on its shard of `order` (workers/trainer/order.py
+        `shard_order`: whole groups, each row to one rank, which reads it from the buffer itself);
+        the merged metrics (`merge_rank_metrics`: actor/num_tokens, pg_loss, grad_norm global;
+        per-rank means weighted by the ranks' trained tokens; perf/total_num_tokens and
+        trainer/rows_read summed). Raises ValueError before any rank is called when the order cannot
+        be sharded (fewer rows than ranks)."""
+        shards = shard_order(order, self.world_size, micro_batch_size=self._mbs,
                              max_tokens_per_micro_batch=self._max_tokens)
         results = await asyncio.gather(*(self._on(r, "update", s) for r, s in enumerate(shards)))
-        return merge_rank_metrics(results, [float(s.num_loss_tokens) for s in shards])
+        return merge_rank_metrics(results, [float(r.get("actor/num_tokens", 0.0)) for r in results])
 
-    @_remote_method
     async def export_weights(self, path: str) -> str:
         """Full weights as one safetensors file at `path` (rank 0 writes); returns path."""
         return (await self._all("export_weights", path))[0]
 
-    @_remote_method
     async def save_hf(self, directory: str) -> str:
         """HF model directory (rank 0 writes); returns directory."""
         return (await self._all("save_hf", directory))[0]
 
-    @_remote_method
     async def save_optimizer(self, path: str) -> str:
         """Full AdamW state (rank 0 writes); returns path."""
         return (await self._all("save_optimizer", path))[0]
 
-    @_remote_method
     async def load_optimizer(self, path: str) -> None:
         """Every rank loads its part of a `save_optimizer` file."""
         await self._all("load_optimizer", path)
 
-    @_remote_method
     async def full_state_dict(self) -> dict:
         """Full fp32 weights under HF names (rank 0's complete copy)."""
         return (await self._all("full_state_dict"))[0]
 
-    @_remote_method
     async def export_adapter(self, directory: str) -> str:
         """The LoRA adapter as a PEFT directory (rank 0 writes); returns directory."""
         return (await self._all("export_adapter", directory))[0]
 
-    @_remote_method
     async def probe_logprobs(self, token_ids: list[int]) -> list[float]:
         """Plain log-probs of `token_ids` (every rank runs the forward); rank 0's result."""
         return (await self._all("probe_logprobs", token_ids))[0]
 
-    @_remote_method
-    async def compute_logprobs(self, batch: TrainBatch) -> Any:
+    async def compute_logprobs(self, batch: Any) -> Any:
         """log π under the current weights of `batch` (every rank runs the same forwards: the
         sharded parameters are gathered collectively); rank 0's result."""
         return (await self._all("compute_logprobs", batch))[0]
 
-    @_remote_method
     async def open_weight_group(self, info: Any) -> None:
         """Rank 0 joins the weight-sync group as its sender; the others return at once."""
         await self._all("open_weight_group", info)
 
-    @_remote_method
     async def broadcast_weights(self, version: int) -> Any:
         """Every rank gathers, rank 0 sends; rank 0's SendReport."""
         return (await self._all("broadcast_weights", version))[0]
 
-    @_remote_method
     async def close(self) -> None:
         """Release every rank's weight-sync group and process group, then the ranks' rendezvous store."""
         await self._all("close")
@@ -201,10 +165,10 @@ class TrainerGroup:
             release_store(self._rendezvous)
             self._rendezvous = None
 
-    @_remote_method
-    async def __ray_call__(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run `fn(rank0_instance, *args)` inside rank 0 (Ray's `__ray_call__`), or `fn(rank0,
-        *args)` for a plain object."""
+    async def run_on_lead(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(rank0_instance, *args)` inside rank 0 (Ray's `__ray_call__`: the weight-sync
+        rendezvous asks the trainer's node for its address this way), or `fn(rank0, *args)` for a
+        plain object."""
         lead = self.ranks[0]
         if is_actor_method(getattr(lead, "__ray_call__", None)):
             return await lead.__ray_call__.remote(fn, *args)
@@ -212,9 +176,9 @@ class TrainerGroup:
 
 
 async def start_trainer_ranks(actor_cls: Any, settings: Any, *, world_size: int,
-                              rank_options: Callable[[int], dict[str, Any]], **kwargs: Any) -> Any:
-    """Start the trainer: one actor for world_size 1 (returned as is; it hosts its own store), else
-    `world_size` rank actors joined through a store this process hosts, returned as a TrainerGroup.
+                              rank_options: Callable[[int], dict[str, Any]], **kwargs: Any) -> TrainerGroup:
+    """Start the trainer as a TrainerGroup: one rank actor for world_size 1 (it hosts its own
+    store), else `world_size` rank actors joined through a store this process hosts.
 
     actor_cls: a `ray.remote(...)` class of TrainerWorker (or one with its constructor);
     settings: its TrainerSettings; rank_options(rank): `.options(...)` kwargs of each rank (Ray
@@ -223,7 +187,9 @@ async def start_trainer_ranks(actor_cls: Any, settings: Any, *, world_size: int,
     if world_size < 1:
         raise ValueError(f"trainer world_size must be >= 1, got {world_size}")
     if world_size == 1:
-        return actor_cls.options(**rank_options(0)).remote(settings, **kwargs)
+        return TrainerGroup([actor_cls.options(**rank_options(0)).remote(settings, **kwargs)],
+                            micro_batch_size=settings.micro_batch_size,
+                            max_tokens_per_micro_batch=settings.max_tokens_per_micro_batch)
     rendezvous = host_store()  # this node's IP as Ray sees it
     ranks = [actor_cls.options(**rank_options(r)).remote(settings, rank=r, world_size=world_size,
                                                          init_method=rendezvous.url, **kwargs)

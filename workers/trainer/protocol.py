@@ -3,10 +3,8 @@
 `Trainer` is the one interface of a trainer as the loops, the checkpointer and the weight sync see
 it. Three classes implement it: `TrainerWorker` (HF FSDP2) and `VerlTrainerWorker` (verl's engine),
 both a `TrainerShell` (workers/trainer/shell.py) around an engine, and `TrainerGroup`
-(workers/trainer/group.py), which drives N ranks as one. A rank answers directly; a Ray actor
-handle or a `TrainerGroup` answers with an awaitable of the same value, so callers go through a
-typed adapter that awaits either (workers/trainer/client.py `TrainerRankClient`, over
-workers/core/calls.py `invoke`). `TRAINER_METHODS` names
+(workers/trainer/group.py), which drives N ranks as one and is what the driver holds: its methods
+are coroutines of the same arguments (`await trainer.update(order)`). `TRAINER_METHODS` names
 the methods; tests/test_trainer_group.py checks that all three classes take the same arguments.
 
 `TrainerEngine` is the model-specific part behind the shell: forwards, the training step, the
@@ -25,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from workers.core.algorithms.batch import TrainBatch
+    from workers.core.types import TrainOrder
     from workers.weight_sync.broadcast import SendReport
     from workers.weight_sync.plan import TensorSpec
     from workers.weight_sync.transport import WeightGroupInfo
@@ -38,8 +37,9 @@ TRAINER_METHODS = (
 class Trainer(Protocol):
     """One trainer (a rank, or a group of ranks). Collective methods must reach every rank."""
 
-    def update(self, batch: "TrainBatch") -> dict[str, float]:
-        """One optimizer step on a mini-batch; `actor/*` and `rollout_corr/*` metrics."""
+    def update(self, order: "TrainOrder") -> dict[str, float]:
+        """One optimizer step on a train order (each rank reads its rows from the trajectory
+        buffer); `actor/*`, `rollout_corr/*`, `perf/total_num_tokens` and `trainer/rows_read` metrics."""
         ...
 
     def compute_logprobs(self, batch: "TrainBatch") -> "torch.Tensor":

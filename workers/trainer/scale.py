@@ -16,36 +16,8 @@ from collections.abc import Sequence
 import torch
 
 from workers.core.algorithms.batch import TrainBatch
+from workers.trainer.order import plan_micro_batches  # noqa: F401  (re-exported: the micro-batch plan)
 from workers.trainer.settings import MIXED_PRECISION_MODES, MixedPrecision
-
-
-def plan_micro_batches(lengths: Sequence[int], *, micro_batch_size: int, max_tokens: int | None) -> list[list[int]]:
-    """Row indices of each micro-batch.
-
-    lengths: real (unpadded) token count of each row. max_tokens None: consecutive chunks of
-    `micro_batch_size` rows. Otherwise rows are sorted longest first (stable) and packed greedily:
-    a micro-batch takes the next rows while (rows + 1) x its longest row <= max_tokens;
-    `micro_batch_size` is then ignored (the budget decides, as verl's use_dynamic_bsz).
-
-    Raises ValueError when micro_batch_size < 1, max_tokens < 1, or there is no row.
-    """
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    if not lengths:
-        raise ValueError("plan_micro_batches got no rows")
-    n = len(lengths)
-    if max_tokens is None:
-        return [list(range(s, min(s + micro_batch_size, n))) for s in range(0, n, micro_batch_size)]
-    if max_tokens < 1:
-        raise ValueError(f"trainer.max_tokens_per_micro_batch must be >= 1, got {max_tokens}")
-    order = sorted(range(n), key=lambda i: -int(lengths[i]))
-    plan: list[list[int]] = []
-    for i in order:
-        if plan and (len(plan[-1]) + 1) * int(lengths[plan[-1][0]]) <= max_tokens:
-            plan[-1].append(i)
-        else:
-            plan.append([i])
-    return plan
 
 
 def split_to_count(plan: list[list[int]], count: int) -> list[list[int]]:

@@ -32,9 +32,12 @@ from safetensors.torch import save_file
 
 from workers.core.algorithms.batch import TrainBatch
 from workers.core.algorithms.rollout_correction import compute_rollout_correction
+from workers.core.types import TrainOrder
 from workers.trainer.helpers import _atomic_write, plan_update
 from workers.trainer.protocol import StepInputs, StepOutcome, TrainerEngine
+from workers.trainer.rows import RowReader
 from workers.trainer.settings import TrainerSettings
+from workers.trainer.train_batch import order_batch
 from workers.weight_sync.broadcast import SendReport, bucket_bytes_of, send_weights
 from workers.weight_sync.plan import TensorSpec
 from workers.weight_sync.rendezvous import StoreAddress, host_store, join_store, release_store
@@ -97,6 +100,7 @@ class TrainerShell:
         self._rc_cfg = cfg.rollout_correction_config()
         self.num_updates = 0
         self._weight_transport: BucketTransport | None = None
+        self._rows = RowReader()
 
     def _init_process_group(self, init_method: str | None) -> None:
         if init_method is None:
@@ -125,7 +129,20 @@ class TrainerShell:
         """
         return self.engine.compute_logprobs(batch)
 
-    def update(self, batch: TrainBatch) -> dict[str, float]:
+    def update(self, order: TrainOrder) -> dict[str, float]:
+        """One optimizer step on this rank's shard of a train order: read its rows from the trajectory
+        buffer (workers/trainer/rows.py: this rank's own TransferQueue client), build the padded
+        batch (workers/trainer/train_batch.py `order_batch`), `train_batch`. Adds
+        `perf/total_num_tokens` (every token of the rows read: verl's attention-mask sum before
+        padding) and `trainer/rows_read` (rows this rank read for this order), both summed over ranks.
+
+        Raises ValueError when the order has no row for this rank, and as `train_batch`."""
+        rows = self._rows.read(order)
+        metrics = self.train_batch(order_batch(order, rows))
+        return {**metrics, "perf/total_num_tokens": float(sum(len(r.token_ids) for r in rows)),
+                "trainer/rows_read": float(len(rows))}
+
+    def train_batch(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch.
 
         Steps: log π_old (decoupled: recomputed, no grad; bypass: the rollout log-probs); IS
@@ -273,7 +290,8 @@ class TrainerShell:
                             bucket_bytes=bucket_bytes_of(self.cfg.weight_sync_bucket_mb))
 
     def close(self) -> None:
-        """Release the weight-sync group, and the process group if this worker created it."""
+        """Release the buffer client, the weight-sync group, and the process group if this worker created it."""
+        self._rows.close()
         if self._weight_transport is not None:
             self._weight_transport.close()
             self._weight_transport = None

@@ -6,9 +6,10 @@
 `WeightReceiverClient` is a replica's side (`update_weights` / `load_adapter`, `join_weight_group`
 / `receive_weights`, `prompt_logprobs`). Each method awaits the part's method of that name, on a
 local object or through `.remote` on an actor (workers/core/calls.py), so tests hand the sync plain
-objects and the run hands it actor handles. The trainer's adapter for the driver
-(workers/trainer/client.py) and the replica's (workers/inference/client.py) extend these; the
-weight sync imports neither package (both import it).
+objects and the run hands it actor handles. The driver holds the trainer as a
+`TrainerGroup` (workers/trainer/group.py), whose methods are coroutines; the replica's adapter
+for the driver (workers/inference/client.py) extends `WeightReceiverClient`; the weight sync
+imports neither package (both import it).
 """
 
 from __future__ import annotations

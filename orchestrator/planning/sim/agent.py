@@ -21,7 +21,8 @@ was modelled (same draws, same events).
 The finished rollout becomes a real `Sample` (workers/core/types.py). Its rows are compact: one
 generated "token" per distinct policy version of each turn, which is exactly what staleness needs
 (`Sample.version_range`); the real token counts go to `SimAgents.tokens[session_id]`
-(trained tokens, generated tokens), which the simulated trainer reads.
+(trained tokens, generated tokens, oldest version), which the simulated trainer reads for the
+sessions of its train order, as a trainer rank reads the rows of its order.
 
 `SimRolloutActor.run_many` is what the real `RolloutPool` (workers/rollout/pool.py) calls on each
 actor, so the pool's own request spreading runs unchanged. Invariant: every started episode
@@ -45,7 +46,7 @@ from orchestrator.planning.sim.engine import CacheOwner, Request, SimReplica
 from orchestrator.planning.sim.machine import SharedCpu
 from orchestrator.planning.sim.slots import SlotQueue
 from orchestrator.planning.sim.workload import AgentSpec, Dist
-from workers.core.types import RolloutRequest, Sample, TrajectoryRow
+from workers.core.types import RolloutRequest, Sample, SampleInfo, TrajectoryRow
 from workers.gateway.router import ReplicaRouter
 
 
@@ -204,7 +205,7 @@ class SimAgents:
         self.router.forget(s.sid)
         versions = tuple(s.versions) or (self.replicas[0].version,)
         row = TrajectoryRow((0,) * k, (1,) * k, (0.0,) * k, versions[:k])
-        self.tokens[s.sid] = (s.ctx, s.generated)
+        self.tokens[s.sid] = (s.ctx, s.generated, min(versions[:k]))
         nxt = self.containers.release(self.loop.now)  # the session stopped: its container slot goes back
         if nxt is not None:
             self.loop.schedule(self.loop.now, self._open, nxt)
@@ -263,9 +264,10 @@ class SimStore:
         for s in samples:
             part[s.group_id].append(s)
 
-    async def get_groups(self, partition: str, group_ids: list[int]) -> list[Sample]:
+    async def sample_infos(self, partition: str, group_ids: list[int]) -> list[SampleInfo]:
+        """The samples' metadata, as the product's store lists its tags (the loop holds no token)."""
         part = self._parts[partition]
-        out = [s for g in group_ids for s in part.get(g, ())]
+        out = [s.info() for g in group_ids for s in part.get(g, ())]
         await self._rpc(len(out))
         return out
 

@@ -15,8 +15,7 @@ import asyncio
 import math
 from dataclasses import dataclass
 
-from orchestrator.loop.batching import Group
-from workers.core.types import EngineLoad
+from workers.core.types import EngineLoad, TrainOrder
 from orchestrator.planning.sim.agent import SimAgents
 from orchestrator.planning.sim.clock import VirtualLoop
 from orchestrator.planning.sim.engine import SimReplica
@@ -63,17 +62,15 @@ class SimTrainer:
         self.trained_samples = 0
         self.busy_s = 0.0
 
-    async def update(self, groups: tuple[Group, ...]) -> dict[str, float]:
+    async def update(self, order: TrainOrder) -> dict[str, float]:
         tokens, generated, staleness, n = 0, 0, 0.0, 0
-        for g in groups:
-            for s in g.samples:
-                if any(m for r in s.rows for m in r.loss_mask):  # a loss-masked (stale) sample trains nothing
-                    total, gen = self._agents.tokens[s.session_id]
-                    tokens += total
-                    generated += gen
-                    lo = s.version_range()
-                    staleness += self.version - lo[0] if lo else 0
-                    n += 1
+        for s in order.samples:
+            if s.row_keys:  # a loss-masked (stale) sample has no row to read: it trains nothing
+                total, gen, oldest = self._agents.tokens[s.session_id]
+                tokens += total
+                generated += gen
+                staleness += self.version - oldest
+                n += 1
         dt = self.fixed_s + tokens / (self.rate * self.gpus)
         if self._cpu is None:
             await asyncio.sleep(dt)
@@ -85,8 +82,8 @@ class SimTrainer:
         self.busy_s += dt
         mean_st = staleness / n if n else 0.0
         # actor/num_tokens: loss-mask (generated) tokens, as the product's trainer counts them;
-        # perf/total_num_tokens: every token of the trained trajectories (the product's TrainerClient
-        # adds it; verl's and the report's measure)
+        # perf/total_num_tokens: every token of the trained trajectories (the product's ranks
+        # report it; verl's and the report's measure)
         return {"actor/num_tokens": float(generated), "perf/total_num_tokens": float(tokens),
                 "rollout_corr/rollout_rs_masked_fraction": min(1.0, self._masked_base + self._masked_per_st * mean_st)}
 
