@@ -17,8 +17,9 @@ Measured (written to --out as JSON, and printed):
 - with `--driver` (the default), the driver's side of the data path as the loops run it: samples
   go into a real TransferQueue trajectory buffer (Ray, one storage unit), and once a group's
   outcomes are in, a driver stage in its own thread and event loop (its own TQ client) reads the
-  group through the loop's store adapter (orchestrator/adapters/clients.py `BufferStore`) and
-  clears it. `driver.cpu_s_per_1000_rollouts` is that thread's CPU time per 1000 rollouts;
+  group's sample metadata through the loop's store adapter (orchestrator/adapters/clients.py
+  `BufferStore.sample_infos`; before the data path moved to the trainer ranks, 1c351df, it read
+  the whole samples, tokens included) and clears it. `driver.cpu_s_per_1000_rollouts` is that thread's CPU time per 1000 rollouts;
   `driver.bytes_per_rollout` the pickled bytes the driver receives per rollout (the outcome the
   rollout pool returns, plus what the store returns).
 
@@ -138,14 +139,14 @@ class DriverStage:
         from workers.buffer.store import TrajectoryBuffer
 
         buffer = TrajectoryBuffer.connect(self._handle)
-        store = BufferStore(buffer, self._n, 30.0)
+        store = BufferStore(buffer, self._n)
         try:
             while (item := await asyncio.to_thread(self._q.get)) is not None:
                 t0 = time.thread_time()
                 group_id, outcomes = item
                 try:
                     self.bytes_outcomes += len(pickle.dumps(outcomes))
-                    got = await store.get_groups(self._partition, [group_id])
+                    got = await store.sample_infos(self._partition, [group_id])  # what the loops read
                     self.bytes_store += len(pickle.dumps(got))
                     self.samples += len(got)
                     await store.clear_groups(self._partition, [group_id])
