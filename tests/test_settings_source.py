@@ -99,3 +99,15 @@ def test_inference_and_gateway_groups_take_their_settings_defaults():
     g, gw = GatewayGroupConfig(), GatewayConfig
     assert all(getattr(g, k) == next(f.default for f in fields(gw) if f.name == k)
                for k in ("port", "advertise_url", "history_mode", "on_nonlinear"))
+
+
+def test_the_trainer_group_takes_the_trainer_settings_defaults():
+    """`trainer.lr`, `weight_decay`, `grad_clip`, `micro_batch_size` and `seed` default to
+    TrainerSettings' own (they were 7e-4 / 0.0 / 32 in the config and 1e-6 / 0.01 / 4 in the
+    settings): a trainer built from a default config equals one built from the settings' defaults."""
+    from workers.trainer.settings import TrainerSettings
+
+    t = compose_config([]).trainer
+    own = TrainerSettings(model_path="m")
+    assert (t.lr, t.weight_decay, t.grad_clip, t.micro_batch_size, t.seed) == (
+        own.lr, own.weight_decay, own.grad_clip, own.micro_batch_size, own.seed)

@@ -14,7 +14,8 @@ from orchestrator.config.algorithm import AlgorithmConfig
 from orchestrator.config.cluster import ClusterConfig
 from orchestrator.config.errors import check, one_of
 from orchestrator.config.inference import InferenceConfig
-from workers.trainer.settings import MixedPrecision, VerlStrategy
+from orchestrator.config.defaults import default_of
+from workers.trainer.settings import MixedPrecision, TrainerSettings, VerlStrategy
 from workers.weight_sync.setup import BROADCAST_BACKENDS, FILE_BACKEND
 
 if TYPE_CHECKING:
@@ -81,11 +82,11 @@ class TrainerConfig:
 
     name: str = "fsdp"
     total_steps: int = 60
-    lr: float = 7e-4
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    micro_batch_size: int = 32
-    seed: int = 0
+    lr: float = default_of(TrainerSettings, "lr")
+    weight_decay: float = default_of(TrainerSettings, "weight_decay")
+    grad_clip: float = default_of(TrainerSettings, "grad_clip")
+    micro_batch_size: int = default_of(TrainerSettings, "micro_batch_size")
+    seed: int = default_of(TrainerSettings, "seed")
     # checkpoints (verl's names): every `save_freq` steps (<= 0: never), keep the newest
     # `max_ckpt_to_keep`; `resume_mode`: disable | auto (latest under run_dir, if any) | resume_path
     save_freq: int = 0
@@ -135,8 +136,6 @@ def trainer_settings(t: TrainerConfig, *, algorithm: AlgorithmConfig, inference:
     rollout correction come from `algorithm`, the sent weights' dtype from `inference.dtype`, the
     scored distribution from the rollouts' `sampling` (temperature, top_p); `lora`
     (orchestrator/config/model.py lora_settings) and the adapter a resumed run starts from."""
-    from workers.trainer.settings import TrainerSettings
-
     alg = algorithm
     return TrainerSettings(
         model_path=model_path, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,

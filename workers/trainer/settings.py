@@ -76,9 +76,9 @@ class TrainerSettings:
     """
 
     model_path: str
-    lr: float = 1e-6
+    lr: float = 7e-4  # the embedded default's; `trainer.lr` reads it (orchestrator/config/trainer.py)
     betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.01
+    weight_decay: float = 0.0
     grad_clip: float = 1.0
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None
@@ -86,7 +86,7 @@ class TrainerSettings:
     clip_ratio_c: float | None = 3.0
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     seed: int = 0
-    micro_batch_size: int = 4
+    micro_batch_size: int = 32
     max_tokens_per_micro_batch: int | None = None
     mixed_precision: MixedPrecision | None = None
     activation_checkpointing: bool = False
