@@ -19,7 +19,7 @@ from workers.trainer.settings import MixedPrecision, TrainerSettings, VerlStrate
 from workers.weight_sync.setup import BROADCAST_BACKENDS, FILE_BACKEND
 
 if TYPE_CHECKING:
-    from workers.trainer.settings import LoraSettings, TrainerSettings, VerlSettings
+    from workers.trainer.settings import LoraSettings, VerlSettings
 
 TRAINER_NAMES = ("fsdp", "verl")  # trainer_class() below maps each to its actor class
 WEIGHT_SYNC_BACKENDS = (FILE_BACKEND, *BROADCAST_BACKENDS)
