@@ -111,3 +111,14 @@ def test_the_trainer_group_takes_the_trainer_settings_defaults():
     own = TrainerSettings(model_path="m")
     assert (t.lr, t.weight_decay, t.grad_clip, t.micro_batch_size, t.seed) == (
         own.lr, own.weight_decay, own.grad_clip, own.micro_batch_size, own.seed)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_every_loss_agg_mode_reaches_the_trainer(mode):
+    """docs/training.md tells a toolkit user to set `algorithm.loss_agg_mode=seq-mean-token-sum`:
+    the config took only token-mean (its own shorter list) and never passed the value on."""
+    from orchestrator.config.trainer import trainer_settings
+
+    cfg = compose_config([f"algorithm.loss_agg_mode={mode}"])
+    settings = trainer_settings(cfg.trainer, algorithm=cfg.algorithm, inference=cfg.inference, model_path="m")
+    assert settings.loss_agg_mode == settings.policy_loss_config().loss_agg_mode == mode

@@ -11,11 +11,12 @@ from omegaconf import MISSING
 
 from orchestrator.config.defaults import default_of
 from orchestrator.config.errors import ConfigError, check, one_of
+from workers.core.algorithms.loss_modes import LOSS_AGG_MODES
+from workers.trainer.settings import TrainerSettings
 from workers.core.algorithms.rollout_correction_config import RejectionRule, parse_is_threshold
 from workers.core.algorithms.rollout_correction_config import RolloutCorrectionConfig as TypedRolloutCorrection
 
 ALGORITHM_NAMES = ("grpo",)
-LOSS_AGG_MODES = ("token-mean",)  # the loss the trainers are run with (a subset of workers/core/algorithms/losses.py's)
 
 
 @dataclass
@@ -80,7 +81,7 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = True
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = default_of(TrainerSettings, "loss_agg_mode")  # passed on by config/trainer.py
     filter_zero_variance: bool = True
     # async mode: a mini-batch that has consumed this many x B filtered groups without B trainable
     # ones stops the run (the policy solved the task, or cannot start it); 0: no cap. verl's

@@ -139,7 +139,7 @@ def trainer_settings(t: TrainerConfig, *, algorithm: AlgorithmConfig, inference:
     alg = algorithm
     return TrainerSettings(
         model_path=model_path, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-        clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high,
+        clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high, loss_agg_mode=alg.loss_agg_mode,  # type: ignore[arg-type]
         rollout_correction=alg.rollout_correction.typed(), seed=t.seed, micro_batch_size=t.micro_batch_size,
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, mixed_precision=t.mixed_precision,  # type: ignore[arg-type]
         activation_checkpointing=t.activation_checkpointing, weight_sync_dtype=inference.dtype,

@@ -16,12 +16,10 @@ Semantics, clamps and metric names follow verl 0.9.1 `verl/trainer/ppo/core_algo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-LOSS_AGG_MODES: tuple[LossAggMode, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+from workers.core.algorithms.loss_modes import LOSS_AGG_MODES, LossAggMode  # noqa: F401  (re-exported)
 LOG_RATIO_CLAMP = 20.0  # |log r| bound before exp, as verl; exp(20) ≈ 4.9e8
 
 
