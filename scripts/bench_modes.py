@@ -92,6 +92,9 @@ def run_config(name: str, args: argparse.Namespace, work: Path) -> dict:
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout_s)
     wall_s = time.monotonic() - t0
+    if proc.returncode == 2:  # the main job refused its config: say why, no traceback
+        errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("config error")]
+        sys.exit(f"{name}: {errors[-1] if errors else proc.stderr.strip()[-500:]}")
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return _figures(name, args, run_dir, wall_s)
