@@ -165,6 +165,12 @@ class SessionCapture:
     context_exceeded: bool = False
 
 
+def is_trainable(status: str, reward: float | None) -> bool:
+    """Whether a rollout may be trained: completed, or truncated with a finite reward (the reward
+    rollout.overflow=train_zero|train_reward gave it). The one rule of `Sample` and `SampleInfo`."""
+    return status in ("completed", "truncated") and reward is not None and math.isfinite(reward)
+
+
 @dataclass(frozen=True)
 class Sample:
     """One finished rollout: the recorded rows plus the reward the agent reported.
@@ -200,7 +206,7 @@ class Sample:
     @property
     def trainable(self) -> bool:
         """Completed, or truncated with a reward to train on (rollout.overflow=train_zero|train_reward)."""
-        return self.status in ("completed", "truncated") and self.reward is not None and math.isfinite(self.reward)
+        return is_trainable(self.status, self.reward)
 
     @property
     def num_generated_tokens(self) -> int:
@@ -262,8 +268,8 @@ class SampleInfo:
 
     @property
     def trainable(self) -> bool:
-        """As `Sample.trainable`: completed, or truncated with a finite reward."""
-        return self.status in ("completed", "truncated") and self.reward is not None and math.isfinite(self.reward)
+        """As `Sample.trainable` (`is_trainable`)."""
+        return is_trainable(self.status, self.reward)
 
     @property
     def num_rows(self) -> int:
