@@ -27,7 +27,7 @@ if [[ "${1:-}" == "--check" ]]; then out="$(mktemp)"; trap 'rm -f "$out"' EXIT; 
 
 "$UV" pip compile pyproject.toml --extra gpu --extra verl \
   --python-platform x86_64-manylinux_2_28 --python-version 3.11 \
-  --index-url https://pypi.org/simple --override scripts/gpu_lock/overrides.txt \
+  --override scripts/gpu_lock/overrides.txt \
   --custom-compile-command "scripts/lock_gpu.sh" \
   --quiet --output-file "$out"
 

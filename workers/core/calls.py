@@ -98,8 +98,9 @@ class PartClient:
     @property
     def name(self) -> str:
         """The part as errors name it."""
-        if self._name is not None:
-            return self._name
+        name = getattr(self, "_name", None)  # a subclass with an __init__ of its own may not set it
+        if name is not None:
+            return name
         return repr(self.target) if self.is_actor else type(self.target).__name__
 
     async def call_within(self, timeout_s: float, method: Any, *args: Any, **kwargs: Any) -> Any:
