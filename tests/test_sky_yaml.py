@@ -57,8 +57,8 @@ def test_overrides_pass_through_envs_to_the_submitted_job(task):
     assert "scripts/submit.sh $OVERRIDES" in task["run"]
 
 
-def test_setup_installs_the_gpu_extra_and_run_starts_ray_by_node_rank(task):
-    assert "-e '.[gpu]'" in task["setup"]
+def test_setup_installs_the_gpu_lock_and_run_starts_ray_by_node_rank(task):
+    assert "make install-gpu" in task["setup"]  # the lock (requirements/gpu.lock) through scripts/install_gpu.sh
     run = task["run"]
     for var in ("SKYPILOT_NODE_RANK", "SKYPILOT_NODE_IPS", "SKYPILOT_NUM_GPUS_PER_NODE"):
         assert var in run

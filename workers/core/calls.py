@@ -8,16 +8,51 @@ attributes, so a reader and a type checker can follow every call. Inside an adap
 `invoke(target.method, *args)` awaits `target.method.remote(*args)` for an actor (a Ray ObjectRef is
 awaitable, so no Ray import is needed here) and `target.method(*args)` otherwise, awaiting the
 result when it is awaitable. `is_actor_method` tells the two apart; `actor_died` tells a dead
-actor from an error its method raised.
+actor from an error its method raised. `PartClient.call_within(timeout_s, target.method, *args)` is
+`invoke` under a bound (workers/core/bounds.py): past it, `PartTimeout` names the part and the call.
 
-Invariant: the method is called exactly once, and its result (or exception) is returned as is.
+Invariant: the method is called exactly once, and its result (or exception) is returned as is; a
+bounded call returns within its bound or raises `PartTimeout` (the remote call itself is not stopped:
+the caller stops the run or drops the part).
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
-from typing import Any
+from typing import Any, Awaitable, TypeVar
+
+from workers.core import bounds
+
+T = TypeVar("T")
+
+
+class PartTimeout(TimeoutError):
+    """A control call to a part did not return within its bound (workers/core/bounds.py): the part is
+    stalled (a blocked event loop, a hung collective, a lost node). `part`, `call` and `timeout_s` say
+    which."""
+
+    def __init__(self, part: str, call: str, timeout_s: float) -> None:
+        self.part, self.call, self.timeout_s = part, call, timeout_s
+        super().__init__(f"{part}: {call} did not return within {timeout_s:g} s; the part is stalled (see its log "
+                         f"for the call); the bound is in workers/core/bounds.py")
+
+    def __reduce__(self) -> tuple:  # pickled through Ray with its three fields, not the message
+        return PartTimeout, (self.part, self.call, self.timeout_s)
+
+
+async def within(timeout_s: float, aw: Awaitable[T], *, part: str, call: str) -> T:
+    """Await `aw` for at most `timeout_s` seconds. Raises PartTimeout(part, call, timeout_s) when the
+    bound passes (a TimeoutError raised by `aw` itself propagates unchanged)."""
+    cm = asyncio.timeout(timeout_s)
+    try:
+        async with cm:
+            return await aw
+    except TimeoutError:
+        if cm.expired():
+            raise PartTimeout(part, call, timeout_s) from None
+        raise
 
 
 def actor_died(exc: BaseException) -> bool:
@@ -53,10 +88,27 @@ class PartClient:
     """Base of the typed adapters: one part (`target`: a Ray actor handle or a local object).
 
     `ping` and `pid` run inside an actor's process (`__ray_call__`); a local object is alive by
-    definition and has no process of its own (`pid` is None)."""
+    definition and has no process of its own (`pid` is None). `name` is how errors name the part
+    (default: the actor handle's repr, `Actor(InferenceWorker, <id>)`, or the object's class)."""
 
-    def __init__(self, target: Any) -> None:
+    def __init__(self, target: Any, name: str | None = None) -> None:
         self.target = target
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        """The part as errors name it."""
+        name = getattr(self, "_name", None)  # a subclass with an __init__ of its own may not set it
+        if name is not None:
+            return name
+        return repr(self.target) if self.is_actor else type(self.target).__name__
+
+    async def call_within(self, timeout_s: float, method: Any, *args: Any, **kwargs: Any) -> Any:
+        """`invoke(method, *args, **kwargs)` bounded by `timeout_s` seconds (a bound of
+        workers/core/bounds.py, read by the caller at call time). Raises PartTimeout naming this part and
+        the method; whatever the method raises otherwise."""
+        call = getattr(method, "__name__", None) or getattr(method, "_method_name", "call")
+        return await within(timeout_s, invoke(method, *args, **kwargs), part=self.name, call=call)
 
     @property
     def is_actor(self) -> bool:
@@ -66,11 +118,13 @@ class PartClient:
     async def ping(self) -> None:
         """A no-op round trip; raises the actor's death (`actor_died`) when it is gone."""
         if self.is_actor:
-            await self.target.__ray_call__.remote(_noop)
+            await within(bounds.STATUS_S, self.target.__ray_call__.remote(_noop), part=self.name, call="ping")
 
     async def pid(self) -> int | None:
-        """The actor's process id; None for a local object."""
-        return await self.target.__ray_call__.remote(_pid) if self.is_actor else None
+        """The actor's process id; None for a local object. Raises PartTimeout past bounds.STATUS_S."""
+        if not self.is_actor:
+            return None
+        return await within(bounds.STATUS_S, self.target.__ray_call__.remote(_pid), part=self.name, call="pid")
 
     async def run_inside(self, fn: Any, *args: Any) -> Any:
         """`fn(instance, *args)` inside the actor's process (`__ray_call__`), or on the local

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from workers.core import bounds
 from workers.core.calls import PartClient, invoke
 
 if TYPE_CHECKING:
@@ -23,14 +24,14 @@ class GatewayClient(PartClient):
 
     async def start(self) -> str:
         """Serve; returns the base URL agents reach it at."""
-        return await invoke(self.target.start)
+        return await self.call_within(bounds.ENGINE_START_S, self.target.start)
 
     async def stop(self) -> None:
         await invoke(self.target.stop)
 
     async def set_engines(self, engines: Sequence[Any]) -> None:
         """Route turns to `engines` (replica handles) from now on."""
-        await invoke(self.target.set_engines, list(engines))
+        await self.call_within(bounds.STATUS_S, self.target.set_engines, list(engines))
 
     async def metrics(self) -> GatewayMetrics:
-        return await invoke(self.target.metrics)
+        return await self.call_within(bounds.STATUS_S, self.target.metrics)

@@ -7,13 +7,16 @@ what the driver asks of a replica: start it, read its policy version and schedul
 to sleep and wake it (colocated training), shut it down. The gateway's generate path has its own
 adapter (workers/gateway/server.py `as_engine`: a cancelled turn cancels the actor task).
 Callers: orchestrator/control/supervise.py, orchestrator/adapters/ (colocate, engine loads),
-orchestrator/build/, orchestrator/main.py.
+orchestrator/build/, orchestrator/main.py. Every call but `shutdown` (which has its own wait) is
+bounded (workers/core/bounds.py: readiness, pause/resume, status reads) and raises `PartTimeout`
+naming the replica past its bound.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from workers.core import bounds
 from workers.core.calls import invoke
 from workers.weight_sync.parts import WeightReceiverClient
 
@@ -27,25 +30,25 @@ class ReplicaClient(WeightReceiverClient):
 
     async def start(self) -> EngineInfo:
         """Build the engine (model load, KV cache); once per replica."""
-        return await invoke(self.target.start)
+        return await self.call_within(bounds.ENGINE_START_S, self.target.start)
 
     async def policy_version(self) -> int:
         """The version of the weights it serves now (also the supervisor's health check)."""
-        return await invoke(self.target.policy_version)
+        return await self.call_within(bounds.STATUS_S, self.target.policy_version)
 
     async def kv_cache_usage(self) -> float:
         """Time-averaged KV-cache usage (0..1) since the last call."""
-        return await invoke(self.target.kv_cache_usage)
+        return await self.call_within(bounds.STATUS_S, self.target.kv_cache_usage)
 
     async def engine_load(self) -> EngineLoad:
         """vLLM's scheduler stats at its last step (`rollout.concurrency=adaptive`)."""
-        return await invoke(self.target.engine_load)
+        return await self.call_within(bounds.STATUS_S, self.target.engine_load)
 
     async def sleep(self) -> SleepReport:
-        return await invoke(self.target.sleep)
+        return await self.call_within(bounds.PAUSE_RESUME_S, self.target.sleep)
 
     async def wake_up(self) -> SleepReport:
-        return await invoke(self.target.wake_up)
+        return await self.call_within(bounds.PAUSE_RESUME_S, self.target.wake_up)
 
     async def shutdown(self, timeout_s: float | None = None) -> None:
         """Stop the engine (waits up to `timeout_s` for requests in flight; None: the worker's own)."""

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from workers.core.calls import is_actor_method
+from workers.core import bounds
+from workers.core.calls import PartClient, is_actor_method, within
 from workers.weight_sync.file import CpuWeightSync, WeightSync
 from workers.weight_sync.parts import WeightSenderClient
 from workers.weight_sync.rendezvous import StoreAddress, host_store_in
@@ -86,8 +87,9 @@ async def _host_in_sender(trainer: Any) -> StoreAddress:
     """Start the group's store in the trainer's (rank 0's) process, on its node's IP and a port
     the OS picked there (`host_store_in`, run in rank 0 by a TrainerGroup's `run_on_lead`, or
     through Ray's `__ray_call__` for an actor); in this process for a plain object."""
+    bound = dict(part=PartClient(trainer).name, call="host_store_in")  # collective setup: bounds.WEIGHT_SYNC_S
     if hasattr(trainer, "run_on_lead"):  # a TrainerGroup
-        return await trainer.run_on_lead(host_store_in)
+        return await within(bounds.WEIGHT_SYNC_S, trainer.run_on_lead(host_store_in), **bound)
     if is_actor_method(getattr(trainer, "__ray_call__", None)):
-        return await trainer.__ray_call__.remote(host_store_in)
+        return await within(bounds.WEIGHT_SYNC_S, trainer.__ray_call__.remote(host_store_in), **bound)
     return host_store_in(trainer)
