@@ -27,6 +27,14 @@ session-creation rate and the cluster-wide limiter), which a user asks AWS for a
     python scripts/bench_modes.py --out bench_modes.json [--steps 20] [--env-median-s 0.2] \
         [--runs-dir DIR] [--report docs/img/bench_modes]
 
+On the real model (SmolLM2-135M-Instruct learning one-digit addition, docs/real-model.md): the
+configuration's mode, mini-batches per sync and batch size applied to `+experiment=smollm2_local`
+(its mini-batch of 8 groups; two of them per sync for sync-2 / async-2), validated on the held-out
+prompts before the first update and after the last (`val_*` figures, the gain per CPU-hour):
+
+    python scripts/bench_modes.py --model-experiment smollm2_local --configs sync_1,sync_2,async_1,async_2 \
+        --steps 12 --warmup-steps 1 --env-median-s 0 --out bench_modes_smollm2.json
+
 `--report` overlays the four runs in one set of plots (orchestrator/watch/report.py) with a table of
 their headline figures; docs/benchmarks.md shows the images of the committed run.
 
@@ -71,6 +79,23 @@ def syncs(name: str, updates: int) -> int:
     return max(1, updates // sync_every(name))
 
 
+def experiment_overrides(name: str, model_experiment: str | None) -> list[str]:
+    """The Hydra overrides of configuration `name`: its blog preset (`+experiment=blog_sync_2`), or with
+    `model_experiment` that preset's choices (mode, mini-batches per sync, a batch of that many
+    mini-batches) on `+experiment=<model_experiment>`, whose rollout.batch_size is one mini-batch."""
+    base = name.removesuffix(NO_PARTIAL)
+    if model_experiment is None:
+        return [f"+experiment=blog_{base}"]
+    import yaml
+
+    preset = yaml.safe_load((REPO / "configs" / "experiment" / f"{model_experiment}.yaml").read_text())
+    mini_batch = int(preset.get("rollout", {}).get("batch_size", 8))
+    mode, k = base.rsplit("_", 1)
+    return [f"+experiment={model_experiment}", f"mode={mode}", f"mode.sync_every={k}",
+            f"rollout.batch_size={int(k) * mini_batch}", "trainer.val_before_train=true",
+            f"trainer.test_freq={10**6}"]  # validated before the first update; the last step validates too (below)
+
+
 def _mean(values: list[float]) -> float:
     vals = [v for v in values if isinstance(v, (int, float)) and not math.isnan(v)]
     return sum(vals) / len(vals) if vals else math.nan
@@ -83,7 +108,7 @@ def run_config(name: str, args: argparse.Namespace, work: Path) -> dict:
         print(f"{name}: reusing {run_dir}", flush=True)
         return _figures(name, args, run_dir, wall_s=math.nan)
     no_partial = ["async.in_flight=drain"] if name.endswith(NO_PARTIAL) else []
-    cmd = [sys.executable, "-m", "orchestrator.main", f"+experiment=blog_{name.removesuffix(NO_PARTIAL)}", *no_partial,
+    cmd = [sys.executable, "-m", "orchestrator.main", *experiment_overrides(name, args.model_experiment), *no_partial,
            f"trainer.total_steps={syncs(name, args.steps)}", f"seed={args.seed}", "logger=console", f"run_dir={run_dir}",
            f"+rollout.acr.agent_env.LETTERS_ENV_TIME_MEDIAN_S={args.env_median_s}",
            f"+rollout.acr.agent_env.LETTERS_ENV_TIME_SIGMA={args.env_sigma}",
@@ -122,6 +147,7 @@ def _figures(name: str, args: argparse.Namespace, run_dir: Path, wall_s: float) 
     cpu_hours = os.cpu_count() * sum(s["timing_s/step"] for s in all_steps) / 3600.0
     cpu_s = sum(s.get("perf/cpu_s/total", 0.0) for s in all_steps)
     gain = summary["reward/final"] - summary["reward/initial"]
+    val_gain = summary.get("val/reward/final", math.nan) - summary.get("val/reward/initial", math.nan)
     return {
         "config": name,
         "trained_tokens_per_min": 60.0 * tokens / loop_s if loop_s > 0 else 0.0,
@@ -142,6 +168,10 @@ def _figures(name: str, args: argparse.Namespace, run_dir: Path, wall_s: float) 
         "cpu_hours": cpu_hours,
         "cpu_s_used": cpu_s,
         "reward_gain_per_cpu_hour": gain / cpu_hours if cpu_hours > 0 else math.nan,
+        # held-out validation before the first update and after the last (--model-experiment; NaN without)
+        "val_initial": summary.get("val/reward/initial", math.nan), "val_final": summary.get("val/reward/final", math.nan),
+        "val_gain_per_cpu_hour": val_gain / cpu_hours if cpu_hours > 0 else math.nan,
+        "val_gain_per_cpu_hour_used": val_gain / (cpu_s / 3600.0) if cpu_s > 0 else math.nan,
         "expired_fraction": summary.get("rollout/expired", 0.0) / max(1.0, summary["rollout/dispatched"]),
         "loop_s": loop_s,
         "wall_s": wall_s,
@@ -249,6 +279,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=float,
                     help="--validate: prompt tokens per sample (default: measured from the fit run's perf/total_num_tokens)")
     ap.add_argument("--sim-hours", type=float, default=0.1, help="--validate: simulated hours per configuration")
+    ap.add_argument("--model-experiment", help="run the configurations on this experiment preset (e.g. smollm2_local, "
+                    "the real model) instead of the blog presets on the embedded default")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every configuration")
     args = ap.parse_args()
     names = [c for c in args.configs.split(",") if c]
@@ -276,14 +308,15 @@ def main() -> None:
         r["speedup"] = r["trained_tokens_per_min"] / base["trained_tokens_per_min"] if base["trained_tokens_per_min"] else math.nan
         r["speedup_steps"] = r["steps_per_min"] / base["steps_per_min"] if base["steps_per_min"] else math.nan
     header = ("config", "tok/min", "steps/min", "concurrency", "kv_usage", "staleness", "masked", "expired",
-              "reward 0->T", "reward/CPU-h", "speedup", "step speedup")
+              "reward 0->T", "reward/CPU-h", "val 0->T", "val/CPU-h", "speedup", "step speedup")
     print("\n" + " | ".join(f"{h:>12}" for h in header))
     for r in rows:
         cells = (r["config"], f"{r['trained_tokens_per_min']:.0f}", f"{r['steps_per_min']:.1f}",
                  f"{r['inference_concurrency']:.2f}",
                  f"{r['kv_cache_usage']:.3f}", f"{r['staleness_mean']:.2f}", f"{r['masked_fraction']:.3f}",
                  f"{100 * r['expired_fraction']:.1f}%", f"{r['reward_initial']:.2f}->{r['reward_final']:.2f}",
-                 f"{r['reward_gain_per_cpu_hour']:.2f}", f"{r['speedup']:.2f}x",
+                 f"{r['reward_gain_per_cpu_hour']:.2f}", f"{r['val_initial']:.2f}->{r['val_final']:.2f}",
+                 f"{r['val_gain_per_cpu_hour']:.2f}", f"{r['speedup']:.2f}x",
                  f"{r['speedup_steps']:.2f}x")
         print(" | ".join(f"{c:>12}" for c in cells))
     print_partial_share(rows)

@@ -27,8 +27,8 @@ from stand_ins import FakeClock, random_qwen2  # noqa: E402
 
 
 HEAVY_MODULES = frozenset({"test_e2e.py", "test_gsm8k_e2e.py", "test_own_agent_e2e.py", "test_eval_e2e.py",
-                           "test_aws_rollout.py", "test_submit.py", "test_a2a_e2e.py"})
-LATE_HEAVY_MODULES = frozenset({"test_gsm8k_e2e.py", "test_eval_e2e.py", "test_a2a_e2e.py"})  # of HEAVY_MODULES: no time bound, queued last
+                           "test_aws_rollout.py", "test_submit.py", "test_a2a_e2e.py", "test_smollm2_e2e.py"})
+LATE_HEAVY_MODULES = frozenset({"test_gsm8k_e2e.py", "test_eval_e2e.py", "test_a2a_e2e.py", "test_smollm2_e2e.py"})  # of HEAVY_MODULES: no time bound, queued last
 # tests of the heavy unit with no time bound, queued last as their own units (it kills a part and
 # resumes: ~150 s; the driver-killed-mid-checkpoint resume moved to scripts/chaos.py to keep the suite in budget): in the heavy unit they made it the suite's critical path while the other worker idled
 LATE_HEAVY_TESTS = frozenset({"test_e2e.py::test_a_killed_trainer_rank_restarts_from_the_last_checkpoint_inside_the_run"})
