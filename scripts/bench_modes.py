@@ -126,7 +126,8 @@ def run_config(name: str, args: argparse.Namespace, work: Path) -> dict:
 
 
 def _figures(name: str, args: argparse.Namespace, run_dir: Path, wall_s: float) -> dict:
-    all_steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    all_steps = [s for s in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                 if "timing_s/step" in s]  # the step records (validation before training logs one of its own, step 0)
     warmup = syncs(name, args.warmup_steps) if args.warmup_steps else 0
     steps = all_steps[warmup:]
     from orchestrator.watch.metrics import read_summary

