@@ -22,8 +22,8 @@ well-formed call is returned, in order, whatever text or malformed call stands b
 - an ill-formed output with no well-formed call gives the whole raw text as `content`, no calls.
 
 Invariant: parsing never loses text and never invents a call: `content`, the returned calls' blocks
-and `unparsed` (malformed blocks and text after the first call that is no call) make up the output;
-a call is returned only when its whole block parses.
+and `unparsed` (malformed blocks and text after the first call that is no call) make up the output,
+up to the whitespace around blocks; a call is returned only when its whole block parses.
 
 Pure functions (no tokenizer, no HTTP). Callers: workers/gateway/turns.py.
 """
