@@ -32,7 +32,8 @@ CASE = {c.name: c for c in CASES}
 GOOD = ("calculator", {"expression": "2+3"})
 BAD = {  # one malformed call per format
     "hermes": '<tool_call>\n{"name": "get_time", "arguments": {"tz": UTC}}\n</tool_call>',  # bad JSON
-    "qwen3_coder": "<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n</function>\n</tool_call>",  # unclosed parameter
+    # a parameter never closed
+    "qwen3_coder": "<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n</function>\n</tool_call>",
     "llama3_json": '{"name": "get_time", "parameters": {"tz": ',  # cut mid-object
     "harmony": "<|channel|>commentary to=browser.search <|constrain|>json<|message|>{}<|end|>",
 }

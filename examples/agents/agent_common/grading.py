@@ -288,7 +288,8 @@ def _exec(sandbox: Any, argv: list[str], timeout_s: float, cwd: str | None = Non
         raise
 
 
-def snapshot(sandbox: Any, repo_dir: str, python: str = "python3", timeout_s: float = UPLOAD_TIMEOUT_S) -> dict[str, str]:
+def snapshot(sandbox: Any, repo_dir: str, python: str = "python3",
+             timeout_s: float = UPLOAD_TIMEOUT_S) -> dict[str, str]:
     """Every file of `repo_dir` in the (episode's) sandbox, path -> text. Raises RuntimeError when
     the listing fails (the episode's sandbox is gone: a failed rollout)."""
     r = _exec(sandbox, [python, "-c", _SNAPSHOT], timeout_s, cwd=repo_dir)

@@ -124,7 +124,7 @@ class SweMiniExecutor(RolloutAgentExecutor):
             episode = ws.run_tests(tools.test_cmd)  # the model's view; never the reward
             diff = diff_files(task_input["repo"], snapshot(ws.sandbox, REPO_DIR, python=sys.executable))
             graded = grade(self.sandboxes, grade_spec(task_input), diff)
-        except Exception as exc:  # the rollout was attempted: its failure is data (GradingFailed: its reason), not a reward
+        except Exception as exc:  # attempted: its failure is data (GradingFailed: its reason), never a reward
             logger.exception("rollout failed")
             return RolloutDumpResponse(task_output=None, reward=None, exception=exception_to_string(exc))
         s = graded.scope
@@ -132,7 +132,8 @@ class SweMiniExecutor(RolloutAgentExecutor):
                        "prompt_tokens=%s end=%s reward=%s episode_tests=%s protected=%s outside=%s grading_s=%.2f",
                        task_input.get("input_id"), self.mode, ep.num_turns, ep.num_tool_calls, ep.num_bad_tool_calls,
                        ",".join(str(t) for t in ep.prompt_tokens), ep.end, graded.reward, episode.passed,
-                       ",".join(s.protected) or "-", ",".join((*s.outside, *s.reaches_outside)) or "-", graded.grading_s)
+                       ",".join(s.protected) or "-", ",".join((*s.outside, *s.reaches_outside)) or "-",
+                       graded.grading_s)
         return RolloutDumpResponse(
             task_output={"tests_passed": graded.passed, "episode_tests_passed": episode.passed, "end": ep.end,
                          "mode": self.mode, "applied": sorted(s.applied), "protected": list(s.protected),

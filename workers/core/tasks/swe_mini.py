@@ -141,7 +141,8 @@ _ASSERT = {"equal": "assertEqual({call}, {expect!r})", "almost_equal": "assertAl
 
 
 def _test(pkg: str, module: str, bug: Bug) -> str:
-    lines = "\n".join("        self." + _ASSERT[kind].format(call=call, expect=expect) for kind, call, expect in bug.tests)
+    lines = "\n".join("        self." + _ASSERT[kind].format(call=call, expect=expect)
+                       for kind, call, expect in bug.tests)
     return (f"import unittest\n\nfrom {pkg}.{module} import {bug.func}\n\n\n"
             f"class Test{bug.func.title().replace('_', '')}(unittest.TestCase):\n"
             f"    def test_{bug.func}(self):\n{lines}\n\n\nif __name__ == \"__main__\":\n    unittest.main()\n")
