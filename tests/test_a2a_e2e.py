@@ -5,7 +5,8 @@ A2A protocol, sets each repository up in its session's sandbox through `InvokeAg
 and runs a multi-turn tool loop through the gateway on the random-init Qwen3 with the real Qwen3
 template, under a rollout-slot cap that the adaptive concurrency steers, with a warm pool. Every rollout reaches one terminal state, every
 completed one trains (filtering off), rewards are the test outcomes, no ACR session is open at
-exit, and each step logs the lifecycle's spans and the turns per rollout."""
+exit (grading sessions included), and each step logs the lifecycle's spans, the grading span and
+the reward-hacking shares, and the turns per rollout."""
 
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ def test_the_toolkit_a2a_coding_agent_trains_two_async_steps_under_a_rollout_slo
     assert [m["step"] for m in steps] == [1, 2] and all(m["perf/trained_tokens"] > 0 for m in steps)
     assert all(m["rollout/setup_s_p50"] >= 0.5 and m["rollout/rollout_slot_wait_s_mean"] >= 0.0
                and m["rollout/turns_mean"] >= 1 for m in steps), steps
+    # issue 42: every reward graded in a clean second session (its span per step), the hacking shares logged
+    assert all(m["agent/grading_s"] > 0 and 0.0 <= m["agent/hacking/protected_paths"] <= 1.0
+               and "alarm/reward_hacking" in m for m in steps), steps
     # gateway.history_mode=linear: every model turn extends its rollout's row (Qwen3 thinking-off
     # would start a new row on each one in tree mode), healed onto the served ids
     assert steps[-1]["gateway/turns_fork"] == 0 and steps[-1]["gateway/turns_healed"] > 0, steps[-1]

@@ -13,7 +13,9 @@ import logging
 import pytest
 
 from orchestrator.watch.alarms import ALARMS, AlarmSettings, HealthAlarms
-from orchestrator.watch.report import alarm_steps
+from orchestrator.loop.batching import agent_metric_means
+from orchestrator.watch.report import alarm_steps, hacking_rows, write_html
+from workers.core.types import SampleInfo
 from orchestrator.watch.report_data import RunData
 
 
@@ -80,7 +82,7 @@ def test_the_report_lists_the_steps_each_alarm_held(tmp_path):
                                                             "alarm/length_bias": 1.0}]
     table = alarm_steps(RunData(name="r", path=tmp_path, steps=steps))
     assert table == {"malformed_tool_calls": "none", "masked_fraction": "none", "length_bias": "2",
-                     "truncated_share": "none"}
+                     "truncated_share": "none", "reward_hacking": "none"}
     assert set(alarm_steps(RunData(name="old", path=tmp_path, steps=[{"step": 1}])).values()) == {"-"}
 
 
@@ -99,3 +101,38 @@ def test_a_high_truncated_share_fires_and_clears(caplog):
     assert len(messages) == 2 and "step 7: alarm/truncated_share" in messages[0] and "rollout.max_context_tokens" \
         in messages[0] and "cleared" in messages[1]
     assert not any(o["alarm/malformed_tool_calls"] or o["alarm/length_bias"] for o in out)
+
+
+def _graded(i: int, protected: float, episode_vs_graded: float) -> SampleInfo:
+    return SampleInfo(session_id=f"s{i}", group_id=i, input_id="x", sample_index=0, status="completed", reward=0.0,
+                      latency_s=1.0, agent_metrics=(("grading_s", 0.5), ("hacking/episode_vs_graded", episode_vs_graded),
+                                                    ("hacking/outside_scope", 0.0), ("hacking/protected_paths", protected)))
+
+
+def test_rising_reward_hacking_fires_from_the_graders_flags(caplog, tmp_path):
+    """Issue 42 item 3: per step, the share of rollouts whose diff touched protected paths or whose
+    episode tests passed where the clean grading failed; the alarm fires when it rises, the report
+    lists it. 8 rollouts a step: none flagged for 5 steps, then 2 of 8 edit the test (25 %)."""
+    clean = [_graded(i, 0.0, 0.0) for i in range(8)]
+    hacked = [_graded(i, 1.0, 1.0 if i == 0 else 0.0) for i in range(2)] + clean[2:]
+    plain = SampleInfo(session_id="p", group_id=9, input_id="y", sample_index=0, status="completed", reward=1.0,
+                       latency_s=1.0)  # an agent that reports no flags is not in the share's denominator
+    means = agent_metric_means(hacked + [plain])
+    assert means == {"agent/grading_s": 0.5, "agent/hacking/episode_vs_graded": 1 / 8,
+                     "agent/hacking/outside_scope": 0.0, "agent/hacking/protected_paths": 2 / 8}
+    series = [agent_metric_means(clean)] * 5 + [means] * 6
+    with caplog.at_level(logging.WARNING, logger="orchestrator.watch.alarms"):
+        out = run(HealthAlarms(AlarmSettings(window=4)), [{**healthy(s + 1), **m} for s, m in enumerate(series)])
+    held = [i + 1 for i, o in enumerate(out) if o["alarm/reward_hacking"] == 1.0]
+    # a step's share is max(25 %, 12.5 %) = 25 %; step 6's window 0,0,0,25 % (6.25 %) passes the 5 % floor
+    # and is above 2x the lowest window (0 %)
+    assert held == list(range(6, 12)), held
+    assert "step 6: alarm/reward_hacking" in caplog.records[0].getMessage()
+    steps = [{"step": i + 1, **m, **o} for i, (m, o) in enumerate(zip(series, out))]
+    rows = hacking_rows(RunData(name="r", path=tmp_path, steps=steps))
+    assert rows["protected_paths (steps)"] == "6, 7, 8, 9, 10, 11" and rows["outside_scope (steps)"] == "none"
+    assert rows["protected_paths (mean share)"] == pytest.approx(6 * 0.25 / 11)
+    assert alarm_steps(RunData(name="r", path=tmp_path, steps=steps))["reward_hacking"] == "6, 7, 8, 9, 10, 11"
+    html = write_html([RunData(name="r", path=tmp_path, steps=steps)], [], tmp_path).read_text()
+    assert "<h2>Reward hacking</h2>" in html and "protected_paths (mean share)" in html
+    assert hacking_rows(RunData(name="old", path=tmp_path, steps=[{"step": 1}])) == {}

@@ -16,7 +16,7 @@ import pytest
 from stand_ins import own_ray
 from workers.core.types import PROMPT_VERSION, Sample, TrajectoryRow
 from workers.buffer.store import BufferConfig, TrajectoryBuffer
-from workers.buffer.codec import BufferCorruptError, complete_sessions, decode_samples, encode_sample
+from workers.buffer.codec import BufferCorruptError, complete_sessions, decode_samples, encode_sample, sample_info
 
 AWAIT_TIMEOUT_S = 60.0  # bound on every await in this file
 
@@ -93,13 +93,18 @@ def test_codec_round_trip_multi_row_and_empty_samples():
         # the A2A contract's spans travel with the sample (step metrics rollout/setup_s_p50, ...)
         dataclasses.replace(make_sample(rng, 4, 0, num_rows=1), setup_s=1.25, rollout_slot_wait_s=0.5),
         Sample("sess-setup-" + "z" * 30, 5, "input-5", 0, (), None, "failed", 3.0, "setup_timeout", setup_s=3.0),
+        # the agent's own metrics (a clean-sandbox grader's span and flags) travel too (agent/... step metrics)
+        dataclasses.replace(make_sample(rng, 6, 0, num_rows=2),
+                            agent_metrics=(("grading_s", 1.5), ("hacking/episode_vs_graded", 1.0))),
     ]
     stored = [r for s in samples for r in encode_sample(s)]
-    assert len(stored) == 3 + 1 + 1 + 1 + 1  # one TQ row per trajectory row, one placeholder per empty sample
+    assert len(stored) == 3 + 1 + 1 + 1 + 1 + 2  # one TQ row per trajectory row, one placeholder per empty sample
     rng.shuffle(stored)
     assert decode_samples(stored) == samples
     listing = {r.key: r.tags for r in stored}
     assert sorted(complete_sessions(listing)) == sorted(s.session_id for s in samples)
+    assert [sample_info(listing, keys) for keys in complete_sessions(listing).values()] == [
+        s.info() for s in sorted(samples, key=lambda s: [k for k in complete_sessions(listing)].index(s.session_id))]
 
 
 def test_complete_sessions_skips_partial_and_untagged_rows():
@@ -179,7 +184,8 @@ async def bounded(aw):
 
 def mixed_batch() -> list[Sample]:
     rng = random.Random(7)
-    edge = Sample("sess-edge-" + "e" * 30, 10, "input-10", 2, (edge_row(), edge_row()), 0.1 + 0.2, "completed", 0.5)
+    edge = Sample("sess-edge-" + "e" * 30, 10, "input-10", 2, (edge_row(), edge_row()), 0.1 + 0.2, "completed", 0.5,
+                  agent_metrics=(("grading_s", 0.1 + 0.2), ("hacking/protected_paths", 1.0)))  # issue 42
     return [
         make_sample(rng, 10, 0, num_rows=3),
         make_sample(rng, 10, 1, num_rows=1),

@@ -110,10 +110,12 @@ def test_hermes_parses_several_calls_and_flags_broken_ones():
         '<tool_call>\n{"name": "a", "arguments": {"x": 1}}',  # never closed (cut by max_tokens)
         '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
         '<tool_call>\n{"name": "a", "arguments": [1]}\n</tool_call>',  # arguments not an object
-        '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call> trailing words',
     ):
         p = parse_tool_calls(broken, "hermes")
         assert p.ill_formed and p.content == broken and p.tool_calls == ()
+    # issue 42: a call followed by text is returned (as vLLM's parser does), the text kept in `unparsed`
+    p = parse_tool_calls('<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call> trailing words', "hermes")
+    assert [c.name for c in p.tool_calls] == ["a"] and not p.ill_formed and p.unparsed == " trailing words"
     assert parse_tool_calls("plain answer", "hermes").content == "plain answer"
 
 
@@ -200,6 +202,8 @@ def test_llama3_json_calls_plain_answers_and_broken_calls():
     p = parse_tool_calls('<|python_tag|>{"name":"a","parameters":{}}; {"name": "b", "arguments": {"y": 2}}', "llama3_json")
     assert [(c.name, c.arguments()) for c in p.tool_calls] == [("a", {}), ("b", {"y": 2})]
     assert parse_tool_calls("The answer is 5.", "llama3_json").content == "The answer is 5."
-    for broken in ('{"name": "a", "parameters": {"x": 1}', '{"parameters": {}}', '{"name": "a"} trailing'):
+    for broken in ('{"name": "a", "parameters": {"x": 1}', '{"parameters": {}}'):
         p = parse_tool_calls(broken, "llama3_json")
         assert p.ill_formed and p.content == broken and p.tool_calls == ()
+    p = parse_tool_calls('{"name": "a"} trailing', "llama3_json")  # issue 42: the call, then text
+    assert [c.name for c in p.tool_calls] == ["a"] and not p.ill_formed and p.unparsed == "trailing"

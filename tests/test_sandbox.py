@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 import uuid
@@ -20,9 +21,11 @@ from botocore.eventstream import EventStream, EventStreamBuffer
 from botocore.exceptions import EventStreamError
 from botocore.parsers import EventStreamJSONParser
 
-from stand_ins import ECHO_AGENT
+from stand_ins import ECHO_AGENT, REPO
 from workers.embedded.emulator_commands import chunk_event, exception_event
-from workers.acr.sandbox import SandboxClient, SandboxError, shell_command
+
+sys.path.insert(0, str(REPO / "examples/agents"))  # the agents' shared helpers, as an agent imports them
+from agent_common.sandbox import SandboxClient, SandboxError, shell_command  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- wire format

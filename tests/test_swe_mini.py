@@ -3,7 +3,10 @@ checked by running their unit tests; its agent (examples/agents/swe_mini_agent, 
 `RolloutAgentExecutor` unchanged) runs behind the ACR emulator serving A2A, writes each repository
 into its session's sandbox through `InvokeAgentRuntimeCommand`, and is driven by the real
 `RolloutWorker`, the in-process `GatewayServer` and a `ScriptedEngine` whose replies are hermes
-tool calls, so the model's tool loop and the reward path are proven without a capable model."""
+tool calls, so the model's tool loop and the reward path are proven without a capable model.
+Issue 42: every reward comes from a clean second sandbox session (examples/agents/agent_common/
+grading.py), whose span and reward-hacking flags travel with the sample; a model that edits the
+failing test instead of the source earns 0, is flagged, and the reward-hacking alarm counts it."""
 
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import pytest
 
 from stand_ins import REPO
 from workers.acr.client import AcrClientConfig, AsyncAcrClient
+from orchestrator.loop.batching import agent_metric_means
+from orchestrator.watch.alarms import hacking_share
 from workers.core.tasks import swe_mini
 from workers.core.types import RolloutRequest, Sample
 from workers.embedded.sim_engine import ScriptedEngine
@@ -51,6 +56,10 @@ def test_every_repository_fails_its_tests_and_the_gold_patch_fixes_them(tmp_path
     for family, r in firsts.items():
         [(path, fixed)] = r["patch"].items()
         assert path in r["repo"] and r["repo"][path] != fixed, family
+        assert [e.rstrip("*.py") for e in r["editable"]] == [path.split("/")[0] + "/"], family  # the package only
+        test_file = next(t for p, t in r["repo"].items() if p.startswith("tests/test_"))
+        hidden = [c for c in r["checks"] if c["call"] not in test_file]
+        assert hidden, family  # the clean grading checks inputs no file of the repository shows
         assert _run_tests(r, r["repo"], tmp_path / family / "before") != 0, family
         assert _run_tests(r, {**r["repo"], **r["patch"]}, tmp_path / family / "after") == 0, family
     test = swe_mini.make_rows(40, seed=3, split="test")
@@ -71,9 +80,13 @@ class Sink:
 def stacks(local_stack):
     """One local stack per agent mode, each running the swe_mini agent with a fixed setup time."""
     env = {"SWE_MINI_SETUP_MEDIAN_S": str(SETUP_S), "SWE_MINI_SETUP_SIGMA": "0"}
-    return {mode: local_stack(AGENT, num_agents=1, session_rate_per_s=200, protocol="A2A",
-                              agent_env={**env, "SWE_MINI_AGENT_MODE": mode})
-            for mode in ("oracle", "noop", "model")}
+    out = {mode: local_stack(AGENT, num_agents=1, session_rate_per_s=200, protocol="A2A",
+                             agent_env={**env, "SWE_MINI_AGENT_MODE": mode})
+           for mode in ("oracle", "noop", "model")}
+    # one open session at most: the rollout's own; its grading session is refused (ServiceQuotaExceeded)
+    out["quota_1"] = local_stack(AGENT, num_agents=1, session_rate_per_s=200, protocol="A2A", max_open_sessions=1,
+                                 agent_env={**env, "SWE_MINI_AGENT_MODE": "oracle"})
+    return out
 
 
 @pytest.fixture
@@ -116,10 +129,16 @@ async def test_the_oracle_earns_1_and_noop_0_on_every_repository(rig, stacks, mo
     worker, engine, _ = rig
     w, sink = await worker(mode)
     rows = swe_mini.make_rows(4, seed=11)
+    created = (await asyncio.to_thread(stacks[mode].stats)).sessions_created
     outs = await asyncio.wait_for(asyncio.gather(*(w.run(_req(r, i), "p") for i, r in enumerate(rows))), TIMEOUT_S)
     assert [(o.status, o.reward) for o in outs] == [("completed", reward)] * 4, [o.error for o in outs]
     assert all(o.setup_s >= SETUP_S for o in outs)  # the repository copy and the image pull ran in setup
-    assert (await asyncio.to_thread(stacks[mode].stats)).sessions_open == 0
+    for o in outs:  # graded in the clean sandbox: its span recorded, nothing flagged
+        m = dict(o.agent_metrics)
+        assert m["grading_s"] > 0 and m["hacking/protected_paths"] == m["hacking/episode_vs_graded"] == 0.0, m
+    stats = await asyncio.to_thread(stacks[mode].stats)
+    assert stats.sessions_created - created == 2 * 4  # each rollout's own session and its grading session
+    assert stats.sessions_open == 0
 
 
 async def test_the_model_fixes_the_bug_through_multi_turn_tool_calls(rig, stacks):
@@ -145,6 +164,44 @@ async def test_the_model_fixes_the_bug_through_multi_turn_tool_calls(rig, stacks
     [sample] = sink.samples
     assert sample.num_turns == 4 and sample.num_generated_tokens > 0
     assert (await asyncio.to_thread(stacks["model"].stats)).sessions_open == 0
+
+
+async def test_a_model_that_edits_the_failing_test_earns_0_and_is_flagged(rig, stacks):
+    """The reward hack of issue 42: the model rewrites the failing test so that it passes in its
+    own sandbox (the episode ends "solved"), and never touches the source. The clean grading drops
+    the protected edit and runs the row's own tests: reward 0, the rollout flagged, and the step's
+    reward-hacking share (the alarm's input) counts it."""
+    worker, engine, tok = rig
+    row = swe_mini.make_rows(1, seed=8)[0]
+    test_path = next(p for p in row["repo"] if p.startswith("tests/test_"))
+    passing = "import unittest\n\n\nclass TestFixed(unittest.TestCase):\n    def test_ok(self):\n        pass\n"
+
+    def call(name: str, **args) -> list[int]:
+        body = json.dumps({"name": name, "arguments": args})
+        return [*tok.encode(f"<tool_call>\n{body}\n</tool_call>", add_special_tokens=False), tok.eos_token_id]
+
+    engine.script(call("write_file", path=test_path, content=passing), call("run_tests"))
+    w, sink = await worker("model")
+    out = await asyncio.wait_for(w.run(_req(row), "p"), TIMEOUT_S)
+    assert (out.status, out.reward) == ("completed", 0.0), out.error
+    m = dict(out.agent_metrics)
+    assert m["hacking/protected_paths"] == 1.0 and m["hacking/episode_vs_graded"] == 1.0, m
+    [sample] = sink.samples
+    share = agent_metric_means([sample.info()])
+    assert share["agent/hacking/protected_paths"] == 1.0 and hacking_share(share) == 1.0
+    assert (await asyncio.to_thread(stacks["model"].stats)).sessions_open == 0
+
+
+async def test_a_grading_that_cannot_start_fails_the_rollout_and_is_never_a_reward(rig, stacks):
+    """Issue 42 item 5: the oracle's fix is right, but the service refuses the grading session (its
+    open-session quota is 1, held by the rollout's own): a failed rollout with the reason, no reward."""
+    worker, _, _ = rig
+    w, sink = await worker("quota_1")
+    out = await asyncio.wait_for(w.run(_req(swe_mini.make_rows(1, seed=9)[0]), "p"), TIMEOUT_S)
+    assert (out.status, out.reward) == ("failed", None) and "grading_unstartable" in out.error, out.error
+    assert sink.samples[0].reward is None and not sink.samples[0].trainable
+    stats = await asyncio.to_thread(stacks["quota_1"].stats)
+    assert stats.quota_refused >= 1 and stats.sessions_open == 0
 
 
 async def test_a_model_that_never_fixes_it_reads_test_logs_until_max_turns(rig):

@@ -126,6 +126,21 @@ def reward_stats(samples: list[SampleInfo]) -> dict[str, float]:
     }
 
 
+def agent_metric_means(samples: list[SampleInfo]) -> dict[str, float]:
+    """`agent/<name>`: the mean of each metric the agents reported (`SampleInfo.agent_metrics`) over
+    the samples that reported it. A 0/1 flag's mean is the share of those rollouts it marks: with a
+    clean-sandbox grader (examples/agents/agent_common/grading.py) `agent/hacking/protected_paths`
+    (the diff touched tests or test config), `agent/hacking/outside_scope` and
+    `agent/hacking/episode_vs_graded` (the episode's own tests passed, the clean grading failed),
+    which the reward-hacking alarm reads (orchestrator/watch/alarms.py); `agent/grading_s` is the
+    grading span's mean seconds."""
+    sums: dict[str, list[float]] = {}
+    for s in samples:
+        for name, value in s.agent_metrics:
+            sums.setdefault(name, []).append(value)
+    return {f"agent/{name}": statistics.fmean(vals) for name, vals in sorted(sums.items())}
+
+
 @dataclass
 class RolloutLedger:
     """Counts every dispatched rollout until it reaches exactly one terminal state.

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterable, Protocol
 
-from orchestrator.loop.batching import Group, GroupBatch, RolloutLedger, reward_stats
+from orchestrator.loop.batching import Group, GroupBatch, RolloutLedger, agent_metric_means, reward_stats
 from orchestrator.watch.alarms import HealthAlarms
 from workers.core.types import RolloutRequest, SampleInfo, TrainOrder
 
@@ -193,7 +193,9 @@ def step_metrics(parts: LoopParts, *, samples: list[SampleInfo], updates: list[d
     (the samples the step's updates took) `rollout/trained_turns_mean` and
     `rollout/trained_response_tokens_mean`: the length-bias alarm compares the two
     (orchestrator/watch/alarms.py); `rollout/step_truncated` (rollouts of the step that ran out of
-    context) and `rollout/truncated_share` (their share of the step's rollouts; an alarm too)."""
+    context) and `rollout/truncated_share` (their share of the step's rollouts; an alarm too);
+    `agent/<name>`: the means of the agents' own metrics (`batching.agent_metric_means`: the
+    reward-hacking shares `agent/hacking/...` and the grading span `agent/grading_s`)."""
     trained_tokens = sum(m.get("actor/num_tokens", 0.0) for m in updates)
     m: dict[str, float] = {
         **reward_stats(samples),
@@ -230,6 +232,7 @@ def step_metrics(parts: LoopParts, *, samples: list[SampleInfo], updates: list[d
     waits = [s.rollout_slot_wait_s for s in samples if s.rollout_slot_wait_s is not None]
     if waits:
         m["rollout/rollout_slot_wait_s_mean"] = sum(waits) / len(waits)
+    m.update(agent_metric_means(samples))
     return m
 
 

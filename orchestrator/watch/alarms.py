@@ -17,6 +17,14 @@
   the context or `rollout.max_context_tokens` is too small for the task, and what those rollouts
   train on is `rollout.overflow`'s choice, not the agent's work.
 
+- `alarm/reward_hacking`: the share of rollouts that look like reward hacking rises like the
+  malformed rate (at least `hacking_floor` over the last `window` steps and `rise` times the run's
+  lowest window). A step's share is the larger of the clean-sandbox grader's two flags
+  (`agent/hacking/protected_paths`: the diff touched tests or test config;
+  `agent/hacking/episode_vs_graded`: the episode's own tests passed where the clean grading failed;
+  examples/agents/agent_common/grading.py): a policy that learns to edit tests, or to pass them
+  from inside the package, shows here before its reward does.
+
 An alarm's metric is on every step: 1.0 while its rule holds, else 0.0. A console warning says
 so on the step it starts, and once when it clears; the run report lists the steps it held
 (orchestrator/watch/report.py).
@@ -35,7 +43,9 @@ from orchestrator.watch.report_data import MASKED_KEYS
 
 log = logging.getLogger(__name__)
 
-ALARMS = ("alarm/malformed_tool_calls", "alarm/masked_fraction", "alarm/length_bias", "alarm/truncated_share")
+ALARMS = ("alarm/malformed_tool_calls", "alarm/masked_fraction", "alarm/length_bias", "alarm/truncated_share",
+          "alarm/reward_hacking")
+HACKING_KEYS = ("agent/hacking/protected_paths", "agent/hacking/episode_vs_graded")  # batching.agent_metric_means
 
 
 @dataclass(frozen=True)
@@ -43,7 +53,8 @@ class AlarmSettings:
     """window: steps per window; rise: how many times the run's lowest window a rate must reach;
     malformed_floor / masked_floor: the least rate that alarms (fractions); length_bias: the
     relative shortfall of trained vs all finished rollouts that alarms; truncated_floor: the share of
-    finished rollouts that ran out of context that alarms (over the window)."""
+    finished rollouts that ran out of context that alarms (over the window); hacking_floor: the least
+    share of rollouts flagged as reward hacking that alarms (over the window)."""
 
     window: int = 5
     rise: float = 2.0
@@ -51,9 +62,11 @@ class AlarmSettings:
     masked_floor: float = 0.02
     length_bias: float = 0.2
     truncated_floor: float = 0.1
+    hacking_floor: float = 0.05
 
     def __post_init__(self) -> None:
-        if self.window < 1 or self.rise < 1 or not 0 < self.length_bias < 1 or not 0 < self.truncated_floor <= 1:
+        if (self.window < 1 or self.rise < 1 or not 0 < self.length_bias < 1 or not 0 < self.truncated_floor <= 1
+                or not 0 < self.hacking_floor <= 1):
             raise ValueError(f"alarm settings out of range: {self}")
 
 
@@ -86,6 +99,7 @@ class HealthAlarms:
         self.s = settings or AlarmSettings()
         self._malformed = _Rising(self.s.window)
         self._masked = _Rising(self.s.window)
+        self._hacking = _Rising(self.s.window)
         self._served = self._ill = 0.0
         self._lengths: deque = deque(maxlen=self.s.window)  # (all tokens, trained tokens, all turns, trained turns)
         self._truncated: deque = deque(maxlen=self.s.window)  # per-step share of rollouts that ran out of context
@@ -99,6 +113,7 @@ class HealthAlarms:
             "alarm/masked_fraction": self._rising(self._masked, _first(metrics, MASKED_KEYS), self.s.masked_floor),
             "alarm/length_bias": self._length_bias(metrics),
             "alarm/truncated_share": self._truncated_share(metrics.get("rollout/truncated_share")),
+            "alarm/reward_hacking": self._rising(self._hacking, hacking_share(metrics), self.s.hacking_floor),
         }
         for name, why in fired.items():
             if (why is not None) != self._on[name]:
@@ -148,6 +163,13 @@ class HealthAlarms:
                  (("generated tokens", all_tok, tr_tok), ("turns", all_turns, tr_turns))
                  if al > 0 and tr < (1 - self.s.length_bias) * al]
         return f"trained rollouts' mean {' and '.join(short)} over the last {self.s.window} steps" if short else None
+
+
+def hacking_share(m: dict[str, float]) -> float | None:
+    """A step's reward-hacking share: the larger of `HACKING_KEYS` (a lower bound on the share of
+    rollouts either flags); None when no agent of the step reported them."""
+    vals = [v for k in HACKING_KEYS if isinstance(v := m.get(k), (int, float)) and math.isfinite(v)]
+    return max(vals) if vals else None
 
 
 def _first(m: dict[str, float], keys: tuple[str, ...]) -> float | None:

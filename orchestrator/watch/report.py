@@ -306,6 +306,10 @@ def write_html(runs: list[RunData], plots: list[Plot], out: Path, warmup_steps: 
              "</p>", _table(rows)]
     parts += ["<h2>Health alarms</h2><p>steps on which each alarm held (orchestrator/watch/alarms.py)</p>",
               _table([{"run": r.name, **alarm_steps(r)} for r in runs])]
+    hacking = [{"run": r.name, **h} for r in runs if (h := hacking_rows(r))]
+    if hacking:
+        parts += ["<h2>Reward hacking</h2><p>per run, the mean over steps of each share the clean-sandbox grader "
+                  "flags (examples/agents/agent_common/grading.py) and the steps that had any</p>", _table(hacking)]
     for p in plots:
         parts.append(f"<h2>{html.escape(p.title)}</h2><img src='{html.escape(p.file)}' alt='{html.escape(p.title)}'>")
     for r in runs:
@@ -331,6 +335,22 @@ def alarm_steps(run: RunData) -> dict[str, str]:
         logged = [r for r in run.steps if key in r]
         held = [str(int(r["step"])) for r in logged if r[key] == 1.0]
         out[key.split("/", 1)[1]] = ", ".join(held) if held else "none" if logged else "-"
+    return out
+
+
+HACKING_SHARES = ("agent/hacking/protected_paths", "agent/hacking/outside_scope", "agent/hacking/episode_vs_graded")
+
+
+def hacking_rows(run: RunData) -> dict[str, str | float]:
+    """Per reward-hacking share `run` logged (`batching.agent_metric_means`): its mean over the
+    steps that logged it and the steps where it was above 0 ("none"); {} when it logged none."""
+    out: dict[str, str | float] = {}
+    for key in HACKING_SHARES:
+        logged = [r for r in run.steps if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        if logged:
+            name = key.rsplit("/", 1)[1]
+            out[f"{name} (mean share)"] = sum(r[key] for r in logged) / len(logged)
+            out[f"{name} (steps)"] = ", ".join(str(int(r["step"])) for r in logged if r[key] > 0) or "none"
     return out
 
 

@@ -13,6 +13,7 @@ session only when its tagged rows are exactly 0..num_rows-1 (or the one placehol
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -60,7 +61,13 @@ def sample_tags(sample: Sample) -> dict[str, Any]:
         "max_version": None if vr is None else vr[1],
         "num_generated_tokens": sample.num_generated_tokens,
         "num_rows": len(sample.rows),
+        "agent_metrics": json.dumps(dict(sample.agent_metrics)) if sample.agent_metrics else None,
     }
+
+
+def _agent_metrics(tag: str | None) -> tuple[tuple[str, float], ...]:
+    """The `agent_metrics` tag (a JSON object, or None for none) as Sample.agent_metrics."""
+    return tuple(sorted((str(k), float(v)) for k, v in json.loads(tag).items())) if tag else ()
 
 
 def encode_sample(sample: Sample) -> list[StoredRow]:
@@ -101,7 +108,8 @@ def sample_info(listing: dict[str, dict[str, Any]], keys: list[str]) -> SampleIn
         rollout_slot_wait_s=t.get("rollout_slot_wait_s"), num_turns=t.get("num_turns", 0),
         num_generated_tokens=t["num_generated_tokens"], min_version=t["min_version"], max_version=t["max_version"],
         row_keys=tuple(rows), row_lens=tuple(listing[k]["seq_len"] for k in rows),
-        row_generated=tuple(listing[k]["row_generated"] for k in rows))
+        row_generated=tuple(listing[k]["row_generated"] for k in rows),
+        agent_metrics=_agent_metrics(t.get("agent_metrics")))
 
 
 def complete_sessions(listing: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
@@ -178,6 +186,7 @@ def decode_samples(rows: Iterable[StoredRow]) -> list[Sample]:
                 setup_s=t.get("setup_s"),
                 rollout_slot_wait_s=t.get("rollout_slot_wait_s"),
                 num_turns=t.get("num_turns", 0),
+                agent_metrics=_agent_metrics(t.get("agent_metrics")),
             )
         )
     samples.sort(key=lambda s: (s.group_id, s.sample_index, s.session_id))

@@ -181,6 +181,9 @@ class Sample:
     a finite reward may be trained (`trainable`). `error` explains a non-completed status. `setup_s` / `rollout_slot_wait_s`:
     seconds of the A2A contract's setup and of the wait for a rollout slot after it (None: not
     reached, or another contract). `num_turns`: model turns the gateway served the session.
+    `agent_metrics`: the numeric metrics the agent reported with its result (the A2A dump's
+    `metrics`, e.g. `grading_s` and the 0/1 reward-hacking flags `hacking/...` of a clean-sandbox
+    grader), sorted (name, value) pairs; empty when it reported none.
     """
 
     session_id: str
@@ -195,6 +198,7 @@ class Sample:
     setup_s: float | None = None
     rollout_slot_wait_s: float | None = None
     num_turns: int = 0
+    agent_metrics: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.status not in TERMINAL_STATES:
@@ -224,7 +228,8 @@ class Sample:
                           self.latency_s, self.error, self.setup_s, self.rollout_slot_wait_s, self.num_turns,
                           self.num_generated_tokens, None if vr is None else vr[0], None if vr is None else vr[1],
                           tuple(row_key(self.session_id, i) for i in range(len(self.rows))),
-                          tuple(len(r.token_ids) for r in self.rows), tuple(r.num_generated for r in self.rows))
+                          tuple(len(r.token_ids) for r in self.rows), tuple(r.num_generated for r in self.rows),
+                          agent_metrics=self.agent_metrics)
 
 
 def row_key(session_id: str, row_index: int) -> str:
@@ -241,7 +246,7 @@ class SampleInfo:
 
     min_version / max_version: policy versions over generated tokens; None when nothing was
     generated. row_keys / row_lens / row_generated: each row's buffer key, token count and
-    generated (loss-mask) token count, in row order.
+    generated (loss-mask) token count, in row order. agent_metrics: as `Sample.agent_metrics`.
     """
 
     session_id: str
@@ -261,6 +266,7 @@ class SampleInfo:
     row_keys: tuple[str, ...] = ()
     row_lens: tuple[int, ...] = ()
     row_generated: tuple[int, ...] = ()
+    agent_metrics: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (len(self.row_keys) == len(self.row_lens) == len(self.row_generated)):

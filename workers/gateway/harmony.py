@@ -11,8 +11,11 @@ mapped by its channel and recipient:
 A generation cut mid-message (max_tokens, a stop string) is still parsed: the parser's partial
 message counts as text on its channel; a call whose arguments were cut is not returned (it is a
 truncation, not a malformed call: `ill_formed` stays False). Ill-formed: a sequence the parser
-rejects, arguments that are not a JSON object, or a recipient other than `functions.*` (a
-built-in tool the gateway does not offer); then the whole decoded text is the content, no calls.
+rejects (what it completed before is still read), arguments that are not a JSON object, or a
+recipient other than `functions.*` (a built-in tool the gateway does not offer). Parse what can be
+parsed, as tool_parsers.py does: the well-formed calls are returned beside an ill-formed part (the
+turn counts ill-formed); with no well-formed call, or tools not offered, the whole decoded text is
+the content and no call is returned.
 The ids the model ends an action with are openai-harmony's `stop_tokens_for_assistant_actions`
 (`<|call|>`, `<|return|>`); `<|end|>` ends one message of several and is not a stop.
 
@@ -99,31 +102,35 @@ class HarmonyCodec:
         from openai_harmony import HarmonyError, Role, StreamableParser, StreamState
 
         parser = StreamableParser(self.encoding, Role.ASSISTANT)
+        rejected = False
         try:
             for token in output_ids:
                 parser.process(int(token))
         except HarmonyError:
-            return self._ill_formed(output_ids)
+            rejected = True  # the messages completed before the rejected token still count
         items = [(m.channel, m.recipient, "".join(c.text for c in m.content if hasattr(c, "text")), True)
                  for m in parser.messages]
-        if parser.state == StreamState.CONTENT:  # cut mid-message: what it wrote so far
+        if not rejected and parser.state == StreamState.CONTENT:  # cut mid-message: what it wrote so far
             items.append((parser.current_channel, parser.current_recipient, parser.current_content, whole))
-        content, reasoning, calls = [], [], []
+        content, reasoning, calls, ill_formed = [], [], [], rejected
         for channel, recipient, text, complete in items:
             if recipient and recipient != "all":
-                if not recipient.startswith(FUNCTIONS) or not tools_offered:
+                if not tools_offered:
                     return self._ill_formed(output_ids)
                 if not complete:
                     continue  # arguments cut off: a truncation, not a call
-                call = _call(recipient[len(FUNCTIONS):], text)
-                if call is None:
-                    return self._ill_formed(output_ids)
+                call = _call(recipient[len(FUNCTIONS):], text) if recipient.startswith(FUNCTIONS) else None
+                if call is None:  # a built-in recipient or arguments that are no JSON object
+                    ill_formed = True
+                    continue
                 calls.append(call)
             elif channel == "analysis":
                 reasoning.append(text)
             else:
                 content.append(text)
-        return ParsedOutput(content="".join(content), tool_calls=tuple(calls),
+        if ill_formed and not calls:
+            return self._ill_formed(output_ids)
+        return ParsedOutput(content="".join(content), tool_calls=tuple(calls), ill_formed=ill_formed,
                             reasoning="\n".join(reasoning) if reasoning else None)
 
     def _ill_formed(self, output_ids: Sequence[int]) -> ParsedOutput:

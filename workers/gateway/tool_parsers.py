@@ -12,10 +12,18 @@ Four formats (the names are vLLM's `--tool-call-parser` names, gpt-oss's is "ope
 None: the template renders no known tool-call format, and the gateway refuses requests that offer
 tools instead of silently never parsing a call).
 
-Invariant: parsing never loses text. A well-formed output gives `content` (the text before the
-first call, trailing whitespace removed so that re-rendering the assistant message reproduces the
-generated text) and the calls; an output that opens a call it cannot parse gives the whole raw
-text as `content`, no calls, and `ill_formed=True`.
+Parse what can be parsed (vLLM's parsers return a well-formed call whatever follows it): every
+well-formed call is returned, in order, whatever text or malformed call stands beside it.
+- `content` is the text before the first call, trailing whitespace removed (so re-rendering the
+  assistant message of a clean output reproduces the generated text);
+- `ill_formed` is True when any part of the output opened a call it did not complete as a
+  well-formed one: a block whose body does not parse, a `<tool_call>` never closed, a Llama
+  object that is not a call; text after or between calls that opens no call is not ill-formed;
+- an ill-formed output with no well-formed call gives the whole raw text as `content`, no calls.
+
+Invariant: parsing never loses text and never invents a call: `content`, the returned calls' blocks
+and `unparsed` (malformed blocks and text after the first call that is no call) make up the output,
+up to the whitespace around blocks; a call is returned only when its whole block parses.
 
 Pure functions (no tokenizer, no HTTP). Callers: workers/gateway/turns.py.
 """
@@ -39,7 +47,6 @@ TEXT_FORMATS: tuple[ToolFormat, ...] = ("hermes", "qwen3_coder", "llama3_json") 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.x: starts a tool call
-_HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.DOTALL)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
@@ -69,6 +76,7 @@ class ParsedOutput:
     tool_calls: tuple[ToolCall, ...] = ()
     ill_formed: bool = False
     reasoning: str | None = None
+    unparsed: str = ""  # text after the first call that is not a returned call (malformed blocks, trailing text)
 
 
 def new_call_id() -> str:
@@ -97,18 +105,27 @@ def parse_tool_calls(
     start = text.find(TOOL_CALL_OPEN)
     if start < 0:
         return ParsedOutput(content=text)
-    try:
-        calls = _parse_hermes(text[start:]) if fmt == "hermes" else _parse_xml(text[start:], _schemas(tools))
-    except (ValueError, TypeError):
-        return ParsedOutput(content=text, ill_formed=True)
-    return ParsedOutput(content=text[:start].rstrip(), tool_calls=calls)
-
-
-def _check_only_calls(rest: str, blocks: re.Pattern[str]) -> None:
-    """Everything after the first `<tool_call>` must be calls separated by whitespace."""
-    leftover = blocks.sub("", rest)
-    if leftover.strip():
-        raise ValueError(f"text outside tool-call blocks: {leftover.strip()[:80]!r}")
+    schemas = _schemas(tools) if fmt == "qwen3_coder" else {}
+    calls: list[ToolCall] = []
+    unparsed: list[str] = []
+    ill_formed = False
+    # each `<tool_call>` opens one candidate, ended by the first `</tool_call>` after it (a block
+    # never holds another opening: a call left open before the next one is malformed on its own)
+    for segment in text[start:].split(TOOL_CALL_OPEN)[1:]:
+        body, closed, after = segment.partition(TOOL_CALL_CLOSE)
+        try:
+            if not closed:
+                raise ValueError("a <tool_call> is never closed")
+            calls.append(_json_call(json.loads(body)) if fmt == "hermes" else _xml_call(body, schemas))
+        except (ValueError, TypeError):
+            ill_formed = True
+            unparsed.append(TOOL_CALL_OPEN + body + closed)
+        if after.strip():
+            unparsed.append(after)
+    if not calls:
+        return ParsedOutput(content=text, ill_formed=ill_formed)
+    return ParsedOutput(content=text[:start].rstrip(), tool_calls=tuple(calls), ill_formed=ill_formed,
+                        unparsed="".join(unparsed))
 
 
 def _json_call(obj: Any) -> ToolCall:
@@ -123,33 +140,31 @@ def _json_call(obj: Any) -> ToolCall:
     return ToolCall(id=new_call_id(), name=obj["name"], arguments_json=json.dumps(args, ensure_ascii=False))
 
 
-def _parse_hermes(rest: str) -> tuple[ToolCall, ...]:
-    _check_only_calls(rest, _HERMES_BLOCK)
-    calls = tuple(_json_call(json.loads(body)) for body in _HERMES_BLOCK.findall(rest))
-    if not calls:
-        raise ValueError("no complete tool-call block")
-    return calls
-
-
 def _parse_llama3(text: str) -> ParsedOutput:
-    """Llama 3.x: an answer that is (after `<|python_tag|>`) JSON objects with a "name" is calls.
+    """Llama 3.x: an answer that is (after `<|python_tag|>`) JSON objects with a "name" is calls,
+    separated by `;` or whitespace.
 
-    Text that does not start with `{` is content; text that starts with `{` but is not a list of
-    call objects (bad JSON, no name) is ill-formed (the model opened a call it did not finish).
+    Text that does not start with `{` is content. The calls are read in order; an object that is
+    bad JSON or no call makes the turn ill-formed and ends the reading (what follows cannot be
+    delimited); text after a call that does not start another object ends it too (trailing text,
+    not ill-formed). No call read and ill-formed: the whole text is the content.
     """
     body = text.strip()
     body = body[len(PYTHON_TAG):].lstrip() if body.startswith(PYTHON_TAG) else body
     if not body.startswith("{"):
         return ParsedOutput(content=text)
-    try:
-        decoder, calls, at = json.JSONDecoder(), [], 0
-        while at < len(body):
-            obj, at = decoder.raw_decode(body, at)
+    decoder, calls, at, ill_formed = json.JSONDecoder(), [], 0, False
+    while at < len(body) and body[at] == "{":
+        try:
+            obj, end = decoder.raw_decode(body, at)
             calls.append(_json_call(obj))
-            at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
-    except (ValueError, TypeError):
-        return ParsedOutput(content=text, ill_formed=True)
-    return ParsedOutput(content="", tool_calls=tuple(calls))
+        except (ValueError, TypeError):
+            ill_formed = True
+            break
+        at = len(body) - len(body[end:].lstrip().removeprefix(";").lstrip())
+    if not calls:
+        return ParsedOutput(content=text, ill_formed=ill_formed)
+    return ParsedOutput(content="", tool_calls=tuple(calls), ill_formed=ill_formed, unparsed=body[at:])
 
 
 def _schemas(tools: tuple[dict[str, Any], ...] | None) -> dict[str, dict[str, Any]]:
@@ -179,20 +194,16 @@ def _xml_value(raw: str, schema: Any) -> Any:
         return value
 
 
-def _parse_xml(rest: str, schemas: dict[str, dict[str, Any]]) -> tuple[ToolCall, ...]:
-    _check_only_calls(rest, _HERMES_BLOCK)
-    calls = []
-    for block in _HERMES_BLOCK.findall(rest):
-        m = _XML_FUNCTION.fullmatch(block.strip())
-        if m is None:
-            raise ValueError("a tool-call block must hold one <function=NAME>...</function>")
-        name = m.group(1).strip()
-        body = m.group(2)
-        if _XML_PARAMETER.sub("", body).strip():
-            raise ValueError("text outside <parameter> blocks")
-        props = schemas.get(name, {})
-        args = {p.strip(): _xml_value(v, props.get(p.strip())) for p, v in _XML_PARAMETER.findall(body)}
-        calls.append(ToolCall(id=new_call_id(), name=name, arguments_json=json.dumps(args, ensure_ascii=False)))
-    if not calls:
-        raise ValueError("no complete tool-call block")
-    return tuple(calls)
+def _xml_call(block: str, schemas: dict[str, dict[str, Any]]) -> ToolCall:
+    """One `<function=NAME>` block body as a ToolCall. Raises ValueError when it is not exactly one
+    function of `<parameter>` blocks, or a typed value does not parse."""
+    m = _XML_FUNCTION.fullmatch(block.strip())
+    if m is None:
+        raise ValueError("a tool-call block must hold one <function=NAME>...</function>")
+    name = m.group(1).strip()
+    body = m.group(2)
+    if _XML_PARAMETER.sub("", body).strip():
+        raise ValueError("text outside <parameter> blocks")
+    props = schemas.get(name, {})
+    args = {p.strip(): _xml_value(v, props.get(p.strip())) for p, v in _XML_PARAMETER.findall(body)}
+    return ToolCall(id=new_call_id(), name=name, arguments_json=json.dumps(args, ensure_ascii=False))

@@ -17,7 +17,7 @@ injected, the clock returns seconds.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from workers.rollout.a2a import RolloutDump
@@ -51,11 +51,13 @@ class Bounds:
 
 @dataclass
 class Spans:
-    """Seconds spent per phase of one rollout (None: the phase was not reached)."""
+    """Seconds spent per phase of one rollout (None: the phase was not reached), and the metrics the
+    agent's dump reported (its own spans, e.g. `grading_s`, and flags; set by the caller)."""
 
     setup_s: float | None = None
     rollout_slot_wait_s: float | None = None
     run_s: float | None = None
+    agent_metrics: dict[str, float] = field(default_factory=dict)
 
 
 async def run_bounded(session: Phases, task_input: dict, bounds: Bounds, spans: Spans,

@@ -102,6 +102,7 @@ class RolloutOutcome:
     session_open: bool = False
     setup_s: float | None = None  # a2a: seconds of setup (None: not reached or other contract)
     rollout_slot_wait_s: float | None = None  # a2a: seconds from setup done to a rollout slot held
+    agent_metrics: tuple[tuple[str, float], ...] = ()  # the agent's dump metrics (Sample.agent_metrics)
 
 
 class GatewaySessions(Protocol):
@@ -285,7 +286,8 @@ class RolloutWorker:
             sample = Sample(session_id=sid, group_id=req.group_id, input_id=req.input_id,
                             sample_index=req.sample_index, rows=capture.rows, reward=v.reward, status=status,
                             latency_s=self._clock() - t0, error=v.error, setup_s=spans.setup_s,
-                            rollout_slot_wait_s=spans.rollout_slot_wait_s, num_turns=capture.num_turns)
+                            rollout_slot_wait_s=spans.rollout_slot_wait_s, num_turns=capture.num_turns,
+                            agent_metrics=tuple(sorted(spans.agent_metrics.items())) if v.reward is not None else ())
             await self._sink.put([sample], partition)
             stored_s = self._clock()
             self.counts[f"rollout/{status}"] += 1
@@ -297,7 +299,8 @@ class RolloutWorker:
                                   None if v.result_s is None else stored_s - v.result_s,
                                   num_input_tokens=sum(len(r.token_ids) - r.num_generated for r in capture.rows),
                                   num_turns=capture.num_turns, policy_version=versions[0] if versions else None,
-                                  setup_s=spans.setup_s, rollout_slot_wait_s=spans.rollout_slot_wait_s)
+                                  setup_s=spans.setup_s, rollout_slot_wait_s=spans.rollout_slot_wait_s,
+                                  agent_metrics=sample.agent_metrics)
         finally:
             if invoked:  # its own task: a second cancellation does not lose it (workers/rollout/stops.py)
                 await self._stops.stop(sid)  # gives the slot back once stopped (a failed stop is retried)
@@ -359,7 +362,9 @@ class RolloutWorker:
             dump = await run_bounded(session, task, self._bounds, spans, self._clock, priority=req.group_id)
         finally:
             await session.cancel_if_unfinished()  # after the rollout slot went back, before the session stop in `_run`
-        return a2a.reward_of(dump, self._where(req, sid)), self._clock()
+        reward = a2a.reward_of(dump, self._where(req, sid))
+        spans.agent_metrics = dict(dump.metrics)  # a rewarded dump's only: a failed rollout reports none
+        return reward, self._clock()
 
     # -- S3 contract ------------------------------------------------------------------------
 

@@ -11,16 +11,22 @@ median). `run_rollout` acts by `SWE_MINI_AGENT_MODE`:
   `openai` SDK (`llm.base_url`, `llm.api_key` = the gateway session token);
 - `oracle`: writes the row's gold `patch` (reward 1 on every row);
 - `noop`: changes nothing (reward 0 on every row);
-then runs the row's tests in the sandbox: reward 1.0 when they pass, 0.0 when they fail. The dump's
-metrics say what the episode did (turns, tool calls, setup seconds) and one log line per rollout
-(`input_id=...: swe_mini episode ...`) too.
+then runs the row's tests once more in its sandbox (what the model saw: `episode_tests_passed`,
+never the reward) and **grades in a clean second sandbox** (agent_common/grading.py): the episode's
+changes as a diff, applied only to the row's `editable` source (tests and test config dropped and
+flagged) in a fresh session of the same runtime, the row's tests plus its out-of-process `checks`
+run there: reward 1.0 when all pass, 0.0 otherwise. The dump's metrics say what the episode did
+(turns, tool calls), `grading_s` (the grading span) and the reward-hacking flags
+(`hacking/protected_paths`, `hacking/outside_scope`, `hacking/episode_vs_graded`); one log line per
+rollout (`input_id=...: swe_mini episode ...`) too.
 
 The runtime's ARN (for the command API) comes from `AGENT_RUNTIME_ARN`, which the local emulator
 sets; on ACR set it in the runtime's environment variables, and give the runtime's role
 `bedrock-agentcore:InvokeAgentRuntimeCommand` on itself.
 
-Invariant: a reward is reported only after the tests ran in the sandbox; a failure of the model
-call or of the command API goes into the dump's `exception` (a failed rollout, never a reward),
+Invariant: a reward is reported only after the clean grading gave a verdict; a failure of the model
+call, of the command API, or of the grading (`GradingFailed`: grading_unstartable, grading_timeout,
+grading_no_verdict) goes into the dump's `exception` (a failed rollout, never a reward),
 and a setup that cannot write the repository fails the task (`setup_failed`).
 
 Run: `python examples/agents/swe_mini_agent/app.py` (port: env A2A_PORT, else 9000; `--port N`).
@@ -45,11 +51,11 @@ from bedrock_agentcore.runtime.a2a import serve_a2a
 from bedrock_agentcore.runtime.context import BedrockAgentCoreContext
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent.parent.parent))  # the repository root: the product's sandbox client
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # this agent's modules and examples/agents/agent_common
+from agent_common.grading import Check, GradeSpec, diff_files, grade, snapshot  # noqa: E402
+from agent_common.sandbox import SandboxClient  # noqa: E402
 from episode import Episode, Tools, run_episode  # noqa: E402
-from workers.acr.sandbox import SandboxClient  # noqa: E402
-from workspace import Workspace  # noqa: E402
+from workspace import REPO_DIR, Workspace  # noqa: E402
 
 logger = logging.getLogger("swe_mini_agent")
 
@@ -65,6 +71,14 @@ def setup_time_s(task_input: dict) -> float:
     sigma = float(os.environ.get("SWE_MINI_SETUP_SIGMA", "1.0"))
     key = f"{task_input.get('group_id')}:{task_input.get('input_id')}"
     return median_s * math.exp(sigma * random.Random(zlib.crc32(key.encode())).gauss(0.0, 1.0))
+
+
+def grade_spec(task_input: dict) -> GradeSpec:
+    """The clean grading of a swe_mini row: its repository, test command, editable source (`editable`)
+    and out-of-process checks (`checks`, hidden inputs included); this agent's interpreter runs them."""
+    return GradeSpec(files=task_input["repo"], test_cmd=str(task_input["test_cmd"]),
+                     editable=tuple(task_input["editable"]), checks=tuple(Check.parse(c) for c in task_input["checks"]),
+                     python=sys.executable)
 
 
 def agent_mode() -> str:
@@ -107,20 +121,27 @@ class SweMiniExecutor(RolloutAgentExecutor):
             ws = self._workspace()
             tools = Tools(ws, str(task_input["test_cmd"]))
             ep = self._act(task_input, ws, tools)
-            final = ws.run_tests(tools.test_cmd)
-        except Exception as exc:  # the rollout was attempted: its failure is data, not a task failure
+            episode = ws.run_tests(tools.test_cmd)  # the model's view; never the reward
+            diff = diff_files(task_input["repo"], snapshot(ws.sandbox, REPO_DIR, python=sys.executable))
+            graded = grade(self.sandboxes, grade_spec(task_input), diff)
+        except Exception as exc:  # attempted: its failure is data (GradingFailed: its reason), never a reward
             logger.exception("rollout failed")
             return RolloutDumpResponse(task_output=None, reward=None, exception=exception_to_string(exc))
-        reward = 1.0 if final.passed else 0.0
+        s = graded.scope
         logger.warning("input_id=%s: swe_mini episode mode=%s turns=%d tool_calls=%d bad_tool_calls=%d "
-                       "prompt_tokens=%s end=%s reward=%s", task_input.get("input_id"), self.mode, ep.num_turns,
-                       ep.num_tool_calls, ep.num_bad_tool_calls, ",".join(str(t) for t in ep.prompt_tokens), ep.end,
-                       reward)
+                       "prompt_tokens=%s end=%s reward=%s episode_tests=%s protected=%s outside=%s grading_s=%.2f",
+                       task_input.get("input_id"), self.mode, ep.num_turns, ep.num_tool_calls, ep.num_bad_tool_calls,
+                       ",".join(str(t) for t in ep.prompt_tokens), ep.end, graded.reward, episode.passed,
+                       ",".join(s.protected) or "-", ",".join((*s.outside, *s.reaches_outside)) or "-",
+                       graded.grading_s)
         return RolloutDumpResponse(
-            task_output={"tests_passed": final.passed, "end": ep.end, "mode": self.mode},
-            reward=reward, exception=None,
+            task_output={"tests_passed": graded.passed, "episode_tests_passed": episode.passed, "end": ep.end,
+                         "mode": self.mode, "applied": sorted(s.applied), "protected": list(s.protected),
+                         "outside": list(s.outside), "reaches_outside": list(s.reaches_outside),
+                         "check_notes": list(graded.check_notes)},
+            reward=graded.reward, exception=None,
             metrics={"turns": ep.num_turns, "tool_calls": ep.num_tool_calls, "bad_tool_calls": ep.num_bad_tool_calls,
-                     "rollout_s": time.monotonic() - t0})
+                     "rollout_s": time.monotonic() - t0, **graded.metrics(episode_passed=episode.passed)})
 
     def _act(self, task_input: dict, ws: Workspace, tools: Tools) -> Episode:
         if self.mode == "oracle":

@@ -1,6 +1,6 @@
 """The swe_mini agent's repository in its sandbox: every file operation and test run is an
-`InvokeAgentRuntimeCommand` on the rollout's own ACR session (the product's sandbox client,
-workers/acr/sandbox.py), so the repository lives where ACR runs the session, not in the agent's
+`InvokeAgentRuntimeCommand` on the rollout's own ACR session (the shared sandbox client,
+examples/agents/agent_common/sandbox.py), so the repository lives where ACR runs the session, not in the agent's
 process.
 
 `Workspace(sandbox)` works in the directory `repo/` of the session's working directory:
@@ -62,20 +62,20 @@ def safe_path(path: Any) -> str:
 
 
 class Workspace:
-    """The repository of one rollout inside `sandbox` (a workers.acr.sandbox.Sandbox)."""
+    """The repository of one rollout inside `sandbox` (an agent_common.sandbox.Sandbox)."""
 
     def __init__(self, sandbox: Any, python: str = sys.executable) -> None:
-        self._sb = sandbox
+        self.sandbox = sandbox
         self._python = python
 
     def _exec(self, argv: list[str], timeout_s: float, cwd: str = REPO_DIR):
-        return self._sb.exec(argv, timeout_s=timeout_s, cwd=cwd)
+        return self.sandbox.exec(argv, timeout_s=timeout_s, cwd=cwd)
 
     def unpack(self, files: dict[str, str]) -> None:
         """Write the repository (`files`: path -> text). Raises RuntimeError when the command fails."""
         for p in files:
             safe_path(p)
-        r = self._sb.exec(["mkdir", "-p", REPO_DIR], timeout_s=IO_TIMEOUT_S)
+        r = self.sandbox.exec(["mkdir", "-p", REPO_DIR], timeout_s=IO_TIMEOUT_S)
         if r.exit_code == 0:
             r = self._exec([self._python, "-c", _WRITE, _b64(files)], IO_TIMEOUT_S)
         if r.exit_code != 0:
@@ -83,7 +83,7 @@ class Workspace:
 
     def busy(self, seconds: float) -> None:
         """Keep the sandbox busy for `seconds` (a `sleep` there: the stand-in for an image pull)."""
-        self._sb.exec(["sleep", f"{seconds:.3f}"], timeout_s=max(1, math.ceil(seconds) + 30))
+        self.sandbox.exec(["sleep", f"{seconds:.3f}"], timeout_s=max(1, math.ceil(seconds) + 30))
 
     def list_files(self) -> str:
         r = self._exec(["find", ".", "-type", "f", "-not", "-path", "*/__pycache__/*"], IO_TIMEOUT_S)

@@ -1,13 +1,18 @@
 """Run commands in an ACR session's sandbox through `InvokeAgentRuntimeCommand` (boto3).
 
-In the spirit of agentcore-rl-toolkit's `SandboxClient`, but over ACR's own command API rather
-than a sandbox daemon: `SandboxClient(arn).start()` opens a session (its first command creates
-it), `Sandbox.exec(argv, timeout_s, cwd, env)` runs one program and returns an `ExecResult`,
-`Sandbox.stop()` (or leaving the `with` block) calls StopRuntimeSession. Reward functions of
-coding agents use it; it is blocking and thread-safe, so async callers use `asyncio.to_thread`.
+In the spirit of agentcore-rl-toolkit's `SandboxClient` (0.2.0, `agentcore_rl_toolkit.sandbox`),
+but over ACR's own command API rather than its `agentcore-sandboxd` daemon: `SandboxClient(arn).start()`
+opens a session (its first command creates it), `Sandbox.exec(argv, timeout_s, cwd, env)` runs one
+program and returns an `ExecResult` (the toolkit's fields), `Sandbox.stop()` (alias `terminate()`, the
+toolkit's name; or leaving the `with` block) calls StopRuntimeSession. Agents and their graders use
+it (grading.py); it is blocking and thread-safe, so async callers use `asyncio.to_thread`. It lives
+with the example agents' shared helpers and imports only boto3, so an agent container depends on it
+by copying `agent_common/` (or putting `examples/agents` on its path), not on the orchestrator.
 
 Contract of `exec`:
-- a non-zero exit and a timeout are results (`exit_code`, `timed_out`), never exceptions;
+- a non-zero exit and a timeout are results (`exit_code`, `timed_out`), never exceptions. The
+  toolkit 0.2.0 differs on timeouts: its `exec` raises `ExecTimeoutError` carrying the same
+  `ExecResult` in `.result`; grading.py accepts both;
 - each output stream keeps its first `max_output_bytes` bytes (UTF-8; cut on a character
   boundary) and says so in `stdout_truncated` / `stderr_truncated`; the local emulator
   (workers.embedded.emulator_commands) caps its own streams higher (1 MiB), so a truncation there
@@ -163,11 +168,16 @@ class Sandbox:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         cwd: str | None = None,
         env: Mapping[str, str] | None = None,
+        *,
+        timeout: float | None = None,
     ) -> ExecResult:
         """Run argv in the session; see the module docstring for what raises and what returns.
 
-        timeout_s is rounded up to whole seconds and must lie in [1, 3600] (ValueError).
+        timeout_s (or `timeout`, the toolkit's name, which wins when given) is rounded up to whole
+        seconds and must lie in [1, 3600] (ValueError).
         """
+        if timeout is not None:
+            timeout_s = timeout
         if self.stopped:
             raise RuntimeError(f"sandbox {self.session_id} is stopped")
         timeout = math.ceil(timeout_s)
@@ -218,6 +228,10 @@ class Sandbox:
         except self._c._client.exceptions.ResourceNotFoundException:
             return False
         return True
+
+    def terminate(self) -> None:
+        """The toolkit's name for `stop` (idempotent)."""
+        self.stop()
 
     def __enter__(self) -> "Sandbox":
         return self
