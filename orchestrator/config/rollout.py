@@ -167,6 +167,9 @@ class RolloutConfig:
             concurrency_policy(self)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        check(self.acr.agent_cmd not in ("True", "False"), "rollout.acr.agent_cmd",  # OmegaConf's str of a bool
+              "must be a command line: YAML read a bare true/false as a boolean (quote it, "
+              "rollout.acr.agent_cmd=\"'true'\", to run the command of that name)", self.acr.agent_cmd)
         check(self.acr.num_agents >= 1, "rollout.acr.num_agents", "must be >= 1", self.acr.num_agents)
         if self.rollout_slots is not None:
             check(self.contract == "a2a", "rollout.rollout_slots", "applies to rollout.contract=a2a only (a rollout "

@@ -19,6 +19,7 @@ from orchestrator.config.async_ import AsyncConfig
 from orchestrator.config.cluster import ClusterConfig
 from orchestrator.config.errors import ConfigError, check, unknown_key
 from orchestrator.config.eval import EvalConfig
+from orchestrator.config.finite import check_finite
 from orchestrator.config.gateway import GatewayGroupConfig
 from orchestrator.config.inference import InferenceConfig
 from orchestrator.config.logger import LoggerConfig
@@ -218,6 +219,7 @@ def _refuse_unknown_keys(node: Any, obj: Any, where: str) -> None:
 def to_run_config(cfg: DictConfig) -> RunConfig:
     """Build and validate the typed config. Raises ConfigError naming the key on a bad value.
     Reads values only (no file system); orchestrator/control/preflight.py runs the file checks."""
+    check_finite(cfg, GROUP_SCHEMAS)  # NaN and inf pass every `x <= 0` check below: refused first, in one place
     parts: dict[str, Any] = {}
     for group, schema in GROUP_SCHEMAS.items():
         if group not in cfg:
