@@ -3,7 +3,8 @@
 Schema validation (orchestrator/config/) reads values only; `preflight` then checks what the
 values point at, in this order: `model.path` is a Hugging Face model directory, `model.chat_template`
 a file, every row of the task's data files parses (the registry's row loader, orchestrator/tasks.py), `run_dir`
-is not a file and holds no earlier run unless resuming, the staging folders of interrupted checkpoint
+is not a file and holds no earlier run unless resuming, no other run holds its lock
+(orchestrator/control/run_lock.py, taken here for the life of the run), the staging folders of interrupted checkpoint
 writes are removed, the checkpoint to resume from is complete and leaves steps to train, with
 `rollout=aws` the AWS credentials and bucket (orchestrator/control/preflight_aws.py), and `run_dir` can be
 created (it is created here).
@@ -26,6 +27,7 @@ from orchestrator.config import ConfigError, RunConfig
 from orchestrator.config.task import eval_split
 from orchestrator.config.errors import check
 from orchestrator.control.run_checkpoint import find_resume_checkpoint
+from orchestrator.control.run_lock import lock_run_dir
 from orchestrator.tasks import TASKS
 from workers.core.tasks.dataset_files import DatasetError
 
@@ -172,6 +174,8 @@ def preflight(cfg: RunConfig) -> Preflight:
     check_task_data(cfg)
     check_run_dir(cfg)
     run_dir = Path(cfg.run_dir).resolve()
+    if run_dir.is_dir():  # before anything in it changes: a second launch on a run in use stops here
+        lock_run_dir(run_dir)
     remove_staging(run_dir)  # half-written checkpoints of a run that died are never used
     ckpt = find_checkpoint(cfg, run_dir)
     if ckpt is None and cfg.trainer.resume_mode == "auto" and (aside := set_aside_attempt(run_dir)) is not None:
@@ -186,4 +190,5 @@ def preflight(cfg: RunConfig) -> Preflight:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"run_dir: cannot create {run_dir}: {exc}") from None
+    lock_run_dir(run_dir)  # held until this process ends (orchestrator/control/run_lock.py)
     return Preflight(run_dir=run_dir, checkpoint=ckpt)
