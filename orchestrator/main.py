@@ -139,9 +139,9 @@ def _run_started(cfg: RunConfig, pre, t_start: float) -> dict:
         state = pre.checkpoint.state
         print(f"resuming from {pre.checkpoint.path} (step {state.step}, policy version {state.policy_version})",
               flush=True)
-    resolved = OmegaConf.to_container(OmegaConf.structured(cfg))
-    resolved["async"] = resolved.pop("async_")  # the attribute's config key
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(resolved))
+    from orchestrator.control.resume_config import run_config_dict
+
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(run_config_dict(cfg)))  # what a resume is compared with
     print(f"run_dir: {run_dir}", flush=True)
     _STARTED.append(run_dir)  # past pre-flight: this run owns run_dir, its report is ours to write
     quiet_console(run_dir, cfg.logger.console_level)  # library output to RUN_DIR/logs/ from here on

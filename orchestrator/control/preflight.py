@@ -5,7 +5,8 @@ values point at, in this order: `model.path` is a Hugging Face model directory, 
 a file, every row of the task's data files parses (the registry's row loader, orchestrator/tasks.py), `run_dir`
 is not a file and holds no earlier run unless resuming, no other run holds its lock
 (orchestrator/control/run_lock.py, taken here for the life of the run), the staging folders of interrupted checkpoint
-writes are removed, the checkpoint to resume from is complete and leaves steps to train, with
+writes are removed, the checkpoint to resume from is complete, leaves steps to train and was trained
+with the same model, data and step shapes (orchestrator/control/resume_config.py), with
 `rollout=aws` the AWS credentials and bucket (orchestrator/control/preflight_aws.py), and `run_dir` can be
 created (it is created here).
 
@@ -27,6 +28,7 @@ from orchestrator.config import ConfigError, RunConfig
 from orchestrator.config.task import eval_split
 from orchestrator.config.errors import check
 from orchestrator.control.run_checkpoint import find_resume_checkpoint
+from orchestrator.control.resume_config import check_resume_config
 from orchestrator.control.run_lock import lock_run_dir
 from orchestrator.tasks import TASKS
 from workers.core.tasks.dataset_files import DatasetError
@@ -178,6 +180,8 @@ def preflight(cfg: RunConfig) -> Preflight:
         lock_run_dir(run_dir)
     remove_staging(run_dir)  # half-written checkpoints of a run that died are never used
     ckpt = find_checkpoint(cfg, run_dir)
+    if ckpt is not None:  # the model, data and step shapes must be the checkpoint's (before config.yaml is rewritten)
+        check_resume_config(cfg, ckpt.path)
     if ckpt is None and cfg.trainer.resume_mode == "auto" and (aside := set_aside_attempt(run_dir)) is not None:
         print(f"run_dir held a run with no checkpoint to continue from (it died before its first one, or "
               f"saved none): its step files are in {aside}; starting again from step 0", file=sys.stderr, flush=True)
