@@ -29,6 +29,7 @@ from orchestrator.config import ConfigError, RunConfig
 from orchestrator.config.rollout import acr_region, local_fault_rates
 from orchestrator.control.checkpoint import Checkpoint
 from orchestrator.control.preflight import Preflight, check_kv_cache
+from orchestrator.control.lora_targets import check_lora_targets
 from orchestrator.control.preflight_aws import forwarded_aws_env
 from orchestrator.control.ray_cluster import check_cluster_reachable, ray_address, ray_system_config
 from orchestrator.control.stopping import interrupt_from, mark
@@ -84,6 +85,7 @@ def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -
     if pre.checkpoint is not None:  # trainer and inference replicas start from the checkpoint's weights
         model_path = str(pre.checkpoint.model_dir)
     check_kv_cache(cfg, model_path)  # before any engine: names inference.kv_cache_gib and the minimum
+    check_lora_targets(cfg, model_path)  # a typo'd target module is a config error, not a dead trainer
     if cfg.rollout.name == "local":
         phase(f"starting the local ACR emulator, moto S3 and {cfg.rollout.acr.num_agents} agent process(es)")
     local = _start_local_stack(cfg, pre.run_dir, stack) if cfg.rollout.name == "local" else None

@@ -2,7 +2,8 @@
 
 Schema validation (orchestrator/config/) reads values only; `preflight` then checks what the
 values point at, in this order: `model.path` is a Hugging Face model directory, `model.chat_template`
-a file, every row of the task's data files parses (the registry's row loader, orchestrator/tasks.py), `run_dir`
+a file, every row of the task's data files parses (the registry's row loader, orchestrator/tasks.py), `gateway.host` is an address of this
+machine (a run on its own Ray cluster), `run_dir`
 is not a file and holds no earlier run unless resuming, no other run holds its lock
 (orchestrator/control/run_lock.py, taken here for the life of the run), the staging folders of interrupted checkpoint
 writes are removed, the checkpoint to resume from is complete, leaves steps to train and was trained
@@ -98,6 +99,37 @@ def check_task_data(cfg: RunConfig) -> None:
             raise ConfigError(str(exc).replace("task.data_path", key)) from None
 
 
+def check_gateway_host(cfg: RunConfig) -> None:
+    """`gateway.host` is an address of this machine when the run starts its own Ray cluster (the
+    gateway actor then runs here): a bind to it on a free port succeeds. Without this,
+    `gateway.host=8.8.8.8` failed as a bind traceback inside the gateway actor after ~35 s. On a joined
+    cluster the actor may run on another node: not checked."""
+    import errno
+    import socket
+
+    from orchestrator.config import gateway_net
+    from orchestrator.control.ray_cluster import ray_address
+
+    if ray_address(cfg) != "local":
+        return
+    host, _, _ = gateway_net(cfg.gateway, rollout_name=cfg.rollout.name)
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ConfigError(f"gateway.host {host!r} does not resolve ({exc.strerror}): set an address of this "
+                          "machine (127.0.0.1, 0.0.0.0 for every interface, or one interface's address)") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((addr[0], 0))
+        except OSError as exc:
+            if exc.errno != errno.EADDRNOTAVAIL:
+                raise ConfigError(f"gateway.host {host!r}: cannot listen there ({exc.strerror})") from None
+            raise ConfigError(f"gateway.host {host!r} is not an address of this machine, so the gateway cannot "
+                              "listen on it: set 127.0.0.1, 0.0.0.0 (every interface) or one of this machine's "
+                              "addresses; to give agents another URL (a proxy, NAT) set gateway.advertise_url") from None
+
+
 def check_run_dir(cfg: RunConfig) -> None:
     """`run_dir` is a directory or absent, and holds no earlier run (metrics.jsonl) unless
     `trainer.resume_mode=auto` finds a checkpoint there to continue."""
@@ -174,6 +206,7 @@ def preflight(cfg: RunConfig) -> Preflight:
     """Run every file-system check of `cfg` (see the module docstring) and create run_dir."""
     check_model(cfg)
     check_task_data(cfg)
+    check_gateway_host(cfg)
     check_run_dir(cfg)
     run_dir = Path(cfg.run_dir).resolve()
     if run_dir.is_dir():  # before anything in it changes: a second launch on a run in use stops here
