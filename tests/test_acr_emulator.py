@@ -317,3 +317,36 @@ def test_the_emulator_binds_the_host_it_is_given(tmp_path):
     finally:
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_an_agent_process_that_crashes_is_restarted_like_a_fresh_microvm(echo_env):
+    """Issue 47 (item 6): the emulator never restarted an agent process that exited, so after two
+    crashes every rollout failed "no agent process is alive" (and the message pointed at the runtime
+    ARN and credentials); on ACR a crash costs one session's microVM. Both agents are killed, twice:
+    each time the next session is served by a fresh process."""
+    import os
+    import signal
+
+    from stand_ins import wait_until
+
+    c = BlockingAcr()
+    arn = echo_env.agent_runtime_arn
+    for _ in range(2):
+        before = echo_env.stats().agent_pids
+        for pid in before:
+            os.kill(pid, signal.SIGKILL)
+        assert wait_until(lambda: all(_reaped_or_gone(p) for p in before), 10)
+        sid = new_session_id()
+        pid = c.invoke(arn, sid, {"after": "crash"})["pid"]  # waits for the restarts: no agent was alive
+        assert pid not in before
+        assert c.stop_session(arn, sid)
+        after = echo_env.stats().agent_pids
+        assert wait_until(lambda: len(set(echo_env.stats().agent_pids) - set(before)) == 2, 30), after
+
+
+def _reaped_or_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"  # a zombie until the emulator reaps it
+    except FileNotFoundError:
+        return True

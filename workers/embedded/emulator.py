@@ -30,6 +30,9 @@ Behind it run K agent processes (workers.embedded.emulator_agents). Invariants:
 - faults (workers.embedded.faults) are decided by FaultPlan per session: emulator-side kinds answer
   the session's first `repeats` InvokeAgentRuntime calls with their error before anything else
   happens (no session is created); agent-side kinds reach the agent as the FAULT_HEADER header;
+- an agent process that exits is started again on the next call or tick (at most MAX_AGENT_RESTARTS
+  times per agent; emulator_routes): a crash costs the rollouts it held, as one microVM's crash does
+  on ACR, not every later one;
 - on shutdown (SIGTERM/SIGINT) every agent process is stopped by PID.
 
 What it does not emulate: one microVM per session (sessions share K processes, so stopping a
@@ -105,6 +108,7 @@ async def serve(cfg: EmulatorConfig, port: int, stop: asyncio.Event, ready_file:
             runner = ticker = None
             with tempfile.TemporaryDirectory(prefix="acr-emulator-sessions-") as workdir:
                 emu = Emulator(cfg, agents, http, Path(workdir))
+                emu.agent_env = agent_env  # a restarted agent gets the same environment
                 try:
                     runner = web.AppRunner(emu.app(), access_log=None)
                     await runner.setup()
@@ -122,7 +126,8 @@ async def serve(cfg: EmulatorConfig, port: int, stop: asyncio.Event, ready_file:
                     if runner is not None:
                         await runner.cleanup()
                     emu.workspaces.close_all()
-                    await stop_agents(agents)
+                    await emu.stop_restarts()
+                    await stop_agents(agents)  # emu.agents: restarted processes replaced the exited ones in it
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -5,7 +5,8 @@ picked by `free_port`, the one helper with a pick-then-bind race, documented the
 the ACR container contract: `POST /invocations` (an A2A agent: `POST /`, port also in env
 `A2A_PORT`), `GET /ping` -> `{"status": "Healthy" |
 "HealthyBusy"}`. Invariant: every process `start_agents` launched is
-reaped by `stop_agents` (SIGTERM, SIGKILL after AGENT_STOP_GRACE_S), and, should the emulator
+reaped by `stop_agents` (SIGTERM, SIGKILL after AGENT_STOP_GRACE_S); an agent that exits is
+replaced by `restart_agent` (the emulator bounds how often); and, should the emulator
 itself die without cleaning up, gets SIGTERM from the kernel (PR_SET_PDEATHSIG, Linux).
 """
 
@@ -97,6 +98,32 @@ async def start_agents(
     except BaseException:
         await stop_agents(agents)
         raise
+
+
+async def restart_agent(
+    agent_cmd: Sequence[str],
+    index: int,
+    agent_env: Mapping[str, str],
+    http: aiohttp.ClientSession,
+    start_timeout_s: float,
+) -> AgentProcess:
+    """A fresh process for agent `index` (one that exited), on a new port, once it answers /ping:
+    ACR starts a fresh microVM per session, so an agent's crash costs the sessions it held, never
+    every later rollout. Raises RuntimeError as `start_agents` does (the process is stopped first)."""
+    port = free_port()
+    argv = [a.replace("{port}", str(port)) for a in agent_cmd]
+    env = {**os.environ, **agent_env, "PORT": str(port), "A2A_PORT": str(port)}
+    try:
+        proc = await asyncio.create_subprocess_exec(*argv, env=env, preexec_fn=die_with_parent)
+    except OSError as exc:
+        raise RuntimeError(f"agent {index} could not be restarted: {argv[0]!r}: {exc.strerror}") from exc
+    agent = AgentProcess(index=index, port=port, proc=proc)
+    try:
+        await _wait_healthy(agent, http, time.monotonic() + start_timeout_s)
+    except BaseException:
+        await stop_agents([agent])
+        raise
+    return agent
 
 
 async def _wait_healthy(agent: AgentProcess, http: aiohttp.ClientSession, deadline: float) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from workers.embedded.emulator_agents import AgentProcess, ping_status
+from workers.embedded.emulator_agents import AgentProcess, ping_status, restart_agent
 from workers.embedded.emulator_commands import (
     DEFAULT_COMMAND_TIMEOUT_S, EVENTSTREAM_CONTENT_TYPE, MAX_COMMAND_CHARS, MAX_COMMAND_TIMEOUT_S,
     MIN_COMMAND_TIMEOUT_S, Workspaces, exception_event, run_command,
@@ -40,6 +40,10 @@ SESSION_ID_MIN_LEN = 33  # botocore shape SessionType: min 33
 SESSION_ID_MAX_LEN = 256  # botocore shape SessionType: max 256
 MAX_PAYLOAD_BYTES = 100_000_000  # botocore shape Body: max 100 MB
 AGENT_ERROR_SNIPPET_CHARS = 2000  # of an agent's error body quoted in RuntimeClientError
+# an agent process that exits is started again (ACR gives each session a fresh microVM, so a crash
+# costs that session's rollout only), at most this many times per agent index over the emulator's life:
+# an agent that crashes on every start is then left dead and calls fail "no agent process is alive"
+MAX_AGENT_RESTARTS = 100
 
 _ERROR_STATUS = {
     "ValidationException": 400,
@@ -90,6 +94,9 @@ class Emulator:
         self.fault_hits: Counter = Counter()  # session id -> emulator-side fault answers sent
         self.faults_injected: Counter = Counter()
         self.workspaces = Workspaces(workdir)
+        self.agent_env: dict[str, str] = dict(cfg.agent_env)  # what a restarted agent gets (serve adds the endpoint)
+        self.agent_restarts: Counter = Counter()  # agent index -> restarts started
+        self._restarting: dict[int, asyncio.Task] = {}
 
     # ------------------------------------------------------------------ app
 
@@ -157,19 +164,48 @@ class Emulator:
             )
         return sid
 
-    def _refresh_agents(self) -> None:
+    async def _refresh_agents(self) -> None:
+        """Mark exited agents dead and start each again (bounded by MAX_AGENT_RESTARTS); when no agent
+        is alive, wait for the restarts under way (each bounded by the agents' start timeout)."""
         for a in self.agents:
-            if not a.alive() and self.table.mark_dead(a.index):
+            if a.alive():
+                continue
+            if self.table.mark_dead(a.index):
                 logger.warning("agent %d (pid %d) exited with %s", a.index, a.proc.pid, a.proc.returncode)
+            if a.index not in self._restarting and self.agent_restarts[a.index] < MAX_AGENT_RESTARTS:
+                self.agent_restarts[a.index] += 1
+                self._restarting[a.index] = asyncio.ensure_future(self._restart(a.index))
+        if self._restarting and not any(a.alive() for a in self.agents):
+            await asyncio.wait(list(self._restarting.values()))
+
+    async def _restart(self, index: int) -> None:
+        try:
+            agent = await restart_agent(self.cfg.agent_cmd, index, self.agent_env, self.http,
+                                        self.cfg.agent_start_timeout_s)
+        except Exception as exc:  # noqa: BLE001  left dead; the next call's refresh tries again (bounded)
+            logger.warning("agent %d could not be restarted: %s", index, exc)
+        else:
+            self.agents[index] = agent
+            self.table.mark_alive(index)
+            logger.warning("agent %d restarted (pid %d)", index, agent.proc.pid)
+        finally:
+            self._restarting.pop(index, None)
+
+    async def stop_restarts(self) -> None:
+        """Cancel the restarts under way (shutdown); the agents they started are stopped with the rest."""
+        for task in list(self._restarting.values()):
+            task.cancel()
+        await asyncio.gather(*self._restarting.values(), return_exceptions=True)
 
     def _expire(self, now: float) -> None:
         for sid in self.table.expire(now):
             self.workspaces.close(sid)
 
-    def _route(self, sid: str) -> tuple[int, bool] | web.Response:
+    async def _route(self, sid: str) -> tuple[int, bool] | web.Response:
         now = time.monotonic()
         self._expire(now)
-        self._refresh_agents()
+        await self._refresh_agents()
+        now = time.monotonic()
         try:
             return self.table.route(sid, now)
         except SessionRefused as e:
@@ -190,7 +226,7 @@ class Emulator:
             self.faults_injected[fault] += 1
             name, status = EMULATOR_FAULT_ERRORS[fault]
             return acr_error(name, f"injected fault: {fault}", status)
-        routed = self._route(sid)
+        routed = await self._route(sid)
         if isinstance(routed, web.Response):
             return routed
         index, created = routed
@@ -268,7 +304,7 @@ class Emulator:
             return validation_error("body.timeout", f"timeout must be an integer in {bounds}")
         if self.table.was_stopped(sid):  # on ACR the stop ended the microVM and whatever in it sent this
             return acr_error("ResourceNotFoundException", f"session {sid} was stopped: its container is gone")
-        routed = self._route(sid)
+        routed = await self._route(sid)
         if isinstance(routed, web.Response):
             return routed
         proc_box: list = []
@@ -303,7 +339,7 @@ class Emulator:
         while True:
             await asyncio.sleep(self.cfg.tick_s())
             try:
-                self._refresh_agents()
+                await self._refresh_agents()
                 alive = [a for a in self.agents if a.alive()]
                 statuses = await asyncio.gather(*(ping_status(a, self.http) for a in alive))
                 now = time.monotonic()

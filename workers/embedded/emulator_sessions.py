@@ -166,6 +166,10 @@ class SessionTable:
         self._dead.add(agent)
         return True
 
+    def mark_alive(self, agent: int) -> None:
+        """Agent `agent` was restarted (a fresh process at its index): route sessions to it again."""
+        self._dead.discard(agent)
+
     def is_open(self, session_id: str) -> bool:
         return session_id in self._sessions
 
