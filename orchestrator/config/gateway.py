@@ -4,7 +4,7 @@ Agents running in AgentCore Runtime call the gateway over the network, so with `
 defaults listen on every interface and advertise this node's routable address; pre-flight
 (orchestrator/control/preflight_aws.py) warns when that address is one ACR cannot reach. Maps onto the
 worker's GatewayConfig fields `host`, `port`, `advertise_url` (workers/gateway/config.py) through
-`gateway_net` and orchestrator/config/model.py's `gateway_config`.
+`gateway_net` and orchestrator/config/model.py's `gateway_config` (and `max_body_bytes` there).
 """
 
 from __future__ import annotations
@@ -30,16 +30,20 @@ class GatewayGroupConfig:
     or e.g. https://rl.example.com/v1 behind a TLS-terminating reverse proxy).
     history_mode: "tree" or "linear" (an append-only agent session stays one row whatever the
     template does to earlier turns); on_nonlinear: reset | error | passthrough, what linear mode
-    does with a request that edits the history (workers/gateway/config.py says each)."""
+    does with a request that edits the history (workers/gateway/config.py says each).
+    max_body_bytes: the largest request body an agent may send (bytes); a larger one is answered 413
+    naming this key before anything is rendered."""
 
     host: Optional[str] = None
     port: int = default_of(GatewayConfig, "port")
     advertise_url: Optional[str] = default_of(GatewayConfig, "advertise_url")
     history_mode: str = default_of(GatewayConfig, "history_mode")
     on_nonlinear: str = default_of(GatewayConfig, "on_nonlinear")
+    max_body_bytes: int = default_of(GatewayConfig, "max_body_bytes")
 
     def __post_init__(self) -> None:
         check(0 <= self.port <= 65535, "gateway.port", "must be in [0, 65535]", self.port)
+        check(self.max_body_bytes >= 1024, "gateway.max_body_bytes", "must be >= 1024", self.max_body_bytes)
         url = self.advertise_url
         check(url is None or url == AUTO or url.startswith(("http://", "https://")), "gateway.advertise_url",
               "must be null, auto or an http(s):// base URL", url)

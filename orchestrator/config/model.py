@@ -107,7 +107,8 @@ def gateway_config(model: ModelConfig, *, rollout: RolloutConfig, model_path: st
                          history_mode=net.history_mode, on_nonlinear=net.on_nonlinear, served_model_name=model.served_name,
                          chat_template=model.chat_template, tool_call_parser=model.tool_call_parser,
                          max_context_tokens=rollout.max_context_tokens, max_tokens=rollout.max_tokens,
-                         temperature=rollout.temperature, top_p=rollout.top_p, replica_wait_s=replica_wait_s)
+                         temperature=rollout.temperature, top_p=rollout.top_p, replica_wait_s=replica_wait_s,
+                         max_body_bytes=net.max_body_bytes)
 
 
 def lora_settings(lora: LoraConfig) -> LoraSettings | None:

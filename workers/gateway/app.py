@@ -13,7 +13,8 @@ Routes (each also served without the `/v1` prefix and with a doubled `/v1/v1`, s
 A request is authenticated by its session token (`Authorization: Bearer` or `x-api-key`) before
 its body is read; the turn itself runs in turns.TurnRunner. Every error, whoever raises it, leaves
 through one middleware, in OpenAI's `{"error": {...}}` shape or, under `/messages`, Anthropic's
-`{"type": "error", "error": {...}}`: 401 unknown token, 409 closed session, 413 body too large,
+`{"type": "error", "error": {...}}`: 401 unknown token, 409 closed session, 413 body past
+`max_body_bytes` (named in the message), prompts rendered and tokenized off the event loop (turns.py),
 429 turn cap, 400 bad request / context_length_exceeded / tools_unsupported, 503 engine trouble.
 
 Invariant: a 200 answer means its turn is recorded in the capture store; a turn that is not
@@ -63,6 +64,7 @@ from workers.gateway.turns import TurnOutcome, TurnRunner
 log = logging.getLogger(__name__)
 
 COUNTERS_KEY = web.AppKey("gateway_counters", Counters)
+MAX_BODY_KEY = web.AppKey("gateway_max_body_bytes", int)
 ROUTE_PREFIXES = ("/v1", "", "/v1/v1")  # see the module docstring
 
 
@@ -114,8 +116,15 @@ def _json(data: Any) -> web.Response:
 
 
 async def _body(request: web.Request) -> Any:
-    """The parsed JSON body. Raises ApiError(400) for invalid JSON, HTTP 413 past the size limit."""
-    raw = await request.read()
+    """The parsed JSON body. Raises ApiError(400) for invalid JSON, ApiError(413) naming the limit
+    (`gateway.max_body_bytes`) past it: aiohttp stops reading there, before anything is rendered."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[MAX_BODY_KEY]
+        raise ApiError(413, f"request body larger than the gateway's limit of {limit} bytes "
+                            f"(gateway.max_body_bytes={limit}); send a shorter conversation",
+                       code="request_too_large", retry=False) from None
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
@@ -181,7 +190,7 @@ class _Routes:
         """Anthropic token count."""
         self._capture.authenticate(session_token(request.headers))
         req = anthropic_api.parse_messages_request(await _body(request), require_max_tokens=False)
-        return _json({"input_tokens": len(self._runner.prompt_ids(req))})
+        return _json({"input_tokens": len(await self._runner.count_prompt_ids(req))})
 
     async def models(self, request: web.Request) -> web.Response:
         self._capture.authenticate(session_token(request.headers))  # OpenAI requires the key here too
@@ -222,6 +231,7 @@ def create_app(
     app = web.Application(middlewares=[api_errors], client_max_size=cfg.max_body_bytes)
     counters = Counters()
     app[COUNTERS_KEY] = counters
+    app[MAX_BODY_KEY] = cfg.max_body_bytes
     runner = TurnRunner(capture, router, renderer, counters, continuity=cfg.token_continuity,
                         history_mode=cfg.history_mode, on_nonlinear=cfg.on_nonlinear, replica_wait_s=cfg.replica_wait_s)
     routes = _Routes(cfg, capture, router, renderer, runner)

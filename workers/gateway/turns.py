@@ -4,7 +4,8 @@
 1. refuse tools when the model's template has no known tool-call format (400 `tools_unsupported`),
    never a silent no-op; pin the session's date (its first turn's time, chat_template.pin_date)
    so the system message of a template that writes the date renders the same on every turn;
-2. render the conversation to ids (chat_template.py) and clamp max_tokens to the session's
+2. render the conversation to ids (chat_template.py), on a render thread (RENDER_THREADS) so one
+   session's huge prompt never holds the event loop, and clamp max_tokens to the session's
    remaining context: a prompt that leaves no room is 400 `context_length_exceeded` in the API's own
    words (OpenAI's "This model's maximum context length is ..."; Anthropic's "prompt is too long:
    N tokens > M maximum"), and the session is marked `context_exceeded`, as it is when a generation
@@ -42,6 +43,7 @@ counted in the app's metrics.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import datetime
 import time
@@ -58,6 +60,12 @@ from workers.gateway.linear import closer, healed_text
 from workers.gateway.metrics import Counters
 from workers.gateway.openai_api import ApiError, ChatRequest, bad_request
 from workers.gateway.router import ReplicaRouter
+
+# threads that render and tokenize prompts off the event loop: a huge prompt of one session (12 MB
+# held every other session's turns for 27 s when rendered on the loop) now occupies one of these while
+# the loop keeps serving the others; the Rust tokenizer releases the GIL on long pieces
+# (chat_template.GIL_FREE_ENCODE_CHARS), so small prompts still render beside it on another thread
+RENDER_THREADS = 4
 from workers.gateway.tool_parsers import ParsedOutput, parse_tool_calls
 
 REPLICA_POLL_S = 0.1  # how often a turn waiting for a replacement replica looks again (seconds)
@@ -162,6 +170,16 @@ class TurnRunner:
         self.on_nonlinear = on_nonlinear
         self.replica_wait_s = replica_wait_s  # wait this long for a replacement when no replica is healthy
         self.now = now  # local time, as transformers' strftime_now: the date a session pins
+        self._render_pool = concurrent.futures.ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="gateway-render")
+
+    async def _off_loop(self, fn: Callable, *args):
+        """`fn(*args)` on a render thread (prompt rendering and tokenization: CPU seconds for a huge
+        prompt), so the event loop keeps serving every other session meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._render_pool, fn, *args)
+
+    async def count_prompt_ids(self, req: ChatRequest) -> tuple[int, ...]:
+        """`prompt_ids(req)` off the event loop."""
+        return await self._off_loop(self.prompt_ids, req)
 
     def pinned(self, session: Session, req: ChatRequest) -> ChatRequest:
         """`req` with the session's date pinned into its template arguments (its first turn's)."""
@@ -296,7 +314,7 @@ class TurnRunner:
     async def run(self, session: Session, req: ChatRequest, *, id_prefix: str = "chatcmpl-") -> TurnOutcome:
         """Serve one turn (see the module docstring for the steps and the errors raised)."""
         req = self.pinned(session, req)
-        rendered = self._render(session, req)
+        rendered = await self._off_loop(self._render, session, req)  # reads this session's capture state only
         prompt_ids = rendered.ids
         stops = self.renderer.stop_spec(req.stop)
         stop_ids = stops.ids
