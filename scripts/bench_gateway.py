@@ -21,6 +21,16 @@ Figures (goals from issue 5: added p50 <= 1 ms, p99 <= 5 ms, >= 2000 turns/s on 
                                  machine is, and 1000 / it is the turns/s one free core sustains
 On a shared machine the wall-clock figures depend on the load (`config.loadavg_*`).
 
+    python scripts/bench_gateway.py --huge-prompt [--huge-mb 2] [--small-agents 4] [--phase-s 20]
+
+One agent's huge prompt against everyone else (issue 47): --small-agents agents run the tool
+conversations above for --phase-s seconds alone, then for --phase-s seconds while one more session
+keeps sending --huge-mb MiB prompts (varied words; each is rendered and tokenized, then answered 400
+context_length_exceeded: far past the 8192-token context). Figures:
+  small_latency_ms.alone / .beside_huge_prompts   small sessions' round trip per turn (p50, p90, p99)
+  huge_prompt.latency_s                           the huge requests' own round trip
+While the gateway rendered on its event loop, every small turn waited for each huge render.
+
     python scripts/bench_gateway.py --render-cost [--contexts 2048,8192,32768] [--out FILE.json]
 
 Rendering cost with the real Qwen3 tokenizer and chat template (workers/embedded/real_tokenizers.py;
@@ -233,6 +243,71 @@ async def run_client(urls: list[str], tokens: list[str], args, conn) -> dict:
     }
 
 
+HUGE_SESSIONS = 4000  # sessions the server opens for --huge-prompt (small conversations use one each)
+
+
+async def huge_prompt_client(urls: list[str], tokens: list[str], args) -> dict:
+    """Small sessions' model-call latency alone, then while one more session keeps sending huge
+    prompts (see the module docstring). Each phase runs `args.phase_s` seconds."""
+    import random
+
+    import aiohttp
+
+    gw_url = urls[0] + "/v1/chat/completions"
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    unused = list(reversed(tokens[1:]))
+
+    def huge_text() -> str:  # varied words (no BPE shortcut), new each time (no cache hit)
+        words, size = [], 0
+        while size < args.huge_mb * 2**20:
+            w = "".join(rng.choice(letters) for _ in range(rng.randint(2, 9)))
+            words.append(w)
+            size += len(w) + 1
+        return " ".join(words)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        await conversation(http, gw_url, tokens[0], TURNS_PER_SESSION, None)  # warm-up
+
+        async def small_phase(latencies: list[float], deadline: float) -> None:
+            async def agent() -> None:
+                while time.perf_counter() < deadline and unused:
+                    await conversation(http, gw_url, unused.pop(), TURNS_PER_SESSION, latencies)
+            await asyncio.gather(*(agent() for _ in range(args.small_agents)))
+
+        alone: list[float] = []
+        await small_phase(alone, time.perf_counter() + args.phase_s)
+        texts = [huge_text() for _ in range(2)]
+        huge_s: list[float] = []
+        huge_status: list[int] = []
+        beside: list[float] = []
+        deadline = time.perf_counter() + args.phase_s
+        huge_token = unused.pop()
+
+        async def huge_sender() -> None:
+            i = 0
+            while time.perf_counter() < deadline:
+                body = orjson.dumps({"model": "tiny", "messages": [{"role": "user", "content": texts[i % 2]}],
+                                     "max_tokens": 16})
+                t0 = time.perf_counter()
+                async with http.post(gw_url, data=body, headers={"Authorization": f"Bearer {huge_token}",
+                                                                 "Content-Type": "application/json"}) as r:
+                    await r.read()
+                huge_s.append(time.perf_counter() - t0)
+                huge_status.append(r.status)
+                i += 1
+
+        await asyncio.gather(huge_sender(), small_phase(beside, deadline))
+    ms = lambda xs: _percentiles([x * 1e3 for x in xs])  # noqa: E731
+    return {
+        "small_latency_ms": {"alone": ms(alone), "beside_huge_prompts": ms(beside)},
+        "huge_prompt": {"mb": args.huge_mb, "requests": len(huge_s), "status": sorted(set(huge_status)),
+                        "latency_s": _percentiles(huge_s)},
+        "small_agents": args.small_agents,
+        "phase_s": args.phase_s,
+    }
+
+
 RENDER_WORDS = ("alpha beta gamma delta value result error file line test passed failed module "
                 "function return import class self data index count total sum mean 0 1 2 3 4 5 6 7 8 9 "
                 "the of and to in is for on with as by at from").split()
@@ -322,6 +397,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
     ap.add_argument("--render-cost", action="store_true", help="rendering cost with the real Qwen3 template instead")
     ap.add_argument("--contexts", default="2048,8192,32768", help="context sizes (tokens) for --render-cost")
+    ap.add_argument("--huge-prompt", action="store_true",
+                    help="small sessions' latency alone and beside one session sending huge prompts instead")
+    ap.add_argument("--huge-mb", type=float, default=2.0, help="--huge-prompt: size of each huge prompt (MiB)")
+    ap.add_argument("--small-agents", type=int, default=4, help="--huge-prompt: small agents in flight")
+    ap.add_argument("--phase-s", type=float, default=20.0, help="--huge-prompt: seconds of each phase")
     args = ap.parse_args()
     if args.render_cost:
         text = json.dumps(render_cost([int(x) for x in args.contexts.split(",")]), indent=2)
@@ -331,6 +411,8 @@ def main() -> None:
         return
     loadavg_start = [round(x, 2) for x in os.getloadavg()]
     num_sessions = 2 + args.latency_turns // TURNS_PER_SESSION + args.turns // TURNS_PER_SESSION
+    if args.huge_prompt:
+        num_sessions = HUGE_SESSIONS
     parent, child = mp.Pipe()
     proc = mp.get_context("spawn").Process(target=serve, args=(child, num_sessions, args.pin, args.uvloop), daemon=True)
     proc.start()
@@ -338,14 +420,19 @@ def main() -> None:
         urls, tokens = parent.recv()
         if args.pin and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {1})
-        result = asyncio.run(run_client(urls, tokens, args, parent))
+        if args.huge_prompt:
+            parent.send("reset")
+            parent.recv()
+            result = asyncio.run(huge_prompt_client(urls, tokens, args))
+        else:
+            result = asyncio.run(run_client(urls, tokens, args, parent))
         parent.send("stop")
         server = parent.recv()
     finally:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    result["server_ms"] = _percentiles([x * 1e3 for x in server["handler_s"]])
+    result["server_ms"] = _percentiles([x * 1e3 for x in server["handler_s"]]) if server["handler_s"] else None
     result["turns_recorded"] = server["turns_recorded"]
     result["config"] = {
         "turns_per_session": TURNS_PER_SESSION,
