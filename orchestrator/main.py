@@ -343,6 +343,40 @@ def _dry_run(cfg: RunConfig) -> None:
         print("dry run: memory not checked (the run joins a Ray cluster); nothing was started", flush=True)
 
 
+def _last_logged_step(run_dir: Path) -> int:
+    """The step of the last whole record of RUN_DIR/metrics.jsonl (0 when none)."""
+    import json
+
+    step = 0
+    with contextlib.suppress(OSError):
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                step = int(json.loads(line).get("step", step))
+    return step
+
+
+def _fail_if_disk_full(cfg: RunConfig, exc: BaseException) -> None:
+    """When `exc` is an out-of-space error (orchestrator/control/disk_full.py): write summary.json
+    saying so (best effort: the disk is full) and exit 1 with `run failed:` naming the path and what
+    was being written. Returns for any other error (the caller re-raises it)."""
+    from orchestrator.control.disk_full import disk_full, disk_full_message
+
+    found = disk_full(exc)
+    if found is None:
+        return
+    run_dir = _STARTED[-1] if _STARTED else Path(cfg.run_dir).resolve()
+    message = disk_full_message(found, run_dir)
+    if cfg.mode.name != "eval":
+        from orchestrator.watch.metrics import write_summary
+
+        try:
+            write_summary(run_dir / "summary.json", {"steps": _last_logged_step(run_dir), "interrupted": False,
+                                                     "failed": message})
+        except OSError:
+            message += " (summary.json could not be written either: the disk is still full)"
+    _fail("run failed", message, 1)
+
+
 def _leave_now(code: int) -> NoReturn:
     """Exit with `code` once the run has stopped everything it started and written its files: the
     atexit handlers run (log files flushed and closed), the interpreter's teardown of torch, Ray and
@@ -395,6 +429,9 @@ def _run_and_exit(cfg: RunConfig) -> None:
         _fail("trainer lost", exc, 3)
     except KeyboardInterrupt:
         _fail("interrupted", "stopped every process this run started", 130)
+    except Exception as exc:  # a full disk anywhere (a trainer actor's export included) is named as one
+        _fail_if_disk_full(cfg, exc)
+        raise
     if summary.get("interrupted"):
         _fail("interrupted", f"stopped at step {summary['steps']}; stopped every process this run started "
                              f"(summary.json says interrupted: true)", 130)
