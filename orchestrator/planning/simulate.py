@@ -132,13 +132,41 @@ def _row(name: str, f: dict, base: float) -> str:
     return " | ".join(f"{c:>12}" for c in cells)
 
 
-def overrides(w: Workload, sc: Scenario, f: dict) -> list[str]:
-    """Hydra overrides of `python -m orchestrator.main` for a simulated configuration."""
+NODE_GPUS = 8  # GPUs per node the recommended layouts are for (the reference's 8-GPU nodes); --gpus-per-node
+
+
+def trainer_layout(trainer_gpus: int, gpus_per_node: int) -> tuple[int, int]:
+    """(`cluster.trainer.nodes`, `cluster.trainer.gpus_per_node`) for `trainer_gpus` ranks on nodes of
+    `gpus_per_node` GPUs: the fewest nodes, as many ranks on each as divides the total (the product
+    places the same number of ranks on every trainer node)."""
+    per = max(d for d in range(1, min(trainer_gpus, gpus_per_node) + 1) if trainer_gpus % d == 0)
+    return trainer_gpus // per, per
+
+
+def not_accepted(w: Workload, sc: Scenario) -> str | None:
+    """Why `python -m orchestrator.main` would refuse `sc`'s layout for workload `w` (None: it
+    accepts it). cluster=colocated puts one single-GPU replica on each trainer rank's GPU, so a
+    workload whose replicas span several GPUs (`engine.gpus_per_replica`) is simulated colocated as
+    a baseline only, never recommended."""
+    gpr = int(w.engine["gpus_per_replica"])
+    if sc.colocated and gpr != 1:
+        return (f"cluster=colocated takes single-GPU replicas (cluster.inference.tensor_parallel_size=1); this "
+                f"workload's replicas span {gpr} GPUs (engine.gpus_per_replica)")
+    return None
+
+
+def overrides(w: Workload, sc: Scenario, f: dict, gpus_per_node: int = NODE_GPUS) -> list[str]:
+    """Hydra overrides of `python -m orchestrator.main` for a simulated configuration, on nodes of
+    `gpus_per_node` GPUs: the hardware (`cluster.nodes`, `cluster.gpus_per_node`) and a trainer
+    layout the dry run accepts there (`cluster.trainer.gpus_per_node=32` was recommended for 8-GPU
+    nodes, which `dry_run=true` refuses). tests/test_sim.py runs every grid layout through the dry run."""
     out = sc.overrides() + [f"rollout.batch_size={f['groups_per_update'] * sc.sync_every}",
                             f"rollout.n={f['n']}", f"inference.replicas={f['replicas']}",
-                            f"cluster.inference.tensor_parallel_size={w.engine['gpus_per_replica']}"]
+                            f"cluster.inference.tensor_parallel_size={w.engine['gpus_per_replica']}",
+                            f"cluster.nodes={-(-sc.gpus // gpus_per_node)}", f"cluster.gpus_per_node={gpus_per_node}"]
     if not sc.colocated:
-        out.append(f"cluster.trainer.gpus_per_node={f['trainer_gpus']}")
+        nodes, per = trainer_layout(int(f["trainer_gpus"]), gpus_per_node)
+        out += [f"cluster.trainer.nodes={nodes}", f"cluster.trainer.gpus_per_node={per}"]
     return out
 
 
@@ -151,7 +179,7 @@ def _one(args: tuple) -> dict:
 
 
 def run_sweep(w: Workload, gpus: int, hours: float, seed: int, bound: float, out: Path | None,
-              grid_name: str = "full", jobs: int = 1, caps: dict | None = None) -> dict:
+              grid_name: str = "full", jobs: int = 1, caps: dict | None = None, gpus_per_node: int = NODE_GPUS) -> dict:
     """Simulate every configuration of the grid (`jobs` processes), each with the lifecycle's
     `caps` (`container_slots`, `rollout_slots`; None: no cap); print the table and the best."""
     grid = {k: replace(sc, **(caps or {})) for k, sc in sweep_grid(w, gpus, grid_name).items()}
@@ -170,13 +198,17 @@ def run_sweep(w: Workload, gpus: int, hours: float, seed: int, bound: float, out
     print(" | ".join(f"{c:>12}" for c in COLUMNS), flush=True)
     for name, f in rows.items():
         print(_row(name, f, base) if "error" not in f else f"{name:>12} | {f['error']}", flush=True)
-    ok = {k: f for k, f in rows.items() if feasible(f, bound)}
+    refused = {k: why for k, sc in grid.items() if (why := not_accepted(w, sc)) is not None}
+    ok = {k: f for k, f in rows.items() if feasible(f, bound) and k not in refused}
     best = max(ok, key=lambda k: ok[k]["tokens_per_min_per_gpu"]) if ok else None
-    result = {"gpus": gpus, "hours": hours, "staleness_bound": bound, "results": rows, "best": best,
-              "why": recommendation_reasons(rows, ok, best, bound)}
+    why = recommendation_reasons(rows, ok, best, bound)
+    if refused:
+        why.append(f"not recommended, layouts the product refuses: {', '.join(refused)} "
+                   f"({next(iter(refused.values()))})")
+    result = {"gpus": gpus, "hours": hours, "staleness_bound": bound, "results": rows, "best": best, "why": why}
     if best:
         sc = grid[best]
-        result["best_overrides"] = overrides(w, sc, rows[best])
+        result["best_overrides"] = overrides(w, sc, rows[best], gpus_per_node)
         print(f"\nbest within staleness max <= eta, mean <= {bound}, expired < 1 %: {best} "
               f"({rows[best]['tokens_per_min_per_gpu'] / base:.2f}x sync_1)\n  python -m orchestrator.main "
               + " ".join(result["best_overrides"]))
@@ -328,6 +360,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--jobs", type=int, default=1, help="--sweep: simulations run in parallel")
     ap.add_argument("--staleness-bound", type=float, default=1.0, help="largest mean staleness the sweep accepts")
     ap.add_argument("--out", type=Path, help="write the figures as JSON")
+    ap.add_argument("--gpus-per-node", type=int, default=NODE_GPUS,
+                    help="GPUs per node of the cluster the printed overrides are for (cluster.gpus_per_node)")
     ap.add_argument("--rollout-slots", type=int, help="rollout.rollout_slots: rollouts running past their setup "
                     "at once (the A2A contract's inference budget; default: no cap)")
     ap.add_argument("--container-slots", type=int, help="rollout.acr.limits.max_open_sessions: containers "
@@ -348,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         w = load_workload(kv.get("workload", "reference"))
         gpus, hours, seed = (_number(kv, "gpus", 64, int), _number(kv, "hours", 10.0, float),
                              _number(kv, "seed", 0, int))
+        if args.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
         if gpus < 1 or not hours > 0:
             raise ValueError(f"gpus must be >= 1 and hours > 0, got gpus={gpus}, hours={hours:g}")
         _check_flags(args)
@@ -379,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         try:
             run_sweep(w, gpus, hours, seed, args.staleness_bound, args.out, args.grid, args.jobs,
-                      caps={"container_slots": args.container_slots, "rollout_slots": args.rollout_slots})
+                      caps={"container_slots": args.container_slots, "rollout_slots": args.rollout_slots},
+                      gpus_per_node=args.gpus_per_node)
         except SimulationTooShort as exc:
             print(f"config error: {exc}", file=sys.stderr)
             return 2
@@ -393,7 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     base = sync1_baseline(args, w, sc, f, gpus=gpus, hours=hours, seed=seed)
     f["sync1_tokens_per_min_per_gpu"] = base
     f["throughput_ratio_vs_sync1"] = f["tokens_per_min_per_gpu"] / base if base else math.nan
-    f["overrides"] = overrides(w, sc, f)
+    f["overrides"] = overrides(w, sc, f, args.gpus_per_node)
+    if (refusal := not_accepted(w, sc)) is not None:  # simulated as a baseline; the product cannot run it
+        f["overrides_refused"] = refusal
     f["wall_s"] = time.perf_counter() - t0
     text = json.dumps(finite_json(f), indent=2, allow_nan=False)  # standard JSON: NaN (not measured) is null
     print(text)
