@@ -23,3 +23,16 @@ def test_the_documented_gsm8k_command_keeps_the_groups_the_tiny_model_earns_noth
     assert cfg.task.name == "gsm8k" and cfg.model.path is None  # the embedded tiny model
     assert cfg.algorithm.filter_zero_variance is False
     assert "algorithm.filter_zero_variance=false" in (REPO / "tests" / "test_gsm8k_e2e.py").read_text()
+
+
+def test_a_bare_python_in_agent_cmd_runs_on_the_drivers_interpreter():
+    """The README's hint (write `.venv/bin/python` for `python`) missed the `python` inside
+    `rollout.acr.agent_cmd`: the agent then ran on whatever `python` PATH found."""
+    import sys
+
+    from orchestrator.build.runtime import agent_command
+
+    cmd = compose_config(["task=custom", "task.data_path=x.jsonl", "rollout.acr.agent_cmd='python examples/agents/arith_agent/app.py --x 1'"])
+    assert agent_command(cmd) == [sys.executable, "examples/agents/arith_agent/app.py", "--x", "1"]
+    other = compose_config(["task=custom", "task.data_path=x.jsonl", "rollout.acr.agent_cmd='/opt/py/bin/python app.py'"])
+    assert agent_command(other) == ["/opt/py/bin/python", "app.py"]  # a named interpreter is kept

@@ -59,10 +59,17 @@ class Runtime:
         return f"-attempt{self.attempt}" if self.attempt else ""
 
 
+BARE_PYTHON = ("python", "python3")  # an agent_cmd starting with one of these runs on the driver's interpreter
+
+
 def agent_command(cfg: RunConfig) -> list[str]:
-    """The agent process the local emulator runs: `rollout.acr.agent_cmd`, else the task's app."""
+    """The agent process the local emulator runs: `rollout.acr.agent_cmd`, else the task's app. A bare
+    `python` / `python3` as its program is the driver's own interpreter (`sys.executable`): the
+    README's commands run with `.venv/bin/python` outside the activated environment, and the agent
+    must see the same packages (a bare `python` found another one, or none)."""
     if cfg.rollout.acr.agent_cmd:
-        return shlex.split(cfg.rollout.acr.agent_cmd)
+        argv = shlex.split(cfg.rollout.acr.agent_cmd)
+        return [sys.executable, *argv[1:]] if argv and argv[0] in BARE_PYTHON else argv
     agent = TASKS[cfg.task.name].agent_for(cfg.rollout.contract)
     assert agent is not None, "config validation requires rollout.acr.agent_cmd for a task without an agent"
     return [sys.executable, str(agent)]
