@@ -210,7 +210,7 @@ async def _train_attempts(cfg: RunConfig, rt, stack: contextlib.ExitStack, inter
     while True:
         attempt = stack.enter_context(contextlib.ExitStack())  # its placement groups and buffer
         built = await interrupts.guard(build_parts(cfg, attempt_rt, attempt))
-        phase(f"training: {cfg.trainer.total_steps} steps; the first one waits for its first batch")
+        phase(_training_line(cfg, attempt_rt.checkpoint))
         restart = None
         async with built.closing:  # rollouts stop their ACR sessions here, before the emulator stops
             try:  # a dead replica is replaced beside the loop (run_watched)
@@ -232,6 +232,17 @@ async def _train_attempts(cfg: RunConfig, rt, stack: contextlib.ExitStack, inter
         attempt.close()
         attempt_rt = dataclasses.replace(rt, checkpoint=restart, model_path=str(restart.model_dir),
                                          attempt=restarts.restarts)
+
+
+def _training_line(cfg: RunConfig, checkpoint) -> str:
+    """The phase line before the first step: the steps this process will train (a resumed run: those
+    left after its checkpoint, not trainer.total_steps, which counts the steps before it too)."""
+    total = cfg.trainer.total_steps
+    if checkpoint is None:
+        return f"training: {total} steps; the first one waits for its first batch"
+    done = checkpoint.state.step
+    return (f"training: {total - done} steps left (steps {done + 1}..{total} of trainer.total_steps={total}); "
+            "the first one waits for its first batch")
 
 
 async def _bounded(aw, timeout_s: float = 5.0) -> None:
@@ -330,6 +341,30 @@ def _report_at_end(cfg: RunConfig):
                     print(f"warning: the run report was not written: {exc!r}", file=sys.stderr, flush=True)
 
 
+def _dry_run_data(cfg: RunConfig) -> None:
+    """Read every row the run would read, as pre-flight does (a bad row is a config error naming the
+    key, file, row and field), when the data files are on this machine; else say they were not read
+    (a plan made away from the cluster)."""
+    from orchestrator.control.preflight import check_task_data
+    from orchestrator.tasks import TASKS
+
+    if TASKS[cfg.task.name].check_data is None:  # a generated task (letters): no file to read
+        return
+    paths = [p for p in (cfg.task.data_path, cfg.task.val_data_path) if p]
+    missing = [p for p in paths if not (Path(p).exists() or _data_path(p).exists())]
+    if missing:
+        print(f"dry run: data not read: {', '.join(missing)} not on this machine", flush=True)
+        return
+    check_task_data(cfg)
+    print("dry run: data read: every row parses", flush=True)
+
+
+def _data_path(path: str) -> Path:
+    """A relative task data path as the gsm8k loader resolves it: against the repository root."""
+    p = Path(path)
+    return p if p.is_absolute() else Path(__file__).resolve().parent.parent / p
+
+
 def _dry_run(cfg: RunConfig) -> None:
     """Print the plan (placement per node and GPU, memory per GPU); raise ConfigError when it cannot fit."""
     from orchestrator.planning.dry_run import build_plan, check_plan, format_plan
@@ -337,6 +372,7 @@ def _dry_run(cfg: RunConfig) -> None:
     plan = build_plan(cfg)
     print(format_plan(plan), flush=True)
     check_plan(plan)
+    _dry_run_data(cfg)
     if plan.gpus or plan.host is not None:
         print("dry run: the plan fits; nothing was started", flush=True)
     else:  # cluster=local joining a Ray cluster: no memory was checked (the plan's header says so)
