@@ -40,9 +40,13 @@ def test_trainer_layouts_fill_whole_nodes():
 @pytest.mark.parametrize("gpus", [16, 24, 64])
 def test_every_recommendable_layout_of_the_grid_passes_the_dry_run(gpus):
     w = load_workload("reference")
-    checked = 0
+    checked, seen = 0, set()
     for name, sc in sweep_grid(w, gpus).items():
         cfg_overrides = [*_overrides(w, sc), *SMALL_MODEL]
+        placement = tuple(o for o in cfg_overrides if o.startswith(("cluster", "inference")))
+        if placement in seen:  # η, sync_every and the policy do not change where anything goes
+            continue
+        seen.add(placement)
         if not_accepted(w, sc) is not None:
             assert sc.colocated, name
             with pytest.raises(ConfigError, match="tensor_parallel_size"):
@@ -51,7 +55,7 @@ def test_every_recommendable_layout_of_the_grid_passes_the_dry_run(gpus):
         plan = build_plan(compose_config(cfg_overrides))
         check_plan(plan)  # raises ConfigError naming the GPU that does not fit
         checked += 1
-    assert checked >= 2
+    assert checked >= 1
 
 
 def test_the_reported_recommendation_passes_dry_run_at_the_entry_point(tmp_path):
