@@ -75,6 +75,8 @@ def test_parse_record_reads_records_and_plain_answers():
      "'reward' is not finite"),
     ({"version": 1, "invocation_id": "i", "status": "completed", "result": {"reward": True}}, BadResult,
      "not a number"),
+    ({"version": 1, "invocation_id": "i", "status": "completed", "result": {"reward": 1e30}}, BadResult,
+     r"'reward' is 1e\+30, beyond \+-1e\+06: a bug in the agent's reward"),  # absurd rewards are not trained
 ])
 def test_http_reward_failures_are_rollout_failures_naming_the_field(value, exc, message):
     with pytest.raises(exc, match=message):

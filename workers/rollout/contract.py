@@ -94,17 +94,24 @@ def http_payload(row: dict, input_id: str, config: dict[str, Any], operation: Li
     return {**row, "_config": config, ENVELOPE_KEY: envelope}
 
 
+MAX_ABS_REWARD = 1e6  # a reward beyond this is an agent's bug (a reward of 1e30 would swamp every advantage), not a result
+
+
 def _finite_number(r: Any, where: str, field: str) -> float:
     if isinstance(r, bool) or not isinstance(r, (int, float)):
         raise BadResult(f"{where}: '{field}' is not a number: {r!r}")
     if not math.isfinite(r):
         raise BadResult(f"{where}: '{field}' is not finite: {r!r}")
+    if abs(r) > MAX_ABS_REWARD:
+        raise BadResult(f"{where}: '{field}' is {r!r}, beyond +-{MAX_ABS_REWARD:g}: a bug in the agent's reward, "
+                        "not trained")
     return float(r)
 
 
 def parse_reward(result: dict, where: str) -> float:
     """The reward of an S3-contract result `{"rewards": r}` (r a number, or a list whose last
-    item counts). Raises BadResult naming `where` if missing, empty, non-numeric or not finite;
+    item counts). Raises BadResult naming `where` if missing, empty, non-numeric, not finite or
+    beyond +-MAX_ABS_REWARD;
     AgentFailed for the toolkit's error object (`status_code` >= 400, no rewards)."""
     if not isinstance(result, dict):
         raise BadResult(f"{where}: result is {type(result).__name__}, expected a JSON object")
