@@ -18,7 +18,7 @@ import orchestrator.loop.common as loop_common
 import orchestrator.loop.sync_loop as loop_sync
 import orchestrator.loop.staleness as staleness
 import orchestrator.loop.staleness_gate as staleness_gate
-from orchestrator.loop.concurrency import AdaptiveConcurrency, ConcurrencyGate
+from orchestrator.loop.concurrency import AimdConcurrency, ConcurrencyGate
 from orchestrator.planning.sim.clock import SimDeadlock, VirtualLoop, run_virtual
 from orchestrator.planning.sim.engine import CacheOwner, EngineSpec, Request, SimReplica
 from orchestrator.planning.sim.run import CONFIGS, Scenario, simulate
@@ -127,7 +127,7 @@ def _load(usage, waiting=0, preempted=0):
 
 
 def test_adaptive_limit_grows_one_group_per_interval_while_below_target_and_binding():
-    c = AdaptiveConcurrency(kv_target=0.8, min_groups=2, interval_s=2.0)
+    c = AimdConcurrency(kv_target=0.8, min_groups=2, interval_s=2.0)
     c.observe(_load(0.1), now_s=0.0, running_groups=2)
     assert c.limit == 3  # binding (2 running of 2) and below target: +1
     c.observe(_load(0.1), now_s=1.0, running_groups=3)
@@ -139,7 +139,7 @@ def test_adaptive_limit_grows_one_group_per_interval_while_below_target_and_bind
 
 @pytest.mark.parametrize("load", [_load(0.85), _load(0.5, waiting=3)])
 def test_adaptive_limit_drops_when_the_cache_is_full_or_requests_queue(load):
-    c = AdaptiveConcurrency(kv_target=0.8, min_groups=1, interval_s=1.0, decrease=0.5)
+    c = AimdConcurrency(kv_target=0.8, min_groups=1, interval_s=1.0, decrease=0.5)
     c.limit = 40
     c.observe(load, now_s=10.0, running_groups=40)
     assert c.limit == 20  # 0.5 x the limit
@@ -150,14 +150,14 @@ def test_adaptive_limit_drops_when_the_cache_is_full_or_requests_queue(load):
 def test_adaptive_decrease_cuts_the_window_not_the_groups_running_between_bursts():
     # Short bursty rollouts: the cache is congested at a moment when few groups run. Cutting to
     # decrease x running (2 groups here) collapsed the limit to 1 on the real engine; the window is cut.
-    c = AdaptiveConcurrency(kv_target=0.8, min_groups=1, interval_s=1.0, decrease=0.9)
+    c = AimdConcurrency(kv_target=0.8, min_groups=1, interval_s=1.0, decrease=0.9)
     c.limit = 20
     c.observe(_load(0.5, waiting=4), now_s=10.0, running_groups=2)
     assert c.limit == 18
 
 
 def test_adaptive_limit_drops_on_a_new_preemption_and_never_below_the_minimum():
-    c = AdaptiveConcurrency(kv_target=0.8, min_groups=3, interval_s=1.0, decrease=0.5)
+    c = AimdConcurrency(kv_target=0.8, min_groups=3, interval_s=1.0, decrease=0.5)
     c.observe(_load(0.2, preempted=5), now_s=0.0, running_groups=3)  # first sight: a baseline, not news
     assert c.limit == 4
     c.observe(_load(0.2, preempted=6), now_s=5.0, running_groups=4)
@@ -173,7 +173,7 @@ def _timed(*engines, waiting=0):
 def test_adaptive_decides_on_the_time_average_over_a_full_window_not_the_snapshot():
     # A real engine's usage swings between bursts; with its usage integral the policy decides on the
     # time average over >= interval_s of the engine's clock (the mean over engines).
-    c = AdaptiveConcurrency(kv_target=0.8, min_groups=1, interval_s=2.0, decrease=0.5)
+    c = AimdConcurrency(kv_target=0.8, min_groups=1, interval_s=2.0, decrease=0.5)
     c.limit = 10
     c.observe(_timed((0.95, 0.0, 100.0), (0.95, 0.0, 500.0)), now_s=0.0, running_groups=10)
     assert c.limit == 5 and c.usage == 0.95  # no window yet: the snapshot (over target) decides
@@ -192,7 +192,7 @@ def test_adaptive_decides_on_the_time_average_over_a_full_window_not_the_snapsho
 def test_a_bounded_producer_never_grows_the_window():
     # The gate counts only granted groups: a producer that never asks (held by the staleness
     # budget) leaves the limit where it is however long the engines stay below target.
-    c = AdaptiveConcurrency(kv_target=0.8, min_groups=4, interval_s=1.0)
+    c = AimdConcurrency(kv_target=0.8, min_groups=4, interval_s=1.0)
     for t in range(10):
         c.observe(_load(0.1), now_s=float(t), running_groups=3)
     assert c.limit == 4 and c.increases == 0
@@ -203,7 +203,7 @@ def test_adaptive_judges_the_queue_by_its_time_average_not_the_last_steps_snapsh
     # waiting ones, so a burst shows "3 waiting" at nearly every sample; the queue's time average
     # over the window decides: a brief queue (0.2 requests on average) is not congestion, a
     # standing one (1.5) is.
-    c = AdaptiveConcurrency(kv_target=0.8, min_groups=1, interval_s=2.0, decrease=0.5, max_waiting=0.5)
+    c = AimdConcurrency(kv_target=0.8, min_groups=1, interval_s=2.0, decrease=0.5, max_waiting=0.5)
     c.limit = 10
     c.observe(_timed((0.3, 0.0, 100.0, 0.0), waiting=3), now_s=0.0, running_groups=10)
     assert c.limit == 5  # no full window yet: the snapshot (3 waiting > 0.5) decides
@@ -218,7 +218,7 @@ def test_adaptive_judges_the_queue_by_its_time_average_not_the_last_steps_snapsh
                                     ({"max_waiting": -1}, "max_waiting")])
 def test_adaptive_config_errors_name_the_key(kw, key):
     with pytest.raises(ValueError, match=f"rollout.adaptive.{key}"):
-        AdaptiveConcurrency(**kw)
+        AimdConcurrency(**kw)
 
 
 def test_concurrency_gate_waits_until_the_engines_have_room():
@@ -230,7 +230,7 @@ def test_concurrency_gate_waits_until_the_engines_have_room():
         async def loads():
             return _load(usage["v"])
 
-        gate = ConcurrencyGate(AdaptiveConcurrency(min_groups=1, interval_s=1.0), loads, clock=loop.time)
+        gate = ConcurrencyGate(AimdConcurrency(min_groups=1, interval_s=1.0), loads, clock=loop.time)
         await gate.acquire()  # the starting limit (min_groups) is always granted
         waiter = asyncio.ensure_future(gate.acquire())
         await asyncio.sleep(30)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from orchestrator.loop.concurrency import AdaptiveConcurrency
+from orchestrator.loop.concurrency import AimdConcurrency
 from orchestrator.loop.slot_steering import RolloutSlotSteering
 from workers.acr.limits import SessionCapService
 from workers.core.types import EngineLoad
@@ -18,7 +18,7 @@ class Rig:
         self.t = 0.0
         self.usage = 0.1
         self.cap = SessionCapService(max_slots)
-        self.policy = AdaptiveConcurrency(kv_target=0.8, min_groups=1, interval_s=1.0)
+        self.policy = AimdConcurrency(kv_target=0.8, min_groups=1, interval_s=1.0)
 
         async def loads():
             return [EngineLoad(kv_cache_usage=self.usage, num_running=0, num_waiting=0, num_preempted=0)]

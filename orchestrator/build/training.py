@@ -174,7 +174,7 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
     trainer_client = TrainerClient(a.trainer, pad_id=a.pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
                                    buffer=a.buffer.handle)
     driver_bytes = DriverBytes()  # what the driver receives per step: outcomes and tags, never a token
-    concurrency = _concurrency(cfg, a.replicas)  # rollout.concurrency=adaptive, else None
+    concurrency = _concurrency(cfg, a.replicas)  # rollout.concurrency=adaptive|aimd, else None
     if concurrency is not None and cfg.rollout.contract == "a2a" and cfg.rollout.rollout_slots:
         watchers.append(_slot_steering(cfg, concurrency, a.pool))  # the window steers rollout slots
         concurrency = None  # dispatch: the staleness budget and the container slots only
@@ -346,15 +346,23 @@ def _slot_steering(cfg: RunConfig, gate: ConcurrencyGate, pool: RolloutPool) -> 
 
 
 def _concurrency(cfg: RunConfig, replicas: list[ActorHandle]) -> ConcurrencyGate | None:
-    """`rollout.concurrency=adaptive`: the group limit from the replicas' vLLM stats
-    (orchestrator/loop/concurrency.py, the same gate the simulator runs); None when fixed."""
-    if cfg.rollout.concurrency != "adaptive":
+    """`rollout.concurrency=adaptive|aimd`: the group limit from the replicas' vLLM stats
+    (orchestrator/loop/concurrency.py, the same gate the simulator runs), capped at the staleness
+    window; None when fixed. Steering A2A rollout slots takes the AIMD policy (no release counts there)."""
+    if cfg.rollout.concurrency == "fixed":
         return None
+    from dataclasses import replace
+
     from orchestrator.adapters.clients import EngineLoads
     from orchestrator.config.rollout import concurrency_policy
+    from orchestrator.config.run import staleness_window_groups
     from orchestrator.loop.concurrency import ConcurrencyGate
 
-    return ConcurrencyGate(concurrency_policy(cfg.rollout), EngineLoads(replicas), clock=time.monotonic)
+    r = cfg.rollout
+    if r.contract == "a2a" and r.rollout_slots:
+        r = replace(r, concurrency="aimd")
+    return ConcurrencyGate(concurrency_policy(r, max_groups=staleness_window_groups(cfg)), EngineLoads(replicas),
+                           clock=time.monotonic)
 
 
 def _with_gate(probe: Probe, gate: ConcurrencyGate | None) -> Probe:

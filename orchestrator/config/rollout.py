@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Optional
 
-from orchestrator.loop.concurrency import CONCURRENCY_CHOICES, AdaptiveConcurrency
+from orchestrator.loop.concurrency import CONCURRENCY_CHOICES, AimdConcurrency, GroupLimit
+from orchestrator.loop.throughput_concurrency import ProbeSettings, ThroughputConcurrency
 from orchestrator.config.errors import ConfigError, check, one_of
 from workers.acr.arn import check_bucket_name, parse_runtime_arn
 from orchestrator.config.defaults import default_of
@@ -86,17 +87,33 @@ class AcrConfig:
 
 @dataclass
 class AdaptiveConcurrencyConfig:
-    """`rollout.concurrency=adaptive` (orchestrator/loop/concurrency.py): admit groups while the
+    """The concurrency policies' knobs (orchestrator/loop/concurrency.py).
+
+    `rollout.concurrency=adaptive` (orchestrator/loop/throughput_concurrency.py): probe a cap
+    `probe_step` above and below the current one, keep the largest within `tolerance` of the best
+    measured throughput (groups finished per second); KV usage (0..1) only trims: an up probe
+    starts only below `grow_below`, the cap is cut at `trim_at`, and above `cancel_above` the
+    groups over the cut cap are to be cancelled; a queue of more than `max_waiting` requests
+    standing `waiting_persist_s` seconds cuts; a window measures at least `min_window_s` seconds.
+
+    `rollout.concurrency=aimd` (the earlier policy, kept for comparison): admit groups while the
     engines' mean KV-cache usage (time-averaged over >= `interval_s`) is below `kv_target` (0..1),
     no more than `max_waiting` requests wait on any engine (time-averaged too) and none was
     preempted; the group limit moves at most once per `interval_s`
-    seconds (one group up, or down to `decrease` x the limit). The limit sits under the staleness
+    seconds (one group up, or down to `decrease` x the limit). Both sit under the staleness
     budget (`async.max_staleness`): if that binds first the cache cannot fill (configs/rollout/)."""
 
     kv_target: float = 0.8
     interval_s: float = 2.0
     decrease: float = 0.9
     max_waiting: float = 0.5
+    probe_step: float = default_of(ProbeSettings, "probe_step")
+    tolerance: float = default_of(ProbeSettings, "tolerance")
+    grow_below: float = default_of(ProbeSettings, "grow_below")
+    trim_at: float = default_of(ProbeSettings, "trim_at")
+    cancel_above: float = default_of(ProbeSettings, "cancel_above")
+    waiting_persist_s: float = default_of(ProbeSettings, "waiting_persist_s")
+    min_window_s: float = default_of(ProbeSettings, "min_window_s")
 
 
 @dataclass
@@ -134,7 +151,7 @@ class RolloutConfig:
     setup_timeout_s: float | None = default_of(RolloutSettings, "setup_timeout_s")
     run_timeout_s: float | None = default_of(RolloutSettings, "run_timeout_s")
     rollout_slots: int | None = None
-    concurrency: str = "fixed"  # fixed: (η + 1)·B groups in flight | adaptive: an AIMD window on the engines' KV cache
+    concurrency: str = "fixed"  # fixed: (η + 1)·B groups in flight | adaptive: probe for the best throughput | aimd: an AIMD window on the engines' KV cache
     adaptive: AdaptiveConcurrencyConfig = field(default_factory=AdaptiveConcurrencyConfig)
 
     def __post_init__(self) -> None:
@@ -211,11 +228,19 @@ def _check_aws(acr: AcrConfig, contract: str) -> None:
           f"must be null or the runtime's region {arn.region!r} (from rollout.acr.agent_runtime_arn)", acr.region)
 
 
-def concurrency_policy(r: RolloutConfig, min_groups: int = 1) -> AdaptiveConcurrency:
-    """The adaptive policy of `rollout.adaptive` (also validates it; ValueError names the key)."""
+def concurrency_policy(r: RolloutConfig, min_groups: int = 1, max_groups: int | None = None) -> GroupLimit:
+    """The policy `rollout.concurrency` names from `rollout.adaptive` (`aimd`, else the
+    throughput-seeking `adaptive`), its cap in [min_groups, max_groups] (the adaptive one's: the
+    staleness budget's groups, None: unbounded). Validates every knob of both; ValueError names the key."""
     a = r.adaptive
-    return AdaptiveConcurrency(kv_target=a.kv_target, min_groups=min_groups, interval_s=a.interval_s,
-                               decrease=a.decrease, max_waiting=a.max_waiting)
+    aimd = AimdConcurrency(kv_target=a.kv_target, min_groups=min_groups, interval_s=a.interval_s,
+                           decrease=a.decrease, max_waiting=a.max_waiting)
+    probe = ProbeSettings(probe_step=a.probe_step, tolerance=a.tolerance, grow_below=a.grow_below,
+                          trim_at=a.trim_at, cancel_above=a.cancel_above, max_waiting=a.max_waiting,
+                          waiting_persist_s=a.waiting_persist_s, min_window_s=a.min_window_s)
+    if r.concurrency == "aimd":
+        return aimd
+    return ThroughputConcurrency(probe, min_groups=min_groups, max_groups=max_groups)
 
 
 def rollout_settings(r: RolloutConfig, *, exp_id: str, agent_runtime_arn: str, gateway_base_url: str,

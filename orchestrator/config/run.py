@@ -104,7 +104,7 @@ class RunConfig:
               "truncation, so its log-probs could not match the engine's); use trainer=fsdp", self.rollout.top_p)
         self._check_lora()
         check(self.rollout.concurrency == "fixed" or self.mode.name == "async", "rollout.concurrency",
-              "adaptive needs mode=async (the sync loop dispatches whole batches)", self.rollout.concurrency)
+              f"{self.rollout.concurrency} needs mode=async (the sync loop dispatches whole batches)", self.rollout.concurrency)
         check(not self.inference.max_restarts or self.replica_replaceable, "inference.max_restarts",
               f"must be 0 (or null) with {self._why_not_replaceable()}; a dead replica stops the run there "
               "(resume it with trainer.resume_mode=auto)", self.inference.max_restarts)
@@ -161,7 +161,7 @@ def sync_loop_settings(run: RunConfig) -> SyncLoopSettings:
 def async_loop_settings(run: RunConfig) -> AsyncLoopSettings:
     """The async loop's settings (orchestrator/loop/async_loop.py): B groups per update, staleness
     bound, and with `rollout.concurrency=fixed` the in-flight cap (η + 1)·B groups
-    (orchestrator/loop/staleness.py `fixed_max_running`; adaptive: the AIMD window instead)."""
+    (orchestrator/loop/staleness.py `fixed_max_running`; adaptive / aimd: the policy's window instead)."""
     from orchestrator.loop.async_loop import AsyncLoopSettings
     from orchestrator.loop.staleness import fixed_max_running
 
@@ -174,6 +174,12 @@ def async_loop_settings(run: RunConfig) -> AsyncLoopSettings:
         total_steps=run.trainer.total_steps, groups_per_update=b, n=n, sync_every=run.mode.sync_every,
         max_staleness=eta, on_stale=run.async_.on_stale, filter_zero_variance=run.algorithm.filter_zero_variance,
         max_gen_batches=run.algorithm.max_gen_batches, drain_timeout_s=run.async_.drain_timeout_s, max_running_groups=cap)
+
+
+def staleness_window_groups(run: RunConfig) -> int:
+    """Groups the async loop's staleness budget lets be in flight at once, (η + 1)·k·B
+    (orchestrator/loop/staleness.py): the adaptive concurrency's ceiling."""
+    return (run.async_.max_staleness + 1) * run.rollout.batch_size
 
 
 # config group -> its schema; each group's yaml files extend `/schema/<group>` (see configs/)

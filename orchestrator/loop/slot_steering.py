@@ -5,7 +5,7 @@ With `rollout.contract=a2a` and `rollout.rollout_slots`, a dispatched rollout fi
 container slot and sets up (minutes, no inference), and only then takes a rollout slot and calls
 the model. Gating dispatch on the engines' load, as `ConcurrencyGate` does, would count containers
 setting up as load-free running groups and grow the window for them, and would hold back the
-warm pool whenever the engines are busy. So here the same AIMD policy (`AdaptiveConcurrency`,
+warm pool whenever the engines are busy. So here the same AIMD policy (`AimdConcurrency`,
 orchestrator/loop/concurrency.py) decides how many rollouts may *run* (hold a rollout slot):
 `RolloutSlotSteering.step()` reads the engines' load and the rollout-slot cap's use, lets the
 policy update its limit in groups (the window binds when every rollout slot is taken), and sets
@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable, Callable
 
-from orchestrator.loop.concurrency import AdaptiveConcurrency, LoadSource
+from orchestrator.loop.concurrency import GroupLimit, LoadSource
 
 
 class RolloutSlotSteering:
@@ -30,7 +30,7 @@ class RolloutSlotSteering:
     (in_use, limit); `set_capacity(k)`: awaits the cap's new size in rollouts; `n`: rollouts per
     group; `max_slots`: `rollout.rollout_slots`, the ceiling. Raises ValueError for n or max_slots < 1."""
 
-    def __init__(self, policy: AdaptiveConcurrency, loads: LoadSource, clock: Callable[[], float], *,
+    def __init__(self, policy: GroupLimit, loads: LoadSource, clock: Callable[[], float], *,
                  stats: Callable[[], Awaitable[Any]], set_capacity: Callable[[int], Awaitable[None]],
                  n: int, max_slots: int) -> None:
         if n < 1 or max_slots < 1:

@@ -36,7 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from orchestrator.planning.sim.run import CONFIGS, Scenario, SimulationTooShort, simulate
+from orchestrator.planning.sim.run import CONFIGS, POLICIES, Scenario, SimulationTooShort, simulate
 from orchestrator.planning.sim.workload import Workload, WorkloadError, load_workload
 from orchestrator.watch.metrics import finite_json
 
@@ -112,7 +112,7 @@ def recommendation_reasons(rows: dict[str, dict], ok: dict[str, dict], best: str
     if "sync_1" in rows and "error" not in rows["sync_1"]:
         out.append(f"{best} is {rate(best) / rate('sync_1'):.2f}x sync_1")
     for knob, pattern in (("trainer GPUs", r"_t(\d+)_"), ("eta", r"_eta(\d+)_"), ("sync_every", r"_k(\d+)_"),
-                          ("policy", r"_(fixed|adaptive)$")):
+                          ("policy", r"_(fixed|adaptive|aimd)$")):
         by: dict[str, float] = {}
         for name in ok:
             m = re.search(pattern, name)
@@ -344,7 +344,8 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("settings", nargs="*", help="key=value: " + ", ".join(KEYS))
     ap.add_argument("--config", choices=sorted(CONFIGS), help="one of the blog's four configurations")
-    ap.add_argument("--policy", choices=("fixed", "adaptive"), help="rollout.concurrency (async, planned split)")
+    ap.add_argument("--policy", choices=POLICIES, help="rollout.concurrency (async, planned split): adaptive "
+                    "(probe for the best throughput), aimd (the earlier KV-target window), fixed")
     ap.add_argument("--trainer-gpus", type=int)
     ap.add_argument("--eta", type=int, help="async.max_staleness")
     ap.add_argument("--sync-every", type=int)

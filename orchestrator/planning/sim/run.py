@@ -4,7 +4,8 @@ virtual clock, over simulated engines, agents, trainer and weight push, for `hou
 What runs unchanged: `run_sync` / `run_async` with everything they call (loop/common.py, the
 staleness controller and admission gate, batching, filters and the rollout ledger), the prompt
 cycle (`ResumablePrompts`), the rollout pool's spreading (`RolloutPool`), colocated sleep/wake
-(`SleepingTrainer`), the metric logger, and with `policy=adaptive` the `ConcurrencyGate`. What
+(`SleepingTrainer`), the metric logger, and with `policy=adaptive|aimd` the `ConcurrencyGate` and its
+policy (orchestrator/loop/throughput_concurrency.py, the product's). What
 is simulated: orchestrator/planning/sim/{engine,agent,parts}.py.
 
 The run stops at the first step that ends after the horizon (`SimHorizon` raised by the step
@@ -23,7 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from orchestrator.adapters.colocate import SleepingTrainer
-from orchestrator.loop.concurrency import AdaptiveConcurrency, ConcurrencyGate
+from orchestrator.loop.concurrency import AimdConcurrency, ConcurrencyGate
+from orchestrator.loop.throughput_concurrency import ThroughputConcurrency
 from orchestrator.loop.slot_steering import RolloutSlotSteering
 from orchestrator.loop.async_loop import AsyncLoopSettings, run_async
 from orchestrator.loop.common import LoopParts
@@ -42,6 +44,9 @@ from workers.rollout.pool import RolloutPool
 NUM_ROLLOUT_ACTORS = 4  # actors the RolloutPool spreads requests over (rollout.num_workers)
 NUM_PROMPTS = 4096  # distinct dataset rows of a simulated task
 TIMELINE_EVERY_S = 60.0  # simulated seconds between two timeline samples
+
+
+POLICIES = ("fixed", "adaptive", "aimd")  # rollout.concurrency
 
 
 class SimHorizon(Exception):
@@ -63,16 +68,16 @@ class Scenario:
     max_staleness: int = 1
     on_stale: str = "drop"
     policy: str = "fixed"
-    kv_target: float = 0.8
+    kv_target: float = 0.8  # aimd only
     sleeps: bool = True  # colocated engines sleep during updates (False: cluster=local, one CPU machine)
     container_slots: int | None = None
     rollout_slots: int | None = None
 
     def __post_init__(self) -> None:
-        if self.mode not in ("sync", "async") or self.policy not in ("fixed", "adaptive"):
-            raise ValueError(f"scenario: mode sync|async and policy fixed|adaptive, got {self.mode}/{self.policy}")
-        if self.policy == "adaptive" and self.mode != "async":
-            raise ValueError("rollout.concurrency=adaptive needs mode=async (the sync loop dispatches whole batches)")
+        if self.mode not in ("sync", "async") or self.policy not in POLICIES:
+            raise ValueError(f"scenario: mode sync|async and policy {'|'.join(POLICIES)}, got {self.mode}/{self.policy}")
+        if self.policy != "fixed" and self.mode != "async":
+            raise ValueError(f"rollout.concurrency={self.policy} needs mode=async (the sync loop dispatches whole batches)")
         for key, v in (("container_slots", self.container_slots), ("rollout_slots", self.rollout_slots)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"scenario.{key} must be an integer >= 1 or None (no cap), got {v!r}")
@@ -193,13 +198,19 @@ class _Recorder:
 
 
 def _concurrency(w: Workload, sc: Scenario, lay, loop: VirtualLoop, replicas: list, agents: SimAgents):
-    """(dispatch gate, rollout-slot steering) of `sc`, as the product builds them: with
-    `policy=adaptive` a ConcurrencyGate on the replicas' loads, or, with rollout slots, the same
-    policy steering the rollout-slot cap instead of dispatch; (None, None) for fixed concurrency."""
-    if sc.policy != "adaptive":
+    """(dispatch gate, rollout-slot steering) of `sc`, as the product builds them
+    (orchestrator/build/training.py): with `policy=adaptive` the throughput-seeking policy from one
+    mini-batch, capped at the staleness window (η + 1)·k·B, with `aimd` the AIMD window, each in a
+    ConcurrencyGate on the replicas' loads; or, with rollout slots, the AIMD policy steering the
+    rollout-slot cap instead of dispatch; (None, None) for fixed concurrency."""
+    if sc.policy == "fixed":
         return None, None
-    gate = ConcurrencyGate(AdaptiveConcurrency(kv_target=sc.kv_target, min_groups=lay.groups_per_update),
-                           lambda: engine_loads(replicas), clock=loop.time)
+    b = lay.groups_per_update
+    if sc.policy == "adaptive" and sc.rollout_slots is None:
+        policy = ThroughputConcurrency(min_groups=b, max_groups=(sc.max_staleness + 1) * sc.sync_every * b)
+    else:
+        policy = AimdConcurrency(kv_target=sc.kv_target, min_groups=b)
+    gate = ConcurrencyGate(policy, lambda: engine_loads(replicas), clock=loop.time)
     if sc.rollout_slots is None:
         return gate, None
     steering = RolloutSlotSteering(gate.policy, gate.loads, loop.time, stats=agents.rollout_slot_stats,
@@ -260,7 +271,7 @@ def simulate(w: Workload, sc: Scenario, *, hours: float, seed: int = 0, warmup_s
                       probe=SimProbe(replicas, gate), concurrency=gate)
     timeline = Timeline(loop, replicas, TIMELINE_EVERY_S)
     big = 10 ** 9
-    max_running = None if sc.policy == "adaptive" else fixed_max_running(  # what the product runs: config/run.py
+    max_running = None if sc.policy != "fixed" else fixed_max_running(  # what the product runs: config/run.py
         max_staleness=sc.max_staleness, groups_per_update=lay.groups_per_update)
     filt = bool(alg["filter_zero_variance"])
     n = int(w.batch["n"])
