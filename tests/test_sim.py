@@ -483,8 +483,10 @@ def test_fit_warns_about_a_scale_its_run_did_not_determine():
 
 @pytest.mark.parametrize("overrides,key", [(["rollout.concurrency=adaptive"], "rollout.concurrency"),
                                            (["mode=async", "rollout.concurrency=sometimes"], "rollout.concurrency"),
+                                           (["mode=async", "rollout.concurrency=aimd",
+                                             "rollout.adaptive.kv_target=1.5"], "rollout.adaptive.kv_target"),
                                            (["mode=async", "rollout.concurrency=adaptive",
-                                             "rollout.adaptive.kv_target=1.5"], "rollout.adaptive.kv_target")])
+                                             "rollout.adaptive.cancel_above=0.5"], "rollout.adaptive.cancel_above")])
 def test_rollout_concurrency_config_errors_name_the_key(overrides, key):
     from orchestrator.config import ConfigError
     from stand_ins import compose_config
@@ -493,12 +495,19 @@ def test_rollout_concurrency_config_errors_name_the_key(overrides, key):
         compose_config(overrides)
 
 
-def test_adaptive_concurrency_config_builds_the_policy():
+def test_concurrency_config_builds_the_policy_it_names():
     from orchestrator.config.rollout import concurrency_policy
+    from orchestrator.config.run import staleness_window_groups
+    from orchestrator.loop.throughput_concurrency import ThroughputConcurrency
     from stand_ins import compose_config
 
-    cfg = compose_config(["mode=async", "rollout.concurrency=adaptive", "rollout.adaptive.kv_target=0.6"])
-    assert cfg.rollout.concurrency == "adaptive" and concurrency_policy(cfg.rollout).kv_target == 0.6
+    cfg = compose_config(["mode=async", "rollout.concurrency=aimd", "rollout.adaptive.kv_target=0.6"])
+    assert cfg.rollout.concurrency == "aimd" and concurrency_policy(cfg.rollout).kv_target == 0.6
+    cfg = compose_config(["mode=async", "rollout.concurrency=adaptive", "rollout.adaptive.trim_at=0.7",
+                          "async.max_staleness=2"])
+    policy = concurrency_policy(cfg.rollout, max_groups=staleness_window_groups(cfg))
+    assert isinstance(policy, ThroughputConcurrency) and policy.settings.trim_at == 0.7
+    assert policy.max_groups == 3 * cfg.rollout.batch_size  # (eta + 1) k B: the staleness window
 
 
 # --- one shared CPU machine (cluster=local) -----------------------------------------------------
