@@ -347,8 +347,8 @@ def _slot_steering(cfg: RunConfig, gate: ConcurrencyGate, pool: RolloutPool) -> 
 
 def _concurrency(cfg: RunConfig, replicas: list[ActorHandle]) -> ConcurrencyGate | None:
     """`rollout.concurrency=adaptive|aimd`: the group limit from the replicas' vLLM stats
-    (orchestrator/loop/concurrency.py, the same gate the simulator runs), capped at the staleness
-    window; None when fixed. Steering A2A rollout slots takes the AIMD policy (no release counts there)."""
+    (orchestrator/loop/concurrency.py, the same gate the simulator runs), from one mini-batch up to
+    the staleness window; None when fixed. Steering A2A rollout slots takes the AIMD policy (no release counts there)."""
     if cfg.rollout.concurrency == "fixed":
         return None
     from dataclasses import replace
@@ -361,8 +361,9 @@ def _concurrency(cfg: RunConfig, replicas: list[ActorHandle]) -> ConcurrencyGate
     r = cfg.rollout
     if r.contract == "a2a" and r.rollout_slots:
         r = replace(r, concurrency="aimd")
-    return ConcurrencyGate(concurrency_policy(r, max_groups=staleness_window_groups(cfg)), EngineLoads(replicas),
-                           clock=time.monotonic)
+    b = r.batch_size // cfg.mode.sync_every if r.concurrency == "adaptive" else 1  # the cold start and floor
+    return ConcurrencyGate(concurrency_policy(r, min_groups=b, max_groups=staleness_window_groups(cfg)),
+                           EngineLoads(replicas), clock=time.monotonic)
 
 
 def _with_gate(probe: Probe, gate: ConcurrencyGate | None) -> Probe:
