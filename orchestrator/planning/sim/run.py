@@ -191,7 +191,8 @@ class _Recorder:
                 "samples": self.trainer.trained_samples,
                 "busy": sum(r.busy_integral for r in self.replicas), "kv": sum(r.kv_integral for r in self.replicas),
                 "awake": sum(r.awake_s for r in self.replicas),
-                "preempted": sum(r.preemptions for r in self.replicas), "lifecycle": self.agents.lifecycle_mark()}
+                "preempted": sum(r.preemptions for r in self.replicas), "lifecycle": self.agents.lifecycle_mark(),
+                "trainer_busy": self.trainer.busy_s}
 
     def close(self) -> None:
         pass
@@ -350,6 +351,13 @@ def _figures(w: Workload, sc: Scenario, lay: Layout, rec: _Recorder, agents: Sim
         "finished_rollouts_per_min": (finished_rollouts(last) - finished_rollouts(first)) / dt * 60.0,
         "inference_concurrency": (b["busy"] - a["busy"]) / awake if awake > 0 else math.nan,
         "kv_usage_mean": (b["kv"] - a["kv"]) / awake if awake > 0 else math.nan,
+        # requests at an engine per replica over the whole time, asleep included (what a metric
+        # scraped all run long averages to: the report's figure may be this one for colocated runs)
+        "inference_concurrency_wall": (b["busy"] - a["busy"]) / (dt * len(replicas)),
+        "awake_fraction": awake / (dt * len(replicas)),
+        # the trainer's share of the time spent updating (1: the run is trainer-bound) and its rate
+        "trainer_busy_fraction": (b["trainer_busy"] - a["trainer_busy"]) / dt,
+        "trainer_tokens_per_min_per_gpu": trainer_tokens_per_s_per_gpu(w) * 60.0,
         "preemptions": b["preempted"] - a["preempted"],
         "staleness_mean": sum(k * v for k, v in hist.items()) / total if total else 0.0,
         "staleness_max": max(hist) if hist else 0,
