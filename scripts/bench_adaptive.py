@@ -8,8 +8,8 @@ earlier KV-target window), which starts cold (one mini-batch) and is not told th
 table prints each run's throughput (trained tokens per minute of loop time, and rollouts finished
 per minute: the system's work), the policy's settled cap (`rollout/concurrency_best_cap` at the
 end, the cap it keeps between probes) and its throughput against the best fixed cap's.
-`--max-staleness 0,4` repeats the whole comparison per η: 0 is the sync-like load (one
-mini-batch in flight besides the one training), 4 the async one.
+`--max-staleness 1,4` repeats the whole comparison per η: 1 is the sync-like load (at most one
+mini-batch of look-ahead), 4 the async one.
 
 Workloads:
 
@@ -27,7 +27,12 @@ Also printed per run, over the steps after `--warmup-steps`: the engine's KV usa
 preemptions, requests waiting, the limit's trajectory, and reward first -> last.
 
     python scripts/bench_adaptive.py --out F.json [--caps 8,16,24,32,40] [--steps 60] [--runs-dir DIR] [OVERRIDES ...]
-    python scripts/bench_adaptive.py --experiment smollm2_local --max-staleness 0,4 --caps 4,8,16,32 --out F.json
+    python scripts/bench_adaptive.py --experiment smollm2_local --max-staleness 1,4 --caps 8,12,16,24,32,40 \
+        --steps 30 --runs-dir DIR --out F.json trainer.test_freq=0 trainer.val_before_train=false \
+        rollout.adaptive.min_window_s=10
+
+A cap above the staleness window ((η + 1) x rollout.batch_size groups) runs as the window: at
+η = 1 with the real model's 8 groups per step, caps 16 and up are one configuration.
 """
 
 from __future__ import annotations
