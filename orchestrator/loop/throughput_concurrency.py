@@ -7,7 +7,9 @@ rollout workers; written here from their description, not their code):
   measurement window; keep it if its throughput is within `tolerance` of the best of the two,
   else try c_down = ⌊c / (1 + probe_step)⌋ and keep the largest cap whose throughput is within
   `tolerance` of the best measured (ties go up: a larger cap never costs throughput there and
-  leaves headroom). With the defaults, ~25 % above and below, 5 %.
+  leaves headroom). With the defaults, ~25 % above and below, 5 %. A cap that consecutive
+  cycles keep is measured again for 1, 3, 7, then at most `MAX_DWELL_WINDOWS` windows before the
+  next probe (each probe costs throughput once the best is found); a move halves that wait.
 - **KV levels only trim, never push.** An up probe starts only while the engines' mean KV usage
   is below `grow_below` (0.6); at `trim_at` (0.8) the cap is cut by the probe factor at once; above
   `cancel_above` (0.9) it is cut and the groups running over the new cap are to be cancelled,
