@@ -10,7 +10,7 @@ Packages:
   control/   run control: stopping on signals, the reaper, pre-flight checks, the Ray cluster,
              supervision of replicas and servers, checkpoints and resume
   adapters/  the driver's typed clients of the actors (trainer, buffer, gateway, colocated engines)
-  build/     wiring: the runtime (model, local stack, Ray), the shared actor starters, training's and
+  wiring/    wiring: the runtime (model, local stack, Ray), the shared actor starters, training's and
              evaluation's parts
   planning/  the dry-run plan and the cluster simulator (`sim/`) with its planner
 Modules:
@@ -20,7 +20,7 @@ Modules:
 
 Imports run one way, down these floors (a floor imports only floors below it; layers.py checks it):
   main.py, evaluate.py
-  build/, planning/
+  wiring/, planning/
   control/, adapters/
   config/
   loop/, watch/, tasks.py   (nothing else of orchestrator/)

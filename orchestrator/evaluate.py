@@ -83,7 +83,7 @@ def split_rows(cfg: RunConfig) -> list[dict]:
 async def run_eval(cfg: RunConfig, rt: Any, stack: contextlib.ExitStack) -> dict[str, Any]:
     """Build the evaluation parts, evaluate the split, write eval.jsonl and eval_summary.json;
     return the summary. Raises what the pool raises (ContractError stops the evaluation)."""
-    from orchestrator.build.eval import build_eval
+    from orchestrator.wiring.eval import build_eval
 
     rows = split_rows(cfg)
     settings = eval_settings(cfg.eval, step_rollouts=cfg.samples_per_step)

@@ -2,7 +2,7 @@
 
 compose (Hydra) -> validate (`to_run_config`: a bad value exits with status 2 and a message naming
 the key, before Ray or any server starts) -> pre-flight (orchestrator/control/preflight.py: file-system
-checks, checkpoint, run_dir) -> build the parts (orchestrator/build/) -> run the sync or async
+checks, checkpoint, run_dir) -> build the parts (orchestrator/wiring/) -> run the sync or async
 loop -> report (`RUN_DIR/summary.json`; the loop writes `RUN_DIR/metrics.jsonl`). `mode=eval`
 builds no trainer and evaluates instead (orchestrator/evaluate.py: `RUN_DIR/eval.jsonl`,
 `RUN_DIR/eval_summary.json`).
@@ -125,7 +125,7 @@ def _interrupted_before_a_step(pre) -> dict:
 
 def _run_started(cfg: RunConfig, pre, t_start: float) -> dict:
     """`run` once pre-flight passed: every exit path stops what it started (the ExitStack)."""
-    from orchestrator.build.runtime import start_runtime
+    from orchestrator.wiring.runtime import start_runtime
     from orchestrator.control.reaper import start_reaper
     from orchestrator.control.stopping import Interrupts, RunInterrupted, install_unwinding, mark
 
@@ -200,7 +200,7 @@ async def _train_attempts(cfg: RunConfig, rt, stack: contextlib.ExitStack, inter
     """Build the parts and run the loop; when a trainer rank dies with `trainer.max_restarts` left,
     discard the attempt and build it again from the last checkpoint (orchestrator/control/trainer_restart.py).
     Returns (report or None when interrupted, the last attempt's parts, its engines' shutdown, restarts)."""
-    from orchestrator.build.training import build_parts
+    from orchestrator.wiring.training import build_parts
     from orchestrator.control.stopping import RunInterrupted
     from orchestrator.control.supervise import explain_trainer_loss, run_watched
     from orchestrator.control.trainer_restart import TrainerRestarts, discard

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from orchestrator.build.runtime import agent_start_failure
+from orchestrator.wiring.runtime import agent_start_failure
 from orchestrator.control.preflight import kv_cache_min_bytes
 
 REPO = Path(__file__).resolve().parent.parent

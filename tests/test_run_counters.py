@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from orchestrator.build.training import _acr_totals
+from orchestrator.wiring.training import _acr_totals
 
 
 class Pool:
@@ -26,7 +26,7 @@ def test_failure_reasons_and_acr_calls_add_the_checkpoints_to_this_processs():
 
 
 def test_a_stuck_pool_leaves_the_checkpoints_counts(monkeypatch):
-    import orchestrator.build.training as training
+    import orchestrator.wiring.training as training
 
     monkeypatch.setattr(training, "ACR_STATS_WAIT_S", 0.05)
     got = asyncio.run(_acr_totals(Pool(None, stuck=True), {"rollout/failed/timeout": 2})())

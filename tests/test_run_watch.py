@@ -60,7 +60,7 @@ def test_a_run_stopped_by_failures_names_the_most_common_reason_and_what_to_chec
 async def test_the_throttle_warning_fires_from_the_per_step_acr_count():
     """Issue 29: the throttled-ACR warning never fired: the step records had no `acr/throttled`
     (only summary.json did). The step probe now adds the pool's running count."""
-    from orchestrator.build.training import _pool_recovery_metrics
+    from orchestrator.wiring.training import _pool_recovery_metrics
 
     class Pool:  # the two things the probe reads of workers/rollout/pool.py RolloutPool
         counts = {"rollout/actors_lost": 0, "rollout/redispatched": 0}

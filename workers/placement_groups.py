@@ -86,6 +86,6 @@ class PlacedGroups:
 
 
 def place(cluster: Any) -> PlacedGroups:
-    """What orchestrator/build/runtime.py calls: the placement of a `ClusterConfig` (orchestrator/config/cluster.py),
+    """What orchestrator/wiring/runtime.py calls: the placement of a `ClusterConfig` (orchestrator/config/cluster.py),
     checked against the connected cluster and created. Raises InsufficientGpusError as `create`."""
     return PlacedGroups.create(plan_placement(cluster.placement_spec()), ready_timeout_s=cluster.placement_timeout_s)

@@ -13,7 +13,7 @@ created (it is created here).
 
 Raises ConfigError (orchestrator/config/errors.py) or CheckpointError (orchestrator/control/checkpoint.py),
 each message naming the config key or the file. Callers: orchestrator/main.py after `to_run_config`;
-orchestrator/build/runtime.py calls `check_kv_cache` once the model's weights are known (the tiny model is
+orchestrator/wiring/runtime.py calls `check_kv_cache` once the model's weights are known (the tiny model is
 built after pre-flight).
 """
 

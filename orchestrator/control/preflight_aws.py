@@ -13,7 +13,7 @@ A failure raises ConfigError naming what is missing (key, profile, bucket, and t
 Warnings (returned, printed by the caller) name addresses that agents running in AgentCore Runtime
 could not reach: the gateway's advertised URL and the rollout actors' result host
 (workers/core/netaddr.py). `forwarded_aws_env` is the AWS configuration the driver hands to actors
-on a joined cluster. Callers: orchestrator/control/preflight.py, orchestrator/build/runtime.py.
+on a joined cluster. Callers: orchestrator/control/preflight.py, orchestrator/wiring/runtime.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Invariant: a run joins a cluster only when told to (`cluster.address`, or `RAY_ADDRESS` under
 `ray job submit`), and a cluster it is told to join that does not answer is a config error that
 names the key within `RAY_PROBE_TIMEOUT_S`, never a silent hang. Pure apart from one TCP connect.
-Callers: orchestrator/build/runtime.py (start_runtime), tests.
+Callers: orchestrator/wiring/runtime.py (start_runtime), tests.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ the loop and its error propagates; the loop's end cancels the watchers.
 
 Invariant: a replica is in the gateway's list only once it serves the weight sync's current
 version; the replica list given here is replaced in place (the same list the driver shuts down).
-Callers: orchestrator/build/training.py (wiring), orchestrator/main.py (run_watched).
+Callers: orchestrator/wiring/training.py (wiring), orchestrator/main.py (run_watched).
 """
 
 from __future__ import annotations

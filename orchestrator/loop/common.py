@@ -1,7 +1,7 @@
 """What the sync and the async loop share: their parts, the dispatch of a group, the ledger
 closing of untrained samples, the weight sync, the per-step metrics and the end-of-run check.
 
-The loops are handed a `LoopParts` (built by `orchestrator/build/training.py`, or by a test with simulated
+The loops are handed a `LoopParts` (built by `orchestrator/wiring/training.py`, or by a test with simulated
 parts) whose members are small protocols, so a simulated engine, pool, trainer or clock can stand in
 for the real ones. Invariant defended here: a loop returns its `LoopReport` only when every
 dispatched rollout has reached a terminal state in the ledger (`finish` raises otherwise).

@@ -37,7 +37,7 @@ Invariant: `limit` is always >= `min_groups`; `may_admit` is True only while run
 `ConcurrencyGate` is the thin async wrapper the async loop's producer awaits (one group slot per
 admitted group, released when its rollouts end; a release is the throughput `adaptive` measures),
 over either policy (`GroupLimit`). Callers: orchestrator/loop/async_loop.py,
-orchestrator/build/training.py (product), orchestrator/planning/sim/parts.py (simulator): the same code in both.
+orchestrator/wiring/training.py (product), orchestrator/planning/sim/parts.py (simulator): the same code in both.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Where each source goes:
 - progress bars of libraries (tqdm, Hugging Face Hub): off in every process started after
   `quiet_console` (the environment is inherited).
 
-Callers: orchestrator/main.py (`quiet_console`, before anything starts) and orchestrator/build/runtime.py
+Callers: orchestrator/main.py (`quiet_console`, before anything starts) and orchestrator/wiring/runtime.py
 (`ray_init_options`, `link_ray_logs`).
 """
 

@@ -1,6 +1,6 @@
 """Where the CPU goes: CPU seconds (user + system) each part of the run used during a step.
 
-A step probe (orchestrator/build/training.py wires it after the actor directory's refresh) logs, at every
+A step probe (orchestrator/wiring/training.py wires it after the actor directory's refresh) logs, at every
 step's end, `perf/cpu_s/<part>` = CPU seconds the part's processes used since the previous step's
 end, and `perf/cpu_s/total`. Parts (`PARTS`): `driver` (this process: the loop, the rollout pool's
 dispatch, metric logging), `trainer` (trainer ranks), `inference` (the replicas' actors and vLLM's

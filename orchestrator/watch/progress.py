@@ -6,7 +6,7 @@ orchestrator/watch/run_watch.py, shown however quiet the console is.
 Invariant: every step record given to `ProgressSink.log` is shown (a bar update or one line) and
 every warning StepWatch raises is printed once; a plain line always starts `[step N/T]`.
 Callers: orchestrator/watch/metrics.py (`build_sinks`: the `console` sink), orchestrator/main.py and
-orchestrator/build/runtime.py (`phase`).
+orchestrator/wiring/runtime.py (`phase`).
 """
 
 from __future__ import annotations

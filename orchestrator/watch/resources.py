@@ -1,6 +1,6 @@
 """What a long run holds: trajectory-buffer rows and Ray object-store bytes, logged at every step.
 
-A step probe (orchestrator/build/training.py wires it beside the CPU probe) returns
+A step probe (orchestrator/wiring/training.py wires it beside the CPU probe) returns
 `buffer/rows_held` (TransferQueue rows over every partition, puts in flight included: rows a run
 keeps after training on them are a leak), `buffer/partitions`, and `ray/object_store_bytes` (bytes
 in the plasma stores of every live node, from each raylet's node stats). scripts/soak.py reads them

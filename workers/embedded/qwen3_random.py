@@ -12,7 +12,7 @@ vocabulary and template, where the tiny model's home-made ones hide real-model f
 
 Invariants: the build is a pure function of `Qwen3RandomRecipe` and the pinned tokenizer files;
 the cache folder name carries a hash of both (tiny_model.cached_model_dir: complete or absent).
-Callers: orchestrator/build/runtime.py (model.name=qwen3_random, model.path unset), tests.
+Callers: orchestrator/wiring/runtime.py (model.name=qwen3_random, model.path unset), tests.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 The rollout workers open and close sessions through their own adapter of the `GatewaySessions`
 protocol (workers/rollout/clients.py `GatewaySessionsClient`); this one is the driver's: start and stop
-the server, hand it the replicas, read its metrics. Callers: orchestrator/build/,
+the server, hand it the replicas, read its metrics. Callers: orchestrator/wiring/,
 orchestrator/control/supervise.py, orchestrator/adapters/clients.py (`GatewayProbe`).
 """
 

@@ -7,7 +7,7 @@ what the driver asks of a replica: start it, read its policy version and schedul
 to sleep and wake it (colocated training), shut it down. The gateway's generate path has its own
 adapter (workers/gateway/server.py `as_engine`: a cancelled turn cancels the actor task).
 Callers: orchestrator/control/supervise.py, orchestrator/adapters/ (colocate, engine loads),
-orchestrator/build/, orchestrator/main.py. Every call but `shutdown` (which has its own wait) is
+orchestrator/wiring/, orchestrator/main.py. Every call but `shutdown` (which has its own wait) is
 bounded (workers/core/bounds.py: readiness, pause/resume, status reads) and raises `PartTimeout`
 naming the replica past its bound.
 """

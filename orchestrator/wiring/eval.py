@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.build.actors import close_quietly, gateway_actor, replica_spawner, run_rollout_settings, start_pool
-from orchestrator.build.runtime import Runtime
+from orchestrator.wiring.actors import close_quietly, gateway_actor, replica_spawner, run_rollout_settings, start_pool
+from orchestrator.wiring.runtime import Runtime
 from orchestrator.config import RunConfig, buffer_config, eval_rollout_settings
 from orchestrator.watch.progress import phase
 from workers.gateway.client import GatewayClient

@@ -21,8 +21,8 @@ from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from orchestrator.build.actors import close_quietly, gateway_actor, replica_spawner, run_rollout_settings, start_pool
-from orchestrator.build.runtime import Runtime
+from orchestrator.wiring.actors import close_quietly, gateway_actor, replica_spawner, run_rollout_settings, start_pool
+from orchestrator.wiring.runtime import Runtime
 from orchestrator.config import (RunConfig, buffer_config, lora_settings, eval_rollout_settings, eval_settings, sampler_settings,
                                  trainer_class, trainer_settings)
 from orchestrator.loop.common import LoopParts, LoopPosition, Trainer

@@ -3,7 +3,7 @@ rollout pool under the cluster-wide ACR limits; and the bounded close of each pa
 
 Invariant: every actor started here has its shutdown pushed on the `closing` stack it was given
 before the call returns, and each shutdown is bounded by `CLOSE_TIMEOUT_S` (a part that hangs on
-the way out cannot hold the run). Callers: orchestrator/build/training.py, orchestrator/build/eval.py.
+the way out cannot hold the run). Callers: orchestrator/wiring/training.py, orchestrator/wiring/eval.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from orchestrator.build.runtime import Runtime
+from orchestrator.wiring.runtime import Runtime
 from orchestrator.config import (RunConfig, acr_client_config, gateway_config, inference_settings, pool_limits,
                                  rollout_settings)
 from orchestrator.control.stopping import mark
