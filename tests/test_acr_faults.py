@@ -38,7 +38,8 @@ from workers.embedded.sim_engine import ScriptedEngine  # noqa: E402
 from workers.gateway.config import GatewayConfig  # noqa: E402
 from workers.gateway.server import GatewayServer  # noqa: E402
 from workers.rollout.worker import ContractError, RolloutSettings  # noqa: E402
-from workers.rollout.pool import PoolOptions, RolloutPool, start_rollout_actors  # noqa: E402
+from workers.rollout.actor import PoolOptions, start_rollout_actors  # noqa: E402
+from workers.rollout.pool import RolloutPool  # noqa: E402
 from workers.embedded.tiny_model import ensure_tiny_model  # noqa: E402
 
 N_PER_CONTRACT = 250

@@ -31,7 +31,8 @@ from workers.acr.journal import JournalWriter, SessionJournal  # noqa: E402
 from workers.acr.limits import AcrLimitsConfig, limit_stats, start_limit_actors  # noqa: E402
 from workers.core.types import SampleInfo  # noqa: E402
 from workers.core.types import RolloutRequest, Sample  # noqa: E402
-from workers.rollout.pool import PoolOptions, PoolRecovery, RolloutPool, rollout_actor_spawner  # noqa: E402
+from workers.rollout.actor import PoolOptions, rollout_actor_spawner  # noqa: E402
+from workers.rollout.pool import PoolRecovery, RolloutPool  # noqa: E402
 from workers.rollout.worker import RolloutSettings  # noqa: E402
 
 AGENT_DELAY_S = 3.0  # each agent answers this late: the kill lands while all rollouts are in flight

@@ -12,7 +12,7 @@ import asyncio
 from collections import Counter
 
 from workers.core.types import RolloutRequest
-from workers.rollout.pool import RolloutActor
+from workers.rollout.actor import RolloutActor
 from workers.rollout.stops import SessionStops
 from workers.rollout.worker import NoGateway, RolloutSettings, RolloutWorker
 

@@ -5,6 +5,7 @@ Modules:
   results.py   fast completion: agents POST their result to the worker that waits for it
   settings.py  RolloutSettings: the one default and check of each value the rollout config sets
   worker.py    RolloutWorker: invoke, wait for the result, stop the session, collect the capture
-  pool.py      RolloutActor (an async Ray actor per worker) and RolloutPool
+  actor.py     RolloutActor: the async Ray actor around one RolloutWorker, and its spawner
+  pool.py      RolloutPool: spreads rollouts over the actors, replaces a dead one and settles its rollouts
   clients.py   typed adapters: rollout actors, the gateway's sessions, the sample store
 """

@@ -1,12 +1,12 @@
 """The rollout package's typed adapters: each calls one kind of part the same way whether it is a
 Ray actor handle or a local object (workers/core/calls.py).
 
-- `RolloutActorClient`: a `RolloutActor` (workers/rollout/pool.py) as the pool calls it.
+- `RolloutActorClient`: a `RolloutActor` (workers/rollout/actor.py) as the pool calls it.
 - `GatewaySessionsClient`: the gateway as a rollout worker's `GatewaySessions` (open and close a
   session); the driver's own calls to the gateway are workers/gateway/client.py's.
 - `SampleStoreClient`: the trajectory buffer (or any store with `put` / `sample_infos`) as a
   worker's `SampleSink` and the pool's recovery read it.
-Callers: workers/rollout/pool.py.
+Callers: workers/rollout/pool.py, workers/rollout/actor.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What happens to the rollouts of a rollout actor that died: pure decisions, no Ray or asyncio.
 
-A rollout actor (workers/rollout/pool.py `RolloutActor`) runs many rollouts at once; when its
+A rollout actor (workers/rollout/actor.py `RolloutActor`) runs many rollouts at once; when its
 process dies (SIGKILL, OOM, node loss) the driver learns only that the call failed, not which of
 its rollouts had already stored their sample. The pool assigns every attempt its ACR session id
 before dispatch, so after a loss it can ask the buffer which of the lost attempts stored a sample

@@ -11,7 +11,7 @@ Invariant: a result is delivered to the waiting worker at most once per session;
 session nobody waits on (unknown, finished) answers 404, a wrong token 401 (constant-time
 compare), and neither wakes anyone.
 
-Callers: `workers.rollout.pool.RolloutActor` (one server per actor), tests and the bench.
+Callers: `workers.rollout.actor.RolloutActor` (one server per actor), tests and the bench.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ is not on the completion -> sample-in-buffer path.
 The A2A contract (workers/rollout/a2a.py) drives one A2A task per rollout over the same session:
 setup, then the rollout, polling GetTask; a task left before its end is cancelled before the stop.
 
-Callers: `workers.rollout.pool.RolloutActor` (Ray), tests and scripts/bench_rollout.py (direct).
+Callers: `workers.rollout.actor.RolloutActor` (Ray), tests and scripts/bench_rollout.py (direct).
 No Ray import here.
 """
 
