@@ -1,4 +1,4 @@
-"""Cluster-wide ACR limits (workers/acr/limits.py): pure logic with an injected clock, then the
+"""Cluster-wide ACR limits (workers/acr/limits/): pure logic with an injected clock, then the
 async services and the per-process coalescing clients, in one process (the Ray actors wrap the
 same classes; tests/test_acr_faults.py runs them as named actors)."""
 

@@ -1,5 +1,5 @@
 """Issue 25: `rollout.concurrency=adaptive` with the A2A contract steers the rollout-slot cap
-(orchestrator/loop/slot_steering.py) over the real cap service (workers/acr/limits.py): the
+(orchestrator/loop/slot_steering.py) over the real cap service (workers/acr/limits/): the
 window grows while every rollout slot is taken and the engines have room, shrinks when they are
 congested, never passes `rollout.rollout_slots`, and a lowered cap takes no slot back."""
 

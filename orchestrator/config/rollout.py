@@ -1,6 +1,6 @@
 """`rollout` group: the rollout pool and its ACR endpoint; maps to the rollout workers'
 RolloutSettings (workers/rollout/worker.py), the ACR client's AcrClientConfig
-(workers/acr/client.py), the cluster-wide AcrLimitsConfig (workers/acr/limits.py, which also
+(workers/acr/client.py), the cluster-wide AcrLimitsConfig (workers/acr/limits/, which also
 validates `rollout.acr.limits.*`) and the trajectory buffer's BufferConfig.
 
 One source per setting: a field these settings take has its default in the settings dataclass
@@ -30,7 +30,7 @@ ROLLOUT_BACKENDS = ("local", "aws")  # local: the ACR emulator + moto S3 on loop
 
 @dataclass
 class AcrLimitsSchema:
-    """Cluster-wide ACR limits (workers/acr/limits.py), each held by one named Ray actor.
+    """Cluster-wide ACR limits (workers/acr/limits/), each held by one named Ray actor.
 
     requests_per_s: cap on EVERY ACR request (invoke, get, stop, command, botocore retries
     included) in any 1 s window; headroom: fraction of it the token bucket holds back for the
@@ -260,7 +260,7 @@ def rollout_settings(r: RolloutConfig, *, exp_id: str, agent_runtime_arn: str, g
 
 
 def pool_limits(r: RolloutConfig) -> AcrLimitsConfig:
-    """The cluster-wide limits the rollout pool starts (workers/acr/limits.py): ACR's, and the
+    """The cluster-wide limits the rollout pool starts (workers/acr/limits/): ACR's, and the
     rollout-slot cap."""
     return replace(r.acr.limits.typed(), rollout_slots=r.rollout_slots)
 

@@ -2,7 +2,7 @@
 
 `rollout/container_slot_utilisation` and (under `rollout.rollout_slots`) `rollout/rollout_slot_utilisation`:
 the slot-seconds held during the step over (slots x the step's seconds), from the caps' `held_s`
-(workers/acr/limits.py `SessionCapService`). A warm pool shows as rollout slots near 1 while
+(workers/acr/limits/services.py `SessionCapService`). A warm pool shows as rollout slots near 1 while
 container slots also hold containers setting up; rollout slots well under 1 with containers
 at their cap say setup, not inference, bounds the run (the toolkit's warm-pool argument).
 

@@ -205,7 +205,7 @@ class RolloutPool:
         await SessionCapClient(cap).set_capacity(n)
 
     async def slot_stats(self) -> dict[str, Any]:
-        """The cluster-wide slot caps' `LimitStats` (workers/acr/limits.py): "container" (the
+        """The cluster-wide slot caps' `LimitStats` (workers/acr/limits/): "container" (the
         open-session cap) and, under `rollout.rollout_slots`, "rollout"; {} for a pool without caps."""
         rec = self._recovery
         caps = {"container": rec.sessions_cap if rec else None, "rollout": rec.rollouts_cap if rec else None}

@@ -1,7 +1,7 @@
 """A slot cap with a FIFO queue over plain simulated events: the container slots and rollout slots of
 the A2A lifecycle (workers/rollout/lifecycle.py) as `SimAgents` (orchestrator/planning/sim/agent.py) holds them.
 
-The count is the product's own pure `SlotPool` (workers/acr/limits.py); this adds what the
+The count is the product's own pure `SlotPool` (workers/acr/limits/state.py); this adds what the
 simulator needs around it: waiters in arrival order, and the time integral of the slots held
 (slot-seconds, for utilisation). Time goes in through the methods; nothing here schedules,
 sleeps or reads a clock.
