@@ -1,4 +1,4 @@
-"""GPU placement (workers/core/placement.py, workers/placement_groups.py) on a CPU box.
+"""GPU placement (workers/core/placement.py, orchestrator/wiring/placement_groups.py) on a CPU box.
 
 Pure plan and capacity checks first; then a local Ray instance of this module's own with 8
 logical GPUs (Ray builds real placement groups and sets CUDA_VISIBLE_DEVICES for logical GPUs)
@@ -119,7 +119,7 @@ def _devices(report: dict) -> set[str]:
 def test_disaggregated_actors_see_disjoint_gpus(ray_gpus):
     from ray.util.placement_group import placement_group_table
 
-    from workers.placement_groups import PlacedGroups
+    from orchestrator.wiring.placement_groups import PlacedGroups
 
     ray = ray_gpus
     spec = PlacementSpec("disaggregated", trainer_nodes=1, trainer_gpus_per_node=2, inference_replicas=3,
@@ -147,7 +147,7 @@ def test_disaggregated_actors_see_disjoint_gpus(ray_gpus):
 
 
 def test_colocated_rank_and_replica_share_a_gpu(ray_gpus):
-    from workers.placement_groups import PlacedGroups
+    from orchestrator.wiring.placement_groups import PlacedGroups
 
     ray = ray_gpus
     placed = PlacedGroups.create(plan_placement(PlacementSpec("colocated", trainer_gpus_per_node=4, inference_replicas=4)),
@@ -167,7 +167,7 @@ def test_colocated_rank_and_replica_share_a_gpu(ray_gpus):
 def test_too_many_gpus_fails_before_any_group_or_actor(ray_gpus):
     from ray.util.placement_group import placement_group_table
 
-    from workers.placement_groups import PlacedGroups
+    from orchestrator.wiring.placement_groups import PlacedGroups
 
     ray = ray_gpus
     groups_before = placement_group_table()
@@ -180,7 +180,7 @@ def test_too_many_gpus_fails_before_any_group_or_actor(ray_gpus):
 
 def test_main_config_path_places_the_disaggregated_yaml(ray_gpus):
     """The composed `cluster=disaggregated` config through `place()`, as main.py calls it."""
-    from workers.placement_groups import place
+    from orchestrator.wiring.placement_groups import place
 
     cfg = _compose(["cluster=disaggregated", "inference.replicas=2"])
     placed = place(cfg.cluster)

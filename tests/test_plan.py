@@ -195,7 +195,7 @@ def test_ray_places_the_experiment_on_the_logical_gpus_it_names(name):
     from ray.cluster_utils import Cluster
     from ray.util.placement_group import placement_group_table
 
-    from workers.placement_groups import PlacedGroups
+    from orchestrator.wiring.placement_groups import PlacedGroups
 
     if ray.is_initialized():
         pytest.skip("Ray is already initialized in this process by another test module")

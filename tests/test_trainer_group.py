@@ -236,7 +236,7 @@ def test_two_rank_group_update_equals_one_rank_on_the_whole_batch(ray_local, tmp
         one.close()
 
     from workers.core.placement import PlacementSpec, plan_placement
-    from workers.placement_groups import PlacedGroups
+    from orchestrator.wiring.placement_groups import PlacedGroups
 
     buffer = TrajectoryBuffer.start(BufferConfig())
     buffer.put_sync(samples, "step-1")

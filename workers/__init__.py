@@ -11,6 +11,4 @@ Packages (each keeps its logic in plain classes; `ray.remote` is applied where a
   acr/          the ACR data-plane client (boto3/aiobotocore) and the cluster-wide ACR limits
   buffer/       the trajectory buffer over TransferQueue
   embedded/     local stand-ins for AWS and a real model: the ACR emulator, moto S3, the tiny model
-Module:
-  placement_groups.py  the Ray side of GPU placement (placement groups per node and GPU)
 """

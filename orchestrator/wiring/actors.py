@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
     from workers.buffer.store import TrajectoryBuffer
-    from workers.placement_groups import PlacedGroups
+    from orchestrator.wiring.placement_groups import PlacedGroups
     from workers.rollout.pool import RolloutPool
     from workers.rollout.settings import RolloutSettings
 

@@ -62,7 +62,7 @@ async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -
         replicas: list[ActorHandle] = []
         gateway, base_url = None, ""
         if cfg.eval.serve_model:
-            from workers.placement_groups import place
+            from orchestrator.wiring.placement_groups import place
 
             phase(f"starting {cfg.inference.replicas} inference replica(s) (vLLM) and the gateway; the engines take "
                   "the longest")

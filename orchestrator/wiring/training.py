@@ -96,7 +96,7 @@ async def _start_actors(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack
     from transformers import AutoTokenizer
 
     from workers.buffer.store import TrajectoryBuffer
-    from workers.placement_groups import place
+    from orchestrator.wiring.placement_groups import place
     from workers.trainer.group import start_trainer_ranks
     from workers.weight_sync.setup import close_weight_sync, open_weight_sync
 

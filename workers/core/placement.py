@@ -4,7 +4,7 @@ Pure logic (no Ray import): `plan_placement` turns what the cluster config asks 
 `PlacementPlan` (placement-group specs plus one `Slot` per trainer rank and per inference
 replica); `check_capacity` compares the plan with the GPUs the Ray cluster reports and raises
 `InsufficientGpusError` with the numbers, so a config that asks for too many GPUs fails before
-any placement group or actor exists. workers/placement_groups.py creates the groups and turns a
+any placement group or actor exists. orchestrator/wiring/placement_groups.py creates the groups and turns a
 `Slot` into Ray actor options; orchestrator/main.py asks it for the options of every actor.
 
 Modes:
@@ -148,7 +148,7 @@ def check_capacity(plan: PlacementPlan, node_gpus: Sequence[float]) -> None:
     node_gpus: GPUs of each alive node (Ray's "GPU" resource, logical GPUs included). A
     STRICT_PACK group must fit on one node; a PACK group's bundles may go to different nodes.
     Fit is checked first-fit-decreasing (Ray's own placement may still wait for GPUs that other
-    jobs hold; workers/placement_groups.py then times out with the same numbers).
+    jobs hold; orchestrator/wiring/placement_groups.py then times out with the same numbers).
     """
     need = plan.num_gpus
     have = float(sum(node_gpus))
