@@ -17,13 +17,11 @@ Modules:
   main.py      `python -m orchestrator.main`: config -> pre-flight -> build -> loop -> outputs
   evaluate.py  `mode=eval`: evaluate a split, write eval.jsonl and eval_summary.json
   tasks.py     the task registry: `task.name` -> row loader, agent app, data-file check
+  export.py    `python -m orchestrator.export`: a LoRA run's adapter, alone or merged into the base model
 
-Imports run one way, down these floors (a floor imports only floors below it; layers.py checks it):
-  main.py, evaluate.py
-  wiring/, planning/
-  control/, adapters/
-  config/
-  loop/, watch/, tasks.py   (nothing else of orchestrator/)
+Imports run one way, down the floors of docs/architecture.md ("Import rules"), which
+tests/test_layering.py reads and checks: main.py, evaluate.py, then wiring/ planning/ export.py,
+control/ adapters/, config/, loop/, and watch/ tasks.py at the bottom.
 
 Nothing in this package serves HTTP or holds model weights; heavy imports (Ray, vLLM, torch) happen
 inside the functions that start actors, never at package import.

@@ -13,6 +13,14 @@ settings once while validating). Nothing here imports Ray, torch or vLLM (the li
 modules are imported; heavier worker classes when a mapping function is called), so a bad config
 fails in about a second, before any process starts. Choice lists are defined once, in the worker module that gives them
 their meaning where that module is light, else in the group's module here.
+
+Modules (one per config group, then what they share):
+  mode.py, cluster.py, model.py, trainer.py, inference.py, rollout.py, task.py, algorithm.py,
+  logger.py, async_.py, eval.py, gateway.py   the groups of the same names
+  run.py           RunConfig (cross-group checks), the group -> schema table, Hydra registration
+  defaults.py      `default_of`: a field's default read from the worker settings that own it
+  errors.py        ConfigError and the checks every group uses
+  hydra_errors.py  Hydra's own composition failures as `config error:` lines naming the key
 """
 
 from orchestrator.config.algorithm import AlgorithmConfig, RejectionRuleConfig, RolloutCorrectionConfig

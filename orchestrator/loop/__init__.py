@@ -17,4 +17,5 @@ Modules:
   prompts.py         the seeded, resumable prompt cycle
   sampler.py         the difficulty-aware prompt sampler (task.sampler=difficulty)
   validation.py      evaluation of a split through a rollout pool; validation during training
+  early_stop.py      a run whose agent cannot work with it stops after its first rollouts, saying why
 """

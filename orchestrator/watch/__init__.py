@@ -10,4 +10,6 @@ Modules:
   slots.py        the per-step probe of container- and rollout-slot utilisation
   report_data.py  a run directory read back: step records, config, summary, series
   report.py       PNG plots and report.html (`python -m orchestrator.watch.report RUN_DIR`)
+  alarms.py       health alarms from the step metrics (malformed tool calls, masked fraction, length bias)
+  eval_report.py  the report of a mode=eval run: reward distribution, pass@k over k, the summary
 """

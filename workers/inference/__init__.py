@@ -9,4 +9,5 @@ Modules:
   segments.py       one GenerateResult from the engine segments that weight updates cut apart (pure)
   swap.py           the pause around a weight load, the broadcast receiver, WeightsGate
   vllm_ext.py       vLLM worker extension that reloads weights inside vLLM's worker process
+  adapters.py       the LoRA adapter versions one replica serves, and which it drops
 """

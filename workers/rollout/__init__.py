@@ -8,4 +8,10 @@ Modules:
   actor.py     RolloutActor: the async Ray actor around one RolloutWorker, and its spawner
   pool.py      RolloutPool: spreads rollouts over the actors, replaces a dead one and settles its rollouts
   clients.py   typed adapters: rollout actors, the gateway's sessions, the sample store
+  a2a.py       the A2A contract, client half: one rollout is one A2A task over ACR invocations
+  lifecycle.py the A2A contract's bounded lifecycle: setup, then a rollout slot, then the rollout
+  stops.py     the ACR session stops of one worker: no session outlives its run
+  failures.py  why a rollout failed: the closed set of reasons, from an exception to its reason
+  overflow.py  `rollout.overflow`: a truncated rollout's fate
+  recovery.py  the rollouts of a dead rollout actor: keep, re-dispatch once or fail (pure)
 """

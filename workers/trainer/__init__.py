@@ -18,5 +18,6 @@ One shell, two engines, one protocol:
   rows.py         RowReader: a rank reads its own rows of an order from the trajectory buffer
   train_batch.py  a rank's padded TrainBatch from its rows and order (GRPO advantages); build_train_batch
   group.py        TrainerGroup (the driver's one adapter of the trainer) and start_trainer_ranks
+  lora.py         LoRA on the trainer's model (PEFT): wrapping, and the adapter's ways out
 Rendezvous of the ranks: workers/weight_sync/rendezvous.py.
 """

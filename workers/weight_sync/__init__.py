@@ -9,4 +9,6 @@ Modules:
   receiver.py   a receiver that loads into plain torch tensors, and its process entry point
   setup.py      the run's weight sync, chosen by `trainer.weight_sync.backend`, opened and closed once
   rendezvous.py TCPStores on a port the OS picked and kept bound (weight-sync groups, trainer ranks)
+  adapter.py    the LoRA adapter sync: each sync sends the adapter only, the replicas load it by version
+  probe.py      proof of arrival: every engine scores a probe sequence after each sync
 """
