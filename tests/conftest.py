@@ -32,10 +32,14 @@ LATE_HEAVY_MODULES = frozenset({"test_gsm8k_e2e.py", "test_eval_e2e.py", "test_a
 # tests of the heavy unit with no time bound, queued last as their own units (it kills a part and
 # resumes: ~150 s; the driver-killed-mid-checkpoint resume moved to scripts/chaos.py to keep the suite in budget): in the heavy unit they made it the suite's critical path while the other worker idled
 LATE_HEAVY_TESTS = frozenset({"test_e2e.py::test_a_killed_trainer_rank_restarts_from_the_last_checkpoint_inside_the_run"})
-# Markers (pyproject.toml): `e2e` the HEAVY_MODULES (each runs the main job); `integration` the
-# modules that start Ray, vLLM engines, trainer actors or the ACR stack with its agents (seconds per
-# test); `unit` everything else (pure logic, in-process servers, the simulator). `make test-fast`
-# runs `unit`; a new module that starts Ray or an engine joins INTEGRATION_MODULES.
+# Markers (pyproject.toml), derived, never hand-assigned per test: `e2e` the HEAVY_MODULES (each runs
+# the main job); `integration` a test that uses one of the INTEGRATION_FIXTURES (directly or through
+# another fixture: the ACR stack) or sits in one of the INTEGRATION_MODULES (those that start Ray,
+# vLLM engines or trainer actors in module fixtures of their own); `unit` everything else (pure
+# logic, in-process servers, the simulator). `make test-fast` runs `unit`, and a `unit` test that
+# starts Ray or leaves a child process running (an engine, the stack) fails, naming the rule
+# (`pytest_runtest_call` below): a module cannot fall into `unit` by being left off a list.
+INTEGRATION_FIXTURES = frozenset({"local_stack"})
 INTEGRATION_MODULES = frozenset({
     "test_a2a_rollout.py", "test_acr_emulator.py", "test_acr_emulator_faults.py", "test_acr_faults.py", "test_buffer.py",
     "test_device_check.py", "test_faults_inference_replica.py", "test_faults_rollout.py",
@@ -46,9 +50,12 @@ INTEGRATION_MODULES = frozenset({
     "test_control_bounds_ray.py"})
 
 
-def module_kind(module: str) -> str:
-    """The marker of a test module (its file name): "e2e", "integration" or "unit"."""
-    return "e2e" if module in HEAVY_MODULES else "integration" if module in INTEGRATION_MODULES else "unit"
+def module_kind(module: str, fixtures: Sequence[str] = ()) -> str:
+    """The marker of a test: "e2e", "integration" or "unit", from its module's file name and the
+    names of every fixture it uses (`item.fixturenames`: the closure, indirect ones included)."""
+    if module in HEAVY_MODULES:
+        return "e2e"
+    return "integration" if module in INTEGRATION_MODULES or INTEGRATION_FIXTURES & set(fixtures) else "unit"
 
 
 def _xdist_group(nodeid: str) -> str:
@@ -97,9 +104,57 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     heavy tests first (the controller queues units in the order the workers collected them); the
     relative order within each set is kept."""
     for item in items:
-        item.add_marker(getattr(pytest.mark, module_kind(Path(item.nodeid.split("::", 1)[0]).name)))
+        kind = module_kind(Path(item.nodeid.split("::", 1)[0]).name, getattr(item, "fixturenames", ()))
+        item.add_marker(getattr(pytest.mark, kind))
     if hasattr(config, "workerinput") and config.getvalue("loadgroup"):
         items.sort(key=lambda item: _unit_order(item.nodeid))
+
+
+_CHILDREN_BEFORE = pytest.StashKey[frozenset]()
+
+
+def child_pids() -> frozenset[int]:
+    """The live child processes of this process (Linux /proc), but multiprocessing's own helpers
+    (its resource tracker and forkserver live as long as the process)."""
+    pids: set[int] = set()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            pids.update(int(p) for p in (task / "children").read_text().split())
+        except OSError:
+            continue
+    def helper(pid: int) -> bool:
+        try:
+            return b"multiprocessing" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return True  # gone already
+    return frozenset(p for p in pids if not helper(p))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    item.stash[_CHILDREN_BEFORE] = child_pids()  # before the test's fixtures start anything
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """A `unit` test that started Ray, or whose setup or body left a child process running (an
+    engine, the ACR stack, a server), fails: it belongs in `integration` (use the stack's fixture,
+    or list its module in INTEGRATION_MODULES)."""
+    result = yield
+    if item.get_closest_marker("unit") is not None:
+        import sys
+
+        ray = sys.modules.get("ray")
+        started = ["Ray"] if ray is not None and getattr(ray, "is_initialized", lambda: False)() else []
+        new = child_pids() - item.stash.get(_CHILDREN_BEFORE, frozenset())
+        if new:
+            started.append(f"child processes {sorted(new)}")
+        if started:
+            pytest.fail(f"{item.nodeid} is marked unit but started {' and '.join(started)}: a test that starts Ray, "
+                        "an engine or the ACR stack is integration (use the `local_stack` fixture, or add its module "
+                        "to INTEGRATION_MODULES in tests/conftest.py)", pytrace=False)
+    return result
 
 
 @pytest.fixture

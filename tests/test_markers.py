@@ -14,3 +14,11 @@ def test_every_marked_module_exists_and_has_one_kind():
     assert not HEAVY_MODULES & INTEGRATION_MODULES
     assert module_kind("test_e2e.py") == "e2e" and module_kind("test_buffer.py") == "integration"
     assert module_kind("test_markers.py") == "unit"
+
+
+def test_a_test_using_the_stack_fixture_is_integration_whatever_its_module():
+    """Issue 44: four modules that start the ACR stack through `local_stack` were `unit` because no
+    list named them; the fixture now marks them."""
+    assert module_kind("test_sandbox.py", ["tmp_path", "local_stack", "stack"]) == "integration"
+    assert module_kind("test_sandbox.py", ["tmp_path"]) == "unit"
+    assert module_kind("test_e2e.py", ["local_stack"]) == "e2e"
