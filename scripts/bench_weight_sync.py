@@ -127,7 +127,8 @@ def bench_lora(sd: dict[str, torch.Tensor], rank: int, directory: str, repeats: 
     from peft import LoraConfig
     from safetensors.torch import load_file
 
-    from workers.trainer.lora import ADAPTER_WEIGHTS_FILE, adapter_state_dict, merged_state_dict, write_adapter_dir
+    from workers.trainer.lora import adapter_state_dict, merged_state_dict, write_adapter_dir
+    from workers.weight_sync.lora import ADAPTER_WEIGHTS_FILE
 
     lora = lora_of(sd, rank)
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["weight"])

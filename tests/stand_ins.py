@@ -360,16 +360,25 @@ class MemoryStore:
 
 
 class SimReplica:
-    """The weights seam of a simulated inference replica: its policy version, bumped by `sync`
-    (which refuses a skipped or repeated version)."""
+    """The weights seam of a simulated inference replica, a `WeightSync` (workers/weight_sync/protocol.py):
+    its policy version `served`, bumped by `sync` (which refuses a skipped or repeated version)."""
 
     def __init__(self, version: int = 0) -> None:
-        self.version = version
+        self.served = version
+
+    def version(self) -> int:
+        return self.served
 
     async def sync(self, version: int) -> None:
-        assert version == self.version + 1, f"synced version {version} onto {self.version}"
+        assert version == self.served + 1, f"synced version {version} onto {self.served}"
         await asyncio.sleep(0.001)
-        self.version = version
+        self.served = version
+
+    def lost(self) -> frozenset[int]:
+        return frozenset()
+
+    async def metrics(self) -> dict[str, float]:
+        return {}
 
 
 class SimRollouts:
@@ -386,10 +395,10 @@ class SimRollouts:
     async def run_all(self, reqs: Sequence[Any], partition: str) -> list[Sample]:
         async def one(r: Any) -> Sample:
             self.dispatched += 1
-            v0 = self.engine.version
+            v0 = self.engine.served
             latency_s = self.rng.random() * self.max_latency_s
             await asyncio.sleep(latency_s)
-            v1 = self.engine.version
+            v1 = self.engine.served
             row = TrajectoryRow((1, 2, 3, 4), (0, 0, 1, 1), (0.0, 0.0, -0.3, -0.2), (-1, -1, v0, v1))
             return Sample(f"s{r.group_id}-{r.sample_index}", r.group_id, r.input_id, r.sample_index, (row,),
                           self.reward_fn(r), "completed", latency_s)
@@ -417,7 +426,7 @@ class RecordingTrainer:
 
         for s in order.samples:
             if s.row_keys:
-                self.trained.append((self.engine.version, self.store.sample(order.partition, s.session_id)))
+                self.trained.append((self.engine.served, self.store.sample(order.partition, s.session_id)))
         rows = self.store.read_rows(order.partition, [k for s in order.samples for k in s.row_keys])
         batch = order_batch(order, rows)
         await asyncio.sleep(0.005)

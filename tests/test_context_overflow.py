@@ -26,7 +26,7 @@ from orchestrator.loop.batching import RolloutLedger, assemble
 from orchestrator.loop.common import LoopParts
 from orchestrator.loop.prompts import PromptCycle
 from orchestrator.loop.sync_loop import SyncLoopSettings, run_sync
-from stand_ins import ListLogger, MemoryStore, make_row, make_sample
+from stand_ins import ListLogger, MemoryStore, SimReplica, make_row, make_sample
 from workers.core.types import Sample
 from workers.embedded.sim_engine import ScriptedEngine
 from workers.rollout.overflow import OVERFLOW_POLICIES, truncation
@@ -154,9 +154,8 @@ class Trainer:
         return {"actor/num_tokens": float(sum(s.num_generated_tokens for s in taken))}
 
 
-class Push:
-    async def sync(self, version):
-        return None
+class Push(SimReplica):
+    """A weight sync that only counts versions."""
 
 
 @pytest.mark.parametrize("policy", OVERFLOW_POLICIES)

@@ -18,7 +18,7 @@ from orchestrator.control.supervise import ReplicaSupervisor, run_watched
 from workers.core import bounds
 from workers.core.calls import PartClient, PartTimeout, within
 from workers.inference.settings import SleepReport
-from workers.weight_sync.file import CpuWeightSync
+from workers.weight_sync.file import FileWeightSync
 
 BOUND_S = 0.3  # the shrunk bound (s)
 SLACK_S = 2.0  # scheduling slack on a loaded 2-core machine (s); a hang would exceed T_TEST_S instead
@@ -101,7 +101,7 @@ def test_part_timeout_survives_pickling():
 
 async def test_a_replica_stalled_in_a_weight_sync_fails_the_sync_within_the_bound(short_bounds):
     good, stalled = Replica(), StalledReplica()
-    sync = CpuWeightSync([good, stalled])
+    sync = FileWeightSync([good, stalled])
     t0 = time.monotonic()
     with pytest.raises(RuntimeError) as err:
         await asyncio.wait_for(sync.push("/weights/policy-v1.safetensors", 1), T_TEST_S)

@@ -14,7 +14,7 @@ import pytest
 from stand_ins import own_ray
 from workers.core import bounds
 from workers.core.calls import PartTimeout
-from workers.weight_sync.file import CpuWeightSync
+from workers.weight_sync.file import FileWeightSync
 
 BOUND_S = 2.0  # the shrunk weight-sync bound (s)
 SLACK_S = 5.0  # a loaded 2-core machine's scheduling slack (s)
@@ -47,7 +47,7 @@ async def test_an_actor_stalled_in_a_weight_sync_fails_it_within_the_bound_namin
     monkeypatch.setattr(bounds, "WEIGHT_SYNC_S", BOUND_S)
     good = ray_mod.remote(num_cpus=0)(LoadingReplica).remote()
     stalled = ray_mod.remote(num_cpus=0)(StallingReplica).remote()
-    sync = CpuWeightSync([good, stalled])
+    sync = FileWeightSync([good, stalled])
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="failed on 1/2 replicas") as err:
         await asyncio.wait_for(sync.push("/weights/policy-v1.safetensors", 1), T_TEST_S)

@@ -133,7 +133,7 @@ class VersionedPool:
         await asyncio.sleep(0.002)
         self.partitions.append(partition)
         self.input_ids += [r.input_id for r in reqs]
-        v = self.engine.version
+        v = self.engine.served
         return [RolloutOutcome(f"v-{r.group_id}-{r.sample_index}", r.group_id, r.sample_index, "completed",
                                min(1.0, 0.1 * v), 2, 0.01, None, policy_version=v) for r in reqs]
 
@@ -188,7 +188,7 @@ async def test_validation_lane_runs_the_newest_due_version_after_the_one_in_flig
     v = validator(VersionedPool(engine), None, test_freq=1, val_before_train=False)
     lane = ValidationLane(v, total_steps=3)
     for step in (1, 2, 3):  # three due versions while the first still runs: 2 is replaced by 3
-        engine.version = step
+        engine.served = step
         lane.on_version(step, step)
     await lane.finish()
     assert [ver for ver, _ in v.history] == [1, 3]

@@ -2,7 +2,7 @@
 
 Real parts: Ray actors for the replicas (a slow zero-cost engine with the InferenceWorker surface
 the supervisor and the weight sync use: start, generate, policy_version, update_weights), the
-GatewayServer as an async Ray actor serving real HTTP turns, `CpuWeightSync` and the
+GatewayServer as an async Ray actor serving real HTTP turns, `FileWeightSync` and the
 `ReplicaSupervisor`. A replica's process is killed with SIGKILL by its PID while a turn waits on
 it. Checked: the turn is retried on the other replica (recorded once, 200) or, with no replica
 left, waits for the replacement; the replacement loads the current weights file and version
@@ -30,7 +30,7 @@ from workers.core.types import GenerateRequest, GenerateResult  # noqa: E402
 from workers.embedded.tiny_model import ensure_tiny_model  # noqa: E402
 from workers.gateway.config import GatewayConfig  # noqa: E402
 from workers.gateway.server import GatewayServer  # noqa: E402
-from workers.weight_sync.file import CpuWeightSync  # noqa: E402
+from workers.weight_sync.file import FileWeightSync  # noqa: E402
 
 TIMEOUT_S = 60
 GEN_DELAY_S = 3.0  # a turn is in flight this long: the kill lands in the middle
@@ -83,7 +83,7 @@ async def _setup(num: int, *, replica_wait_s: float, max_restarts: int):
         GatewayConfig(model_path=str(ensure_tiny_model()), served_model_name="tiny", replica_wait_s=replica_wait_s))
     base_url = await gateway.start.remote()
     await gateway.set_engines.remote(replicas)
-    weights = CpuWeightSync(replicas)
+    weights = FileWeightSync(replicas)
     await weights.push("/weights/policy-v1.safetensors", 1)
     sup = ReplicaSupervisor(replicas, spawn=spawn, weights=weights, gateway=gateway, loaded_version=0,
                             max_restarts=max_restarts, check_every_s=0.2)

@@ -14,7 +14,7 @@ from stand_ins import own_ray
 from workers.core.types import GenerateRequest
 from workers.inference.worker import InferenceSettings, InferenceWorker
 from workers.embedded.tiny_model import ensure_tiny_model
-from workers.weight_sync.file import CpuWeightSync
+from workers.weight_sync.file import FileWeightSync
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ async def test_generate_and_weight_push_through_ray_actor(ray_cluster, tmp_path)
         sd = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
         path = tmp_path / "v1.safetensors"
         save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
-        sync = CpuWeightSync([actor])
+        sync = FileWeightSync([actor])
         report = await sync.push(str(path), 1)
         assert report.version == 1
         assert await actor.policy_version.remote() == 1

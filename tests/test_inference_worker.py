@@ -23,7 +23,7 @@ from workers.core.types import GenerateRequest
 from workers.inference.engine import KvCacheUsage
 from workers.inference.worker import InferenceSettings, InferenceWorker, WeightsGate
 from workers.inference.settings import DEFAULT_KV_CACHE_BYTES
-from workers.weight_sync.file import CpuWeightSync
+from workers.weight_sync.file import FileWeightSync
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -129,7 +129,7 @@ async def test_update_waits_for_in_flight_request(worker, tiny_model_dir, tmp_pa
 
 async def test_weight_sync_probe_matches_hf_after_update(worker, tiny_model_dir, tmp_path):
     """THE weight-sync probe: the engine serves exactly the pushed weights, lm_head included."""
-    sync = CpuWeightSync([worker], initial_version=worker.policy_version())
+    sync = FileWeightSync([worker], initial_version=worker.policy_version())
     base = sync.version()
     pre = await worker.prompt_logprobs(PROBE)
 
@@ -161,7 +161,7 @@ async def test_weight_sync_probe_matches_hf_after_update(worker, tiny_model_dir,
 
 
 async def test_failed_replica_leaves_sync_version_unchanged(worker, tmp_path):
-    sync = CpuWeightSync([worker], initial_version=worker.policy_version())
+    sync = FileWeightSync([worker], initial_version=worker.policy_version())
     before = sync.version()
     with pytest.raises(RuntimeError, match="failed on 1/1 replicas"):
         await sync.push(str(tmp_path / "missing.safetensors"), before + 1)

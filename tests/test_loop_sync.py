@@ -12,7 +12,7 @@ from orchestrator.loop.sync_loop import SyncLoopSettings, run_sync
 from orchestrator.loop.prompts import PromptCycle
 from orchestrator.loop.batching import train_order
 from workers.trainer.train_batch import build_train_batch, order_batch
-from stand_ins import ListLogger, MemoryStore
+from stand_ins import ListLogger, MemoryStore, SimReplica
 from workers.core.types import Sample, TrajectoryRow
 
 
@@ -50,11 +50,15 @@ class RecordingTrainer:
         return {"actor/num_tokens": float(batch.num_loss_tokens), "rollout_corr/rollout_is_mean": 1.0}
 
 
-class RecordingPush:
+class RecordingPush(SimReplica):
+    """A weight sync recording every version it was asked for."""
+
     def __init__(self):
+        super().__init__(0)
         self.versions = [0]
 
     async def sync(self, version):
+        await super().sync(version)
         self.versions.append(version)
 
 

@@ -47,7 +47,7 @@ class BoundCheckingRollouts(SimRollouts):
             self.groups_seen.add(gid)
             self.first_rows.append(reqs[0].input_id)
             admitted = self.trained_before + len(self.groups_seen) - self._returned_groups()
-            self.peak_excess = max(self.peak_excess, admitted - (ETA + self.engine.version + 1) * B)
+            self.peak_excess = max(self.peak_excess, admitted - (ETA + self.engine.served + 1) * B)
         return await super().run_all(reqs, partition)
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator.control.supervise import ReplicasExhausted, ReplicaSupervisor, run_watched
 from workers.acr.limits import SessionCapService
-from workers.weight_sync.file import CpuWeightSync
+from workers.weight_sync.file import FileWeightSync
 
 
 class RayActorError(Exception):
@@ -47,7 +47,7 @@ class Gateway:
 
 async def test_a_push_skips_a_dead_replica_and_the_replacement_loads_the_current_file_first():
     a, b = Replica(), Replica()
-    sync = CpuWeightSync([a, b])
+    sync = FileWeightSync([a, b])
     await sync.push("v1.st", 1)
     b.dead = True
     report = await sync.push("v2.st", 2)  # not an error: b is lost, a confirmed
@@ -64,7 +64,7 @@ async def test_a_live_replica_that_fails_to_load_still_breaks_the_push():
         async def update_weights(self, path: str, version: int) -> None:
             raise OSError("disk full")
 
-    sync = CpuWeightSync([Replica(), Broken()])
+    sync = FileWeightSync([Replica(), Broken()])
     with pytest.raises(RuntimeError, match="replica 1: OSError"):
         await sync.push("v1.st", 1)
     assert sync.version() == 0
@@ -72,7 +72,7 @@ async def test_a_live_replica_that_fails_to_load_still_breaks_the_push():
 
 async def test_supervisor_replaces_the_dead_one_then_stops_past_max_restarts():
     replicas = [Replica(), Replica()]
-    gateway, sync = Gateway(), CpuWeightSync(replicas)
+    gateway, sync = Gateway(), FileWeightSync(replicas)
     await sync.push("v1.st", 1)
     made = []
     sup = ReplicaSupervisor(replicas, spawn=lambda i: made.append(Replica()) or made[-1], weights=sync,
@@ -139,7 +139,7 @@ async def test_one_sync_call_exports_pushes_and_removes_the_superseded_file(tmp_
     `policy-v{v}.safetensors`, every replica loads it, and the previous version's file goes only
     after the new one was confirmed; a replacement admitted later still finds the current file."""
     a, b, trainer = Replica(), Replica(), Exporter()
-    sync = CpuWeightSync([a, b], trainer=trainer, weights_dir=tmp_path / "weights")
+    sync = FileWeightSync([a, b], trainer=trainer, weights_dir=tmp_path / "weights")
     await sync.sync(1)
     v1 = str(tmp_path / "weights" / "policy-v1.safetensors")
     assert a.loads == b.loads == [(v1, 1)] and trainer.paths == [v1]
@@ -155,7 +155,7 @@ async def test_one_sync_call_exports_pushes_and_removes_the_superseded_file(tmp_
 
 async def test_a_failed_push_keeps_both_files_and_the_version(tmp_path):
     a, trainer = Replica(), Exporter()
-    sync = CpuWeightSync([a], trainer=trainer, weights_dir=tmp_path)
+    sync = FileWeightSync([a], trainer=trainer, weights_dir=tmp_path)
     await sync.sync(1)
 
     async def broken(path: str, version: int) -> None:

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from stand_ins import hf_token_logprobs
 from workers.core.algorithms.batch import TrainBatch
 from workers.core.types import TrajectoryRow
-from workers.trainer.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+from workers.weight_sync.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from workers.trainer.settings import LoraSettings
 from workers.trainer.shell import LORA_ADAPTER_DIR
 from workers.trainer.worker import TrainerSettings, TrainerWorker

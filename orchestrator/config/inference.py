@@ -12,6 +12,7 @@ from orchestrator.config.defaults import default_of
 from orchestrator.config.errors import check, one_of
 from orchestrator.config.mode import ModeConfig
 from workers.inference.settings import InferenceSettings
+from workers.weight_sync.lora import versions_served
 
 INFERENCE_ENGINES = ("vllm_cpu", "vllm")  # vllm_cpu: vLLM's CPU build; vllm: vLLM on CUDA GPUs
 INFERENCE_DTYPES = ("float32", "bfloat16")  # also the dtype weight sync sends (workers/weight_sync/plan.py)
@@ -88,8 +89,8 @@ def inference_settings(inf: InferenceConfig, *, mode: ModeConfig, async_: AsyncC
     requests in flight at a weight update; async mode applies `async.in_flight`. Colocated
     engines are built with sleep mode (they sleep while the trainer updates on their GPUs).
     `lora_rank` (`model.lora.rank`, served as an adapter with `lora_sync=adapter`): the engine
-    serves LoRA adapters up to that rank, up to `async.max_staleness + 1` versions at once in
-    async mode (requests keep the version they started on), 1 in sync mode."""
+    serves LoRA adapters up to that rank, as many versions at once as
+    workers/weight_sync/lora.py `versions_served` says (requests keep the version they started on)."""
     return InferenceSettings(
         model_path=model_path, dtype=inf.dtype, max_model_len=inf.max_model_len,
         kv_cache_bytes=None if inf.kv_cache_gib is None else int(inf.kv_cache_gib * 2**30),
@@ -100,4 +101,4 @@ def inference_settings(inf: InferenceConfig, *, mode: ModeConfig, async_: AsyncC
         resume_aborted=async_.resume_aborted, tensor_parallel_size=cluster.inference.tensor_parallel_size,
         enable_sleep_mode=cluster.name == "colocated", initial_policy_version=initial_policy_version,
         lora_rank=lora_rank if inf.lora_sync == "adapter" else 0,
-        max_loras=async_.max_staleness + 1 if mode.name == "async" else 1)
+        max_loras=versions_served(async_mode=mode.name == "async", max_staleness=async_.max_staleness))

@@ -3,7 +3,7 @@
 `ReplicaSupervisor` asks every replica for its policy version each `inference.health_check_s`
 seconds. A replica whose actor died (SIGKILL, OOM, node loss: `workers.core.calls.actor_died`) is
 replaced by a new actor started from the run's initial weights (`spawn(i)`), which then loads the
-current version's weights file through the weight sync (`CpuWeightSync.admit`, under the push
+current version's weights file through the weight sync (`FileWeightSync.admit`, under the push
 lock, so it serves exactly the version the others serve), and only then is handed to the gateway
 (`set_engines`). Meanwhile the gateway retries the dead replica's turns on another replica, or
 holds them until the replacement comes (`inference.replica_wait_s`), or fails them `engine_lost`
@@ -26,20 +26,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from workers.core.calls import PartClient, actor_died
 from workers.gateway.client import GatewayClient
 from workers.inference.client import ReplicaClient
+from workers.weight_sync.protocol import ReplaceableWeightSync
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class ReplicaAdmission(Protocol):
-    """The weight sync as the supervisor sees it (workers/weight_sync/file.py `CpuWeightSync.admit`)."""
-
-    async def admit(self, index: int, replica: Any, *, loaded_version: int) -> None: ...
 
 
 class ReplicasExhausted(RuntimeError):
@@ -50,12 +45,12 @@ class ReplicaSupervisor:
     """Replaces dead inference replicas (see the module docstring).
 
     replicas: the run's replica handles (replaced in place); spawn(i): a new, not yet started
-    replica for slot i, loaded with the weights of `loaded_version`; weights: the CpuWeightSync
-    (`admit`); gateway: the GatewayServer (`set_engines`); max_restarts: replacements allowed
+    replica for slot i, loaded with the weights of `loaded_version`; weights: the run's weight sync, one that
+    admits replacements (workers/weight_sync/protocol.py `ReplaceableWeightSync`: the file backends); gateway: the GatewayServer (`set_engines`); max_restarts: replacements allowed
     over the run; check_every_s: seconds between health checks.
     """
 
-    def __init__(self, replicas: list[Any], *, spawn: Callable[[int], Any], weights: ReplicaAdmission, gateway: Any,
+    def __init__(self, replicas: list[Any], *, spawn: Callable[[int], Any], weights: ReplaceableWeightSync, gateway: Any,
                  loaded_version: int, max_restarts: int, check_every_s: float) -> None:
         if max_restarts < 0 or check_every_s <= 0:
             raise ValueError(f"need max_restarts >= 0 and check_every_s > 0, got {max_restarts}, {check_every_s}")

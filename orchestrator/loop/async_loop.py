@@ -31,12 +31,13 @@ from dataclasses import dataclass, field
 from orchestrator.loop.batching import Group, assemble, train_order
 from orchestrator.loop.common import (LoopParts, LoopPosition, LoopReport, close_sample, close_trained, close_untrained,
                                        dispatch_group, end_step, finish, ledger_key, report_groups, step_metrics,
-                                       sync_weights)
+                                       start_position, sync_weights)
 from orchestrator.loop.staleness import AdmissionState
 from orchestrator.loop.staleness import Admission, SampleStaleness, StalenessPolicy, judge_samples, staleness_metrics
 from orchestrator.loop.staleness_gate import AdmissionGate
 from orchestrator.loop.validation import ValidationLane
 from workers.core.types import RolloutRequest, SampleInfo
+from workers.weight_sync.protocol import WeightSync
 
 PARTITION = "async"  # one buffer partition; groups are cleared one by one once consumed
 GROUP_WAIT_S = 0.5  # the consumer re-checks the producer's health at least this often (seconds)
@@ -56,12 +57,14 @@ class AsyncLoopSettings:
     max_running_groups: int | None = None  # groups in flight at once (staleness.fixed_max_running; None: no cap)
 
 
-@dataclass
-class _Version:
-    value: int = 0
+@dataclass(frozen=True)
+class _SyncVersion:
+    """The admission controller's version source: the weight sync's version, read each time."""
+
+    weights: WeightSync
 
     def current(self) -> int:
-        return self.value
+        return self.weights.version()
 
 
 class _Stopped(Exception):
@@ -100,8 +103,8 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
     checkpoint: the staleness counters are re-seeded from the restored version, and the pending
     rows of `start` are dispatched first by the prompt source); returns ledger counts and the
     final policy version."""
-    start = start or LoopPosition(0, 0, 0, 0)
-    version = _Version(start.policy_version)
+    start = start_position(parts, start)
+    version = _SyncVersion(parts.weights)
     controller = Admission(version, max_staleness=cfg.max_staleness, groups_per_update=cfg.groups_per_update,
                            updates_per_version=cfg.sync_every, max_running=cfg.max_running_groups,
                            total_groups=cfg.total_steps * cfg.sync_every * cfg.groups_per_update)
@@ -116,7 +119,7 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
     producer = asyncio.create_task(_produce(parts, cfg, gate, ready, running, stop, inflight), name="producer")
     lane = ValidationLane(parts.validator, cfg.total_steps) if parts.validator is not None else None
     if lane is not None:
-        lane.on_version(version.value, start.step)
+        lane.on_version(version.current(), start.step)
     finished = False  # an error or an interrupt cancels in-flight groups at once instead of waiting
     stopped, last_step = None, start.step
     try:
@@ -126,7 +129,7 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
             update_metrics: list[dict[str, float]] = []
             t_update = 0.0
             for _ in range(cfg.sync_every):
-                groups = await _collect(parts, cfg, policy, controller, gate, ready, producer, version.value, st,
+                groups = await _collect(parts, cfg, policy, controller, gate, ready, producer, version.current(), st,
                                         inflight)
                 t0 = parts.clock()
                 masked = {s.session_id for g in groups for s in g.samples if ledger_key(s) in st.masked}
@@ -139,20 +142,20 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
                     controller.on_finished(kept=True)
                 controller.on_trained(len(groups))
             t0 = parts.clock()
-            version.value = await sync_weights(parts, version.value)
+            await sync_weights(parts)
             gate.notify()
             t_sync = parts.clock() - t0
             if lane is not None:
-                lane.on_version(version.value, step)
+                lane.on_version(version.current(), step)
             metrics = step_metrics(parts, samples=st.samples, updates=update_metrics, t_gen=st.wait_s,
                                    t_update=t_update, t_sync=t_sync, step_s=parts.clock() - t_step,
-                                   version=version.value, trained=st.trained)
+                                   version=version.current(), trained=st.trained)
             metrics.update({"timing_s/wait_for_batch": st.wait_s,  # async: the wait for generation
                             **staleness_metrics(st.facts), "async/masked_stale": float(len(st.masked))})
             if lane is not None:
                 metrics.update(lane.take())
             # pending rows and prompt cursor are read with no await between (end_step calls this then)
-            await end_step(parts, step, metrics, lambda: LoopPosition(step, version.value, inflight.next_group,
+            await end_step(parts, step, metrics, lambda: LoopPosition(step, version.current(), inflight.next_group,
                                                                       controller.counts().trained,
                                                                       tuple(inflight.rows.values())))
             last_step = step
@@ -166,10 +169,10 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
         gate.notify()
         await _drain(parts, producer, running, ready, cfg.drain_timeout_s if finished else 0.0)
     if stopped is not None:
-        return finish(parts, last_step, version.value, stopped=stopped)
+        return finish(parts, last_step, version.current(), stopped=stopped)
     if lane is not None and (last := await lane.finish()):
         parts.logger.log(cfg.total_steps, last)  # the validation of the final weights
-    return finish(parts, cfg.total_steps, version.value)
+    return finish(parts, cfg.total_steps, version.current())
 
 
 async def _produce(parts: LoopParts, cfg: AsyncLoopSettings, gate: AdmissionGate, ready: asyncio.Queue,

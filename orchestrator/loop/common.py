@@ -20,6 +20,7 @@ from typing import Any, Awaitable, Callable, Iterable, Protocol
 from orchestrator.loop.batching import Group, GroupBatch, RolloutLedger, agent_metric_means, reward_stats
 from orchestrator.watch.alarms import HealthAlarms
 from workers.core.types import RolloutRequest, SampleInfo, TrainOrder
+from workers.weight_sync.protocol import WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +64,6 @@ class SampleStore(Protocol):
 
 class Trainer(Protocol):
     async def update(self, order: TrainOrder) -> dict[str, float]: ...  # the ranks read the order's rows
-
-
-class WeightSync(Protocol):
-    async def sync(self, version: int) -> object: ...  # export and push, any backend
 
 
 class StepLogger(Protocol):
@@ -158,11 +155,21 @@ def close_trained(ledger: RolloutLedger, groups: Iterable[Group], masked: set[st
             close_sample(ledger, s, "expired" if ledger_key(s) in masked else "completed")
 
 
-async def sync_weights(parts: LoopParts, version: int) -> int:
-    """Sync the trainer's weights to the engines as `version + 1` (one call: the backend exports and
-    pushes); return the new version."""
-    await parts.weights.sync(version + 1)
-    return version + 1
+async def sync_weights(parts: LoopParts) -> int:
+    """Sync the trainer's weights to the engines as the next version (one call: the backend exports
+    and pushes); return the version the weight sync now serves, the one source of the policy version."""
+    await parts.weights.sync(parts.weights.version() + 1)
+    return parts.weights.version()
+
+
+def start_position(parts: LoopParts, start: LoopPosition | None) -> LoopPosition:
+    """Where a loop starts: `start` (a resumed run), else the beginning. Raises RuntimeError when the
+    weight sync does not serve the position's policy version (the loops read the version from it)."""
+    start = start or LoopPosition(0, parts.weights.version(), 0, 0)
+    if start.policy_version != parts.weights.version():
+        raise RuntimeError(f"the loop starts at policy version {start.policy_version} but the weight sync serves "
+                           f"version {parts.weights.version()}: build the weight sync with the checkpoint's version")
+    return start
 
 
 STEP_SUMS = ("actor/num_tokens", "perf/total_num_tokens",  # counts: a step's is the sum over its mini-batches

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from orchestrator.loop.batching import assemble, split_groups, train_order
 from orchestrator.loop.common import (LoopParts, LoopPosition, LoopReport, close_trained, close_untrained, dispatch_group,
                                        end_step, finish, ledger_key, report_groups, step_metrics,
-                                       sync_weights)
+                                       start_position, sync_weights)
 from workers.core.types import RolloutRequest
 
 
@@ -35,8 +35,8 @@ class SyncLoopSettings:
 async def run_sync(parts: LoopParts, cfg: SyncLoopSettings, *, start: LoopPosition | None = None) -> LoopReport:
     """Run sync steps up to `cfg.total_steps` (from `start.step + 1` when resuming from a checkpoint).
     Returns the ledger counts and the final policy version."""
-    start = start or LoopPosition(0, 0, 0, 0)
-    version, next_group, trained_groups = start.policy_version, start.next_group_id, start.trained_groups
+    start = start_position(parts, start)
+    version, next_group, trained_groups = parts.weights.version(), start.next_group_id, start.trained_groups
     if parts.validator is not None and start.step == 0 and parts.validator.due(0, cfg.total_steps):
         parts.logger.log(0, await parts.validator.run(version))
     for step in range(start.step + 1, cfg.total_steps + 1):
@@ -71,7 +71,7 @@ async def run_sync(parts: LoopParts, cfg: SyncLoopSettings, *, start: LoopPositi
 
         t0 = parts.clock()
         if updates:  # a step with nothing to train (all filtered) has no new weights: the version stays
-            version = await sync_weights(parts, version)
+            version = await sync_weights(parts)
         t_sync = parts.clock() - t0
         await parts.store.clear(partition)
         trained_groups += cfg.batch_size  # every group of the step is consumed (trained, filtered or failed)

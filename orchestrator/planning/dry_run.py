@@ -189,11 +189,13 @@ def _lora_note(cfg: RunConfig, shape: ModelShape) -> str:
 
 def _engine_lora_params(cfg: RunConfig, shape: ModelShape | None) -> int:
     """Parameters of the adapter slots a replica allocates with the LoRA adapter sync: `max_loras`
-    (async: `async.max_staleness` + 1) adapters at vLLM's `max_lora_rank`; 0 otherwise."""
+    (workers/weight_sync/lora.py `versions_served`) adapters at vLLM's `max_lora_rank`; 0 otherwise."""
     lora = cfg.model.lora
     if shape is None or not lora.enabled or cfg.inference.lora_sync != "adapter":
         return 0
-    slots = cfg.async_.max_staleness + 1 if cfg.mode.name == "async" else 1
+    from workers.weight_sync.lora import versions_served
+
+    slots = versions_served(async_mode=cfg.mode.name == "async", max_staleness=cfg.async_.max_staleness)
     return slots * shape.lora_params(lora.max_lora_rank())
 
 

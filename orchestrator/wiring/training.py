@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from workers.buffer.store import TrajectoryBuffer
     from workers.rollout.pool import RolloutPool
     from workers.rollout.settings import RolloutSettings
-    from workers.weight_sync.file import WeightSync
+    from workers.weight_sync.protocol import WeightSync
 
 Probe = Callable[[], Awaitable[dict[str, float]]]
 
@@ -98,6 +98,7 @@ async def _start_actors(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack
     from workers.buffer.store import TrajectoryBuffer
     from orchestrator.wiring.placement_groups import place
     from workers.trainer.group import start_trainer_ranks
+    from workers.weight_sync.lora import directories_kept
     from workers.weight_sync.setup import close_weight_sync, open_weight_sync
 
     ckpt, model_path = rt.checkpoint, rt.model_path
@@ -136,7 +137,9 @@ async def _start_actors(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack
     weights = await open_weight_sync(cfg.trainer.weight_sync.backend, trainer, replicas,  # file, or a broadcast group
                                      ranks_per_replica=cfg.cluster.inference.tensor_parallel_size,
                                      initial_version=version, weights_dir=rt.run_dir / "weights",
-                                     lora_adapter=adapter_sync, keep_adapters=cfg.async_.max_staleness + 2)
+                                     lora_adapter=adapter_sync,
+                                     keep_adapters=directories_kept(async_mode=cfg.mode.name == "async",
+                                                                    max_staleness=cfg.async_.max_staleness))
     close_quietly(closing, close_weight_sync, weights, trainer)  # the sender's /dev/shm slots, process groups
     await _restore_policy(cfg, rt, weights, version)
     await GatewayClient(gateway).set_engines(replicas)  # no turn reaches the gateway before the loop starts
@@ -188,7 +191,7 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
         store=BufferStore(a.buffer, cfg.rollout.n, driver_bytes),
         trainer=_colocated(cfg, trainer_client, a.replicas), weights=weights, logger=logger,
         probe=_probes(_with_gate(GatewayProbe(a.gateway, a.replicas), concurrency), *(w.metrics for w in watchers),
-                      *([weights.metrics] if hasattr(weights, "metrics") else []),
+                      weights.metrics,
                       lambda: _pool_recovery_metrics(a.pool), directory.refresh, cpu, ResourceProbe(a.buffer),
                       SlotProbe(a.pool.slot_stats), driver_bytes),
         checkpoint=RunCheckpointer(run_dir, a.trainer, prompts, save_freq=cfg.trainer.save_freq,
@@ -231,7 +234,7 @@ def _probed(cfg: RunConfig, rt: Runtime, a: _Actors) -> WeightSync:
         return a.weights
     atol = ws.probe_atol if ws.probe_atol is not None else (1e-3 if cfg.inference.dtype == "float32" else 5e-2)
     vocab = int(AutoConfig.from_pretrained(rt.model_path).vocab_size)
-    return ProbedWeightSync(a.weights, a.trainer, a.replicas, probe_tokens(vocab), atol=atol)  # type: ignore[return-value]
+    return ProbedWeightSync(a.weights, a.trainer, a.replicas, probe_tokens(vocab), atol=atol)
 
 
 def _checkpoint_adapter(cfg: RunConfig, rt: Runtime) -> str | None:
@@ -254,21 +257,25 @@ async def _restore_policy(cfg: RunConfig, rt: Runtime, weights: WeightSync, vers
         return
     if adapter is None:
         raise RuntimeError(f"checkpoint {rt.model_path} has no LoRA adapter to resume model.lora from")
-    if not hasattr(weights, "open_adapter"):
+    from workers.weight_sync.adapter import AdapterWeightSync
+
+    if not isinstance(weights, AdapterWeightSync):
         raise RuntimeError("resuming model.lora with inference.lora_sync=merged is not supported (the engines would "
                            "start on the base weights); resume with inference.lora_sync=adapter")
-    await weights.open_adapter(adapter)  # type: ignore[attr-defined]
+    await weights.open_adapter(adapter)
 
 
 def _supervisor(cfg: RunConfig, a: _Actors, version: int) -> ReplicaSupervisor | None:
     """The replica supervisor (orchestrator/control/supervise.py), on the file weight sync only: a
     broadcast group cannot take a new member, so there a dead replica fails the next push and stops the run."""
     from orchestrator.control.supervise import ReplicaSupervisor
-    from workers.weight_sync.file import CpuWeightSync
+    from workers.weight_sync.protocol import ReplaceableWeightSync
 
     if not cfg.replica_replaceable:
         return None
-    assert isinstance(a.weights, CpuWeightSync), type(a.weights)
+    if not isinstance(a.weights, ReplaceableWeightSync):
+        raise RuntimeError(f"replica supervision needs a weight sync that admits replacements (the file backends), "
+                           f"got {type(a.weights).__name__}")
     return ReplicaSupervisor(a.replicas, spawn=a.spawn_replica, weights=a.weights, gateway=a.gateway,
                              loaded_version=version, max_restarts=cfg.replica_restarts,
                              check_every_s=cfg.inference.health_check_s)

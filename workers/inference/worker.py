@@ -235,7 +235,7 @@ class InferenceWorker(WeightSwap):
         `initial`: the version may equal the current one (a resumed run's adapter at start).
         Raises RuntimeError without LoRA or when vLLM refuses the adapter, ValueError if `version`
         does not increase, FileNotFoundError when `path` holds no PEFT adapter."""
-        from workers.trainer.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+        from workers.weight_sync.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 
         engine = self._require_engine()
         if self._adapters is None:

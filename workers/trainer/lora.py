@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from workers.weight_sync.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+
 if TYPE_CHECKING:
     from workers.trainer.settings import LoraSettings
 
 ADAPTER_NAME = "default"  # PEFT's adapter name inside the model; left out of saved names
 PEFT_PREFIX = "base_model.model."
-ADAPTER_CONFIG_FILE = "adapter_config.json"  # PEFT's file names (peft.utils.constants)
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 def peft_config(lora: LoraSettings, base_model_path: str = ""):

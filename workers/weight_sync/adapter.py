@@ -1,7 +1,7 @@
 """The LoRA adapter sync (`model.lora` with `inference.lora_sync=adapter`): each `sync(v)` sends
 only the adapter, as a PEFT directory, and every replica serves it as a vLLM LoRA adapter.
 
-`AdapterWeightSync` is the file backend (`CpuWeightSync`, workers/weight_sync/file.py) with two
+`AdapterWeightSync` is the file backend (`FileWeightSync`, workers/weight_sync/file.py) with two
 changes: the trainer writes `adapter-v{v}/` (adapter_config.json + adapter_model.safetensors,
 `TrainerWorker.export_adapter`) instead of a full safetensors file, and replicas load it with
 `InferenceWorker.load_adapter(path, v)`, which pins every request to the adapter of the version
@@ -23,17 +23,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from workers.weight_sync.file import CpuWeightSync, WeightSyncReport
+from workers.weight_sync.file import FileWeightSync
 from workers.weight_sync.parts import WeightReceiverClient, WeightSenderClient
+from workers.weight_sync.protocol import WeightSyncReport
 
 
-class AdapterWeightSync(CpuWeightSync):
+class AdapterWeightSync(FileWeightSync):
     """Adapter-only pushes to replicas with LoRA; see the module docstring."""
 
     def __init__(self, replicas: Sequence[Any], *, initial_version: int = 0, trainer: Any = None,
                  weights_dir: Path | None = None, keep: int = 2) -> None:
-        """keep: adapter directories kept on disk (>= 1; `max_loras` + 1 keeps every version a
-        request may still use)."""
+        """keep: adapter directories kept on disk (>= 1; workers/weight_sync/lora.py
+        `directories_kept` keeps every version a request may still use)."""
         super().__init__(replicas, initial_version=initial_version, trainer=trainer, weights_dir=weights_dir)
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from workers.weight_sync.parts import WeightReceiverClient, WeightSenderClient
-from workers.weight_sync.file import WeightSyncReport
+from workers.weight_sync.protocol import WeightSyncReport
 from workers.weight_sync.plan import MIB, BucketPlan, TensorSpec, dtype_from_name, flatten_into, plan_buckets, unflatten
 from workers.weight_sync.rendezvous import host_store
 from workers.weight_sync.transport import BucketTransport, TransportBackend, WeightGroupInfo
@@ -201,6 +201,15 @@ class BroadcastWeightSync:
 
     def version(self) -> int:
         return self._version
+
+    def lost(self) -> frozenset[int]:
+        """Always empty: a broadcast group cannot go on without a member, so a dead replica fails
+        the next push (which raises) instead of being marked lost."""
+        return frozenset()
+
+    async def metrics(self) -> dict[str, float]:
+        """None of its own (the trainer reports the bytes it sent)."""
+        return {}
 
     async def connect(self) -> None:
         """Form the group: trainer ranks and receivers join concurrently (rendezvous)."""

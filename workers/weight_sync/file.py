@@ -1,6 +1,6 @@
-"""Trainer -> inference weight transfer, versioned. The CPU path goes through a safetensors file.
+"""The file backend of the weight sync: the trainer writes a safetensors file, every replica reloads it.
 
-Protocol (any `WeightSync` implementation follows it, so the loop does not care which one runs):
+Protocol (workers/weight_sync/protocol.py `WeightSync`: any backend, so the loop does not care which one runs):
 the loop calls `sync.sync(v)` once; the backend owns export and push:
   1. The trainer materializes the full weights for version v (file: `TrainerWorker.export_weights(
      path)` writes one safetensors file of the fp32 HF state dict under `weights_dir`; broadcast:
@@ -19,7 +19,7 @@ and the sync's version stays where it was: the replicas may then disagree, and t
 treat the run as broken (or push a newer version again), never continue silently.
 
 A replica that DIED (its Ray actor is gone: `workers.core.calls.actor_died`) is not a failed
-load: `CpuWeightSync` marks it lost, leaves it out of later pushes and confirms the version with
+load: `FileWeightSync` marks it lost, leaves it out of later pushes and confirms the version with
 the live ones (possibly none). `admit(i, replica)` puts a replacement in its place under the same
 lock as `push`: the newcomer first loads the current version's file, so it never serves older
 weights than the others and no push can slip between its load and its entry (the driver's
@@ -44,29 +44,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from workers.core.calls import actor_died
 from workers.weight_sync.parts import WeightReceiverClient, WeightSenderClient
-
-
-@dataclass(frozen=True)
-class WeightSyncReport:
-    """One completed push: the version now served by all replicas and how long it took."""
-
-    version: int
-    num_replicas: int
-    elapsed_s: float
-
-
-class WeightSync(Protocol):
-    """What the training loop needs to publish new weights: one call per version, any backend."""
-
-    def version(self) -> int: ...
-
-    async def sync(self, version: int) -> WeightSyncReport: ...
+from workers.weight_sync.protocol import WeightSyncReport
 
 
 class WeightExporter(Protocol):
@@ -81,7 +64,7 @@ class WeightReceiver(Protocol):
     async def update_weights(self, path: str, version: int) -> None: ...
 
 
-class CpuWeightSync:
+class FileWeightSync:
     """Pushes a safetensors file written by the trainer to every replica; see the module docstring.
     `_load` loads a pushed source into one replica (`update_weights(path, version)`; the LoRA
     adapter sync, workers/weight_sync/adapter.py, pushes directories to `load_adapter`)."""
@@ -92,7 +75,7 @@ class CpuWeightSync:
         trainer (a `WeightExporter` or its actor handle) and weights_dir: where `sync` exports
         `policy-v{version}.safetensors` (both needed by `sync`, not by `push`)."""
         if not replicas:
-            raise ValueError("CpuWeightSync needs at least one inference replica")
+            raise ValueError("FileWeightSync needs at least one inference replica")
         if initial_version < 0:
             raise ValueError(f"initial_version must be >= 0, got {initial_version}")
         self._replicas = list(replicas)
@@ -109,6 +92,10 @@ class CpuWeightSync:
     def lost(self) -> frozenset[int]:
         """Indices of replicas found dead and not replaced yet."""
         return frozenset(self._lost)
+
+    async def metrics(self) -> dict[str, float]:
+        """None of its own: the file backend's figures are the trainer's and the replicas'."""
+        return {}
 
     def _guard(self) -> asyncio.Lock:
         if self._lock is None:

@@ -8,10 +8,11 @@ policy (verl #7495, SkyRL #2064, miles #2075 failed silently this way).
 (both plain log-softmax at temperature 1) and raises `WeightSyncProbeError` naming the version
 when max |Δ| > `atol`. The last difference is the metric `weight_sync/probe_max_abs_diff`.
 
-Invariant: the wrapper changes nothing else: version, report and errors of the inner sync pass
-through (its methods are delegated one by one: `version`, `sync`, `lost`; the inner sync stays
-reachable as `inner` for the rest); the probe runs after the inner sync confirmed, so a failed push never reaches it. A
-replica whose actor died meanwhile is left out (the replica supervisor replaces it).
+Invariant: the wrapper changes nothing else: version, report, lost replicas and errors of the
+inner sync pass through (it is a `WeightSync` over a `WeightSync`: `version`, `sync`, `lost`,
+`metrics`, the inner's metrics with the probe's); the probe runs after the inner sync confirmed,
+so a failed push never reaches it. A replica whose actor died meanwhile is left out (the replica
+supervisor replaces it, through the inner sync's `admit`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from workers.core.calls import actor_died
 from workers.weight_sync.parts import WeightReceiverClient, WeightSenderClient
+from workers.weight_sync.protocol import WeightSync, WeightSyncReport
 
 PROBE_LENGTH = 16
 METRIC = "weight_sync/probe_max_abs_diff"
@@ -41,25 +43,25 @@ def probe_tokens(vocab_size: int, length: int = PROBE_LENGTH) -> list[int]:
 
 
 class ProbedWeightSync:
-    """`inner` (a WeightSync) with the proof of arrival after every sync; see the module docstring.
+    """`inner` with the proof of arrival after every sync; see the module docstring.
     replicas: the engines to probe (`lost()` of the inner sync leaves dead ones out);
     trainer: `probe_logprobs(tokens)` (a TrainerWorker, TrainerGroup or actor handle)."""
 
-    def __init__(self, inner: Any, trainer: Any, replicas: Sequence[Any], tokens: Sequence[int], *,
+    def __init__(self, inner: WeightSync, trainer: Any, replicas: Sequence[Any], tokens: Sequence[int], *,
                  atol: float = 1e-3) -> None:
         if atol <= 0:
             raise ValueError(f"probe atol must be > 0, got {atol}")
-        self.inner, self._trainer, self._replicas = inner, trainer, replicas
+        self._inner, self._trainer, self._replicas = inner, trainer, replicas
         self._tokens, self._atol = list(tokens), atol
         self.last_diff = math.nan
 
     def version(self) -> int:
-        return self.inner.version()
+        return self._inner.version()
 
-    async def sync(self, version: int) -> Any:
+    async def sync(self, version: int) -> WeightSyncReport:
         """The inner sync, then the probe. Raises WeightSyncProbeError naming `version` and the
         replica when an engine's max |Δ| exceeds atol."""
-        report = await self.inner.sync(version)
+        report = await self._inner.sync(version)
         await self.check(version)
         return report
 
@@ -85,9 +87,11 @@ class ProbedWeightSync:
         return self.last_diff
 
     async def metrics(self) -> dict[str, float]:
-        """`weight_sync/probe_max_abs_diff` of the last sync (absent before the first)."""
-        return {} if math.isnan(self.last_diff) else {METRIC: self.last_diff}
+        """The inner sync's metrics and `weight_sync/probe_max_abs_diff` of the last sync (absent
+        before the first)."""
+        own = {} if math.isnan(self.last_diff) else {METRIC: self.last_diff}
+        return {**await self._inner.metrics(), **own}
 
     def lost(self) -> frozenset[int]:
-        """Indices of replicas the inner sync found dead (none when it does not track them)."""
-        return self.inner.lost() if hasattr(self.inner, "lost") else frozenset()
+        """Indices of replicas the inner sync found dead."""
+        return self._inner.lost()

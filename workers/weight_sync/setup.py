@@ -2,15 +2,16 @@
 
 - LoRA with `inference.lora_sync=adapter`: `AdapterWeightSync` (workers/weight_sync/adapter.py),
   the file backend sending the adapter alone as a PEFT directory.
-- "file": `CpuWeightSync` (workers/weight_sync/file.py). `sync(v)` has the trainer write a
+- "file": `FileWeightSync` (workers/weight_sync/file.py). `sync(v)` has the trainer write a
   safetensors file for version v under `weights_dir`, every replica reloads it.
 - "shm" | "cuda_ipc" | "gloo" | "nccl": `BroadcastWeightSync` (workers/weight_sync/broadcast.py).
   The trainer writes no file; `sync(v)` makes the trainer's rank 0 broadcast its weights in buckets while every replica receives them
   (`InferenceWorker.receive_weights`, pausing generation only for the swap), and bumps the version
   only after the trainer and every replica confirmed.
 
-Both satisfy the loop's `WeightSync` protocol (`sync(version)`: export and push in one call), so
-the loops do not change with the backend. Invariant: the broadcast group is formed here (`open_weight_sync`), before
+All satisfy workers/weight_sync/protocol.py `WeightSync` (`sync(version)`: export and push in one
+call; `version`, `lost`, `metrics`), so the loops do not change with the backend; the file backends
+are also a `ReplaceableWeightSync` (`admit`). Invariant: the broadcast group is formed here (`open_weight_sync`), before
 the first push, at a TCPStore served by the trainer's rank-0 process on a port the OS bound for it
 and kept bound (workers/weight_sync/rendezvous.py: no close-and-reuse race);
 `close_weight_sync` releases the sender's side (its shared-memory slots: files under /dev/shm).
@@ -24,17 +25,25 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from workers.core import bounds
 from workers.core.calls import PartClient, is_actor_method, within
-from workers.weight_sync.file import CpuWeightSync, WeightSync
+from workers.weight_sync.file import FileWeightSync
 from workers.weight_sync.parts import WeightSenderClient
+from workers.weight_sync.protocol import WeightSync
 from workers.weight_sync.rendezvous import StoreAddress, host_store_in
 
 FILE_BACKEND = "file"
 BROADCAST_BACKENDS = ("shm", "cuda_ipc", "gloo", "nccl")
 CLOSE_TIMEOUT_S = 30.0
+
+
+@runtime_checkable
+class LeadRunner(Protocol):
+    """A trainer of several ranks (workers/trainer/group.py `TrainerGroup`): runs a function inside rank 0."""
+
+    async def run_on_lead(self, fn: Callable[..., Any], *args: Any) -> Any: ...
 
 
 async def open_weight_sync(backend: str, trainer: Any, replicas: Sequence[Any], *, ranks_per_replica: int = 1,
@@ -61,7 +70,7 @@ async def open_weight_sync(backend: str, trainer: Any, replicas: Sequence[Any], 
         return AdapterWeightSync(replicas, initial_version=initial_version, trainer=trainer, weights_dir=weights_dir,
                                  keep=keep_adapters)
     if backend == FILE_BACKEND:
-        return CpuWeightSync(replicas, initial_version=initial_version, trainer=trainer, weights_dir=weights_dir)
+        return FileWeightSync(replicas, initial_version=initial_version, trainer=trainer, weights_dir=weights_dir)
     if backend not in BROADCAST_BACKENDS:
         raise ValueError(f"weight sync backend must be {FILE_BACKEND} or one of {BROADCAST_BACKENDS}, got {backend!r}")
     from workers.weight_sync.broadcast import BroadcastWeightSync, new_group_info
@@ -78,7 +87,7 @@ async def open_weight_sync(backend: str, trainer: Any, replicas: Sequence[Any], 
 async def close_weight_sync(sync: WeightSync, trainer: Any) -> None:
     """Release the broadcast group's sender side (`trainer.close()`: its slots and process groups;
     call at the end of the run). No-op for the file backend."""
-    if isinstance(sync, CpuWeightSync):
+    if isinstance(sync, FileWeightSync):
         return
     await asyncio.wait_for(WeightSenderClient(trainer).close(), CLOSE_TIMEOUT_S)
 
@@ -88,7 +97,7 @@ async def _host_in_sender(trainer: Any) -> StoreAddress:
     the OS picked there (`host_store_in`, run in rank 0 by a TrainerGroup's `run_on_lead`, or
     through Ray's `__ray_call__` for an actor); in this process for a plain object."""
     bound = dict(part=PartClient(trainer).name, call="host_store_in")  # collective setup: bounds.WEIGHT_SYNC_S
-    if hasattr(trainer, "run_on_lead"):  # a TrainerGroup
+    if isinstance(trainer, LeadRunner):  # a TrainerGroup
         return await within(bounds.WEIGHT_SYNC_S, trainer.run_on_lead(host_store_in), **bound)
     if is_actor_method(getattr(trainer, "__ray_call__", None)):
         return await within(bounds.WEIGHT_SYNC_S, trainer.__ray_call__.remote(host_store_in), **bound)

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from workers.core.types import EngineLoad, TrainOrder
+from workers.weight_sync.protocol import WeightSyncReport
 from orchestrator.planning.sim.agent import SimAgents
 from orchestrator.planning.sim.clock import VirtualLoop
 from orchestrator.planning.sim.engine import SimReplica
@@ -91,16 +92,30 @@ class SimWeightSync:
     """The loops' WeightSync: the trainer's weights become `version`, transfer time, then every
     replica loads the version."""
 
-    def __init__(self, replicas: list[SimReplica], trainer: SimTrainer, *, transfer_s: float, reload_s: float) -> None:
+    def __init__(self, replicas: list[SimReplica], trainer: SimTrainer, *, transfer_s: float, reload_s: float,
+                 initial_version: int = 0) -> None:
         self._replicas, self._trainer, self.transfer_s, self.reload_s = replicas, trainer, transfer_s, reload_s
+        self._version = initial_version
         self.pushes = 0
 
-    async def sync(self, version: int) -> None:
+    def version(self) -> int:
+        return self._version
+
+    async def sync(self, version: int) -> WeightSyncReport:
+        t0 = asyncio.get_running_loop().time()
         self._trainer.version = version
         await asyncio.sleep(self.transfer_s)
         for r in self._replicas:
             r.load_weights(version, self.reload_s)
         self.pushes += 1
+        self._version = version
+        return WeightSyncReport(version, len(self._replicas), asyncio.get_running_loop().time() - t0)
+
+    def lost(self) -> frozenset[int]:
+        return frozenset()  # simulated replicas do not die
+
+    async def metrics(self) -> dict[str, float]:
+        return {}
 
 
 class SimProbe:
