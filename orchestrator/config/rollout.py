@@ -70,7 +70,7 @@ class AcrConfig:
     region: Optional[str] = "us-west-2"
     num_agents: int = 2
     session_rate_per_s: float = 25.0
-    agent_cmd: str | None = None
+    agent_cmd: str | None = None  # null: the built-in letters agent, run with this Python
     agent_env: dict[str, str] = field(default_factory=dict)  # extra env vars of the agent processes
     limits: AcrLimitsSchema = field(default_factory=lambda: AcrLimitsSchema())
     retry_mode: str = default_of(AcrClientConfig, "retry_mode")  # botocore retry mode for throttling / 5xx

@@ -61,8 +61,8 @@ class VerlEngineConfig:
     strategy: str = "fsdp"
     use_remove_padding: bool = False
     attn_implementation: str = "sdpa"
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1  # megatron only
+    pipeline_model_parallel_size: int = 1  # megatron only
 
     def __post_init__(self) -> None:
         one_of(self.strategy, "trainer.verl.strategy", get_args(VerlStrategy))
