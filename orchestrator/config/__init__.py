@@ -21,6 +21,7 @@ Modules (one per config group, then what they share):
   defaults.py      `default_of`: a field's default read from the worker settings that own it
   errors.py        ConfigError and the checks every group uses
   hydra_errors.py  Hydra's own composition failures as `config error:` lines naming the key
+  reference.py     the flat reference of every key, default and help (docs/config_reference.md)
 """
 
 from orchestrator.config.algorithm import AlgorithmConfig, RejectionRuleConfig, RolloutCorrectionConfig
