@@ -15,4 +15,5 @@ Modules and packages:
   netaddr.py      addresses agents call back on; reachability warnings
   passk.py        evaluation statistics: pass@k, mean with standard error, percentiles
   seeds.py        sampling seeds as a pure function of what a rollout is
+  bounds.py       how long a driver's control call to a part may wait (PartTimeout past it)
 """

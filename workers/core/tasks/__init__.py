@@ -9,6 +9,7 @@ Modules:
   gsm8k.py          grade-school math word problems from a JSONL file
   swe_mini.py       small generated Python repositories, each with one bug and a failing test
   custom.py         your own dataset's rows, passed to your agent unchanged
+  addition.py       add two one-digit numbers, answered in plain text (the real model's task)
   dataset_files.py  the one loader of JSONL, Parquet and save_to_disk rows
 """
 
