@@ -22,3 +22,29 @@ def test_a_test_using_the_stack_fixture_is_integration_whatever_its_module():
     assert module_kind("test_sandbox.py", ["tmp_path", "local_stack", "stack"]) == "integration"
     assert module_kind("test_sandbox.py", ["tmp_path"]) == "unit"
     assert module_kind("test_e2e.py", ["local_stack"]) == "e2e"
+
+
+def test_a_unit_test_that_leaves_a_process_running_fails_naming_the_rule(tmp_path):
+    """The guard behind `make test-fast`: a test with no integration fixture whose body leaves a
+    child process running (as an engine or the ACR stack would) fails instead of passing as unit."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "test_leaky.py").write_text(
+        "import subprocess, pytest\n"
+        "@pytest.fixture\n"
+        "def server():\n"
+        "    p = subprocess.Popen(['sleep', '30'])\n"
+        "    yield p\n"
+        "    p.kill(); p.wait()\n"
+        "def test_leaves_a_server_running(server):\n"
+        "    assert server.poll() is None\n"
+        "def test_runs_a_command_to_its_end():\n"
+        "    subprocess.run(['true'], check=True)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+                           "-p", "no:xdist", str(tmp_path / "test_leaky.py")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert "1 failed, 1 passed" in proc.stdout, proc.stdout[-2000:]
+    assert "is marked unit but started child processes" in proc.stdout
