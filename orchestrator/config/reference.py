@@ -4,10 +4,12 @@ generated config reference does.
 `python -m orchestrator.config.reference > docs/config_reference.md` writes it. Each key of each
 group's schema (nested dataclasses flattened to dotted keys: `rollout.acr.limits.requests_per_s`)
 with its type, its default (the schema's: a value a worker's settings own comes through
-`default_of`, so the page cannot disagree with the code) and its help. The help of a field is
-the comment on its line in the dataclass that declares it, else the comment block above it
-within its run of consecutive fields (one comment may describe several), else the line of the
-class docstring that names it as `` `field` `` or `field:`; "" when none does.
+`default_of`, so the page cannot disagree with the code) and its help, the first of: the comment
+on its line in the dataclass that declares it; the comment block right above it; what the class
+docstring says from its label (`field:`) to the next field's; a comment block above an earlier
+field of the same run that names it; the docstring's first sentence naming it as `` `field` ``;
+that earlier block even if it does not name it; the same, in order, in the worker settings its
+default comes from (`default_of`); else "".
 
 Invariant: one row per leaf key of `GROUP_SCHEMAS`, in declaration order; the page is a pure
 function of the schema (tests/test_config_files.py compares the committed page with `render()`).
@@ -41,13 +43,14 @@ class KeyDoc:
 
 
 @cache
-def _comments(cls: type) -> tuple[dict[str, str], dict[str, str]]:
-    """(field -> comment on its line, field -> comment block above it within its run of fields)
-    for the fields a dataclass declares in its own body."""
+def _comments(cls: type) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+    """For the fields a dataclass declares in its own body: (field -> comment on its line, field ->
+    comment block right above it, field -> the block above an earlier field of its run of
+    consecutive fields, which may describe it too)."""
     try:
         lines, _ = inspect.getsourcelines(cls)
     except (OSError, TypeError):
-        return {}, {}
+        return {}, {}, {}
     source = "".join(lines)
     comment_at: dict[int, str] = {}
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
@@ -55,6 +58,7 @@ def _comments(cls: type) -> tuple[dict[str, str], dict[str, str]]:
             comment_at[tok.start[0]] = tok.string.lstrip("#").strip()
     own: dict[str, str] = {}
     above: dict[str, str] = {}
+    inherited: dict[str, str] = {}
     block: list[str] = []  # comment lines since the last field
     run: str = ""  # the latest comment block of this run of consecutive fields
     field_line = re.compile(r"^\s+([A-Za-z_]\w*)\s*:[^=]*(=|$)")
@@ -65,24 +69,42 @@ def _comments(cls: type) -> tuple[dict[str, str], dict[str, str]]:
             continue
         m = field_line.match(line)
         if m and not stripped.startswith(("def ", "class ", "@", "return ")):
+            direct = bool(block)
             if block:
                 run, block = " ".join(b for b in block if b), []
             if n in comment_at:
                 own[m.group(1)] = comment_at[n]
             if run:
-                above[m.group(1)] = run
+                (above if direct else inherited)[m.group(1)] = run
             continue
         block, run = [], ""  # a blank line, a docstring or a method ends the run
-    return own, above
+    return own, above, inherited
 
 
-def _from_docstring(cls: type, name: str) -> str:
-    """The sentence of the class docstring that names `name` (`` `name` `` or `name:`), or ""."""
+def _labels(doc: str, names: list[str]) -> dict[str, tuple[int, int]]:
+    """Where the docstring labels each field: `name:` or `` `name`: ``, also as one of several
+    (`temperature / top_p:`); name -> (start, end) of its first label."""
+    spans = {}
+    for name in names:
+        m = re.search(rf"(?:^|(?<=[\s.;(]))`?{re.escape(name)}`?(?:\s*/\s*`?[\w.]+`?)*\s*:(?=\s)", doc)
+        if m:
+            spans[name] = (m.start(), m.end())
+    return spans
+
+
+def _from_docstring(cls: type, name: str) -> tuple[str, str]:
+    """What the class docstring says of `name`: (from its label, `name:`, to the next field's label;
+    the first sentence naming it as `` `name` ``), each "" when there is none."""
     doc = " ".join((inspect.getdoc(cls) or "").split())
-    for sentence in re.split(r"(?<=\.)\s+(?=[A-Z`])", doc):
-        if re.search(rf"(`{re.escape(name)}`|(?<![\w.]){re.escape(name)}:)", sentence):
-            return sentence
-    return ""
+    names = [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else [name]
+    spans = _labels(doc, names)
+    labelled = ""
+    if name in spans:
+        start, end = spans[name]
+        following = [s for s, _ in spans.values() if s >= end]
+        labelled = doc[start:min(following, default=len(doc))].strip().rstrip(";,").strip()
+    sentence = next((s for s in re.split(r"(?<=\.)\s+(?=[A-Z`])", doc) if f"`{name}`" in s), "")
+    return labelled, sentence
 
 
 def field_help(cls: type, name: str) -> str:
@@ -90,10 +112,13 @@ def field_help(cls: type, name: str) -> str:
     for klass in cls.__mro__:
         if not dataclasses.is_dataclass(klass) or name not in getattr(klass, "__annotations__", {}):
             continue
-        own, above = _comments(klass)
-        text = own.get(name) or above.get(name) or _from_docstring(klass, name)
-        if text:
-            return text
+        own, above, inherited = _comments(klass)
+        labelled, sentence = _from_docstring(klass, name)
+        earlier = inherited.get(name, "")
+        named = re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", earlier) is not None
+        for text in (own.get(name), above.get(name), labelled, earlier if named else "", sentence, earlier):
+            if text:
+                return text
         owner = _default_owner(klass, name)
         if owner is not None:
             return field_help(*owner)
