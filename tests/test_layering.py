@@ -275,20 +275,13 @@ def test_the_driver_imports_no_torch_but_export_inside_its_cli():
     assert not bad, "orchestrator/ imports torch (the driver handles metadata only): " + ", ".join(bad)
 
 
-# The one known breach, until the sandbox client moves where agents can depend on it (issue 44,
-# item 4, a change of its own): the exception ends by itself once workers/acr/sandbox.py is gone.
-SANDBOX_PENDING = ("examples/agents/swe_mini_agent/app.py", "workers.acr.sandbox")
-
-
 def test_example_agents_import_nothing_of_the_product():
     bad = []
     for p in sorted((ROOT / "examples" / "agents").rglob("*.py")):
         for node, _ in _statements(ast.parse(p.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             if not getattr(node, "level", 0) and any(n.split(".")[0] in PRODUCT for n in names):
-                pending = (p.relative_to(ROOT).as_posix(), names[0]) == SANDBOX_PENDING
-                if not (pending and (ROOT / "workers" / "acr" / "sandbox.py").is_file()):
-                    bad.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+                bad.append(f"{p.relative_to(ROOT)}:{node.lineno}")
     assert not bad, "example agents run as standalone containers and import nothing of the product: " + ", ".join(bad)
 
 

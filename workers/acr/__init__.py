@@ -6,5 +6,4 @@ Modules and packages:
   limits/     the cluster-wide limits: request rate, open sessions, rollout slots, session rate
   journal.py  the run's open-session journal on disk (run_dir/acr_sessions/)
   sweep.py    stop the sessions a journal holds: what a run left open
-  sandbox.py  run commands in a session's sandbox (InvokeAgentRuntimeCommand)
 """

