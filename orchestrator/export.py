@@ -25,8 +25,8 @@ import tempfile
 from pathlib import Path
 
 from orchestrator.control.checkpoint import CheckpointError, load_latest
+from workers.weight_sync.lora import LORA_ADAPTER_DIR
 
-LORA_ADAPTER_DIR = "lora_adapter"  # workers/trainer/shell.py: a LoRA checkpoint's adapter, beside the base
 
 
 def model_dir_of(path: Path) -> Path:

@@ -30,7 +30,7 @@ def test_a_bare_python_in_agent_cmd_runs_on_the_drivers_interpreter():
     `rollout.acr.agent_cmd`: the agent then ran on whatever `python` PATH found."""
     import sys
 
-    from orchestrator.build.runtime import agent_command
+    from orchestrator.wiring.runtime import agent_command
 
     cmd = compose_config(["task=custom", "task.data_path=x.jsonl", "rollout.acr.agent_cmd='python examples/agents/arith_agent/app.py --x 1'"])
     assert agent_command(cmd) == [sys.executable, "examples/agents/arith_agent/app.py", "--x", "1"]

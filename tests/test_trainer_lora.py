@@ -16,7 +16,7 @@ from workers.core.algorithms.batch import TrainBatch
 from workers.core.types import TrajectoryRow
 from workers.weight_sync.lora import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from workers.trainer.settings import LoraSettings
-from workers.trainer.shell import LORA_ADAPTER_DIR
+from workers.weight_sync.lora import LORA_ADAPTER_DIR
 from workers.trainer.worker import TrainerSettings, TrainerWorker
 
 PROBE = [1, 17, 42, 99, 5, 110, 71, 8, 64, 127, 7, 50, 2, 45, 90, 11]

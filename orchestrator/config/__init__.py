@@ -20,6 +20,7 @@ Modules (one per config group, then what they share):
   run.py           RunConfig (cross-group checks), the group -> schema table, Hydra registration
   defaults.py      `default_of`: a field's default read from the worker settings that own it
   errors.py        ConfigError and the checks every group uses
+  finite.py        every float of the composed config is a number (NaN and infinities refused)
   hydra_errors.py  Hydra's own composition failures as `config error:` lines naming the key
   reference.py     the flat reference of every key, default and help (docs/config_reference.md)
 """

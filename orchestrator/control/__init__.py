@@ -10,4 +10,8 @@ Modules:
   checkpoint.py      the checkpoint format: staged, manifest-checked, `latest` replaced atomically
   run_checkpoint.py  when to save, the resumable prompt source, where a resumed loop starts
   trainer_restart.py trainer.max_restarts: a dead trainer rank restarts the run's actors from the last checkpoint
+  run_lock.py        one run per run directory: a lock held for the life of the run
+  resume_config.py   a resume into a changed config is refused, naming the keys
+  lora_targets.py    model.lora.target_modules checked against the model (meta device) before any part starts
+  disk_full.py       a full disk named as one: the path and what was being written
 """

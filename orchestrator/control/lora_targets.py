@@ -8,7 +8,7 @@ is matched the way PEFT matches a list of names: a module whose name is the targ
 model has; `all-linear` matches by definition.
 
 Invariant: `unmatched_targets` reads config.json only and never loads weights. Caller:
-orchestrator/build/runtime.py beside `check_kv_cache`, once the model directory is known (the
+orchestrator/wiring/runtime.py beside `check_kv_cache`, once the model directory is known (the
 embedded tiny model is built after pre-flight).
 """
 

@@ -31,9 +31,9 @@ from orchestrator.config.errors import check
 from orchestrator.control.run_checkpoint import find_resume_checkpoint
 from orchestrator.control.resume_config import check_resume_config
 from orchestrator.control.run_lock import lock_run_dir
-from orchestrator.export import LORA_ADAPTER_DIR
 from orchestrator.tasks import TASKS
 from workers.core.tasks.dataset_files import DatasetError
+from workers.weight_sync.lora import LORA_ADAPTER_DIR
 
 
 @dataclass(frozen=True)

@@ -240,7 +240,7 @@ def _probed(cfg: RunConfig, rt: Runtime, a: _Actors) -> WeightSync:
 def _checkpoint_adapter(cfg: RunConfig, rt: Runtime) -> str | None:
     """The LoRA adapter directory of the checkpoint a run resumes from (`lora_adapter/` beside the
     base weights, workers/trainer/shell.py `save_hf`), None on a fresh start or without LoRA."""
-    from workers.trainer.shell import LORA_ADAPTER_DIR
+    from workers.weight_sync.lora import LORA_ADAPTER_DIR
 
     if not cfg.model.lora.enabled or rt.checkpoint is None:
         return None

@@ -42,9 +42,9 @@ from workers.weight_sync.broadcast import SendReport, bucket_bytes_of, send_weig
 from workers.weight_sync.plan import TensorSpec
 from workers.weight_sync.rendezvous import StoreAddress, host_store, join_store, release_store
 from workers.weight_sync.transport import BucketTransport, WeightGroupInfo, open_transport
+from workers.weight_sync.lora import LORA_ADAPTER_DIR
 
 WEIGHTS_FILENAME = "model.safetensors"  # single-file HF checkpoint name
-LORA_ADAPTER_DIR = "lora_adapter"  # a LoRA checkpoint's PEFT adapter directory, beside the base weights
 RENDEZVOUS_TIMEOUT_S = 600.0  # bound on the process group's store waits (s): model loads precede the first
 SUM_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower", "actor/entropy")
 

@@ -1,7 +1,9 @@
 """What the trainer, the adapter sync and the replicas agree on about LoRA adapters, without torch.
 
 - The PEFT directory's file names (peft.utils.constants): the trainer writes them
-  (workers/trainer/lora.py), a replica checks for them before loading (workers/inference/worker.py).
+  (workers/trainer/lora.py), a replica checks for them before loading (workers/inference/worker.py);
+  and the name of a LoRA checkpoint's adapter directory, which the trainer writes
+  (workers/trainer/shell.py) and the driver reads (pre-flight, resume, export).
 - How many adapter versions one replica serves at once (`versions_served`): in async mode a request
   keeps the adapter it started on, and a version is trained while at most η versions older are
   still generating, so η + 1; in sync mode generation stops at every sync, so 1. The adapter
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"  # PEFT's file names (peft.utils.constants)
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+LORA_ADAPTER_DIR = "lora_adapter"  # a LoRA checkpoint's PEFT adapter directory, beside the base weights
 
 
 def versions_served(*, async_mode: bool, max_staleness: int) -> int:
