@@ -13,6 +13,7 @@ Modules:
   staleness.py       admission by policy version (AReaL's rule) and the per-sample staleness verdict
   staleness_gate.py  AdmissionGate: the asyncio wrapper producers wait on for an admission slot
   concurrency.py     rollout.concurrency: fixed or adaptive (AIMD on the engines' KV usage) group limit
+  throughput_concurrency.py  rollout.concurrency=adaptive: a running-group cap that seeks the best measured throughput
   slot_steering.py   adaptive with contract=a2a: the AIMD window sets the rollout-slot cap instead
   prompts.py         the seeded, resumable prompt cycle
   sampler.py         the difficulty-aware prompt sampler (task.sampler=difficulty)

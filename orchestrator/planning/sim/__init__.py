@@ -11,6 +11,7 @@
     run.py       simulate(): one configuration, the figures, metrics.jsonl / summary.json / timeline.jsonl
     calibrate.py the two free time scales fitted to one measured row
     machine.py   SharedCpu: one CPU machine shared by every part (processor sharing), for CPU-run fits
+    public_check.py  the simulator held against the public report's four rows, one trainer throughput at a time
 
 The planner on top is orchestrator/planning/simulate.py. Nothing here imports Ray, vLLM or torch.
 """

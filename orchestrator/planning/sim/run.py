@@ -200,7 +200,7 @@ class _Recorder:
 
 def _concurrency(w: Workload, sc: Scenario, lay, loop: VirtualLoop, replicas: list, agents: SimAgents):
     """(dispatch gate, rollout-slot steering) of `sc`, as the product builds them
-    (orchestrator/build/training.py): with `policy=adaptive` the throughput-seeking policy from one
+    (orchestrator/wiring/training.py): with `policy=adaptive` the throughput-seeking policy from one
     mini-batch, capped at the staleness window (η + 1)·k·B, with `aimd` the AIMD window, each in a
     ConcurrencyGate on the replicas' loads; or, with rollout slots, the AIMD policy steering the
     rollout-slot cap instead of dispatch; (None, None) for fixed concurrency."""
