@@ -99,7 +99,7 @@ def test_registry_is_the_one_list_config_validation_accepts():
         assert entry.a2a_agent is None or entry.a2a_agent.is_file(), name
         kwargs = {"data_path": "any.jsonl"} if entry.check_data is not None else {}
         assert TaskConfig(name=name, **kwargs).name == name  # every registered task validates
-    with pytest.raises(ConfigError, match=r"^task\.name must be one of \['letters', 'gsm8k', 'swe_mini', 'custom'\]"):
+    with pytest.raises(ConfigError, match=r"^task\.name must be one of \['letters', 'addition', 'gsm8k', 'swe_mini', 'custom'\]"):
         TaskConfig(name="unregistered")
 
 
