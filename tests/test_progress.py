@@ -100,11 +100,17 @@ def test_quiet_console_sends_library_output_to_the_run_dir(tmp_path, monkeypatch
             warnings.simplefilter("always")
             warnings.warn("torch.distributed.reduce_op is deprecated", FutureWarning)
         logging.getLogger("orchestrator.loop.common").error("rollout s-1 failed: boom")
+        from orchestrator.watch.progress import phase
+
+        printed = io.StringIO()
+        phase("starting Ray", printed)  # the console lines also reach the driver log (it was empty after a run)
+        ProgressSink(10, printed, tty=False, warn_stream=printed).log(1, step_rec(1, filtered=15))
         for h in root.handlers:
             h.flush()
         text = path.read_text()
         assert "CPU backend" in text and "reduce_op" in text and "Started a local Ray" in text
-        assert console.getvalue() == "rollout s-1 failed: boom\n"
+        assert "] starting Ray" in text and "[step 1/10] reward=0.250" in text and "WARNING" in text
+        assert console.getvalue() == "rollout s-1 failed: boom\n"  # printed once, not logged twice
     finally:
         logging.captureWarnings(False)
         for h in list(root.handlers):

@@ -29,6 +29,14 @@ QUIET_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFOR
 DRIVER_LOG = "driver.log"
 
 
+def _not_printed(record: logging.LogRecord) -> bool:
+    """Console filter: the progress lines are printed already (orchestrator/watch/progress.py logs
+    them for the driver log only)."""
+    from orchestrator.watch.progress import CONSOLE_LOGGER
+
+    return not record.name.startswith(CONSOLE_LOGGER)
+
+
 def quiet_console(run_dir: Path, console_level: str) -> Path:
     """Send driver-side logging and warnings to `RUN_DIR/logs/driver.log`; keep on the console only
     records at `console_level` or above. Returns the log file's path."""
@@ -42,6 +50,7 @@ def quiet_console(run_dir: Path, console_level: str) -> Path:
     for h in root.handlers:  # Hydra's stdout handler: the console
         if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
             h.setLevel(level)
+            h.addFilter(_not_printed)
     root.addHandler(to_file)
     root.setLevel(min(root.level or logging.INFO, logging.INFO))
     logging.captureWarnings(True)  # warnings.warn -> the py.warnings logger -> the file

@@ -11,6 +11,7 @@ orchestrator/wiring/runtime.py (`phase`).
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
@@ -19,11 +20,17 @@ from typing import Any, Callable, TextIO
 from orchestrator.watch.run_watch import FINISHED, StepWatch
 
 _T0 = time.monotonic()  # phase messages give the time since the driver started
+# every console line also goes to this logger, so RUN_DIR/logs/driver.log holds the run's story;
+# orchestrator/watch/console_log.py keeps its records off the console (they were printed already)
+CONSOLE_LOGGER = "orchestrator.console"
+_LOG = logging.getLogger(CONSOLE_LOGGER)
 
 
 def phase(msg: str, stream: TextIO | None = None) -> None:
-    """One setup line, `[  12s] msg`, so the minutes before step 1 are never silent."""
-    print(f"[{time.monotonic() - _T0:4.0f}s] {msg}", file=stream or sys.stdout, flush=True)
+    """One setup line, `[  12s] msg`, so the minutes before step 1 are never silent (also logged)."""
+    line = f"[{time.monotonic() - _T0:4.0f}s] {msg}"
+    print(line, file=stream or sys.stdout, flush=True)
+    _LOG.info(line)
 
 
 def _f(v: Any, fmt: str) -> str | None:
@@ -96,10 +103,12 @@ class ProgressSink:
             self._bar.update(self._task, completed=step, info=info)
             return
         eta = (self._total - step) * sum(self._step_s) / len(self._step_s)
-        print(f"[step {step}/{self._total}] " + " ".join(f"{k}={v}" for k, v in fields) + f" eta={_eta(eta)}",
-              file=self._stream, flush=True)
+        line = f"[step {step}/{self._total}] " + " ".join(f"{k}={v}" for k, v in fields) + f" eta={_eta(eta)}"
+        print(line, file=self._stream, flush=True)
+        _LOG.info(line)
 
     def _say(self, line: str, warn: bool = False) -> None:
+        _LOG.log(logging.WARNING if warn else logging.INFO, line)
         if self._bar is not None:
             self._bar.console.print(line, style="yellow" if warn else None, markup=False, highlight=False)
         else:
