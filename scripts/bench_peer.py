@@ -157,6 +157,10 @@ def run_trl(args: argparse.Namespace, work: Path, model_dir: Path) -> dict:
 def trl_side(args: argparse.Namespace) -> None:
     """`--side trl`: TRL's GRPOTrainer with the settings of the module docstring; writes the final
     model and `trl_stats.json` (trained tokens, updates, train reward first/last) into --trl-out."""
+    # TRL generates with transformers here, never vLLM: hide the installed vLLM CPU build from it
+    # (find_spec returns None for a None module), since TRL 1.12's vLLM bridge does not import
+    # against vLLM 0.32 (`NCCLTrainerSendWeightsArgs`)
+    sys.modules.setdefault("vllm", None)
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
