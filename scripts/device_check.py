@@ -12,7 +12,8 @@ failing section records its error, the others still run, and the exit status is 
   transfer: the bucketed weight-sync protocol (workers/weight_sync/broadcast.py) from this process
             to a second process on the same GPU through CUDA IPC slots ("cuda_ipc"; NCCL refuses
             two ranks on one GPU), the 0.5B state dict in bf16; one warm-up push, timed pushes:
-            GB/s. Also the host path ("shm") for comparison, and NCCL when --try-nccl is given.
+            GB/s. Also the host path ("shm") for comparison, and NCCL when --try-nccl is given (receiver on
+            cuda:1; skipped, not failed, on a one-GPU machine, where NCCL refuses two ranks).
   sync_memory: `--sync-pushes` (default 8) cuda_ipc pushes of the same weights; the sender's
             torch.cuda.memory_reserved after each. Fails when it grows by more than
             RESERVED_GROWTH_LIMIT_BYTES per push after the warm-up: a leak like vLLM #52950 (packed weight
@@ -307,7 +308,7 @@ def main() -> int:
     ap.add_argument("--tokens-per-micro-batch", type=int, default=None)
     ap.add_argument("--pushes", type=int, default=None, help="timed weight pushes after one warm-up")
     ap.add_argument("--bucket-mb", type=float, default=512.0)
-    ap.add_argument("--try-nccl", action="store_true", help="also try NCCL between two processes on one GPU")
+    ap.add_argument("--try-nccl", action="store_true", help="also try NCCL between two processes (needs 2 GPUs; skipped on one)")
     ap.add_argument("--sync-pushes", type=int, default=8, help="sync_memory: timed pushes after one warm-up")
     ap.add_argument("--nccl-net-only", action="store_true", help="only the nccl_net section (each node)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
@@ -350,9 +351,12 @@ def main() -> int:
         section(results, "transfer_cuda_ipc")(
             lambda: check_transfer("cuda_ipc", gpu_sd, args.pushes, args.bucket_mb, "cuda:0"))
         section(results, "sync_memory")(lambda: check_sync_memory(gpu_sd, args.sync_pushes, args.bucket_mb))
-        if args.try_nccl:
+        if args.try_nccl and torch.cuda.device_count() >= 2:
             section(results, "transfer_nccl")(
-                lambda: check_transfer("nccl", gpu_sd, args.pushes, args.bucket_mb, "cuda:0"))
+                lambda: check_transfer("nccl", gpu_sd, args.pushes, args.bucket_mb, "cuda:1"))
+        elif args.try_nccl:  # seen on an H100: ncclInvalidUsage "Duplicate GPU detected : rank 0 and rank 1"
+            results["transfer_nccl"] = {"ok": None, "skipped": "NCCL refuses two ranks on one GPU: needs 2 GPUs"}
+            print(f"[transfer_nccl] {json.dumps(results['transfer_nccl'])}", flush=True)
         host_sd = {k: v.cpu() for k, v in gpu_sd.items()}
         del gpu_sd
         section(results, "transfer_shm")(lambda: check_transfer("shm", host_sd, args.pushes, args.bucket_mb, "cpu"))
