@@ -63,14 +63,18 @@ def reward_fn():
 
 
 class TreeMeter:
-    """CPU seconds and peak RSS of a process and all its descendants, sampled from /proc every
+    """CPU seconds and peak memory of a process and all its descendants, sampled from /proc every
     `interval_s` (psutil). A process's CPU is its last sample (utime + stime), so a process that
-    lives less than one interval is missed: a lower bound, by at most one interval per process."""
+    lives less than one interval is missed: a lower bound, by at most one interval per process.
+    Memory is summed over the tree twice: RSS (a page shared by N processes, such as the Ray
+    actors' copies of torch and vLLM, counts N times: an overstatement) and PSS (/proc/PID/smaps_rollup:
+    a shared page counts 1/N in each, so the sum is the tree's real share of RAM)."""
 
     def __init__(self, pid: int, interval_s: float) -> None:
         self.pid, self.interval_s = pid, interval_s
         self.cpu_s: dict[int, float] = {}
         self.peak_rss_bytes = 0
+        self.peak_pss_bytes = 0
         self.loads: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -92,15 +96,17 @@ class TreeMeter:
                 procs = [root, *root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 procs = []
-            rss = 0
+            rss = pss = 0
             for p in procs:
                 try:
                     t = p.cpu_times()
                     self.cpu_s[(p.pid, p.create_time())] = t.user + t.system
-                    rss += p.memory_info().rss
+                    mem = p.memory_full_info()
+                    rss, pss = rss + mem.rss, pss + mem.pss
                 except psutil.Error:
                     continue
             self.peak_rss_bytes = max(self.peak_rss_bytes, rss)
+            self.peak_pss_bytes = max(self.peak_pss_bytes, pss)
             self.loads.append(os.getloadavg()[0])
             self._stop.wait(self.interval_s)
 
@@ -109,7 +115,7 @@ class TreeMeter:
 
 
 def run_measured(cmd: list[str], log: Path, interval_s: float, timeout_s: float, env: dict | None = None) -> dict:
-    """Run `cmd` (cwd: the repository), its output into `log`; return wall, CPU, peak RSS, load.
+    """Run `cmd` (cwd: the repository), its output into `log`; return wall, CPU, peak RSS and PSS, load.
     Raises RuntimeError naming the log on a non-zero exit."""
     t0 = time.monotonic()
     with open(log, "w") as out:
@@ -123,7 +129,7 @@ def run_measured(cmd: list[str], log: Path, interval_s: float, timeout_s: float,
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd[:5])} exited {rc}; its output: {log}")
     return {"wall_s": time.monotonic() - t0, "cpu_s": meter.total_cpu_s(),
-            "peak_rss_gb": meter.peak_rss_bytes / 2**30,
+            "peak_rss_gb": meter.peak_rss_bytes / 2**30, "peak_pss_gb": meter.peak_pss_bytes / 2**30,
             "load_mean": sum(meter.loads) / max(1, len(meter.loads)), "load_max": max(meter.loads, default=math.nan)}
 
 
@@ -277,7 +283,7 @@ def main() -> None:
         print(f"{name}: held-out {base:.3f} -> {m['heldout_reward_after']:.3f}", flush=True)
     ratio = {k: sides["ours"][k] / sides["trl"][k] if sides["trl"][k] else math.nan
              for k in ("reward_gain_per_cpu_hour", "trained_tokens_per_min", "reward_gain", "cpu_s", "wall_s",
-                       "peak_rss_gb")}
+                       "peak_rss_gb", "peak_pss_gb")}
     result = {"ours": sides["ours"], "trl": sides["trl"], "ratio": ratio, "setup": {
         "steps": args.steps, "prompts_per_update": 8, "group_size": 4, "eval_samples_per_prompt": args.eval_samples,
         "heldout_prompts": 20, "machine_cpus": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg(),

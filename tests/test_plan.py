@@ -237,11 +237,11 @@ def _prod(xs) -> int:
 def test_embedded_model_built_says_whether_the_cache_holds_it(tiny_model_dir, monkeypatch, tmp_path):
     """The build's phase line says "cached" only when the model is there (a new user read "built on
     the first run" on every run)."""
-    from workers.embedded.qwen3_random import embedded_model_built
+    from workers.embedded.models import embedded_model_built
 
     assert embedded_model_built("tiny") and not embedded_model_built("nope")
     monkeypatch.setenv("ORCH_CACHE_DIR", str(tmp_path))  # nothing built there
-    assert not embedded_model_built("tiny")
+    assert not any(embedded_model_built(name) for name in ("tiny", "qwen3_random", "smollm2_135m"))
 
 
 def test_a_dry_run_plans_the_embedded_model_the_experiment_trains(monkeypatch, tmp_path):

@@ -85,7 +85,7 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        from workers.embedded.qwen3_random import EMBEDDED_MODELS  # torch-free: names only
+        from workers.embedded.models import EMBEDDED_MODELS  # torch-free: names only
 
         check(self.name in EMBEDDED_MODELS or bool(self.path), "model.path",
               f"must be set for model={self.name} (a local Hugging Face model directory, e.g. "

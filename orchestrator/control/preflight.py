@@ -62,7 +62,7 @@ def check_model(cfg: RunConfig) -> None:
               "must be a local Hugging Face model directory (with config.json)", m.path)
         check_lora_checkpoint(cfg)
         return
-    from workers.embedded.qwen3_random import EMBEDDED_MODELS  # an embedded model: the branch that needs it
+    from workers.embedded.models import EMBEDDED_MODELS  # an embedded model: the branch that needs it
 
     check(m.name in EMBEDDED_MODELS, "model.path", f"must be set for model.name={m.name!r} (only "
           f"{', '.join(EMBEDDED_MODELS)} are built without one)", m.path)

@@ -84,11 +84,11 @@ def start_runtime(cfg: RunConfig, pre: Preflight, stack: contextlib.ExitStack) -
     if cfg.model.path:
         model_path = str(Path(cfg.model.path).resolve())
     else:
-        from workers.embedded.qwen3_random import embedded_model_built, ensure_embedded_model
+        from workers.embedded.models import embedded_model_built, ensure_embedded_model
 
         built = embedded_model_built(cfg.model.name)
         phase(f"model: the {cfg.model.name} model " + ("(cached)" if built else "(built on first use, under a minute; cached after)"))
-        model_path = str(ensure_embedded_model(cfg.model.name))  # tiny or qwen3_random, built once
+        model_path = str(ensure_embedded_model(cfg.model.name))  # an embedded model, built once
     if pre.checkpoint is not None:  # trainer and inference replicas start from the checkpoint's weights
         model_path = str(pre.checkpoint.model_dir)
     check_kv_cache(cfg, model_path)  # before any engine: names inference.kv_cache_gib and the minimum

