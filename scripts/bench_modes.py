@@ -86,10 +86,12 @@ def experiment_overrides(name: str, model_experiment: str | None) -> list[str]:
     base = name.removesuffix(NO_PARTIAL)
     if model_experiment is None:
         return [f"+experiment=blog_{base}"]
-    import yaml
+    from hydra import compose, initialize_config_dir
 
-    preset = yaml.safe_load((REPO / "configs" / "experiment" / f"{model_experiment}.yaml").read_text())
-    mini_batch = int(preset.get("rollout", {}).get("batch_size", 8))
+    from orchestrator.config.hydra_errors import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):  # as the entry point composes it
+        mini_batch = int(compose("config", overrides=[f"+experiment={model_experiment}"]).rollout.batch_size)
     mode, k = base.rsplit("_", 1)
     return [f"+experiment={model_experiment}", f"mode={mode}", f"mode.sync_every={k}",
             f"rollout.batch_size={int(k) * mini_batch}", "trainer.val_before_train=true",
