@@ -88,8 +88,10 @@ def experiment_overrides(name: str, model_experiment: str | None) -> list[str]:
         return [f"+experiment=blog_{base}"]
     from hydra import compose, initialize_config_dir
 
+    from orchestrator.config import register
     from orchestrator.config.hydra_errors import CONFIG_DIR
 
+    register()  # the schema groups the configs' defaults name
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):  # as the entry point composes it
         mini_batch = int(compose("config", overrides=[f"+experiment={model_experiment}"]).rollout.batch_size)
     mode, k = base.rsplit("_", 1)
