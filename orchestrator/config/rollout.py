@@ -119,7 +119,7 @@ class AdaptiveConcurrencyConfig:
 @dataclass
 class RolloutConfig:
     """Rollout pool. `n`: samples per prompt (group size); `batch_size`: prompts per step;
-    `timeout_s`: per-rollout deadline (seconds) after which the rollout is `expired`."""
+    `timeout_s`: per-rollout deadline (seconds) after which the rollout ends `failed` (reason `timeout`)."""
 
     name: str = "local"
     n: int = 4
