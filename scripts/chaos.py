@@ -191,8 +191,10 @@ def inject(kind: str, job: Job, run_dir: Path, rng: random.Random) -> dict:
 
 def checkpointed_step(run_dir: Path) -> int:
     """The step of the run's latest committed checkpoint (0: none)."""
-    latest = run_dir / "checkpoints" / "latest"
-    return int(latest.read_text().strip().removeprefix("step-")) if latest.is_file() else 0
+    from orchestrator.control.checkpoint import latest_checkpoint_dir
+
+    latest = latest_checkpoint_dir(run_dir)
+    return int(latest.name.removeprefix("step-")) if latest is not None else 0
 
 
 

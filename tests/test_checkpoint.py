@@ -111,6 +111,60 @@ def test_latest_moves_and_old_checkpoints_are_pruned(tmp_path):
     assert names == [LATEST_FILENAME, "step-00000002", "step-00000003"]  # no staging leftovers
 
 
+def test_latest_is_a_relative_symlink_users_can_cd_into(tmp_path):
+    """Issue 47 (item 8): `checkpoints/latest` was a text file where users expect a link. It is a
+    relative symlink (the run dir can be moved or copied), replaced on every commit: no temp link
+    stays behind, and the path through it reaches the newest checkpoint's files."""
+    import os
+
+    cycle = PromptCycle(ROWS, seed=0)
+    for step in (1, 2):
+        save(tmp_path, run_state(step, cycle))
+    latest = checkpoints_dir(tmp_path) / LATEST_FILENAME
+    assert latest.is_symlink() and os.readlink(latest) == "step-00000002"
+    assert (latest / "model" / "config.json").is_file() and (latest / "run_state.json").is_file()
+    assert not list(checkpoints_dir(tmp_path).glob(".*"))  # no temp link, no staging left
+    moved = tmp_path.parent / f"{tmp_path.name}-moved"
+    tmp_path.rename(moved)  # relative: still points at the moved run's own checkpoint
+    assert load_latest(moved).state.step == 2
+
+
+def test_a_run_dir_written_by_an_earlier_version_still_resumes(tmp_path):
+    """Run dirs written before the symlink hold a text file naming the checkpoint: every reader
+    (resume, the documented eval path, the trainer-lost message's checkpoint, pre-flight's "is there
+    a checkpoint") still takes it, and the next commit turns it into a link."""
+    from orchestrator.control.checkpoint import has_latest, latest_checkpoint_dir, resolve_latest
+    from orchestrator.control.preflight import set_aside_attempt
+
+    cycle = PromptCycle(ROWS, seed=0)
+    first = save(tmp_path, run_state(1, cycle))
+    latest = checkpoints_dir(tmp_path) / LATEST_FILENAME
+    latest.unlink()
+    latest.write_text("step-00000001\n")  # what earlier versions wrote
+    assert load_latest(tmp_path).state.step == 1 and latest_checkpoint_dir(tmp_path) == first
+    assert has_latest(tmp_path)
+    assert resolve_latest(latest / "model") == first / "model"
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    assert set_aside_attempt(tmp_path) is None  # a checkpoint to resume from: nothing set aside
+    save(tmp_path, run_state(2, cycle))
+    assert latest.is_symlink() and load_latest(tmp_path).state.step == 2
+    assert set_aside_attempt(tmp_path) is None and (tmp_path / "metrics.jsonl").is_file()  # the link too
+
+
+def test_a_pointer_temp_link_left_by_a_crash_is_removed_without_following_it(tmp_path):
+    """A crash between creating the temp link and os.replace leaves `.latest-*.tmp` -> a checkpoint:
+    remove_staging unlinks the link and keeps the checkpoint it points at."""
+    import os
+
+    from orchestrator.control.checkpoint import remove_staging
+
+    path = save(tmp_path, run_state(1, PromptCycle(ROWS, seed=0)))
+    left = checkpoints_dir(tmp_path) / f".{LATEST_FILENAME}-123-abcd.tmp"
+    os.symlink(path.name, left)
+    assert remove_staging(tmp_path) == [left]
+    assert not left.is_symlink() and load_latest(tmp_path).state.step == 1
+
+
 def test_a_failed_save_leaves_the_previous_checkpoint_in_charge(tmp_path):
     cycle = PromptCycle(ROWS, seed=0)
     save(tmp_path, run_state(1, cycle))
@@ -155,9 +209,14 @@ def test_a_corrupt_or_partial_checkpoint_is_refused(tmp_path, damage, message):
         load_latest(tmp_path)
 
 
-def test_a_pointer_to_a_missing_checkpoint_is_refused(tmp_path):
+@pytest.mark.parametrize("form", ["symlink", "text file"])
+def test_a_pointer_to_a_missing_checkpoint_is_refused(tmp_path, form):
+    import os
+
     path = save(tmp_path, run_state(1, PromptCycle(ROWS, seed=0)))
-    (checkpoints_dir(tmp_path) / LATEST_FILENAME).write_text("step-00000009\n")
+    latest = checkpoints_dir(tmp_path) / LATEST_FILENAME
+    latest.unlink()
+    os.symlink("step-00000009", latest) if form == "symlink" else latest.write_text("step-00000009\n")
     with pytest.raises(CheckpointError, match="step-00000009, which does not exist"):
         load_latest(tmp_path)
     assert load_checkpoint(path).state.step == 1  # the checkpoint itself is fine
@@ -258,9 +317,12 @@ def test_run_state_of_another_format_is_refused():
         RunState.from_json({k: v for k, v in d.items() if k != "prompts"})
 
 
-def test_the_documented_eval_command_resolves_checkpoints_latest(tmp_path):
+@pytest.mark.parametrize("form", ["symlink", "text file"])
+def test_the_documented_eval_command_resolves_checkpoints_latest(tmp_path, form):
     """Issue 29: `model.path=RUN/checkpoints/latest/model` (docs/training.md's evaluation command)
-    exited 2: `latest` is a pointer file naming the newest checkpoint, not a directory."""
+    exited 2 when `latest` was a pointer file, not a directory. Either form (the symlink written now,
+    the text file of earlier versions) resolves to the checkpoint's own path."""
+    import os
     import re
 
     from orchestrator.config import ConfigError
@@ -274,12 +336,14 @@ def test_the_documented_eval_command_resolves_checkpoints_latest(tmp_path):
     model = run / "checkpoints" / "step-00000004" / "model"
     model.mkdir(parents=True)
     (model / "config.json").write_text("{}")
-    (run / "checkpoints" / "latest").write_text("step-00000004\n")
+    latest = run / "checkpoints" / "latest"
+    os.symlink("step-00000004", latest) if form == "symlink" else latest.write_text("step-00000004\n")
     cfg = compose_config(["mode=eval", f"model.path={tmp_path / documented}"])
     check_model(cfg)
     assert cfg.model.path == str(model)
     assert resolve_latest(tmp_path / "elsewhere" / "latest" / "model") == tmp_path / "elsewhere" / "latest" / "model"
-    (run / "checkpoints" / "latest").write_text("step-00000009\n")  # names a checkpoint that is gone
+    latest.unlink()
+    os.symlink("step-00000009", latest) if form == "symlink" else latest.write_text("step-00000009\n")  # gone
     with pytest.raises(CheckpointError, match="step-00000009"):
         resolve_latest(tmp_path / documented)
     with pytest.raises(ConfigError, match="^model.path"):

@@ -22,7 +22,7 @@ def _lora_checkpoint(run):
     (model / "lora_adapter").mkdir(parents=True)
     (model / "config.json").write_text("{}")
     (model / "lora_adapter" / "adapter_config.json").write_text(json.dumps({"r": 8, "peft_type": "LORA"}))
-    (run / "checkpoints" / "latest").write_text("step-00000004\n")
+    (run / "checkpoints" / "latest").symlink_to("step-00000004")  # as a run writes it (relative)
     return model
 
 

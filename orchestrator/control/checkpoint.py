@@ -8,15 +8,19 @@ Layout under `RUN_DIR/checkpoints/`:
         run_state.json      RunState: step, policy version, prompt cursor + RNG, admission counters,
                             prompts drawn but not yet trained (re-dispatched first on resume)
         manifest.json       size and sha256 of every other file; written last
-    latest                  the name of the newest complete checkpoint; replaced atomically
+    latest -> step-00000010 a relative symlink to the newest complete checkpoint; replaced atomically
+                            (run dirs written before 2026-12 hold a text file naming it: still read)
 
 Invariant: `latest` only ever names a complete checkpoint. A checkpoint is written in a hidden
 staging directory, its manifest last, then renamed into place, and only then is `latest`
-replaced (temp file + os.replace). Loading verifies every manifest entry (present, same size,
-same sha256) and refuses a corrupt or partial checkpoint with `CheckpointError`; nothing is
-half-loaded. A crash before the pointer moves leaves the previous checkpoint in charge; what it
-leaves half-written (the hidden staging directory, a pointer's temp file) is removed by
-`remove_staging`, which the run's reaper (orchestrator/control/reaper.py) and the next start's pre-flight call.
+replaced (a temp symlink + os.replace, so `ls`, `cd` and `model.path=RUN/checkpoints/latest/model`
+see a directory). Every reader (`latest_checkpoint_dir`) accepts the symlink and the text file
+earlier versions wrote, so their run dirs still resume. Loading verifies every manifest entry
+(present, same size, same sha256) and refuses a corrupt or partial checkpoint with
+`CheckpointError`; nothing is half-loaded. A crash before the pointer moves leaves the previous
+checkpoint in charge; what it leaves half-written (the hidden staging directory, a pointer's temp
+link) is removed by `remove_staging`, which the run's reaper (orchestrator/control/reaper.py) and
+the next start's pre-flight call.
 
 Pure file I/O, no Ray. The trainer writes its own files into the paths a
 `CheckpointStage` hands out. Callers: `orchestrator/loop/async_loop.py`, `orchestrator/main.py`.
@@ -24,6 +28,7 @@ Pure file I/O, no Ray. The trainer writes its own files into the paths a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -154,6 +159,25 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _point_latest(root: Path, name: str) -> None:
+    """Make `root/latest` a relative symlink to `name` (a checkpoint directory beside it), atomically:
+    a temp link in the same directory, then os.replace over the old pointer (a link, or the text
+    file of earlier versions), so a reader sees the old checkpoint or the new one, never none."""
+    tmp = root / f".{LATEST_FILENAME}-{os.getpid()}-{os.urandom(4).hex()}.tmp"
+    os.symlink(name, tmp, target_is_directory=True)
+    try:
+        os.replace(tmp, root / LATEST_FILENAME)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    with contextlib.suppress(OSError):  # the rename's durability, as the manifest's; best effort
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 def _write_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temp file in the same directory and os.replace."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
@@ -235,7 +259,7 @@ class CheckpointStage:
         if final.exists():  # left by a crash before its pointer moved, or an earlier run: replace it
             shutil.rmtree(final)
         os.replace(self.staging_dir, final)
-        _write_atomic(self._root / LATEST_FILENAME, final.name + "\n")
+        _point_latest(self._root, final.name)
         self._done = True
         self._prune(keep=final.name)
         return final
@@ -267,7 +291,7 @@ def remove_staging(run_dir: Path | str) -> list[Path]:
     root = checkpoints_dir(run_dir)
     removed = []
     for p in sorted(root.glob(".step-*-staging-*")) + sorted(root.glob(f".{LATEST_FILENAME}-*.tmp")):
-        if p.is_dir():
+        if p.is_dir() and not p.is_symlink():  # a pointer's temp link to a checkpoint: unlinked, never followed
             shutil.rmtree(p, ignore_errors=True)
         else:
             p.unlink(missing_ok=True)
@@ -323,14 +347,34 @@ def load_checkpoint(path: Path | str) -> Checkpoint:
 def load_latest(run_dir: Path | str) -> Checkpoint | None:
     """The checkpoint `RUN_DIR/checkpoints/latest` names, verified; None when there is no pointer
     (a fresh run). Raises CheckpointError when the pointer names a missing or bad checkpoint."""
+    path = latest_checkpoint_dir(run_dir)
+    return load_checkpoint(path) if path is not None else None
+
+
+def latest_checkpoint_dir(run_dir: Path | str) -> Path | None:
+    """The checkpoint directory `RUN_DIR/checkpoints/latest` names (not verified), None when there
+    is no pointer. Reads both forms of the pointer (see the module docstring). Raises
+    CheckpointError when it names no checkpoint directory beside it."""
     pointer = checkpoints_dir(run_dir) / LATEST_FILENAME
-    return load_checkpoint(_pointed_to(pointer)) if pointer.is_file() else None
+    return _pointed_to(pointer) if _is_pointer(pointer) else None
+
+
+def has_latest(run_dir: Path | str) -> bool:
+    """`RUN_DIR/checkpoints/latest` is there (either form; whether it names a good checkpoint is
+    `load_latest`'s to say)."""
+    return _is_pointer(checkpoints_dir(run_dir) / LATEST_FILENAME)
+
+
+def _is_pointer(path: Path) -> bool:
+    """A `latest` pointer is there: a symlink (even a dangling one) or an earlier version's file."""
+    return path.is_symlink() or path.is_file()
 
 
 def _pointed_to(pointer: Path) -> Path:
-    """The checkpoint directory the `latest` file `pointer` names; CheckpointError when it names
-    none (not a plain checkpoint name, or a directory that does not exist)."""
-    name = pointer.read_text(encoding="utf-8").strip()
+    """The checkpoint directory `pointer` names: the target of the symlink, or the name in the
+    text file earlier versions wrote; CheckpointError when it names none (not a plain checkpoint
+    name beside it, or a directory that does not exist)."""
+    name = os.readlink(pointer) if pointer.is_symlink() else pointer.read_text(encoding="utf-8").strip()
     if not name or "/" in name or name.startswith("."):
         raise CheckpointError(f"{pointer} holds {name!r}, not a checkpoint name")
     target = pointer.parent / name
@@ -341,15 +385,16 @@ def _pointed_to(pointer: Path) -> Path:
 
 def resolve_latest(path: Path | str) -> Path:
     """`path` with a `checkpoints/latest` component replaced by the checkpoint it names, so the
-    documented `model.path=RUN/checkpoints/latest/model` loads the newest checkpoint's model
-    (`latest` is a pointer file, not a directory). Any other path comes back unchanged. Raises
-    CheckpointError when the pointer is there but names nothing usable."""
+    documented `model.path=RUN/checkpoints/latest/model` names the newest checkpoint's model by
+    its own path (one that a later save does not move; an earlier version's pointer is a text file,
+    not a directory). Any other path comes back unchanged. Raises CheckpointError when the pointer
+    is there but names nothing usable."""
     p = Path(path)
     for i, part in enumerate(p.parts):
         if part != LATEST_FILENAME or i == 0 or p.parts[i - 1] != CHECKPOINTS_DIRNAME:
             continue
         pointer = Path(*p.parts[:i + 1])
-        if not pointer.is_file():
+        if not _is_pointer(pointer):
             return p
         return Path(_pointed_to(pointer), *p.parts[i + 1:])
     return p

@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.control.checkpoint import Checkpoint, CheckpointError, remove_staging, resolve_latest
+from orchestrator.control.checkpoint import Checkpoint, CheckpointError, has_latest, remove_staging, resolve_latest
 from orchestrator.config import ConfigError, RunConfig
 from orchestrator.config.task import eval_split
 from orchestrator.config.errors import check
@@ -54,7 +54,7 @@ def check_model(cfg: RunConfig) -> None:
     if m.chat_template is not None:
         check(Path(m.chat_template).is_file(), "model.chat_template", "must be a Jinja file", m.chat_template)
     if m.path is not None:
-        try:  # RUN/checkpoints/latest/model: the pointer file names the newest checkpoint
+        try:  # RUN/checkpoints/latest/model: the newest checkpoint, by its own path
             m.path = str(resolve_latest(m.path))
         except CheckpointError as exc:
             raise ConfigError(f"model.path {exc}") from None
@@ -175,7 +175,7 @@ def set_aside_attempt(run_dir: Path) -> Path | None:
     move them to `run_dir/attempts/<n>/` (nothing is deleted) so the resumed run starts again from
     step 0 with clean bookkeeping. Returns the folder, or None when there was nothing to set aside."""
     present = [run_dir / name for name in ATTEMPT_FILES if (run_dir / name).exists()]
-    if not present or (run_dir / "checkpoints" / "latest").is_file():
+    if not present or has_latest(run_dir):
         return None
     attempts = run_dir / "attempts"
     dest = attempts / str(sum(1 for _ in attempts.iterdir()) if attempts.is_dir() else 0)

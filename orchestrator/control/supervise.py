@@ -198,10 +198,12 @@ async def explain_trainer_loss(exc: BaseException, ranks: Sequence[Any], run_dir
         rank = await _dead_rank(ranks)
     if rank is None:
         return None
-    from orchestrator.control.checkpoint import LATEST_FILENAME, checkpoints_dir
+    from orchestrator.control.checkpoint import CheckpointError, latest_checkpoint_dir
 
-    pointer = checkpoints_dir(run_dir) / LATEST_FILENAME
-    last = (checkpoints_dir(run_dir) / pointer.read_text(encoding="utf-8").strip()) if pointer.is_file() else None
+    try:
+        last = latest_checkpoint_dir(run_dir)
+    except CheckpointError:  # a pointer that names nothing: no checkpoint to continue from
+        last = None
     resume = (f"last checkpoint: {last}; rerun with trainer.resume_mode=auto (same run_dir) to continue from it"
               if last else "no checkpoint was written yet (trainer.save_freq); a rerun starts from step 0")
     return TrainerLost(f"trainer rank {rank} of {len(ranks)} died ({type(exc).__name__}); the run stopped; {resume}")
