@@ -17,7 +17,11 @@ from ACR's session header, the reply text) so a test can check what reached the 
 - crash: raises (the SDK answers HTTP 500, ACR a RuntimeClientError), writes nothing;
 - overflow: two more turns on the same conversation, the third with a tool result far longer than
   the context: the gateway answers 400 `context_length_exceeded`, the agent catches it (as an agent
-  that treats overflow as the end of its episode does) and writes `{"rewards": 0.75}`.
+  that treats overflow as the end of its episode does) and writes `{"rewards": 0.75}`;
+- store_down: the object store is down when the agent writes its reward (its put goes to a port
+  nothing listens on: botocore's real EndpointConnectionError for the result's URL), and once it is
+  back the agent writes the toolkit's error object with that exception as its `stop_reason`, as the
+  example agents do (examples/agents/letters_agent/app.py): what killing moto mid-run looks like.
 """
 
 from __future__ import annotations
@@ -47,6 +51,23 @@ RESULTS = {
 async def _put(bucket: str, key: str, body: dict) -> None:
     data = json.dumps(body, allow_nan=True).encode()
     await asyncio.to_thread(_s3.put_object, Bucket=bucket, Key=key, Body=data, ContentType="application/json")
+
+
+def _reward_into_a_dead_store(bucket: str, key: str) -> dict:
+    """`store_down`: the put of `{"rewards": 0.75}` fails (S3 unreachable); the error object to write."""
+    import socket
+
+    from botocore.config import Config
+
+    with socket.socket() as s:  # a port nothing listens on once closed: connection refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", config=Config(retries={"max_attempts": 1}))
+    try:
+        dead.put_object(Bucket=bucket, Key=key, Body=b'{"rewards": 0.75}', ContentType="application/json")
+    except Exception as exc:  # noqa: BLE001  as the example agents catch it
+        return {"status_code": 500, "stop_reason": f"{type(exc).__name__}: {exc}"}
+    raise RuntimeError("the put into a closed port should have failed")
 
 
 async def _late_result(bucket: str, key: str, body: dict, sleep_s: float) -> None:
@@ -98,6 +119,8 @@ async def invoke(payload, context):
         task = asyncio.get_running_loop().create_task(_late_result(r["s3_bucket"], key, RESULTS[behaviour], sleep_s))
         _background.add(task)
         task.add_done_callback(_background.discard)
+    elif behaviour == "store_down":
+        await _put(r["s3_bucket"], key, await asyncio.to_thread(_reward_into_a_dead_store, r["s3_bucket"], key))
     elif behaviour != "no_result":
         await _put(r["s3_bucket"], key, RESULTS[behaviour])
     return {"status": "processing", "result_key": key, "session_id": session_id}

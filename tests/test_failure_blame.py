@@ -1,7 +1,10 @@
 """Failures blamed on the right part (issue 47, item 6): a typo in `model.lora.target_modules` and a
 `gateway.host` that is not on this machine are config errors naming the key, before any part starts,
-instead of a "trainer lost" (exit 3, a minute in) or a bind traceback inside the gateway actor.
-(The emulator restarting a crashed agent process is tests/test_acr_emulator.py's.)"""
+instead of a "trainer lost" (exit 3, a minute in) or a bind traceback inside the gateway actor; an
+agent that could not write its result because S3 was down is S3's failure (`s3_unavailable`), not
+the agent's (the rule here; the rollout through the real emulator, moto and an agent:
+tests/test_rollout_worker.py). (The emulator restarting a crashed agent process is
+tests/test_acr_emulator.py's.)"""
 
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import pytest
 from orchestrator.config import ConfigError
 from orchestrator.control.lora_targets import check_lora_targets, unmatched_targets
 from orchestrator.control.preflight import preflight
+from orchestrator.watch.run_watch import FAILURE_HINTS
+from workers.rollout.failures import agent_could_not_store
 from stand_ins import compose_config, random_qwen2
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,3 +58,58 @@ def test_the_entry_point_exits_2_on_a_foreign_gateway_host_at_once(tmp_path):
     assert out.returncode == 2, out.stderr
     assert out.stderr.startswith("config error: gateway.host '8.8.8.8' is not an address of this machine")
     assert "Traceback" not in out.stderr and "Error executing job" not in out.stderr
+
+
+KEY = "exp-1/letters-0/exp-1-g3-s1-0123abcd.json"  # result_key(exp_id, input_id, session_id)
+
+
+def _stop_reason(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"  # what the example agents write (letters_agent/app.py)
+
+
+def _put_into_a_closed_port() -> Exception:
+    """botocore's own exception for a put while the store is down (connection refused at once)."""
+    import socket
+
+    import boto3
+    from botocore.config import Config
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
+                          aws_access_key_id="x", aws_secret_access_key="y", config=Config(retries={"max_attempts": 1}))
+    try:
+        client.put_object(Bucket="results", Key=KEY, Body=b"{}")
+    except Exception as exc:  # noqa: BLE001
+        return exc
+    raise AssertionError("a put into a closed port succeeded")
+
+
+def test_an_agent_that_could_not_reach_s3_for_its_result_blames_s3():
+    """The object store's outage, met by the agent writing this rollout's result: botocore's
+    could-not-connect (from a real put), connect/read timeouts and dropped connections, path-style
+    (moto) or virtual-hosted (AWS) URLs, a URL-quoted key. The line names S3 and the object."""
+    from botocore.exceptions import ConnectionClosedError, ConnectTimeoutError, ReadTimeoutError
+
+    aws = f"https://results.s3.us-east-1.amazonaws.com/{KEY}"
+    for exc in (_put_into_a_closed_port(), ConnectTimeoutError(endpoint_url=aws), ReadTimeoutError(endpoint_url=aws),
+                ConnectionClosedError(endpoint_url=aws.replace("/", "%2F").replace("https:%2F%2F", "https://"))):
+        line = agent_could_not_store(_stop_reason(exc), "results", KEY)
+        assert line is not None, _stop_reason(exc)
+        assert line.startswith(f"S3 (the result store) could not be reached: the agent could not write its result to "
+                               f"s3://results/{KEY} (") and "not the agent at fault" in line
+    assert "not the agent's fault" in FAILURE_HINTS["s3_unavailable"] and "moto" in FAILURE_HINTS["s3_unavailable"]
+
+
+def test_the_agents_own_failures_stay_the_agents():
+    """A connection error to another endpoint (the gateway, another object), or any other reason, is
+    the agent's own: None (the rollout stays `agent_error`)."""
+    from botocore.exceptions import EndpointConnectionError
+
+    for stop_reason in (None, "", "ValueError: no answer in the reply",
+                        "APIConnectionError: Connection error. (http://127.0.0.1:8000/v1/chat/completions)",
+                        _stop_reason(EndpointConnectionError(endpoint_url="http://127.0.0.1:8000/v1/chat/completions")),
+                        _stop_reason(EndpointConnectionError(endpoint_url="http://127.0.0.1:9/data/exp-1/other.json")),
+                        f"S3 key {KEY} was written twice"):
+        assert agent_could_not_store(stop_reason, "results", KEY) is None, stop_reason

@@ -91,7 +91,9 @@ FAILURE_HINTS = {  # rollout/failed/{reason} (workers/rollout/failures.py) -> wh
     "throttled": "ACR throttled the calls: lower rollout.acr.limits.requests_per_s or raise the account's quota",
     "acr_error": "ACR refused the calls: check rollout.acr.agent_runtime_arn, its qualifier and the credentials",
     "acr_unavailable": "the ACR endpoint could not be reached",
-    "s3_unavailable": "the result bucket could not be reached (rollout.acr.s3_bucket)",
+    "s3_unavailable": "S3, the result store (rollout.acr.s3_bucket), could not be reached, by this run or by the agents "
+                      "writing their results: with rollout=local moto was down or restarting (local/server_restarts), "
+                      "on AWS check the bucket's region and the network; not the agent's fault",
     "transport": "the connection to the agent dropped",
     "engine_lost": "no inference replica answered the agent's model calls",
     "nonlinear_history": "the agents edited their message history under gateway.history_mode=linear with "

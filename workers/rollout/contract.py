@@ -53,7 +53,12 @@ class BadResult(ValueError):
 
 
 class AgentFailed(RuntimeError):
-    """The agent reported a failure for its rollout (error record, interrupted, not_found)."""
+    """The agent reported a failure for its rollout (error record, interrupted, not_found).
+    `stop_reason`: the whole reason of a toolkit error object (the message keeps 200 characters)."""
+
+    def __init__(self, message: str, stop_reason: str | None = None) -> None:
+        super().__init__(message)
+        self.stop_reason = stop_reason
 
 
 def new_session_id(exp_id: str, group_id: int, sample_index: int) -> str:
@@ -118,7 +123,8 @@ def parse_reward(result: dict, where: str) -> float:
     if "rewards" not in result:
         status = result.get("status_code")
         if isinstance(status, int) and not isinstance(status, bool) and status >= 400:  # toolkit error object
-            raise AgentFailed(f"{where}: agent reported status_code {status}: {str(result.get('stop_reason'))[:200]}")
+            reason = str(result.get("stop_reason"))
+            raise AgentFailed(f"{where}: agent reported status_code {status}: {reason[:200]}", stop_reason=reason)
         raise BadResult(f"{where}: result has no 'rewards' field (keys: {sorted(result)})")
     r = result["rewards"]
     if isinstance(r, list):

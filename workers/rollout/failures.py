@@ -10,15 +10,22 @@ setup; workers/rollout/lifecycle.py), and the faults of our own parts and server
 `s3_unavailable` (the ACR endpoint or the result store refused or dropped the connection after
 botocore's retries, e.g. the local emulator or moto restarting: later rollouts succeed once it is
 back, and a StopRuntimeSession that failed meanwhile is retried by the worker for
-STOP_RETRY_FOR_S). Callers: workers/rollout/worker.py, pool.py.
+STOP_RETRY_FOR_S). The result store's outage is `s3_unavailable` also when the agent is the one
+that met it: an agent whose write of its result failed because S3 could not be reached reports the
+toolkit's error object once the store is back (`agent_could_not_store`), which is S3's failure, not
+the agent's (`agent_error` would point the user at their agent). Callers: workers/rollout/worker.py,
+pool.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Iterator, Literal
+from urllib.parse import unquote
 
-from botocore.exceptions import ClientError, ConnectionError as BotoConnectionError, HTTPClientError
+from botocore.exceptions import (ClientError, ConnectionClosedError, ConnectionError as BotoConnectionError,
+                                 ConnectTimeoutError, EndpointConnectionError, HTTPClientError, ReadTimeoutError)
 
 from workers.acr.client import AgentBodyError
 from workers.rollout.contract import AgentFailed, BadResult
@@ -31,12 +38,21 @@ STOP_RETRY_EVERY_S = 2.0  # a StopRuntimeSession that failed is tried again this
 STOP_RETRY_FOR_S = 300.0  # ... for this long: the emulator / ACR may come back; then its slot is freed
 
 
+# botocore's messages for an endpoint it could not reach, as `f"{type(exc).__name__}: {exc}"` writes them
+# into an agent's error object: the text of each class's `fmt` before its quoted endpoint URL
+_UNREACHABLE_TEXT = re.compile(
+    "(?:" + "|".join(re.escape(cls.fmt.split('"{endpoint_url}"')[0]) for cls in
+                     (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError, ConnectionClosedError))
+    + r')\s*"?(?P<url>[^"\s]+)"?')
+
+
 class EndpointDown(Exception):
     """The ACR endpoint (`acr_unavailable`) or the result store (`s3_unavailable`) could not be
-    reached: refused, reset or timed out after botocore's retries (a server restarting)."""
+    reached: refused, reset or timed out after botocore's retries (a server restarting).
+    `message`: the text when the cause's own would not name the part (default: the cause's)."""
 
-    def __init__(self, reason: FailReason, cause: BaseException) -> None:
-        super().__init__(f"{type(cause).__name__}: {cause}")
+    def __init__(self, reason: FailReason, cause: BaseException, message: str | None = None) -> None:
+        super().__init__(message or f"{type(cause).__name__}: {cause}")
         self.reason = reason
 
 
@@ -56,6 +72,20 @@ def reaching(reason: FailReason) -> Iterator[None]:
         yield
     except UNREACHABLE as e:
         raise EndpointDown(reason, e) from e
+
+
+def agent_could_not_store(stop_reason: str | None, bucket: str, key: str) -> str | None:
+    """When an agent's error object says it failed because the result store could not be reached
+    while it wrote this rollout's result (`stop_reason` holds botocore's could-not-connect,
+    connect- or read-timeout or connection-closed message for a URL of `key`), the line that names
+    S3 as the broken part; else None (the agent's own failure). `bucket`/`key`: where the result
+    was due (rollout.acr.s3_bucket, `result_key`). Pure."""
+    for match in _UNREACHABLE_TEXT.finditer(stop_reason or ""):
+        if key in unquote(match.group("url")):
+            return (f"S3 (the result store) could not be reached: the agent could not write its result to "
+                    f"s3://{bucket}/{key} ({match.group(0)}); the object store was down or restarting, "
+                    "not the agent at fault")
+    return None
 
 
 def fail_reason(exc: BaseException) -> FailReason:

@@ -45,6 +45,7 @@ from workers.core.seeds import session_seed
 from workers.core.types import RolloutRequest, Sample, SessionCapture
 from workers.rollout.contract import (
     RESERVED_KEYS,
+    AgentFailed,
     BadResult,
     BadResultStreak,
     ContractError,
@@ -60,7 +61,8 @@ from workers.rollout.contract import (
     s3_payload,
 )
 from workers.rollout import a2a
-from workers.rollout.failures import FailReason, fail_reason, reaching as _reaching
+from workers.rollout.failures import (EndpointDown, FailReason, agent_could_not_store, fail_reason,
+                                      reaching as _reaching)
 from workers.rollout.lifecycle import Bounds, Spans, run_bounded
 from workers.rollout.overflow import truncation
 from workers.rollout.results import ResultBoard
@@ -391,11 +393,22 @@ class RolloutWorker:
             if got is None:
                 raise TimeoutError(f"no result at {where} within {s.timeout_s}s")
             self._delete_result(key)
-            return parse_reward(got, where), self._clock()
+            return self._s3_reward(got, where, key), self._clock()
         self._push_seen = True
         self.counts["rollout/results_pushed"] += 1
         self._delete_result(key)  # the agent writes S3 before it posts (agent_common/rollout_contract.py)
-        return parse_reward(parse_result_body(got.body, f"{where} (posted)"), f"{where} (posted)"), got.arrived_s
+        posted_at = f"{where} (posted)"
+        return self._s3_reward(parse_result_body(got.body, posted_at), posted_at, key), got.arrived_s
+
+    def _s3_reward(self, result: dict, where: str, key: str) -> float:
+        """`parse_reward`, but an error object whose agent could not reach S3 to write this result is
+        the store's failure (EndpointDown `s3_unavailable`, workers/rollout/failures.py), not the agent's."""
+        try:
+            return parse_reward(result, where)
+        except AgentFailed as exc:
+            if (line := agent_could_not_store(exc.stop_reason, self._s.s3_bucket, key)) is not None:
+                raise EndpointDown("s3_unavailable", exc, line) from exc
+            raise
 
     def _delete_result(self, key: str) -> None:
         """With `delete_results`, DeleteObject the result just read, off the completion path; a
