@@ -19,8 +19,9 @@ Ctrl-C, SIGTERM), servers by PID and actors through Ray; nothing is stopped by n
 SIGTERM are handled from this module's first line (orchestrator/control/stopping.py): before pre-flight
 passed a signal exits at once (nothing started); after it, the first one unwinds the start, the
 parts' build or the loop, and the run ends with `interrupted: true` in summary.json; a second one
-exits at once. A driver killed outright (SIGKILL), or by a second signal, leaves the cleanup to the
-run's reaper (orchestrator/control/reaper.py), started before anything else.
+exits without unwinding, once summary.json (`interrupted: true`) and the report are written
+(`_last_words`, bounded). A driver killed outright (SIGKILL), or by a second signal, leaves the
+cleanup to the run's reaper (orchestrator/control/reaper.py), started before anything else.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ LEFT_SESSIONS_S = 60.0  # bound on stopping the ACR sessions an earlier run left
 REPORT_JOIN_S = 20.0  # an interrupted run waits this long at most for its report, drawn while it stops (seconds)
 _INTERRUPTED_REPORT: list[threading.Thread] = []  # that report's drawing thread
 _REPORT_DRAWN: list[Path] = []  # the report.html it wrote
+_SUMMARY_WRITTEN: list[Path] = []  # the run dirs whose summary.json this process wrote
 
 
 def _write_summary(run_dir: Path, summary: dict, pre, t_start: float) -> None:
@@ -64,6 +66,49 @@ def _write_summary(run_dir: Path, summary: dict, pre, t_start: float) -> None:
     from orchestrator.watch.metrics import write_summary
 
     write_summary(run_dir / "summary.json", summary)
+    _SUMMARY_WRITTEN.append(run_dir)
+
+
+def _own_run_dir(cfg: RunConfig, pre, t_start: float) -> None:
+    """Past pre-flight: this run owns run_dir, its report is ours to write; a training run's second
+    signal writes its summary and report before it exits (`_last_words`)."""
+    _STARTED.append(pre.run_dir)
+    if cfg.mode.name != "eval":  # an evaluation writes eval_summary.json as it ends, no summary.json
+        from orchestrator.control.stopping import before_exit_at_once
+
+        before_exit_at_once(lambda: _last_words(pre, t_start))
+
+
+def _last_words(pre, t_start: float) -> None:
+    """What a second signal leaves (orchestrator/control/stopping.py `exit_at_once`, in a thread while
+    the main thread stands still): summary.json unless this process wrote one already (the
+    interrupted run's own, written once its loop stopped), else `interrupted: true`,
+    `exited_at_once: true`, the step and policy version of the last logged step (or of the resumed
+    checkpoint), the other totals missing; and the report: the drawing the first signal started is
+    waited for, else it is drawn now. Each outcome one line on stderr (os.write: a print may be
+    what the signal interrupted)."""
+    import os
+
+    run_dir = pre.run_dir
+    if run_dir not in _SUMMARY_WRITTEN:
+        last, state = _last_logged_record(run_dir), pre.checkpoint.state if pre.checkpoint else None
+        _write_summary(run_dir, {"steps": int(last.get("step", state.step if state else 0)),
+                                 "policy_version": int(last.get("policy_version", state.policy_version if state else 0)),
+                                 "interrupted": True, "exited_at_once": True}, pre, t_start)
+    for thread in _INTERRUPTED_REPORT:
+        thread.join()  # the caller bounds the whole
+    where = " (no step was logged: no report)"
+    if not _INTERRUPTED_REPORT:
+        from orchestrator.watch.report import write_run_report
+
+        try:
+            if (path := write_run_report(run_dir)) is not None:
+                _REPORT_DRAWN.append(path)
+        except Exception as exc:  # noqa: BLE001  the summary is written; say why the report is not
+            where = f"; the report was not drawn ({exc!r}): python -m orchestrator.watch.report {run_dir}"
+    if _REPORT_DRAWN:
+        where = f"; report: {_REPORT_DRAWN[-1]}"
+    os.write(2, f"summary.json written (interrupted: true){where}\n".encode())
 
 
 def _draw_report_while_stopping(run_dir: Path) -> None:
@@ -143,7 +188,7 @@ def _run_started(cfg: RunConfig, pre, t_start: float) -> dict:
 
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(run_config_dict(cfg)))  # what a resume is compared with
     print(f"run_dir: {run_dir}", flush=True)
-    _STARTED.append(run_dir)  # past pre-flight: this run owns run_dir, its report is ours to write
+    _own_run_dir(cfg, pre, t_start)
     quiet_console(run_dir, cfg.logger.console_level)  # library output to RUN_DIR/logs/ from here on
     interrupts = Interrupts()
     with contextlib.ExitStack() as stack:
@@ -381,14 +426,22 @@ def _dry_run(cfg: RunConfig) -> None:
 
 def _last_logged_step(run_dir: Path) -> int:
     """The step of the last whole record of RUN_DIR/metrics.jsonl (0 when none)."""
+    return int(_last_logged_record(run_dir).get("step", 0))
+
+
+def _last_logged_record(run_dir: Path) -> dict:
+    """The last whole step record of RUN_DIR/metrics.jsonl with a step ({} when none; a line cut
+    short by a kill is skipped)."""
     import json
 
-    step = 0
+    last: dict = {}
     with contextlib.suppress(OSError):
         for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-            with contextlib.suppress(ValueError, TypeError, AttributeError):
-                step = int(json.loads(line).get("step", step))
-    return step
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                record = json.loads(line)
+                int(record["step"])
+                last = record
+    return last
 
 
 def _fail_if_disk_full(cfg: RunConfig, exc: BaseException) -> None:

@@ -169,6 +169,77 @@ def test_first_signal_unwinds_and_a_second_exits_at_once():
     assert err.startswith("interrupted again (SIGINT): exiting now") and "Traceback" not in err
 
 
+# A stand-in driver past pre-flight: the real `orchestrator.main` owns its run dir (which registers
+# the second signal's last words) with two steps logged; the first signal raises KeyboardInterrupt
+# and the driver then takes its time to stop its parts, before it wrote summary.json.
+DOUBLE_CTRL_C = textwrap.dedent("""
+    import json, sys, time, types
+    from pathlib import Path
+    from orchestrator import main as driver
+    from orchestrator.control import stopping
+    from orchestrator.control.preflight import Preflight
+    run_dir = Path(sys.argv[1])
+    with (run_dir / "metrics.jsonl").open("w") as f:
+        for step in (1, 2):
+            f.write(json.dumps({"step": step, "policy_version": step, "reward/mean": 0.25 * step,
+                                "timing_s/step": 2.0}) + "\\n")
+    driver._own_run_dir(types.SimpleNamespace(mode=types.SimpleNamespace(name="async")),
+                        Preflight(run_dir=run_dir, checkpoint=None), time.monotonic())
+    stopping.install_unwinding()
+    try:
+        print("ready", flush=True)
+        time.sleep(60)
+    except KeyboardInterrupt as exc:
+        print(f"unwinding {exc}", flush=True)
+        time.sleep(60)  # stopping the parts: the summary is written after this
+""")
+
+
+def test_a_double_ctrl_c_still_leaves_the_summary_and_the_report(tmp_path):
+    """Issue 47 (item 8): a second Ctrl-C while the run stopped its parts exited at once and left no
+    summary.json and no report. It still exits without unwinding, status 130, but first writes
+    summary.json (`interrupted: true`, the last logged step) and the report, and says where."""
+    from orchestrator.control.stopping import LAST_WORDS_S
+
+    proc = subprocess.Popen([sys.executable, "-c", DOUBLE_CTRL_C, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stdout.readline() == "ready\n", proc.stderr.read() if proc.poll() is not None else ""
+        proc.send_signal(signal.SIGINT)
+        assert proc.stdout.readline() == "unwinding SIGINT\n"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=LAST_WORDS_S + 10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and time.monotonic() - t0 < LAST_WORDS_S, err
+    assert err.startswith("interrupted again (SIGINT): writing summary.json and the report") and "Traceback" not in err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["exited_at_once"] is True
+    assert (summary["steps"], summary["policy_version"]) == (2, 2)
+    report = tmp_path / "report" / "report.html"
+    assert report.is_file() and f"report: {report}" in err
+
+
+def test_a_second_signal_keeps_the_summary_the_interrupted_run_wrote(tmp_path, monkeypatch):
+    """Once the interrupted run wrote its own summary.json (its totals), the last words keep it and
+    only see to the report."""
+    from orchestrator import main as driver
+    from orchestrator.control.preflight import Preflight
+
+    for name in ("_SUMMARY_WRITTEN", "_INTERRUPTED_REPORT", "_REPORT_DRAWN"):
+        monkeypatch.setattr(driver, name, [])
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 3, "policy_version": 3, "timing_s/step": 2.0}) + "\n")
+    pre = Preflight(run_dir=tmp_path, checkpoint=None)
+    driver._write_summary(tmp_path, {"steps": 3, "interrupted": True, "rollout/dispatched": 24}, pre, time.monotonic())
+    written = (tmp_path / "summary.json").read_text()
+    driver._last_words(pre, time.monotonic())
+    assert (tmp_path / "summary.json").read_text() == written
+    assert (tmp_path / "report" / "report.html").is_file()
+
+
 def test_ray_inits_own_sigterm_exit_counts_as_the_first_signal():
     """While ray.init runs, its own SIGTERM handler raises SystemExit(15): the driver takes it for
     the first SIGTERM (KeyboardInterrupt: unwind, summary.json) and a later signal exits at once."""

@@ -11,10 +11,14 @@ Three windows, one handler each (the driver installs them in this order):
   the driver still closes every part (rollouts stop their ACR sessions while the emulator answers).
   The guarded work awaits every slow start (actors, engines) instead of blocking the loop's thread,
   so the signal is seen at once.
-In every window a second signal ends the process at once (`exit_at_once`: one line, status 130):
-the user insists, and the run's reaper (orchestrator/control/reaper.py) cleans up after the driver.
+In every window a second signal ends the process without unwinding (`exit_at_once`: one line,
+status 130): the user insists, and the run's reaper (orchestrator/control/reaper.py) cleans up after
+the driver. Before it exits it runs the run's last words (`before_exit_at_once`: the driver's
+summary.json and report, so a double Ctrl-C still leaves them) in a thread, for at most
+`LAST_WORDS_S`; a third signal exits at once without waiting for them.
 
-Invariant: once a signal has arrived, `guard` returns or raises within about `2 * CANCEL_GRACE_S`
+Invariant: a second signal ends the process within `LAST_WORDS_S` (a third one at once), whatever
+the last words do or wait for. Once a signal has arrived, `guard` returns or raises within about `2 * CANCEL_GRACE_S`
 plus the guarded task's own unwinding: it cancels the task, and cancels it again after
 `CANCEL_GRACE_S` when the task is still running (a cancellation swallowed by `asyncio.wait_for`
 on Python 3.11, when the awaited future completes in the same iteration, must not keep a run
@@ -31,8 +35,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
-from typing import TYPE_CHECKING, Awaitable, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Awaitable, Callable, NoReturn, TypeVar
 
 if TYPE_CHECKING:
     import asyncio  # imported where used: the driver imports this module first thing, before its handlers are in
@@ -42,9 +47,11 @@ CANCEL_GRACE_S = 3.0  # wait for a cancelled task to unwind before cancelling it
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STOP_MARK = "stop +"  # prefix of the stop-timeline lines in the driver log
 EXIT_INTERRUPTED = 130  # exit status of a run ended by SIGINT or SIGTERM (128 + SIGINT, the shell's Ctrl-C)
+LAST_WORDS_S = 20.0  # a second signal's last words (summary.json, the report) get at most this long (seconds)
 
 log = logging.getLogger(__name__)
 _signalled_at: list[float] = []  # time.monotonic() of this process's first signal (one per process)
+_last_words: list[Callable[[], None]] = []  # run by a second signal before it exits (`before_exit_at_once`)
 
 
 def mark(what: str) -> None:
@@ -67,10 +74,40 @@ def _exit_nothing_started(sig: int, frame: object) -> NoReturn:
     _say_and_exit(f"interrupted: {signal.Signals(sig).name} before the run started anything")
 
 
+def before_exit_at_once(last_words: Callable[[], None]) -> None:
+    """Have a second signal run `last_words` before the process exits (see `exit_at_once`). It runs
+    in a thread while the main thread is stopped wherever the signal found it, so it must not need
+    the main thread (no event loop, no lock the driver may hold); it may write to stderr with
+    os.write only. Its errors are ignored."""
+    _last_words.append(last_words)
+
+
+def _run_last_words() -> None:
+    for words in _last_words:
+        try:
+            words()
+        except BaseException:  # noqa: BLE001  a broken summary or report never keeps the process alive
+            pass
+
+
 def exit_at_once(sig: int, frame: object) -> NoReturn:
-    """The second signal's handler: one line, exit 130 now (no unwinding); the reaper stops the rest."""
-    _say_and_exit(f"interrupted again ({signal.Signals(sig).name}): exiting now; the run's reaper stops "
-                  "what is still running")
+    """The second signal's handler: one line, the last words (`before_exit_at_once`, at most
+    LAST_WORDS_S; a third signal skips them), exit 130 (no unwinding); the reaper stops the rest."""
+    name = signal.Signals(sig).name
+    if not _last_words:
+        _say_and_exit(f"interrupted again ({name}): exiting now; the run's reaper stops what is still running")
+    for s in SIGNALS:
+        signal.signal(s, _exit_without_last_words)
+    os.write(2, f"interrupted again ({name}): writing summary.json and the report, then exiting (at most "
+                f"{LAST_WORDS_S:.0f} s; once more exits now); the run's reaper stops what is still running\n".encode())
+    words = threading.Thread(target=_run_last_words, name="last-words", daemon=True)
+    words.start()
+    words.join(LAST_WORDS_S)  # a third signal interrupts the wait (POSIX) and exits
+    os._exit(EXIT_INTERRUPTED)
+
+
+def _exit_without_last_words(sig: int, frame: object) -> NoReturn:
+    _say_and_exit(f"interrupted a third time ({signal.Signals(sig).name}): exiting now")
 
 
 def _raise_first(sig: int, frame: object) -> NoReturn:  # the first signal outside the event loop
