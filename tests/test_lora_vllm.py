@@ -1,5 +1,6 @@
 """LoRA served by the real vLLM CPU engine: the adapter-only weight sync, its proof of arrival,
-adapter versions pinned per request across syncs, and the merged weights against the adapter.
+adapter versions pinned per request across syncs, the merged weights against the adapter, and a
+LoRA checkpoint evaluated as docs/training.md says (served with its trained adapter).
 
 One engine (tiny Qwen2, `lora_rank=8`, `max_loras=3`, in_flight "continue" as in async mode) and
 one in-process LoRA trainer are shared by the module. The trainer is stepped on a fixed batch
@@ -156,3 +157,52 @@ async def test_exported_merged_model_in_vllm_gives_the_adapter_served_logprobs(s
     diff = max(abs(a - b) for a, b in zip(got, served))
     print(f"\nmerged (vLLM) vs adapter-served probe max |diff|: {diff:.2e}")
     assert diff <= 1e-3
+
+
+async def test_a_lora_checkpoint_evaluated_as_documented_scores_the_trained_adapter(stack, tmp_path):
+    """Issue 47 (item 2): `mode=eval model.path=RUN/checkpoints/latest/model` on a LoRA run scored the
+    untrained base (0.138 where the trained adapter scores 0.177). The checkpoint here is what a LoRA
+    run writes (the trainer's save_hf: base weights + lora_adapter/, committed, `latest` pointing at
+    it); pre-flight turns the documented command into the config, and the replica serves it the way
+    mode=eval does (`serve_adapter`). The score, the served model's mean log-prob of the probe, is the
+    trained adapter's (HF PEFT on the same files, <= 1e-3 per token) and differs from the base's by
+    what the adapter changes. (That the config carries the adapter, whatever the pointer's form, and
+    that training from such a dir is refused: tests/test_lora_checkpoint_eval.py, no engine.)"""
+    import re
+
+    from peft import PeftModel
+
+    from orchestrator.control.checkpoint import RunState, stage_checkpoint
+    from orchestrator.control.preflight import check_model
+    from orchestrator.loop.prompts import PromptCycle
+    from orchestrator.loop.staleness import AdmissionState
+    from orchestrator.wiring.eval import adapter_rank, serve_adapter
+    from stand_ins import REPO, compose_config
+
+    engine, trainer, _ = stack
+    train_once(trainer, 6)  # with the earlier tests' steps: an adapter well away from the base
+    documented = re.search(r"model\.path=(\S+)", (REPO / "docs" / "training.md").read_text()).group(1)
+    run = tmp_path / documented.split("/checkpoints/")[0]
+    with stage_checkpoint(run, 3) as stage:
+        trainer.save_hf(str(stage.model_dir))
+        trainer.save_optimizer(str(stage.optimizer_path))
+        ckpt = stage.commit(RunState(step=3, policy_version=3, next_group_id=0,
+                                     prompts=PromptCycle([{"input_id": "a"}], seed=0).state(),
+                                     admission=AdmissionState(policy_version=3, trained_groups=3)))
+    cfg = compose_config(["mode=eval", f"model.path={tmp_path / documented}"])
+    check_model(cfg)  # pre-flight
+    assert cfg.eval.adapter_path == str(ckpt / "model" / "lora_adapter") and adapter_rank(cfg.eval.adapter_path) == 8
+    await serve_adapter([engine], cfg.eval.adapter_path, engine.policy_version() + 1)
+    served = await engine.prompt_logprobs(probe_tokens(256))
+
+    base = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32).eval()
+    base_lp = hf_token_logprobs(base, probe_tokens(256))
+    trained_lp = hf_token_logprobs(PeftModel.from_pretrained(base, cfg.eval.adapter_path).eval(), probe_tokens(256))
+
+    def score(lps):
+        return sum(lps) / len(lps)
+
+    print(f"\nprobe score: base {score(base_lp):.4f}, trained adapter {score(trained_lp):.4f}, served {score(served):.4f}")
+    assert max(abs(a - b) for a, b in zip(served, trained_lp)) <= 1e-3  # the trained adapter is what is served
+    assert abs(score(served) - score(trained_lp)) <= 1e-3
+    assert abs(score(trained_lp) - score(base_lp)) > 0.05  # ... and it is not the base's score

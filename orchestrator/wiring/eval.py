@@ -40,7 +40,7 @@ class BuiltEval:
     closing: contextlib.AsyncExitStack
 
 
-def _adapter_rank(adapter_path: str | None) -> int | None:
+def adapter_rank(adapter_path: str | None) -> int | None:
     """The rank `r` of the PEFT adapter at `adapter_path` (its adapter_config.json), None without
     one. Raises ValueError naming eval.adapter_path when it is not a PEFT adapter directory."""
     if not adapter_path:
@@ -50,6 +50,14 @@ def _adapter_rank(adapter_path: str | None) -> int | None:
         return int(json.loads(config.read_text())["r"])
     except (OSError, KeyError, ValueError) as e:
         raise ValueError(f"eval.adapter_path {adapter_path} is not a PEFT LoRA adapter directory ({e})") from e
+
+
+async def serve_adapter(replicas: list, adapter_path: str, version: int) -> None:
+    """Every replica (started with a LoRA rank >= the adapter's, `adapter_rank`) serves the PEFT
+    adapter at `adapter_path` as its current policy `version`, so every evaluated request runs on the
+    base + that adapter (eval.adapter_path, or the one pre-flight found in a LoRA checkpoint's model
+    dir). Raises what a replica's `load_adapter` raises."""
+    await asyncio.gather(*(ReplicaClient(r).load_adapter(adapter_path, version, initial=True) for r in replicas))
 
 
 async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -> BuiltEval:
@@ -70,7 +78,7 @@ async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -
             placed = place(cfg.cluster)
             stack.callback(placed.remove)
             version = rt.checkpoint.state.policy_version if rt.checkpoint else 0
-            spawn = replica_spawner(cfg, placed, rt.model_path, version, lora_rank=_adapter_rank(cfg.eval.adapter_path))
+            spawn = replica_spawner(cfg, placed, rt.model_path, version, lora_rank=adapter_rank(cfg.eval.adapter_path))
             replicas = [spawn(i) for i in range(cfg.inference.replicas)]
             engines_up = [asyncio.ensure_future(ReplicaClient(r).start()) for r in replicas]  # the longest: first
             close_quietly(closing, lambda: asyncio.gather(*(ReplicaClient(r).shutdown() for r in replicas)))
@@ -80,9 +88,8 @@ async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -
         stack.callback(buffer.stop)
         if gateway is not None:
             await asyncio.gather(*engines_up)
-            if cfg.eval.adapter_path:  # base + adapter: every replica serves the adapter as the current version
-                await asyncio.gather(*(ReplicaClient(r).load_adapter(cfg.eval.adapter_path, version, initial=True)
-                                       for r in replicas))
+            if cfg.eval.adapter_path:  # base + adapter
+                await serve_adapter(replicas, cfg.eval.adapter_path, version)
             phase("engines ready; starting the gateway and the rollout pool")
             await GatewayClient(gateway).set_engines(replicas)
             base_url = await GatewayClient(gateway).start()
