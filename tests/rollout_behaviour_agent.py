@@ -21,7 +21,9 @@ from ACR's session header, the reply text) so a test can check what reached the 
 - store_down: the object store is down when the agent writes its reward (its put goes to a port
   nothing listens on: botocore's real EndpointConnectionError for the result's URL), and once it is
   back the agent writes the toolkit's error object with that exception as its `stop_reason`, as the
-  example agents do (examples/agents/letters_agent/app.py): what killing moto mid-run looks like.
+  example agents do (examples/agents/letters_agent/app.py): what killing moto mid-run looks like;
+- bucket_gone: the same, but the store answers without the bucket (moto restarted, its bucket not
+  yet created again): the put goes to a bucket moto does not have (botocore's real NoSuchBucket).
 """
 
 from __future__ import annotations
@@ -121,6 +123,13 @@ async def invoke(payload, context):
         task.add_done_callback(_background.discard)
     elif behaviour == "store_down":
         await _put(r["s3_bucket"], key, await asyncio.to_thread(_reward_into_a_dead_store, r["s3_bucket"], key))
+    elif behaviour == "bucket_gone":
+        try:
+            await _put(f"{r['s3_bucket']}-gone", key, {"rewards": 0.75})
+        except Exception as exc:  # noqa: BLE001  as the example agents catch it
+            await _put(r["s3_bucket"], key, {"status_code": 500, "stop_reason": f"{type(exc).__name__}: {exc}"})
+        else:
+            raise RuntimeError("a put into a bucket moto does not have should have failed")
     elif behaviour != "no_result":
         await _put(r["s3_bucket"], key, RESULTS[behaviour])
     return {"status": "processing", "result_key": key, "session_id": session_id}

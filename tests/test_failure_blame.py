@@ -102,6 +102,32 @@ def test_an_agent_that_could_not_reach_s3_for_its_result_blames_s3():
     assert "not the agent's fault" in FAILURE_HINTS["s3_unavailable"] and "moto" in FAILURE_HINTS["s3_unavailable"]
 
 
+def _client_error(code: str, operation: str, retries: int = 0) -> Exception:
+    from botocore.exceptions import ClientError
+
+    return ClientError({"Error": {"Code": code, "Message": f"the store says {code}"},
+                        "ResponseMetadata": {"RetryAttempts": retries, "MaxAttemptsReached": retries > 0}}, operation)
+
+
+def test_an_agent_whose_put_s3_refused_for_a_store_fault_blames_s3():
+    """Seen killing moto mid-run: the restarted moto answered before it had its bucket back, the
+    agent's PutObject got NoSuchBucket and its error object failed the rollout `agent_error`. S3's
+    answers that are the store's fault (STORE_FAULT_CODES) to the agent's PutObject blame S3; the
+    agent's own (access denied, a read of another object) stay the agent's."""
+    from workers.rollout.failures import STORE_FAULT_CODES
+
+    for code in STORE_FAULT_CODES:
+        for retries in (0, 4):
+            line = agent_could_not_store(_stop_reason(_client_error(code, "PutObject", retries)), "results", KEY)
+            assert line is not None and line.startswith(f"S3 (the result store) refused the agent's write of its "
+                                                        f"result to s3://results/{KEY} ({code}: the store says"), line
+    as_boto3_names_it = ("NoSuchBucket: An error occurred (NoSuchBucket) when calling the PutObject operation: "
+                         "The specified bucket does not exist")  # the modeled class, from the real run
+    assert agent_could_not_store(as_boto3_names_it, "results", KEY) is not None
+    for code, operation in (("AccessDenied", "PutObject"), ("NoSuchKey", "GetObject"), ("NoSuchBucket", "GetObject")):
+        assert agent_could_not_store(_stop_reason(_client_error(code, operation)), "results", KEY) is None
+
+
 def test_the_agents_own_failures_stay_the_agents():
     """A connection error to another endpoint (the gateway, another object), or any other reason, is
     the agent's own: None (the rollout stays `agent_error`)."""

@@ -241,20 +241,22 @@ async def test_each_agent_behaviour_ends_in_one_terminal_sample(rig: Rig, behavi
 
 async def test_an_agent_that_could_not_reach_s3_fails_s3_unavailable_not_agent_error(rig: Rig):
     """Issue 47 (item 6): killing moto mid-run was reported as the agent's fault: the agent's write of
-    its reward failed (S3 unreachable), it wrote the toolkit's error object once moto was back, and the
-    rollout failed `agent_error` (whose hint points at the agent). The object store is the broken part:
-    the rollout fails `s3_unavailable`, its error names S3 and the result's key; an agent's own error
-    object stays `agent_error`."""
+    its reward failed (S3 unreachable, or the restarted moto without its bucket yet: NoSuchBucket, as
+    a real run showed), it wrote the toolkit's error object once moto answered, and the rollout failed
+    `agent_error` (whose hint points at the agent). The object store is the broken part: the rollout
+    fails `s3_unavailable`, its error names S3 and the result's key; an agent's own error object
+    stays `agent_error`."""
     worker = rig.worker(TIMEOUT_S)
-    down = await asyncio.wait_for(worker.run(req("store_down", "row-store-down"), PARTITION), TIMEOUT_S)
-    key = f"s3://{rig.stack.bucket}/{EXP_ID}/row-store-down/{down.session_id}.json"
-    assert (down.status, down.reason, down.reward) == ("failed", "s3_unavailable", None), down.error
-    assert down.error.startswith("s3_unavailable: ") and "S3 (the result store) could not be reached" in down.error
-    assert key in down.error and "Could not connect to the endpoint URL" in down.error
+    for behaviour, says in (("store_down", "could not be reached"), ("bucket_gone", "refused the agent's write")):
+        down = await asyncio.wait_for(worker.run(req(behaviour, f"row-{behaviour}"), PARTITION), TIMEOUT_S)
+        key = f"s3://{rig.stack.bucket}/{EXP_ID}/row-{behaviour}/{down.session_id}.json"
+        assert (down.status, down.reason, down.reward) == ("failed", "s3_unavailable", None), down.error
+        assert down.error.startswith("s3_unavailable: ") and f"S3 (the result store) {says}" in down.error
+        assert key in down.error and "not the agent at fault" in down.error
     own = await asyncio.wait_for(worker.run(req("missing", "row-own-error"), PARTITION), TIMEOUT_S)
     assert (own.status, own.reason) == ("failed", "agent_error"), own.error
     counts = worker.rollout_counts()
-    assert (counts["rollout/failed/s3_unavailable"], counts["rollout/failed/agent_error"]) == (1, 1)
+    assert (counts["rollout/failed/s3_unavailable"], counts["rollout/failed/agent_error"]) == (2, 1)
     assert worker.sessions_open == 0 and rig.gateway.num_open_sessions() == 0
 
 

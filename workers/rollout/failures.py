@@ -11,9 +11,10 @@ setup; workers/rollout/lifecycle.py), and the faults of our own parts and server
 botocore's retries, e.g. the local emulator or moto restarting: later rollouts succeed once it is
 back, and a StopRuntimeSession that failed meanwhile is retried by the worker for
 STOP_RETRY_FOR_S). The result store's outage is `s3_unavailable` also when the agent is the one
-that met it: an agent whose write of its result failed because S3 could not be reached reports the
-toolkit's error object once the store is back (`agent_could_not_store`), which is S3's failure, not
-the agent's (`agent_error` would point the user at their agent). Callers: workers/rollout/worker.py,
+that met it: an agent whose write of its result failed because S3 could not be reached, or refused
+it for a fault of the store (its bucket gone: moto restarted empty and not yet given its bucket
+back), reports the toolkit's error object once the store answers again (`agent_could_not_store`),
+which is S3's failure, not the agent's (`agent_error` would point the user at their agent). Callers: workers/rollout/worker.py,
 pool.py.
 """
 
@@ -44,6 +45,12 @@ _UNREACHABLE_TEXT = re.compile(
     "(?:" + "|".join(re.escape(cls.fmt.split('"{endpoint_url}"')[0]) for cls in
                      (EndpointConnectionError, ConnectTimeoutError, ReadTimeoutError, ConnectionClosedError))
     + r')\s*"?(?P<url>[^"\s]+)"?')
+# S3's answer to an agent's PutObject that is the store's fault, as botocore's ClientError writes it
+STORE_FAULT_CODES = ("NoSuchBucket", "InternalError", "ServiceUnavailable", "SlowDown")
+_PUT_REFUSED_TEXT = re.compile(
+    re.escape(ClientError.MSG_TEMPLATE).replace(r"\{error_code\}", r"(?P<code>\w+)")
+    .replace(r"\{operation_name\}", "PutObject").replace(r"\{retry_info\}", r"(?: \([^)]*\))?")
+    .replace(r"\{error_message\}", r"(?P<message>[^\n]*)"))
 
 
 class EndpointDown(Exception):
@@ -75,16 +82,23 @@ def reaching(reason: FailReason) -> Iterator[None]:
 
 
 def agent_could_not_store(stop_reason: str | None, bucket: str, key: str) -> str | None:
-    """When an agent's error object says it failed because the result store could not be reached
-    while it wrote this rollout's result (`stop_reason` holds botocore's could-not-connect,
-    connect- or read-timeout or connection-closed message for a URL of `key`), the line that names
-    S3 as the broken part; else None (the agent's own failure). `bucket`/`key`: where the result
-    was due (rollout.acr.s3_bucket, `result_key`). Pure."""
-    for match in _UNREACHABLE_TEXT.finditer(stop_reason or ""):
+    """When an agent's error object says it failed because of the result store while it wrote this
+    rollout's result, the line that names S3 as the broken part; else None (the agent's own
+    failure). The store's failures: botocore's could-not-connect, connect- or read-timeout or
+    connection-closed message for a URL of `key`; or S3 answering a PutObject with one of
+    STORE_FAULT_CODES (its message names no object: an agent of the contract writes only its result).
+    `bucket`/`key`: where the result was due (rollout.acr.s3_bucket, `result_key`). Pure."""
+    text = stop_reason or ""
+    for match in _UNREACHABLE_TEXT.finditer(text):
         if key in unquote(match.group("url")):
             return (f"S3 (the result store) could not be reached: the agent could not write its result to "
                     f"s3://{bucket}/{key} ({match.group(0)}); the object store was down or restarting, "
                     "not the agent at fault")
+    for match in _PUT_REFUSED_TEXT.finditer(text):
+        if match.group("code") in STORE_FAULT_CODES:
+            return (f"S3 (the result store) refused the agent's write of its result to s3://{bucket}/{key} "
+                    f"({match.group('code')}: {match.group('message')[:200]}); the object store failed or lost "
+                    "its bucket (rollout=local: moto restarted), not the agent at fault")
     return None
 
 
