@@ -166,3 +166,20 @@ async def test_a_failed_push_keeps_both_files_and_the_version(tmp_path):
         await sync.sync(2)
     assert sync.version() == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["policy-v1.safetensors", "policy-v2.safetensors"]
+
+
+@pytest.mark.parametrize("form", ["symlink", "text file"])
+async def test_a_lost_trainer_names_the_checkpoint_latest_points_at(tmp_path, form):
+    """The "trainer lost" message names the checkpoint to continue from, whichever form `latest`
+    has (the symlink runs write now, the text file of earlier versions; issue 47 item 8)."""
+    from orchestrator.control.supervise import explain_trainer_loss
+    from workers.trainer.group import TrainerRankLost
+
+    (tmp_path / "checkpoints" / "step-00000003").mkdir(parents=True)
+    latest = tmp_path / "checkpoints" / "latest"
+    latest.symlink_to("step-00000003") if form == "symlink" else latest.write_text("step-00000003\n")
+    lost = await explain_trainer_loss(TrainerRankLost(0, RuntimeError("gone")), [object()], tmp_path)
+    assert f"last checkpoint: {tmp_path / 'checkpoints' / 'step-00000003'}; rerun with trainer.resume_mode=auto" in str(lost)
+    latest.unlink()
+    lost = await explain_trainer_loss(TrainerRankLost(0, RuntimeError("gone")), [object()], tmp_path)
+    assert "no checkpoint was written yet" in str(lost)
