@@ -16,12 +16,14 @@ Measured (written to --out as JSON, and printed):
   peak request rate and peak open sessions against the configured limits;
 - with `--driver` (the default), the driver's side of the data path as the loops run it: samples
   go into a real TransferQueue trajectory buffer (Ray, one storage unit), and once a group's
-  outcomes are in, a driver stage in its own thread and event loop (its own TQ client) reads the
-  group's sample metadata through the loop's store adapter (orchestrator/adapters/clients.py
-  `BufferStore.sample_infos`; before the data path moved to the trainer ranks, 1c351df, it read
-  the whole samples, tokens included) and clears it. `driver.cpu_s_per_1000_rollouts` is that thread's CPU time per 1000 rollouts;
-  `driver.bytes_per_rollout` the pickled bytes the driver receives per rollout (the outcome the
-  rollout pool returns, plus what the store returns).
+  results are in, a driver stage in its own thread and event loop (its own TQ client) clears the
+  group's samples through the loop's store adapter by the keys the results carry
+  (orchestrator/adapters/clients.py `BufferStore.clear_samples`; before issue 44 it listed the
+  group's tags back from the buffer first, and before 1c351df it read the whole samples, tokens
+  included). `driver.cpu_s_per_1000_rollouts` is that thread's CPU time per 1000 rollouts;
+  `driver.bytes_per_rollout` what the driver receives per rollout, metered at its clients: the
+  results' pickled size (what Ray would hand it) plus every TransferQueue answer its client got
+  (`TrajectoryBuffer.meter_received`).
 
 Run: `python scripts/bench_rollout.py --faults 0.2 --rollouts 10000 --out FILE.json`
 (`--contract s3|http`, `--concurrency C` rollouts in flight, `--timeout-s` per rollout).
@@ -115,11 +117,11 @@ def synthetic_row(num_tokens: int) -> TrajectoryRow | None:
 class DriverStage:
     """The driver's part of the data path (see the module docstring), in its own thread and loop.
 
-    `submit(group_id, outcomes)` once every outcome of the group is in; `close()` waits for the
-    queue to empty. Counts: groups read, samples returned, pickled bytes received, thread CPU s."""
+    `submit(group_id, results)` once every result of the group is in; `close()` waits for the
+    queue to empty. Counts: groups cleared, samples, bytes received (metered), thread CPU s."""
 
     def __init__(self, handle, group_size: int, partition: str) -> None:
-        self._handle, self._n, self._partition = handle, group_size, partition
+        self._handle, self._partition = handle, partition
         self._q: queue.Queue = queue.Queue()
         self.cpu_s = 0.0
         self.bytes_outcomes = self.bytes_store = self.groups = self.samples = 0
@@ -127,8 +129,8 @@ class DriverStage:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="driver-stage", daemon=True)
         self._thread.start()
 
-    def submit(self, group_id: int, outcomes: list) -> None:
-        self._q.put((group_id, outcomes))
+    def submit(self, group_id: int, results: list) -> None:
+        self._q.put((group_id, results))
 
     def close(self, timeout_s: float = 300.0) -> None:
         self._q.put(None)
@@ -137,19 +139,22 @@ class DriverStage:
     async def _run(self) -> None:
         from orchestrator.adapters.clients import BufferStore
         from workers.buffer.store import TrajectoryBuffer
+        from workers.core.calls import ByteMeter
 
         buffer = TrajectoryBuffer.connect(self._handle)
-        store = BufferStore(buffer, self._n)
+        answers = ByteMeter()
+        buffer.meter_received(answers)
+        store = BufferStore(buffer)
         try:
             while (item := await asyncio.to_thread(self._q.get)) is not None:
                 t0 = time.thread_time()
-                group_id, outcomes = item
+                group_id, results = item
                 try:
-                    self.bytes_outcomes += len(pickle.dumps(outcomes))
-                    got = await store.sample_infos(self._partition, [group_id])  # what the loops read
-                    self.bytes_store += len(pickle.dumps(got))
-                    self.samples += len(got)
-                    await store.clear_groups(self._partition, [group_id])
+                    self.bytes_outcomes += len(pickle.dumps(results, protocol=5))
+                    samples = [r.sample for r in results]  # what the loops hold
+                    self.samples += len(samples)
+                    await store.clear_samples(self._partition, samples)  # by the results' keys: no listing
+                    self.bytes_store += answers.take()[0]
                 except Exception as e:  # noqa: BLE001 - counted and reported, the bench goes on
                     self.errors.append(f"group {group_id}: {type(e).__name__}: {e}"[:300])
                 self.groups += 1
@@ -270,7 +275,7 @@ async def run_bench(args: argparse.Namespace, stack: LocalStack) -> dict:
     done = [o for o in outcomes if o is not None]
     stored = Counter(s.session_id for s in sink.samples)
     lat_ms = [o.result_to_stored_s * 1e3 for o in done if o.result_to_stored_s is not None]
-    statuses = Counter(o.status for o in done)
+    statuses = Counter(o.sample.status for o in done)
     reasons = Counter(o.reason for o in done if o.reason is not None)
     trainable_without_reward = sum(1 for s in sink.samples if s.status == "completed" and s.reward is None)
     return {

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.loop.batching import Group
-from workers.core.types import Sample, SampleInfo, TrainOrder, TrajectoryRow
+from workers.core.types import OrderData, RolloutResult, Sample, SampleInfo, TrainOrder, TrajectoryRow
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
@@ -329,10 +329,6 @@ class MemoryStore:
     async def put(self, samples: Sequence[Sample], partition: str) -> None:
         self.partitions.setdefault(partition, []).extend(samples)
 
-    async def sample_infos(self, partition: str, group_ids: Sequence[int]) -> list[SampleInfo]:
-        """The samples' metadata (what the loops get from the product's store: no token)."""
-        return [s.info() for s in self.partitions.get(partition, []) if s.group_id in group_ids]
-
     def sample(self, partition: str, session_id: str) -> Sample:
         """One stored sample whole (what a test's trainer stand-in inspects); KeyError if absent."""
         found = [s for s in self.partitions.get(partition, []) if s.session_id == session_id]
@@ -351,8 +347,12 @@ class MemoryStore:
         self.partitions.pop(partition, None)
         self.cleared.append(partition)
 
-    async def clear_groups(self, partition: str, group_ids: Sequence[int]) -> None:
-        kept = [s for s in self.partitions.get(partition, []) if s.group_id not in group_ids]
+    async def clear_samples(self, partition: str, samples: Sequence[SampleInfo]) -> None:
+        """Free the named samples (the product clears their keys: none named twice, none missing)."""
+        gone = [s.session_id for s in samples]
+        stored = {s.session_id for s in self.partitions.get(partition, [])}
+        assert len(set(gone)) == len(gone) and set(gone) <= stored, f"cleared {gone}, stored {sorted(stored)}"
+        kept = [s for s in self.partitions.get(partition, []) if s.session_id not in gone]
         if kept:
             self.partitions[partition] = kept
         else:
@@ -392,7 +392,11 @@ class SimRollouts:
         self.max_latency_s = max_latency_s
         self.dispatched = 0
 
-    async def run_all(self, reqs: Sequence[Any], partition: str) -> list[Sample]:
+    def shape(self, sample: Sample) -> Sample:
+        """The sample as the rollout worker stores it (a subclass changes its fate); as is here."""
+        return sample
+
+    async def run_all(self, reqs: Sequence[Any], partition: str) -> list[RolloutResult]:
         async def one(r: Any) -> Sample:
             self.dispatched += 1
             v0 = self.engine.served
@@ -400,12 +404,12 @@ class SimRollouts:
             await asyncio.sleep(latency_s)
             v1 = self.engine.served
             row = TrajectoryRow((1, 2, 3, 4), (0, 0, 1, 1), (0.0, 0.0, -0.3, -0.2), (-1, -1, v0, v1))
-            return Sample(f"s{r.group_id}-{r.sample_index}", r.group_id, r.input_id, r.sample_index, (row,),
-                          self.reward_fn(r), "completed", latency_s)
+            return self.shape(Sample(f"s{r.group_id}-{r.sample_index}", r.group_id, r.input_id, r.sample_index, (row,),
+                                     self.reward_fn(r), "completed", latency_s))
 
         out = await asyncio.gather(*(one(r) for r in reqs))
         await self.store.put(out, partition)
-        return out
+        return [RolloutResult(s.info()) for s in out]
 
 
 def alternating_reward(request: Any) -> float:
@@ -428,7 +432,7 @@ class RecordingTrainer:
             if s.row_keys:
                 self.trained.append((self.engine.served, self.store.sample(order.partition, s.session_id)))
         rows = self.store.read_rows(order.partition, [k for s in order.samples for k in s.row_keys])
-        batch = order_batch(order, rows)
+        batch = order_batch(order, rows, OrderData())
         await asyncio.sleep(0.005)
         return {"actor/num_tokens": float(batch.num_loss_tokens)}
 

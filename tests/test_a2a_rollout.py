@@ -92,9 +92,9 @@ async def test_each_a2a_task_ends_in_one_terminal_outcome_and_its_session_stops(
     before = await asyncio.to_thread(stack.stats)
     worker = RolloutWorker(settings, gateway, acr, sink)
     out = await asyncio.wait_for(worker.run(req(behaviour, f"row-{behaviour}"), "p"), TIMEOUT_S)
-    assert (out.status, out.reward, out.reason) == (status, reward, reason), out.error
+    assert (out.sample.status, out.sample.reward, out.reason) == (status, reward, reason), out.sample.error
     if error is not None:
-        assert error in out.error, out.error
+        assert error in out.sample.error, out.sample.error
     [sample] = sink.samples
     assert (sample.status, sample.reward) == (status, reward)
     if behaviour == "ok":  # the agent's model call went through the gateway: its tokens were captured
@@ -112,7 +112,7 @@ async def test_a_task_left_by_the_rollout_timeout_is_cancelled_before_its_sessio
 
     worker = RolloutWorker(replace(settings, timeout_s=2.0), gateway, acr, sink)
     out = await asyncio.wait_for(worker.run(req("slow", "row-slow", sleep_s=8), "p"), TIMEOUT_S)
-    assert (out.status, out.reason) == ("failed", "timeout"), out.error
+    assert (out.sample.status, out.reason) == ("failed", "timeout"), out.sample.error
     assert (marks / f"cancelled-{out.session_id}").exists()  # CancelTask reached the agent's cleanup
     assert (await asyncio.to_thread(stack.stats)).sessions_open == 0
 
@@ -135,9 +135,9 @@ async def test_a_setup_past_its_timeout_fails_as_setup_timeout_and_never_holds_a
     containers, rollouts = handles.sessions.stats(), handles.rollouts.stats()
     assert (containers.in_use, rollouts.in_use) == (1, 0)
     out = await asyncio.wait_for(run, TIMEOUT_S)
-    assert (out.status, out.reason) == ("failed", "setup_timeout"), out.error
-    assert "rollout.setup_timeout_s=1.5s" in out.error and out.reward is None
-    assert out.setup_s is not None and 1.5 <= out.setup_s < 3 and out.rollout_slot_wait_s is None
+    assert (out.sample.status, out.reason) == ("failed", "setup_timeout"), out.sample.error
+    assert "rollout.setup_timeout_s=1.5s" in out.sample.error and out.sample.reward is None
+    assert out.sample.setup_s is not None and 1.5 <= out.sample.setup_s < 3 and out.sample.rollout_slot_wait_s is None
     await clients.sessions.drain()
     assert handles.rollouts.stats().granted == 0 and handles.sessions.stats().in_use == 0
     assert (await asyncio.to_thread(stack.stats)).sessions_open == 0
@@ -146,7 +146,7 @@ async def test_a_setup_past_its_timeout_fails_as_setup_timeout_and_never_holds_a
     assert (ok.status, ok.reward) == ("completed", 0.75), ok.error
     assert handles.rollouts.stats().granted == 1 and ok.setup_s >= 0.2 and ok.rollout_slot_wait_s is not None
     stored = {s.input_id: s for s in sink.samples}  # the spans reach the buffer with the sample
-    assert stored["row-setup-slow"].setup_s == out.setup_s and stored["row-setup-slow"].rollout_slot_wait_s is None
+    assert stored["row-setup-slow"].setup_s == out.sample.setup_s and stored["row-setup-slow"].rollout_slot_wait_s is None
     assert stored["row-setup-quick"].rollout_slot_wait_s == ok.rollout_slot_wait_s
 
 
@@ -174,10 +174,10 @@ async def test_a_warm_pool_keeps_rollout_slots_busy_while_containers_set_up(rig)
             await asyncio.sleep(0.05)
             busy += 0.05 * handles.rollouts.stats().in_use  # slot-seconds held
         outs = [r.result() for r in runs]
-        assert all(o.status == "completed" for o in outs), [o.error for o in outs]
+        assert all(o.sample.status == "completed" for o in outs), [o.sample.error for o in outs]
         assert handles.rollouts.stats().peak_in_use == 2 and handles.sessions.stats().peak_in_use == containers
         if containers > 2:  # somebody waited for a rollout slot after setting up
-            assert max(o.rollout_slot_wait_s for o in outs) > 0.3
+            assert max(o.sample.rollout_slot_wait_s for o in outs) > 0.3
         return busy / (2 * (loop.time() - t0))
 
     cold, warm = await utilisation(2), await utilisation(6)
@@ -200,7 +200,7 @@ async def test_the_session_creation_rate_spaces_new_containers(rig):
     await asyncio.sleep(1.2)
     early = (await asyncio.to_thread(stack.stats)).sessions_created - before
     outs = await asyncio.wait_for(asyncio.gather(*runs), TIMEOUT_S)
-    assert all(o.status == "completed" for o in outs), [o.error for o in outs]
+    assert all(o.sample.status == "completed" for o in outs), [o.sample.error for o in outs]
     assert early <= 4 and loop.time() - t0 >= 2.5  # burst 1 + 2/s: the 6th session no sooner than 2.5 s
 
 

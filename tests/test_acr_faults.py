@@ -143,7 +143,7 @@ async def test_500_rollouts_with_20_percent_faults_all_end_terminal_within_limit
             reqs = _reqs(contract, N_PER_CONTRACT)
             outs = await asyncio.wait_for(pool.run_all(reqs, "faults"), TIMEOUT_S)
             # one outcome per request, in request order
-            assert [(o.group_id, o.sample_index) for o in outs] == [(r.group_id, r.sample_index) for r in reqs]
+            assert [(o.sample.group_id, o.sample.sample_index) for o in outs] == [(r.group_id, r.sample_index) for r in reqs]
             pool_counts.update(await pool.rollout_counts())
             acr = await pool.acr_stats()
             assert acr["sessions_open"] == 0
@@ -157,8 +157,8 @@ async def test_500_rollouts_with_20_percent_faults_all_end_terminal_within_limit
     n = 2 * N_PER_CONTRACT
 
     # every rollout: exactly one terminal state, the one its injected fault calls for, with a reason
-    mismatches = [(f, want, (o.status, o.reason), o.error) for o, (f, want) in zip(outcomes, expected)
-                  if (o.status, o.reason) != want]
+    mismatches = [(f, want, (o.sample.status, o.reason), o.sample.error) for o, (f, want) in zip(outcomes, expected)
+                  if (o.sample.status, o.reason) != want]
     assert not mismatches, mismatches[:5]
     faults_seen = Counter(f for f, _ in expected)
     assert set(faults_seen) == {None, *RATES.rates()}, faults_seen  # every kind was injected
@@ -166,7 +166,7 @@ async def test_500_rollouts_with_20_percent_faults_all_end_terminal_within_limit
 
     # fast completion: most S3-contract results came by the agent's POST, not by polling S3 (a loaded
     # machine may let a poll win now and then: polling starts PUSH_GRACE_S after the invoke)
-    s3_completed = sum(o.status == "completed" for o in outcomes[:N_PER_CONTRACT])
+    s3_completed = sum(o.sample.status == "completed" for o in outcomes[:N_PER_CONTRACT])
     assert pool_counts["rollout/results_pushed"] >= s3_completed // 2, (pool_counts["rollout/results_pushed"],
                                                                        s3_completed)
 
@@ -181,7 +181,7 @@ async def test_500_rollouts_with_20_percent_faults_all_end_terminal_within_limit
             assert s.reward is None and s.error
 
     # counts add up, in the pool's metrics too (terminal states and reasons)
-    statuses = Counter(o.status for o in outcomes)
+    statuses = Counter(o.sample.status for o in outcomes)
     reasons = Counter(o.reason for o in outcomes if o.reason)
     assert statuses["completed"] + statuses["failed"] == n
     assert sum(reasons.values()) == statuses["failed"]
@@ -217,7 +217,7 @@ async def test_http_background_start_then_get_polls_to_the_result(stack, parts):
         await pool.shutdown()
     for o in outs:
         f = plan.fault_for(o.session_id)
-        assert (o.status, o.reason) == (NO_RESULT["http"] if f == "no_result" else EXPECTED[f]), o.error
+        assert (o.sample.status, o.reason) == (NO_RESULT["http"] if f == "no_result" else EXPECTED[f]), o.sample.error
     after = await asyncio.to_thread(stack.stats)
     assert after.invocations - before.invocations > 2 * len(reqs)  # start + at least one `get` each
     assert after.sessions_open == 0

@@ -266,6 +266,41 @@ async def test_clear_empties_groups_then_the_partition(buffer, producer):
     await bounded(buffer.clear("other"))
 
 
+async def test_clear_keys_frees_exactly_the_samples_named_with_no_listing_and_the_answers_are_metered(buffer,
+                                                                                                       producer):
+    """What the loops do with the results the rollout pool returned: clear those samples by the keys
+    they carry (a sample without rows by its placeholder), one request for their metadata, none to
+    list the partition; every answer TransferQueue gives the client is counted in its meter."""
+    from workers.buffer.codec import stored_keys
+    from workers.core.calls import ByteMeter
+
+    samples = mixed_batch()
+    await remote(producer.put.remote(samples, "step-keys"))
+    done = [s for s in samples if s.group_id == 11]  # the empty one among them: its placeholder key
+    meter = ByteMeter()
+    buffer.meter_received(meter)
+    listed = 0
+    real_list = buffer._client.async_kv_list
+
+    async def counting_list(*a, **k):
+        nonlocal listed
+        listed += 1
+        return await real_list(*a, **k)
+
+    buffer._client.async_kv_list = counting_list
+    try:
+        await bounded(buffer.clear_keys("step-keys", [k for s in done for k in stored_keys(s.info())]))
+        got_bytes, answers = meter.take()
+        assert listed == 0 and answers == 1 and got_bytes > 0  # the keys' metadata, nothing else
+        await bounded(buffer.clear_keys("step-keys", stored_keys(done[0].info())))  # gone already: nothing to do
+    finally:
+        buffer._client.async_kv_list = real_list
+        buffer.meter_received(None)
+    assert await bounded(buffer.group_counts("step-keys")) == {10: 3}
+    assert await bounded(buffer.row_count("step-keys")) == sum(len(s.rows) for s in samples if s.group_id == 10)
+    await bounded(buffer.clear("step-keys"))
+
+
 async def test_put_get_latency_32_samples_of_64_tokens(buffer, producer):
     rng = random.Random(6)
     samples = [make_sample(rng, 50 + i // 8, i % 8, tokens=64) for i in range(32)]

@@ -27,7 +27,7 @@ from orchestrator.loop.common import LoopParts
 from orchestrator.loop.prompts import PromptCycle
 from orchestrator.loop.sync_loop import SyncLoopSettings, run_sync
 from stand_ins import ListLogger, MemoryStore, SimReplica, make_row, make_sample
-from workers.core.types import Sample
+from workers.core.types import RolloutResult, Sample
 from workers.embedded.sim_engine import ScriptedEngine
 from workers.rollout.overflow import OVERFLOW_POLICIES, truncation
 
@@ -138,7 +138,7 @@ class OverflowRollouts:
                            "truncated", 0.01, error=cut.error)
             out.append(s)
         await self.store.put(out, partition)
-        return out
+        return [RolloutResult(s.info()) for s in out]
 
 
 class Trainer:
@@ -241,18 +241,19 @@ def test_a_multi_turn_row_is_never_cut_at_the_per_turn_cap():
     assert int(batch.loss_mask[0].sum()) == 3 * max_tokens
 
 
-class TruncatingStore(MemoryStore):
-    """The buffer seam, storing sample 3 of every group as the rollout worker stores a rollout that
+def truncating_rollouts(policy: str, *args):
+    """The rollout seam, storing sample 3 of every group as the rollout worker stores a rollout that
     ran out of context under `policy` (its agent reported AGENT_REWARD)."""
+    from stand_ins import SimRollouts
 
-    def __init__(self, policy: str) -> None:
-        super().__init__()
-        self.policy = policy
+    class Truncating(SimRollouts):
+        def shape(self, sample: Sample) -> Sample:
+            if sample.sample_index != 3:
+                return sample
+            cut = truncation(policy, AGENT_REWARD, None)  # type: ignore[arg-type]
+            return dataclasses.replace(sample, status="truncated", reward=cut.reward, error=cut.error)
 
-    async def put(self, samples, partition):
-        cut = truncation(self.policy, AGENT_REWARD, None)  # type: ignore[arg-type]
-        await super().put([dataclasses.replace(s, status="truncated", reward=cut.reward, error=cut.error)
-                           if s.sample_index == 3 else s for s in samples], partition)
+    return Truncating(*args)
 
 
 @pytest.mark.parametrize("policy", OVERFLOW_POLICIES)
@@ -264,10 +265,10 @@ async def test_the_async_loop_goes_on_and_closes_truncated_rollouts_once(policy)
     import random
 
     from orchestrator.loop.async_loop import AsyncLoopSettings, run_async
-    from stand_ins import RecordingTrainer, SimReplica, SimRollouts, alternating_reward
+    from stand_ins import RecordingTrainer, SimReplica, alternating_reward
 
-    store, engine = TruncatingStore(policy), SimReplica()
-    rollouts = SimRollouts(store, engine, random.Random(7), alternating_reward, 0.05)
+    store, engine = MemoryStore(), SimReplica()
+    rollouts = truncating_rollouts(policy, store, engine, random.Random(7), alternating_reward, 0.05)
     trainer, logger = RecordingTrainer(engine, store), ListLogger()
     rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(50)]
     parts = LoopParts(prompts=PromptCycle(rows, seed=7), rollouts=rollouts, store=store, trainer=trainer,

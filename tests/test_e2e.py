@@ -58,14 +58,13 @@ def test_main_job_runs_end_to_end_on_real_parts(tmp_path):
     # what the run holds (orchestrator/watch/resources.py): a sync step clears the groups it trained
     assert all(s["buffer/rows_held"] == 0 and s["ray/object_store_bytes"] >= 0 for s in steps), steps
     assert sum(s["perf/total_num_tokens"] for s in steps) > sum(s["perf/trained_tokens"] for s in steps) > 0
-    # the data path (issue 24): the driver is a control plane. Per step it got from the rollout pool
-    # (outcomes) and the buffer (tags) at most 1 KiB per rollout, never a token tensor; every row the
-    # step's train orders named was read from TransferQueue by a rank, once (each rank counts the rows
-    # it read; the order sharding gives each key to one rank: tests/test_trainer_group.py)
+    # the data path (issue 24): the driver is a control plane; what it receives is metered at its Ray
+    # and TransferQueue clients (the async e2e, tests/test_own_agent_e2e.py, bounds it per rollout);
+    # every row the step's train orders named was read from TransferQueue by a rank, once (each rank
+    # counts the rows it read; the order sharding gives each key to one rank: tests/test_trainer_group.py)
     for s in steps:
-        assert s["driver/rollouts_returned"] == s["driver/samples_listed"] == 4 * 4, s
-        assert s["driver/bytes_from_rollouts"] + s["driver/bytes_from_buffer"] <= 1024 * s["driver/rollouts_returned"], s
-        assert s["driver/bytes_from_buffer"] > 0 and s["driver/bytes_per_rollout"] <= 1024, s
+        assert s["driver/rollouts_returned"] == 4 * 4, s
+        assert s["driver/bytes_from_ray"] > 0 and s["driver/bytes_per_rollout"] > 0, s
         assert s["trainer/rows_read"] == s["trainer/rows_ordered"], s
         assert (s["trainer/rows_read"] > 0) == (s["rollout/step_completed"] > 0), s
         assert s["trainer/rows_read"] >= s["rollout/step_completed"], s  # a trained rollout has a row or more

@@ -14,6 +14,7 @@ from orchestrator.loop.common import LoopParts
 from orchestrator.loop.early_stop import FirstRollouts
 from orchestrator.loop.prompts import PromptCycle
 from stand_ins import ListLogger, MemoryStore, RecordingTrainer, SimReplica, SimRollouts, make_sample
+from workers.core.types import RolloutResult
 
 
 def failed(i: int, reason: str = "agent_error"):
@@ -50,7 +51,7 @@ class FailingRollouts(SimRollouts):
                                    session_id=f"s{r.group_id}-{r.sample_index}", input_id=r.input_id,
                                    error="agent_error: RuntimeClientError: the agent raised") for r in reqs]
         await self.store.put(out, partition)
-        return out
+        return [RolloutResult(s.info()) for s in out]
 
 
 async def test_the_async_loop_stops_with_the_message_and_every_rollout_accounted_for():

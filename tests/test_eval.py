@@ -23,7 +23,8 @@ from stand_ins import ListLogger, MemoryStore, RecordingTrainer, SimReplica, Sim
 from workers.core.passk import mean_and_sem, mean_pass_at_k, pass_at_k, percentile
 from workers.core.tasks import letters
 from workers.core.types import RolloutRequest
-from workers.rollout.worker import RolloutOutcome, RolloutSettings, build_payload
+from workers.rollout.worker import RolloutSettings, build_payload
+from workers.core.types import RolloutResult, SampleInfo
 
 # --- pass@k ------------------------------------------------------------------------------------------
 
@@ -123,8 +124,8 @@ def test_summary_accounts_for_every_rollout_and_never_scores_a_failure():
 
 
 class VersionedPool:
-    """An evaluation pool seam: reward = min(1, 0.1 x the replica's version), real RolloutOutcomes;
-    records what it ran and stores each outcome's input id in `partition`."""
+    """An evaluation pool seam: reward = min(1, 0.1 x the replica's version), real RolloutResults;
+    records what it ran and the partitions it was handed."""
 
     def __init__(self, engine, store=None):
         self.engine, self.store, self.input_ids, self.partitions = engine, store, [], []
@@ -134,8 +135,9 @@ class VersionedPool:
         self.partitions.append(partition)
         self.input_ids += [r.input_id for r in reqs]
         v = self.engine.served
-        return [RolloutOutcome(f"v-{r.group_id}-{r.sample_index}", r.group_id, r.sample_index, "completed",
-                               min(1.0, 0.1 * v), 2, 0.01, None, policy_version=v) for r in reqs]
+        return [RolloutResult(SampleInfo(f"v-{r.group_id}-{r.sample_index}", r.group_id, r.input_id, r.sample_index,
+                                         "completed", min(1.0, 0.1 * v), 0.01, num_generated_tokens=2, min_version=v,
+                                         max_version=v)) for r in reqs]
 
 
 def validator(pool, store, **kw):
@@ -197,10 +199,10 @@ async def test_validation_lane_runs_the_newest_due_version_after_the_one_in_flig
 async def test_evaluate_rows_keeps_failures_apart_and_clears_its_partition():
     class Flaky:
         async def run_all(self, reqs, partition):
-            return [RolloutOutcome(f"s{r.group_id}{r.sample_index}", r.group_id, r.sample_index,
-                                   "failed" if r.sample_index == 0 else "completed",
-                                   None if r.sample_index == 0 else 1.0, 0, 0.1, "boom",
-                                   "timeout" if r.sample_index == 0 else None) for r in reqs]
+            return [RolloutResult(SampleInfo(f"s{r.group_id}{r.sample_index}", r.group_id, r.input_id, r.sample_index,
+                                             "failed" if r.sample_index == 0 else "completed",
+                                             None if r.sample_index == 0 else 1.0, 0.1, "boom"),
+                                  reason="timeout" if r.sample_index == 0 else None) for r in reqs]
 
     store = MemoryStore()
     rows = letters.make_rows(5, 1, "test")

@@ -115,8 +115,8 @@ async def test_lost_actor_rollouts_rerun_once_under_new_sessions(stack, cluster,
         journal, stack.agent_runtime_arn, None, local=True))
     reqs = _reqs(8)
     outcomes = await _kill_while_running(stack, pool, actors[0], reqs, "p1", journal)
-    assert [(o.group_id, o.sample_index) for o in outcomes] == [(r.group_id, r.sample_index) for r in reqs]
-    assert {o.status for o in outcomes} == {"completed"}  # the 4 lost ones ran again and finished
+    assert [(o.sample.group_id, o.sample.sample_index) for o in outcomes] == [(r.group_id, r.sample_index) for r in reqs]
+    assert {o.sample.status for o in outcomes} == {"completed"}  # the 4 lost ones ran again and finished
     stored = await sink.all.remote("p1")
     assert sorted((s.group_id, s.sample_index) for s in stored) == sorted((r.group_id, r.sample_index) for r in reqs)
     assert len({s.session_id for s in stored}) == 8
@@ -133,7 +133,7 @@ async def test_without_redispatch_lost_rollouts_fail_actor_lost(stack, cluster):
     pool, actors, sink, limits = await _pool(stack, redispatch=0)
     reqs = _reqs(4)
     outcomes = await _kill_while_running(stack, pool, actors[1], reqs, "p2")
-    lost = [o for o in outcomes if o.status == "failed"]
+    lost = [o for o in outcomes if o.sample.status == "failed"]
     assert len(lost) == 2 and {o.reason for o in lost} == {"actor_lost"}
     stored = await sink.all.remote("p2")
     assert len(stored) == 4
@@ -157,15 +157,15 @@ async def test_server_restarts_fail_in_flight_rollouts_with_a_named_reason_and_t
     stack.start_server("emulator")  # same port: the clients' endpoint is valid again
     lost = await asyncio.wait_for(in_flight, TIMEOUT_S)
     # their agents died with the emulator: failed `timeout`, unless one wrote its result just before
-    assert all((o.status, o.reason) in {("failed", "timeout"), ("completed", None)} for o in lost), lost
+    assert all((o.sample.status, o.reason) in {("failed", "timeout"), ("completed", None)} for o in lost), lost
     back = await asyncio.wait_for(pool.run_all(_reqs(2, 0.0), "r3"), TIMEOUT_S)
-    assert [o.status for o in back] == ["completed"] * 2
+    assert [o.sample.status for o in back] == ["completed"] * 2
 
     os.kill(stack.pids()["moto"], signal.SIGKILL)  # a crash: what the run's ServerWatch restarts
     down = await asyncio.wait_for(pool.run_all(_reqs(2, 0.0), "r4"), TIMEOUT_S)
     assert {o.reason for o in down} <= {"s3_unavailable", "agent_error"}, down  # the agent may fail first
     assert stack.restart_exited() == ["moto"]  # on its old port, with its bucket
     back = await asyncio.wait_for(pool.run_all(_reqs(2, 0.0), "r5"), TIMEOUT_S)
-    assert [o.status for o in back] == ["completed"] * 2
+    assert [o.sample.status for o in back] == ["completed"] * 2
     await _settled(stack, limits)  # the stops that failed while it was down were retried: no slot held
     await pool.shutdown()

@@ -50,21 +50,21 @@ def _run_dir(tmp_path):
 def test_a_dead_rank_stops_the_update_at_once_and_is_named_with_the_last_checkpoint(ray_local, tmp_path):
     from workers.trainer.worker import TrainerWorker
 
-    import dataclasses
-
     from workers.buffer.store import BufferConfig, TrajectoryBuffer
+    from workers.core.types import OrderData
     from workers.trainer.train_batch import sample_order
 
     cls = ray_local.remote(num_cpus=0)(TrainerWorker)
     samples = grouped_samples([[[5], [9]], [[12], [3, 4]], [[7], [2]]], vocab=200, seed=1)
     buffer = TrajectoryBuffer.start(BufferConfig())
     buffer.put_sync(samples, "step-1")  # each rank reads its rows from it
-    order = dataclasses.replace(sample_order(samples, partition="step-1")[0], buffer=buffer.handle)
+    order = sample_order(samples, partition="step-1")[0]
     threads = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}
 
     async def scenario():
         group = await start_trainer_ranks(cls, _settings(), world_size=2, rank_options=lambda r: threads)
         try:
+            await group.open_data(OrderData(buffer.handle))
             await group.update(order)  # both ranks up and in the group
             os.kill(await group.ranks[1].__ray_call__.remote(lambda w: os.getpid()), signal.SIGKILL)
             t0 = time.monotonic()

@@ -13,7 +13,7 @@ from orchestrator.loop.prompts import PromptCycle
 from orchestrator.loop.batching import train_order
 from workers.trainer.train_batch import build_train_batch, order_batch
 from stand_ins import ListLogger, MemoryStore, SimReplica
-from workers.core.types import Sample, TrajectoryRow
+from workers.core.types import OrderData, RolloutResult, Sample, TrajectoryRow
 
 
 class SimRollouts:
@@ -33,7 +33,7 @@ class SimRollouts:
                        None if failed else float(r.sample_index % 2), "failed" if failed else "completed", 0.01)
             out.append(s)
         await self.store.put(out, partition)
-        return out
+        return [RolloutResult(s.info()) for s in out]
 
 
 class RecordingTrainer:
@@ -46,7 +46,8 @@ class RecordingTrainer:
         samples = [self.store.sample(order.partition, s.session_id) for s in order.samples]
         assert all(s.status == "completed" for s in samples)
         self.updates.append(order)
-        batch = order_batch(order, self.store.read_rows(order.partition, [k for s in order.samples for k in s.row_keys]))
+        rows = self.store.read_rows(order.partition, [k for s in order.samples for k in s.row_keys])
+        batch = order_batch(order, rows, OrderData())
         return {"actor/num_tokens": float(batch.num_loss_tokens), "rollout_corr/rollout_is_mean": 1.0}
 
 
@@ -85,16 +86,18 @@ async def test_sync_loop_closes_every_rollout_and_bumps_version_once_per_step(sy
         assert key in m and not math.isnan(m[key]), key
 
 
-async def test_sync_loop_raises_when_buffer_loses_a_sample():
-    class LossyStore(MemoryStore):
-        async def sample_infos(self, partition, group_ids):
-            return (await super().sample_infos(partition, group_ids))[1:]
+async def test_sync_loop_raises_when_the_pool_loses_a_result():
+    """The pool's results are the loop's only account of its rollouts: one missing is an error, not a
+    smaller batch."""
+    class LossyRollouts(SimRollouts):
+        async def run_all(self, reqs, partition):
+            return (await super().run_all(reqs, partition))[1:]
 
-    store, push = LossyStore(), RecordingPush()
+    store, push = MemoryStore(), RecordingPush()
     parts = LoopParts(prompts=PromptCycle([{"input_id": "p", "prompt": "x"}], seed=0),
-                          rollouts=SimRollouts(store, push.versions), store=store, trainer=RecordingTrainer(store),
+                          rollouts=LossyRollouts(store, push.versions), store=store, trainer=RecordingTrainer(store),
                           weights=push, logger=ListLogger())
-    with pytest.raises(RuntimeError, match="buffer returned 3 samples for 4 rollouts"):
+    with pytest.raises(RuntimeError, match="returned 3 results for 4 requests"):
         await run_sync(parts, SyncLoopSettings(total_steps=1, batch_size=1, n=4, sync_every=1,
                                                filter_zero_variance=True))
 
@@ -115,7 +118,7 @@ def test_train_batch_gives_each_row_its_sample_advantage():
                for i in range(2)]
     [group] = assemble([s.info() for s in samples], filter_zero_variance=True).trainable
     order = train_order("p", (group,))
-    batch = order_batch(dataclasses.replace(order, norm_adv_by_std=False), [samples[0].rows[0], row, row])
+    batch = order_batch(order, [samples[0].rows[0], row, row], OrderData(norm_adv_by_std=False))
     assert order.num_rows == 3
     assert build_train_batch(samples, pad_id=0, norm_adv_by_std=False).advantages.tolist() == batch.advantages.tolist()
     # rewards 0 and 1: advantages -0.5, +0.5; sample 0 has two rows
@@ -133,7 +136,7 @@ async def test_a_step_where_every_rollout_failed_stops_the_run():
             out = [Sample(f"sess-{r.group_id}-{r.sample_index}", r.group_id, r.input_id, r.sample_index, (), None,
                           "failed", 0.01, error="transport: could not connect") for r in reqs]
             await self.store.put(out, partition)
-            return out
+            return [RolloutResult(s.info()) for s in out]
 
     rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(10)]
     parts = LoopParts(prompts=PromptCycle(rows, seed=0), rollouts=AllFail(store, push.versions), store=store,
@@ -159,7 +162,7 @@ async def test_a_step_with_nothing_to_train_neither_syncs_nor_advances_the_versi
             out = [Sample(f"sess-{r.group_id}-{r.sample_index}", r.group_id, r.input_id, r.sample_index, (row,), 1.0,
                           "completed", 0.01) for r in reqs]
             await self.store.put(out, partition)
-            return out
+            return [RolloutResult(s.info()) for s in out]
 
     rows = [{"input_id": f"p{i}", "prompt": "x"} for i in range(10)]
     parts = LoopParts(prompts=PromptCycle(rows, seed=0), rollouts=SameReward(store, push.versions), store=store,
@@ -193,46 +196,51 @@ def test_total_num_tokens_counts_every_token_of_the_trained_rows_and_sums_over_m
     assert m == {"perf/total_num_tokens": 16.0, "actor/num_tokens": 9.0, "actor/pg_loss": 2.0}
 
 
-async def test_buffer_store_reads_tags_once_and_names_a_missing_sample():
-    """The driver's store reads each group's metadata once after its rollouts returned: a sample
-    missing then is an error naming the group and what it holds (no wait, no poll); what it
-    returned is counted as the driver's bytes from the buffer, with no token in it."""
+async def test_buffer_store_clears_by_the_keys_results_carry_and_driver_bytes_count_all_received():
+    """The driver's store frees samples by the keys their results carry (a sample without rows by its
+    placeholder key), never listing a partition; the driver's bytes are what its Ray and TQ clients
+    received (each answer's pickled size), per rollout the pools returned, reset once taken."""
     from orchestrator.adapters.clients import BufferStore, DriverBytes, MeteredRollouts
     from stand_ins import make_sample
 
-    class Listing:
-        def __init__(self, infos):
-            self.infos, self.calls = infos, 0
+    class Buffer:
+        def __init__(self):
+            self.cleared = []
 
-        async def sample_infos(self, partition, group_ids):
-            self.calls += 1
-            return [i for i in self.infos if i.group_id in group_ids]
+        async def clear_keys(self, partition, keys):
+            self.cleared.append((partition, list(keys)))
 
-    whole = [make_sample(g, i, float(i % 2)).info() for g in (0, 1) for i in range(3)]
-    meter = DriverBytes()
-    buffer = Listing(whole)
-    assert await BufferStore(buffer, 3, meter).sample_infos("step-1", [0, 1]) == whole and buffer.calls == 1
-    short = Listing([i for i in whole if (i.group_id, i.sample_index) != (1, 2)])
-    with pytest.raises(RuntimeError, match=r"\{1: \[0, 1\]\}"):
-        await BufferStore(short, 3).sample_infos("step-1", [0, 1])
-    assert short.calls == 1
+        async def sample_infos(self, *a):
+            raise AssertionError("the loops never list the buffer")
+
+    buffer = Buffer()
+    two_rows = make_sample(0, 0, 1.0)
+    two_rows = dataclasses.replace(two_rows, rows=two_rows.rows * 2)
+    empty = dataclasses.replace(make_sample(0, 1, None, status="failed"), rows=())
+    await BufferStore(buffer).clear_samples("async", [two_rows.info(), empty.info()])
+    assert buffer.cleared == [("async", [f"{two_rows.session_id}/0", f"{two_rows.session_id}/1",
+                                          f"{empty.session_id}/empty"])]
+
+    results = [RolloutResult(make_sample(0, i, float(i % 2)).info()) for i in range(6)]
 
     class Pool:
         async def run_all(self, reqs, partition):
-            return [("outcome", r) for r in reqs]
+            return results
 
-    await MeteredRollouts(Pool(), meter).run_all(list(range(6)), "step-1")
+    meter = DriverBytes()
+    assert await MeteredRollouts(Pool(), meter).run_all(list(range(6)), "step-1") == results
+    meter.ray.add(results)  # what the Ray client meters (workers/core/calls.py), here by hand
+    meter.buffer.add({"answer": "meta"})
     m = await meter()
-    assert m["driver/rollouts_returned"] == m["driver/samples_listed"] == 6
-    assert 0 < m["driver/bytes_from_buffer"] <= 1024 * 6
-    assert m["driver/bytes_per_rollout"] == pytest.approx(
-        (m["driver/bytes_from_rollouts"] + m["driver/bytes_from_buffer"]) / 6)
-    assert (await meter())["driver/bytes_from_buffer"] == 0.0  # per step: reset once taken
+    assert m["driver/rollouts_returned"] == 6 and 0 < m["driver/bytes_from_ray"] <= 1024 * 6
+    assert m["driver/bytes_per_rollout"] == pytest.approx((m["driver/bytes_from_ray"] + m["driver/bytes_from_buffer"]) / 6)
+    assert (await meter())["driver/bytes_from_ray"] == 0.0  # per step: reset once taken
 
 
-async def test_trainer_client_skips_an_order_with_no_row_and_completes_the_others():
+async def test_trainer_client_skips_an_order_with_no_row_and_hands_on_the_others():
     """An order whose samples are all masked trains nothing: no trainer call, a skipped step; any
-    other order reaches the trainer with the advantage settings, pad id and buffer handle."""
+    other order reaches the trainer as it is (the ranks got the buffer, pad id and advantage setting
+    once at start: `open_data`)."""
     from orchestrator.adapters.clients import TrainerClient
     from workers.core.types import OrderSample, TrainOrder
 
@@ -245,10 +253,9 @@ async def test_trainer_client_skips_an_order_with_no_row_and_completes_the_other
             return {"actor/num_tokens": 5.0}
 
     trainer = Trainer()
-    client = TrainerClient(trainer, pad_id=7, norm_adv_by_std=False, buffer="handle")
+    client = TrainerClient(trainer)
     masked = TrainOrder("async", (OrderSample("a", 0, 1.0), OrderSample("b", 0, 0.0)), masked=("a", "b"))
     assert (await client.update(masked))["actor/step_skipped"] == 1.0 and not trainer.orders
     order = TrainOrder("async", (OrderSample("a", 0, 1.0, ("a/0",), (4,)), OrderSample("b", 0, 0.0, ("b/0",), (3,))))
     assert (await client.update(order))["trainer/rows_ordered"] == 2.0
-    (sent,) = trainer.orders
-    assert (sent.pad_id, sent.norm_adv_by_std, sent.buffer, sent.samples) == (7, False, "handle", order.samples)
+    assert trainer.orders == [order]

@@ -19,6 +19,11 @@ import pytest
 
 from stand_ins import REPO
 
+# bound on what the driver receives per rollout in this run (4 rollouts in one step, so the step's fixed
+# messages, the trainer's metrics and the probes' answers, weigh in; a token tensor of one rollout alone
+# would be far above it)
+DRIVER_BYTES_PER_ROLLOUT = 16384
+
 README_COMMAND = re.compile(r"python -m orchestrator\.main task=custom task\.data_path=(\S+) \\\n\s+"
                             r"rollout\.acr\.agent_cmd='python (\S+)'")
 
@@ -39,3 +44,10 @@ def test_the_readme_example_trains_the_toolkit_agent(tmp_path):
     assert (summary["rollout/dispatched"], summary["rollout/expired"]) == (4, 0), summary
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1] and steps[0]["perf/trained_tokens"] > 0
+    # the driver is a control plane (issue 44): everything it received in the step through Ray (rollout
+    # results, trainer metrics, every probe) and from TransferQueue, metered at those clients, per rollout
+    s = steps[0]
+    print({k: v for k, v in s.items() if k.startswith("driver/")})
+    assert s["driver/rollouts_returned"] == 4 and s["driver/bytes_from_ray"] > 0, s
+    assert s["driver/bytes_per_rollout"] == (s["driver/bytes_from_ray"] + s["driver/bytes_from_buffer"]) / 4, s
+    assert s["driver/bytes_per_rollout"] <= DRIVER_BYTES_PER_ROLLOUT, s

@@ -145,12 +145,12 @@ async def test_an_agent_that_overflows_the_context_on_turn_3_ends_truncated(rig:
     reward rollout.overflow gives it; its two served turns are one exact row; everything released."""
     worker = RolloutWorker(replace(rig.settings, overflow=overflow), rig.gateway, rig.acr, rig.sink)
     out = await asyncio.wait_for(worker.run(req("overflow", f"row-overflow-{overflow}"), PARTITION), TIMEOUT_S)
-    assert (out.status, out.reward, out.reason) == ("truncated", reward, None), out.error
-    assert out.error.startswith("context_length_exceeded: ") and f"rollout.overflow={overflow}" in out.error
-    assert "agent reward 0.75" in out.error
+    assert (out.sample.status, out.sample.reward, out.reason) == ("truncated", reward, None), out.sample.error
+    assert out.sample.error.startswith("context_length_exceeded: ") and f"rollout.overflow={overflow}" in out.sample.error
+    assert "agent reward 0.75" in out.sample.error
     [sample] = rig.sink.samples
     assert (sample.status, sample.reward, sample.trainable) == ("truncated", reward, reward is not None)
-    assert out.num_turns == sample.num_turns == 2 and len(rig.engine.requests) == 2  # turn 3 never reached it
+    assert out.sample.num_turns == sample.num_turns == 2 and len(rig.engine.requests) == 2  # turn 3 never reached it
     [row] = sample.rows
     assert row.num_generated == 2 * len(rig.engine.replies[0])
     assert worker.rollout_counts()["rollout/truncated"] == 1 and "rollout/failed" not in worker.rollout_counts()
@@ -193,18 +193,18 @@ async def test_each_agent_behaviour_ends_in_one_terminal_sample(rig: Rig, behavi
     out = await asyncio.wait_for(worker.run(r, PARTITION), TIMEOUT_S)
 
     # the outcome: terminal, with the right reward or a useful error
-    assert (out.status, out.reward) == (status, reward), out.error
-    assert (out.group_id, out.sample_index) == (5, 2)
+    assert (out.sample.status, out.sample.reward) == (status, reward), out.sample.error
+    assert (out.sample.group_id, out.sample.sample_index) == (5, 2)
     key = f"s3://{rig.stack.bucket}/{EXP_ID}/{input_id}/{out.session_id}.json"
     if error_part is None:
-        assert out.error is None
+        assert out.sample.error is None
     else:
-        assert error_part in out.error, out.error
-        if out.error.startswith("bad_result: "):
+        assert error_part in out.sample.error, out.sample.error
+        if out.sample.error.startswith("bad_result: "):
             assert out.reason == "bad_result"
-            assert key in out.error  # names the exact result object that broke the contract
+            assert key in out.sample.error  # names the exact result object that broke the contract
     if timeout_s == SHORT_TIMEOUT_S:  # bounded by the rollout timeout, not by the slow agent
-        assert SHORT_TIMEOUT_S <= out.latency_s < AGENT_SLEEP_S, out.latency_s
+        assert SHORT_TIMEOUT_S <= out.sample.latency_s < AGENT_SLEEP_S, out.sample.latency_s
 
     # the stored sample: same status and error, the captured tokens, a reward only if completed
     assert len(rig.sink.puts) == 1
@@ -212,12 +212,12 @@ async def test_each_agent_behaviour_ends_in_one_terminal_sample(rig: Rig, behavi
     assert partition == PARTITION
     assert (sample.session_id, sample.input_id, sample.group_id, sample.sample_index) == (
         out.session_id, input_id, 5, 2)
-    assert (sample.status, sample.reward, sample.error) == (out.status, out.reward, out.error)
+    assert (sample.status, sample.reward, sample.error) == (out.sample.status, out.sample.reward, out.sample.error)
     # one chat call per invocation: only a 424 (crash) is re-invoked, runtime_error_attempts times
     attempts = rig.acr.cfg.runtime_error_attempts if behaviour == "crash" else 1
     assert len(rig.engine.requests) == attempts
     assert sample.num_generated_tokens == attempts * len(rig.engine.replies[0]) > 0
-    assert out.num_generated_tokens == sample.num_generated_tokens
+    assert out.sample.num_generated_tokens == sample.num_generated_tokens
     assert [v for r in sample.rows for v in r.generated_versions()] == [VERSION] * sample.num_generated_tokens
     if status == "failed":
         assert sample.reward is None  # captured tokens, but never trained as if rewarded
@@ -265,7 +265,7 @@ async def test_a_turn_no_replica_could_serve_fails_the_rollout_engine_lost(rig: 
     session); whatever the agent then reports, the rollout fails `engine_lost`, never trained."""
     rig.engine.fail = True  # every generate raises: the gateway takes the replica out, none is left
     out = await asyncio.wait_for(rig.worker(TIMEOUT_S).run(req("ok", "row-lost", group_id=8), "p-lost"), TIMEOUT_S)
-    assert (out.status, out.reason, out.reward) == ("failed", "engine_lost", None)
+    assert (out.sample.status, out.reason, out.sample.reward) == ("failed", "engine_lost", None)
     assert rig.sink.samples[-1].reward is None and "engine_lost" in rig.sink.samples[-1].error
     assert rig.gateway.metrics().turns_engine_lost >= 1  # the crashed agent is re-invoked (424): each try 503s
 
@@ -277,7 +277,7 @@ async def test_run_seed_samples_each_rollout_with_its_identity_seed(rig: Rig):
 
     worker = RolloutWorker(replace(rig.settings, seed=7), rig.gateway, rig.acr, rig.sink)
     out = await asyncio.wait_for(worker.run(req("ok", "row-seed", group_id=4, sample_index=1), "p-seed"), TIMEOUT_S)
-    assert out.status == "completed"
+    assert out.sample.status == "completed"
     assert rig.engine.requests[-1].seed == turn_seed(session_seed(7, "row-seed", 4, 1), 1)
 
 
@@ -287,7 +287,7 @@ async def test_delete_results_removes_each_result_object_once_read(rig: Rig, del
     `rollout.acr.delete_results` the worker deletes the object it read; without, S3 keeps it."""
     worker = RolloutWorker(replace(rig.settings, delete_results=delete), rig.gateway, rig.acr, rig.sink)
     out = await asyncio.wait_for(worker.run(req("ok", f"row-del-{delete}"), "p-del"), TIMEOUT_S)
-    assert out.status == "completed" and out.reward == 0.75
+    assert out.sample.status == "completed" and out.sample.reward == 0.75
     key = result_key(EXP_ID, f"row-del-{delete}", out.session_id)
     listed = lambda: rig.acr.s3.list_objects_v2(Bucket=rig.stack.bucket, Prefix=key)  # noqa: E731
     if delete:
@@ -343,8 +343,8 @@ async def test_sixteen_concurrent_rollouts_all_end_in_distinct_sessions(stack, t
         reqs = [req("ok", f"row-c{g}", group_id=g, sample_index=i) for g in range(4) for i in range(4)]
         outs, _ = await asyncio.wait_for(asyncio.gather(
             asyncio.gather(*(worker.run(q, PARTITION) for q in reqs)), open_gate_once_all_asked()), TIMEOUT_S)
-        assert [o.status for o in outs] == ["completed"] * n, [o.error for o in outs]
-        assert [(o.group_id, o.sample_index) for o in outs] == [(q.group_id, q.sample_index) for q in reqs]
+        assert [o.sample.status for o in outs] == ["completed"] * n, [o.sample.error for o in outs]
+        assert [(o.sample.group_id, o.sample.sample_index) for o in outs] == [(q.group_id, q.sample_index) for q in reqs]
         assert len({o.session_id for o in outs}) == n
         assert len(r.engine.requests) == n  # the gate let them through: 16 were in flight at once
         assert sorted(s.session_id for s in r.sink.samples) == sorted(o.session_id for o in outs)

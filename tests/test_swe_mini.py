@@ -131,10 +131,10 @@ async def test_the_oracle_earns_1_and_noop_0_on_every_repository(rig, stacks, mo
     rows = swe_mini.make_rows(4, seed=11)
     created = (await asyncio.to_thread(stacks[mode].stats)).sessions_created
     outs = await asyncio.wait_for(asyncio.gather(*(w.run(_req(r, i), "p") for i, r in enumerate(rows))), TIMEOUT_S)
-    assert [(o.status, o.reward) for o in outs] == [("completed", reward)] * 4, [o.error for o in outs]
-    assert all(o.setup_s >= SETUP_S for o in outs)  # the repository copy and the image pull ran in setup
+    assert [(o.sample.status, o.sample.reward) for o in outs] == [("completed", reward)] * 4, [o.sample.error for o in outs]
+    assert all(o.sample.setup_s >= SETUP_S for o in outs)  # the repository copy and the image pull ran in setup
     for o in outs:  # graded in the clean sandbox: its span recorded, nothing flagged
-        m = dict(o.agent_metrics)
+        m = dict(o.sample.agent_metrics)
         assert m["grading_s"] > 0 and m["hacking/protected_paths"] == m["hacking/episode_vs_graded"] == 0.0, m
     stats = await asyncio.to_thread(stacks[mode].stats)
     assert stats.sessions_created - created == 2 * 4  # each rollout's own session and its grading session
@@ -157,8 +157,8 @@ async def test_the_model_fixes_the_bug_through_multi_turn_tool_calls(rig, stacks
     before = len(engine.requests)
     w, sink = await worker("model")
     out = await asyncio.wait_for(w.run(_req(row), "p"), TIMEOUT_S)
-    assert (out.status, out.reward) == ("completed", 1.0), out.error
-    assert out.num_turns == 4
+    assert (out.sample.status, out.sample.reward) == ("completed", 1.0), out.sample.error
+    assert out.sample.num_turns == 4
     prompts = [len(r.prompt_ids) for r in engine.requests[before:]]
     assert len(prompts) == 4 and prompts == sorted(set(prompts))  # every tool result extended the context
     [sample] = sink.samples
@@ -183,8 +183,8 @@ async def test_a_model_that_edits_the_failing_test_earns_0_and_is_flagged(rig, s
     engine.script(call("write_file", path=test_path, content=passing), call("run_tests"))
     w, sink = await worker("model")
     out = await asyncio.wait_for(w.run(_req(row), "p"), TIMEOUT_S)
-    assert (out.status, out.reward) == ("completed", 0.0), out.error
-    m = dict(out.agent_metrics)
+    assert (out.sample.status, out.sample.reward) == ("completed", 0.0), out.sample.error
+    m = dict(out.sample.agent_metrics)
     assert m["hacking/protected_paths"] == 1.0 and m["hacking/episode_vs_graded"] == 1.0, m
     [sample] = sink.samples
     share = agent_metric_means([sample.info()])
@@ -198,7 +198,7 @@ async def test_a_grading_that_cannot_start_fails_the_rollout_and_is_never_a_rewa
     worker, _, _ = rig
     w, sink = await worker("quota_1")
     out = await asyncio.wait_for(w.run(_req(swe_mini.make_rows(1, seed=9)[0]), "p"), TIMEOUT_S)
-    assert (out.status, out.reward) == ("failed", None) and "grading_unstartable" in out.error, out.error
+    assert (out.sample.status, out.sample.reward) == ("failed", None) and "grading_unstartable" in out.sample.error, out.sample.error
     assert sink.samples[0].reward is None and not sink.samples[0].trainable
     stats = await asyncio.to_thread(stacks["quota_1"].stats)
     assert stats.quota_refused >= 1 and stats.sessions_open == 0
@@ -211,7 +211,7 @@ async def test_a_model_that_never_fixes_it_reads_test_logs_until_max_turns(rig):
     before = len(engine.requests)
     w, _ = await worker("model")
     out = await asyncio.wait_for(w.run(_req(row), "p"), TIMEOUT_S)
-    assert (out.status, out.reward, out.num_turns) == ("completed", 0.0, 3), out.error
+    assert (out.sample.status, out.sample.reward, out.sample.num_turns) == ("completed", 0.0, 3), out.sample.error
     last = tok.decode(engine.requests[-1].prompt_ids)
     assert len(engine.requests) - before == 3 and last.count("The tests still fail") == 2 and "FAILED" in last
 
@@ -224,7 +224,7 @@ async def test_a_setup_past_its_timeout_fails_and_never_holds_a_rollout_slot(rig
     clients = limit_clients(handles)
     w, sink = await worker("oracle", limits=clients, setup_timeout_s=SETUP_S / 4)
     out = await asyncio.wait_for(w.run(_req(swe_mini.make_rows(1, seed=7)[0]), "p"), TIMEOUT_S)
-    assert (out.status, out.reason) == ("failed", "setup_timeout"), out.error
+    assert (out.sample.status, out.reason) == ("failed", "setup_timeout"), out.sample.error
     await clients.sessions.drain()
     assert handles.rollouts.stats().granted == 0 and handles.sessions.stats().in_use == 0
     assert (await asyncio.to_thread(stacks["oracle"].stats)).sessions_open == 0

@@ -15,7 +15,7 @@ import torch
 
 from stand_ins import own_ray
 from workers.core.algorithms.batch import TrainBatch
-from workers.core.types import Sample, TrainOrder, TrajectoryRow
+from workers.core.types import OrderData, Sample, TrainOrder, TrajectoryRow
 from workers.trainer.group import TrainerGroup, start_trainer_ranks
 from workers.trainer.order import merge_rank_metrics, shard_order
 from workers.trainer.scale import plan_micro_batches, split_to_count
@@ -49,7 +49,7 @@ def rank_batches(samples: list[Sample], world_size: int, **kw) -> tuple[TrainBat
     by_key = {k: r for s in samples for k, r in zip(s.info().row_keys, s.rows)}
     shards = shard_order(order, world_size, **kw)
     return (build_train_batch(samples, pad_id=0, norm_adv_by_std=True), shards,
-            [order_batch(sh, [by_key[k] for s in sh.samples for k in s.row_keys]) for sh in shards])
+            [order_batch(sh, [by_key[k] for s in sh.samples for k in s.row_keys], OrderData()) for sh in shards])
 
 
 def _groups_read(shard: TrainOrder) -> set[int]:
@@ -216,8 +216,6 @@ def ray_local():
 def test_two_rank_group_update_equals_one_rank_on_the_whole_batch(ray_local, tmp_path):
     """The ranks read their own rows from a real trajectory buffer (TransferQueue), each key once:
     the update equals one rank's on the whole batch built from the same samples."""
-    import dataclasses
-
     from workers.buffer.store import BufferConfig, TrajectoryBuffer
     from workers.embedded.tiny_model import ensure_tiny_model
     from workers.trainer.worker import TrainerSettings, TrainerWorker
@@ -240,7 +238,7 @@ def test_two_rank_group_update_equals_one_rank_on_the_whole_batch(ray_local, tmp
 
     buffer = TrajectoryBuffer.start(BufferConfig())
     buffer.put_sync(samples, "step-1")
-    order = dataclasses.replace(sample_order(samples, partition="step-1")[0], buffer=buffer.handle)
+    order = sample_order(samples, partition="step-1")[0]
     threads = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1"}}}
     cls = ray_local.remote(num_cpus=0)(TrainerWorker)
     # as main.py: ranks in their placement-group bundles; this process serves their rendezvous store
@@ -257,6 +255,7 @@ def test_two_rank_group_update_equals_one_rank_on_the_whole_batch(ray_local, tmp
             assert len(set(gpus)) == 2 and None not in gpus  # one (logical) GPU per rank
             assert await group.run_on_lead(lambda w: w.rank) == 0  # runs inside rank 0
             assert not hasattr(group.update, "remote")  # one typed adapter: no imitation of a Ray handle
+            await group.open_data(OrderData(buffer.handle))  # once: the orders carry only their samples
             m = await group.update(order)
             sd = await group.full_state_dict()
             path = await group.save_optimizer(str(tmp_path / "optim.pt"))

@@ -2,7 +2,8 @@
 
 Modules:
   clients.py   TrainerClient (Trainer: a train order to the TrainerGroup), BufferStore (SampleStore:
-               metadata only), DriverBytes + MeteredRollouts (what the driver receives), GatewayProbe,
+               clears by the keys rollout results carry), DriverBytes + MeteredRollouts (what the driver
+               receives, metered at its Ray and TransferQueue clients), GatewayProbe,
                EngineLoads
   colocate.py  SleepingTrainer: cluster=colocated, the engines sleep while the trainer updates
 """

@@ -3,21 +3,21 @@
 Each turns a loop protocol call into calls on the actors (or any object with the same methods),
 so the loop never sees Ray. The driver is a control plane: it handles metadata, never a token.
 Invariants: `TrainerClient.update` sends a train order (keys, groups, rewards; the trainer ranks
-read the rows from the trajectory buffer themselves) and nothing when no row is to be trained;
-`BufferStore.sample_infos` reads the buffer's tags once and raises naming the samples a group
-lacks. `DriverBytes` measures both claims per step: the pickled bytes the driver got from the
-rollout pool and from the buffer (`driver/bytes_from_rollouts`, `driver/bytes_from_buffer`).
+read the rows from the trajectory buffer themselves, with the buffer handle, pad id and advantage
+setting they got once at start) and nothing when no row is to be trained; `BufferStore` clears
+by the keys the rollout results carry, never listing a partition. `DriverBytes` measures the
+first claim per step: everything the driver received through Ray and from TransferQueue
+(`driver/bytes_from_ray`, `driver/bytes_from_buffer`), per rollout returned.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import pickle
 from typing import Any, Awaitable, Callable, TypeVar
 
-from workers.core.calls import actor_died
-from workers.core.types import EngineLoad, RolloutRequest, SampleInfo, TrainOrder
+from workers.buffer.codec import stored_keys
+from workers.core.calls import ByteMeter, actor_died
+from workers.core.types import EngineLoad, RolloutRequest, RolloutResult, SampleInfo, TrainOrder
 from workers.gateway.client import GatewayClient
 from workers.inference.client import ReplicaClient
 
@@ -25,55 +25,48 @@ T = TypeVar("T")
 
 
 class DriverBytes:
-    """Pickled bytes the driver received, per step: `driver/bytes_from_rollouts` (what the rollout
-    pool's `run_all` returned, for `driver/rollouts_returned` rollouts), `driver/bytes_from_buffer`
-    (what the buffer's listings returned, for `driver/samples_listed` samples), and
-    `driver/bytes_per_rollout`: the two per-rollout means added (in async mode the rollouts that
-    return in a step and the samples it lists differ, so each is divided by its own count)."""
+    """What the driver received per step, metered at its clients: `ray` counts every Ray call result
+    (workers/core/calls.py `meter_ray_results`: rollout results, trainer metrics, probes, weight-sync
+    reports), `buffer` every TransferQueue answer (`TrajectoryBuffer.meter_received`). Per step:
+    `driver/bytes_from_ray`, `driver/bytes_from_buffer`, `driver/rollouts_returned` (rollout results
+    the pools returned, `MeteredRollouts`) and `driver/bytes_per_rollout`: all the bytes over those
+    rollouts (0 in a step that returned none)."""
 
     def __init__(self) -> None:
-        self._rollouts = self._buffer = self._returned = self._listed = 0
+        self.ray, self.buffer = ByteMeter(), ByteMeter()
+        self._returned = 0
 
-    def from_rollouts(self, outcomes: Any, count: int) -> None:
-        self._rollouts += len(pickle.dumps(outcomes))
+    def on_returned(self, count: int) -> None:
         self._returned += count
-
-    def from_buffer(self, infos: list[Any]) -> None:
-        self._buffer += len(pickle.dumps(infos))
-        self._listed += len(infos)
 
     async def __call__(self) -> dict[str, float]:
         """The step's counts (then reset)."""
-        per = (self._rollouts / self._returned if self._returned else 0.0) + (
-            self._buffer / self._listed if self._listed else 0.0)
-        out = {"driver/bytes_from_rollouts": float(self._rollouts), "driver/bytes_from_buffer": float(self._buffer),
-               "driver/rollouts_returned": float(self._returned), "driver/samples_listed": float(self._listed),
-               "driver/bytes_per_rollout": per}
-        self._rollouts = self._buffer = self._returned = self._listed = 0
+        (ray_b, _), (tq_b, _) = self.ray.take(), self.buffer.take()
+        out = {"driver/bytes_from_ray": float(ray_b), "driver/bytes_from_buffer": float(tq_b),
+               "driver/rollouts_returned": float(self._returned),
+               "driver/bytes_per_rollout": (ray_b + tq_b) / self._returned if self._returned else 0.0}
+        self._returned = 0
         return out
 
 
 class MeteredRollouts:
-    """The loop's Rollouts over a rollout pool, counting the bytes `run_all` returns (`DriverBytes`)."""
+    """The loop's Rollouts over a rollout pool, counting the results `run_all` returns (`DriverBytes`)."""
 
     def __init__(self, pool: Any, meter: DriverBytes) -> None:
         self._pool, self._meter = pool, meter
 
-    async def run_all(self, reqs: list[RolloutRequest], partition: str) -> list[Any]:
-        outcomes = await self._pool.run_all(reqs, partition)
-        self._meter.from_rollouts(outcomes, len(reqs))
-        return outcomes
+    async def run_all(self, reqs: list[RolloutRequest], partition: str) -> list[RolloutResult]:
+        results = await self._pool.run_all(reqs, partition)
+        self._meter.on_returned(len(results))
+        return results
 
 
 class TrainerClient:
-    """Loop-facing trainer: completes a train order (advantage settings, pad id, the buffer's
-    handle) and hands it to the trainer (a TrainerGroup: its ranks read their own rows)."""
+    """Loop-facing trainer: hands a train order to the trainer (a TrainerGroup: its ranks read their
+    own rows, with the `OrderData` they were given once at start: `TrainerGroup.open_data`)."""
 
-    def __init__(self, trainer: Any, *, pad_id: int, norm_adv_by_std: bool, buffer: Any) -> None:
+    def __init__(self, trainer: Any) -> None:
         self._trainer = trainer
-        self._pad_id = pad_id
-        self._norm = norm_adv_by_std
-        self._buffer = buffer  # BufferHandle: picklable, each rank connects with it
 
     async def update(self, order: TrainOrder) -> dict[str, float]:
         """One optimizer step on `order`; no step when no row is to be trained (all masked). Adds
@@ -82,39 +75,21 @@ class TrainerClient:
         if not order.num_rows:
             return {"actor/num_tokens": 0.0, "perf/total_num_tokens": 0.0, "actor/step_skipped": 1.0,
                     "trainer/rows_ordered": 0.0, "trainer/rows_read": 0.0}
-        order = dataclasses.replace(order, norm_adv_by_std=self._norm, pad_id=self._pad_id, buffer=self._buffer)
         return await self._trainer.update(order) | {"trainer/rows_ordered": float(order.num_rows)}
 
 
 class BufferStore:
-    """The loop's SampleStore over a TrajectoryBuffer: one listing of tags per call, no token."""
+    """The loop's SampleStore over a TrajectoryBuffer: clears samples by the keys their results
+    carry (`codec.stored_keys`: no listing), or a whole partition."""
 
-    def __init__(self, buffer: Any, group_size: int, meter: DriverBytes | None = None) -> None:
+    def __init__(self, buffer: Any) -> None:
         self._buffer = buffer
-        self._n = group_size
-        self._meter = meter
-
-    async def sample_infos(self, partition: str, group_ids: list[int]) -> list[SampleInfo]:
-        """The metadata of `group_ids`' samples, read once: their rollouts have returned, so every
-        sample is stored (a rollout worker puts before it returns). Raises RuntimeError naming the
-        group and the sample indices it lacks (or holds twice)."""
-        infos = await self._buffer.sample_infos(partition, group_ids)
-        if self._meter is not None:
-            self._meter.from_buffer(infos)
-        by_group: dict[int, list[int]] = {g: [] for g in group_ids}
-        for i in infos:
-            by_group[i.group_id].append(i.sample_index)
-        wrong = {g: sorted(ix) for g, ix in by_group.items() if sorted(ix) != list(range(self._n))}
-        if wrong:
-            raise RuntimeError(f"buffer partition {partition!r}: groups whose rollouts returned do not hold samples "
-                               f"0..{self._n - 1} (group -> sample indices stored): {wrong}")
-        return infos
 
     async def clear(self, partition: str) -> None:
         await self._buffer.clear(partition)
 
-    async def clear_groups(self, partition: str, group_ids: list[int]) -> None:
-        await self._buffer.clear(partition, group_ids)
+    async def clear_samples(self, partition: str, samples: list[SampleInfo]) -> None:
+        await self._buffer.clear_keys(partition, [k for s in samples for k in stored_keys(s)])
 
 
 class GatewayProbe:

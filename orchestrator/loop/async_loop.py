@@ -6,10 +6,10 @@ none past the run's last update: orchestrator/loop/staleness.py) and runs each g
 rollouts as its own task; finished groups queue up. The consumer (this loop) takes finished
 groups, filters them, checks every sample's staleness (trainer version − oldest token version),
 trains `sync_every` mini-batches of B groups, pushes weights and bumps the version, which frees
-capacity. The loop holds only the samples' metadata (read once per finished group); a trained
-group's rows stay in the buffer until the trainer ranks have read them for its update, then go
-(`clear_groups`); an untrained group's go at once, and whatever is left at the end with the
-partition.
+capacity. The loop holds only the samples' metadata: the results the rollout pool returned for
+each finished group (it never lists the buffer); the rows of every group a mini-batch consumed stay
+in the buffer until the trainer ranks have read them for its update, then go in one request by
+the keys the results carry (`clear_samples`), and whatever is left at the end with the partition.
 
 Invariants: every dispatched rollout reaches exactly one terminal state in the ledger
 (`completed` = trained, `filtered`, `failed`, `expired` = too stale, or still running when the
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 from orchestrator.loop.batching import Group, assemble, train_order
 from orchestrator.loop.common import (LoopParts, LoopPosition, LoopReport, close_sample, close_trained, close_untrained,
-                                       dispatch_group, end_step, finish, ledger_key, report_groups, step_metrics,
-                                       start_position, sync_weights)
+                                       dispatch_group, end_step, finish, ledger_key, report_groups, run_rollouts,
+                                       step_metrics, start_position, sync_weights)
 from orchestrator.loop.staleness import AdmissionState
 from orchestrator.loop.staleness import Admission, SampleStaleness, StalenessPolicy, judge_samples, staleness_metrics
 from orchestrator.loop.staleness_gate import AdmissionGate
@@ -89,6 +89,14 @@ class _InFlight:
         return gid
 
 
+@dataclass(frozen=True)
+class _Finished:
+    """A group whose rollouts all returned: their samples' metadata, in sample order."""
+
+    group_id: int
+    samples: list[SampleInfo]
+
+
 @dataclass
 class _StepStats:
     facts: list[SampleStaleness] = field(default_factory=list)
@@ -96,6 +104,11 @@ class _StepStats:
     wait_s: float = 0.0
     samples: list[SampleInfo] = field(default_factory=list)  # every sample the step collected (expired ones too)
     trained: list[SampleInfo] = field(default_factory=list)  # those its updates took
+    unfreed: list[SampleInfo] = field(default_factory=list)  # collected, still in the buffer: freed after the update
+
+    def take_unfreed(self) -> list[SampleInfo]:
+        out, self.unfreed = self.unfreed, []
+        return out
 
 
 async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosition | None = None) -> LoopReport:
@@ -113,7 +126,7 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
     inflight = _InFlight(next_group=start.next_group_id)
     policy = StalenessPolicy(cfg.max_staleness, cfg.on_stale)
     gate = AdmissionGate(controller)
-    ready: asyncio.Queue[int] = asyncio.Queue()
+    ready: asyncio.Queue[_Finished] = asyncio.Queue()
     running: set[asyncio.Task] = set()
     stop = asyncio.Event()
     producer = asyncio.create_task(_produce(parts, cfg, gate, ready, running, stop, inflight), name="producer")
@@ -134,7 +147,7 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
                 t0 = parts.clock()
                 masked = {s.session_id for g in groups for s in g.samples if ledger_key(s) in st.masked}
                 update_metrics.append(await parts.trainer.update(train_order(PARTITION, tuple(groups), masked)))
-                await parts.store.clear_groups(PARTITION, [g.group_id for g in groups])  # read by the ranks: done
+                await parts.store.clear_samples(PARTITION, st.take_unfreed())  # read by the ranks: done
                 st.trained.extend(s for g in groups for s in g.samples)
                 t_update += parts.clock() - t0
                 close_trained(parts.ledger, groups, st.masked)
@@ -177,7 +190,7 @@ async def run_async(parts: LoopParts, cfg: AsyncLoopSettings, *, start: LoopPosi
 
 async def _produce(parts: LoopParts, cfg: AsyncLoopSettings, gate: AdmissionGate, ready: asyncio.Queue,
                    running: set[asyncio.Task], stop: asyncio.Event, inflight: "_InFlight") -> None:
-    """Admit groups while capacity lasts; each group runs as its own task and queues its id when done."""
+    """Admit groups while capacity lasts; each group runs as its own task and queues its results when done."""
     limit = parts.concurrency  # rollout.concurrency=adaptive: engine load decides too (None: staleness only)
     while not stop.is_set():
         if not await gate.acquire(timeout_s=GROUP_WAIT_S):
@@ -199,11 +212,11 @@ async def _produce(parts: LoopParts, cfg: AsyncLoopSettings, gate: AdmissionGate
 
         async def run_group(gid: int = gid, reqs: list[RolloutRequest] = reqs) -> None:
             try:
-                await parts.rollouts.run_all(reqs, PARTITION)
+                samples = await run_rollouts(parts, reqs, PARTITION)
             finally:
                 if limit is not None:
                     limit.release()
-            ready.put_nowait(gid)
+            ready.put_nowait(_Finished(gid, samples))
 
         task = asyncio.create_task(run_group(), name=f"group-{gid}")
         running.add(task)
@@ -223,11 +236,12 @@ async def _collect(parts: LoopParts, cfg: AsyncLoopSettings, policy: StalenessPo
     no_signal = _NoSignal(cfg.max_gen_batches * cfg.groups_per_update)
     while len(groups) < cfg.groups_per_update:
         t0 = parts.clock()
-        gid = await _next_ready(ready, producer, inflight)
+        done = await _next_ready(ready, producer, inflight)
         st.wait_s += parts.clock() - t0
-        samples = await parts.store.sample_infos(PARTITION, [gid])  # metadata; the rows stay for the ranks
-        inflight.rows.pop(gid, None)  # every sample of the group reaches its terminal state below
+        samples = done.samples  # metadata; the rows stay in the buffer for the ranks
+        inflight.rows.pop(done.group_id, None)  # every sample of the group reaches its terminal state below
         st.samples.extend(samples)
+        st.unfreed.extend(samples)
         report_groups(parts.prompts, samples)
         completed = [s for s in samples if s.trainable]  # completed, or truncated with a reward (rollout.overflow)
         verdict = judge_samples(completed, version, policy)
@@ -241,8 +255,7 @@ async def _collect(parts: LoopParts, cfg: AsyncLoopSettings, policy: StalenessPo
         close_untrained(parts.ledger, batch)
         if parts.first_rollouts is not None and (why := parts.first_rollouts.observe(samples)) is not None:
             raise _Stopped(why)
-        if not batch.trainable:
-            await parts.store.clear_groups(PARTITION, [gid])  # nothing of it trains: its rows go now
+        if not batch.trainable:  # nothing of it trains: its rows go with the mini-batch's
             controller.on_finished(kept=False)  # capacity back: the producer may admit another group
             gate.notify()
             if (why := no_signal.observe(batch.filtered, len(groups), cfg.groups_per_update)) is not None:
@@ -281,8 +294,8 @@ class _NoSignal:
                 "algorithm.filter_zero_variance=false to train on anyway, or give the task harder prompts")
 
 
-async def _next_ready(ready: asyncio.Queue, producer: asyncio.Task, inflight: _InFlight) -> int:
-    """Next finished group id; re-raises if the producer or a group's rollouts died (for example a
+async def _next_ready(ready: asyncio.Queue, producer: asyncio.Task, inflight: _InFlight) -> _Finished:
+    """Next finished group; re-raises if the producer or a group's rollouts died (for example a
     `ContractError`: a dataset row or an agent broke the contract), which must stop the run."""
     while True:
         if inflight.errors:

@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable, Iterable, Protocol
 
 from orchestrator.loop.batching import Group, GroupBatch, RolloutLedger, agent_metric_means, reward_stats
 from orchestrator.watch.alarms import HealthAlarms
-from workers.core.types import RolloutRequest, SampleInfo, TrainOrder
+from workers.core.types import RolloutRequest, RolloutResult, SampleInfo, TrainOrder
 from workers.weight_sync.protocol import WeightSync
 
 log = logging.getLogger(__name__)
@@ -49,17 +49,19 @@ class PromptSource(Protocol):
 
 
 class Rollouts(Protocol):
-    async def run_all(self, reqs: list[RolloutRequest], partition: str) -> list[Any]: ...
+    """The rollout pool: one `RolloutResult` per request, in request order, each sample stored in
+    `partition` before its result returns (workers/rollout/pool.py). The results are all a loop
+    learns of its rollouts: it never lists them back from the buffer."""
+
+    async def run_all(self, reqs: list[RolloutRequest], partition: str) -> list[RolloutResult]: ...
 
 
 class SampleStore(Protocol):
-    """The buffer as the loops see it: metadata only. `sample_infos` is read once, after the
-    rollout pool returned the groups' outcomes (their samples are stored by then); a sample
-    missing then raises, naming it."""
+    """The buffer as the loops see it: they only free what they are done with, a whole partition or
+    the samples named (by the keys their results carry: no listing)."""
 
-    async def sample_infos(self, partition: str, group_ids: list[int]) -> list[SampleInfo]: ...
     async def clear(self, partition: str) -> None: ...
-    async def clear_groups(self, partition: str, group_ids: list[int]) -> None: ...
+    async def clear_samples(self, partition: str, samples: list[SampleInfo]) -> None: ...
 
 
 class Trainer(Protocol):
@@ -117,6 +119,17 @@ def dispatch_group(ledger: RolloutLedger, row: dict, group_id: int, n: int) -> l
     for r in reqs:
         ledger.on_dispatched(ledger_key(r))
     return reqs
+
+
+async def run_rollouts(parts: LoopParts, reqs: list[RolloutRequest], partition: str) -> list[SampleInfo]:
+    """Run `reqs` through the pool; their samples' metadata, in request order. Raises RuntimeError
+    when the pool's results do not answer the requests one to one (the pool's invariant broke)."""
+    results = await parts.rollouts.run_all(reqs, partition)
+    got = [ledger_key(r.sample) for r in results]
+    if got != [ledger_key(r) for r in reqs]:
+        raise RuntimeError(f"the rollout pool returned {len(results)} results for {len(reqs)} requests, or out of "
+                           f"order: {got[:8]}")
+    return [r.sample for r in results]
 
 
 def report_groups(prompts: PromptSource, samples: list[SampleInfo]) -> None:

@@ -5,7 +5,7 @@ stand in for the real ones. Invariant: at the end of every step, every rollout d
 step is closed in the ledger (trained as `completed`, `filtered` or `failed`), the step's buffer
 partition is cleared, and the policy version has increased by exactly one when the step trained a
 group (a step with nothing to train neither updates nor syncs weights: the version stays); the loop
-holds only the samples' metadata, read once after the step's rollouts returned, and the trainer
+holds only the samples' metadata, the results the rollout pool returned, and the trainer
 ranks read the rows of each update's train order themselves; a step in
 which every rollout failed ends the run there (`LoopReport.stopped` says why: nothing could ever
 train). Validation (`parts.validator`) runs at the step boundary on the weights just synced, and
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from orchestrator.loop.batching import assemble, split_groups, train_order
 from orchestrator.loop.common import (LoopParts, LoopPosition, LoopReport, close_trained, close_untrained, dispatch_group,
-                                       end_step, finish, ledger_key, report_groups, step_metrics,
-                                       start_position, sync_weights)
+                                       end_step, finish, report_groups, run_rollouts, step_metrics, start_position,
+                                       sync_weights)
 from workers.core.types import RolloutRequest
 
 
@@ -48,11 +48,8 @@ async def run_sync(parts: LoopParts, cfg: SyncLoopSettings, *, start: LoopPositi
         partition = f"step-{step}"
 
         t0 = parts.clock()
-        await parts.rollouts.run_all(reqs, partition)
-        samples = await parts.store.sample_infos(partition, sorted({r.group_id for r in reqs}))
+        samples = await run_rollouts(parts, reqs, partition)
         t_gen = parts.clock() - t0
-        if {ledger_key(s) for s in samples} != {ledger_key(r) for r in reqs}:
-            raise RuntimeError(f"step {step}: buffer returned {len(samples)} samples for {len(reqs)} rollouts")
 
         report_groups(parts.prompts, samples)
         batch = assemble(samples, filter_zero_variance=cfg.filter_zero_variance)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Protocol
 
 from orchestrator.loop.common import Rollouts
 from workers.core.passk import mean_and_sem, mean_pass_at_k, percentile
-from workers.core.types import RolloutRequest
+from workers.core.types import RolloutRequest, RolloutResult
 
 
 class PartitionStore(Protocol):
@@ -78,16 +78,14 @@ class EvalRecord:
 _TRUNCATED = {"truncated": "context_length_exceeded"}  # an eval rollout that ran out of context: failed, named
 
 
-def to_record(outcome: Any, group_offset: int = 0) -> EvalRecord:
-    """The record of a `workers.rollout.worker.RolloutOutcome`."""
-    return EvalRecord(prompt_index=outcome.group_id - group_offset, sample_index=outcome.sample_index,
-                      input_id=getattr(outcome, "input_id", ""), status=outcome.status,
-                      reward=outcome.reward if outcome.status == "completed" else None,
-                      reason=(getattr(outcome, "reason", None) or _TRUNCATED.get(outcome.status))
-                      if outcome.status != "completed" else None,
-                      error=outcome.error, tokens_in=getattr(outcome, "num_input_tokens", 0),
-                      tokens_out=outcome.num_generated_tokens, turns=getattr(outcome, "num_turns", 0),
-                      latency_s=outcome.latency_s, policy_version=getattr(outcome, "policy_version", None))
+def to_record(result: RolloutResult, group_offset: int = 0) -> EvalRecord:
+    """The record of one rollout's result (workers/core/types.py `RolloutResult`)."""
+    s = result.sample
+    return EvalRecord(prompt_index=s.group_id - group_offset, sample_index=s.sample_index, input_id=s.input_id,
+                      status=s.status, reward=s.reward if s.status == "completed" else None,
+                      reason=(result.reason or _TRUNCATED.get(s.status)) if s.status != "completed" else None,
+                      error=s.error, tokens_in=result.num_input_tokens, tokens_out=s.num_generated_tokens,
+                      turns=s.num_turns, latency_s=s.latency_s, policy_version=s.min_version)
 
 
 def summarize(records: list[EvalRecord], *, n: int, pass_threshold: float, wall_s: float) -> dict[str, Any]:
@@ -138,8 +136,7 @@ async def evaluate_rows(pool: Rollouts, store: PartitionStore | None, rows: list
         async def run_prompt(i: int, row: dict) -> list[EvalRecord]:
             reqs = [RolloutRequest(group_id=i, input_id=str(row["input_id"]), sample_index=j, row=row)
                     for j in range(settings.n)]
-            out = [to_record(o) for o in await pool.run_all(reqs, partition)]
-            out = [EvalRecord(**{**asdict(r), "input_id": str(row["input_id"])}) for r in out]
+            out = [to_record(r) for r in await pool.run_all(reqs, partition)]
             if on_record is not None:
                 for r in out:
                     on_record(r)

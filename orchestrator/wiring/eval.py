@@ -95,7 +95,7 @@ async def build_eval(cfg: RunConfig, rt: Runtime, stack: contextlib.ExitStack) -
             base_url = await GatewayClient(gateway).start()
         settings = eval_rollout_settings(cfg.eval, run_rollout_settings(cfg, rt, base_url))
         pool = await start_pool(cfg, rt, settings, gateway, buffer, closing)
-        return BuiltEval(pool=pool, store=BufferStore(buffer, cfg.eval.n), replicas=replicas,
+        return BuiltEval(pool=pool, store=BufferStore(buffer), replicas=replicas,
                          closing=closing)
     except BaseException:
         await closing.aclose()

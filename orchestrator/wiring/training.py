@@ -35,6 +35,7 @@ from workers.inference.client import ReplicaClient
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
+    from orchestrator.adapters.clients import DriverBytes
     from orchestrator.control.supervise import ReplicaSupervisor, ServerWatch
     from orchestrator.loop.concurrency import ConcurrencyGate
     from orchestrator.loop.validation import Validator
@@ -157,6 +158,8 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
     from orchestrator.watch.metrics import build_sinks
     from orchestrator.watch.resources import ResourceProbe
     from orchestrator.watch.slots import SlotProbe
+    from workers.core.calls import meter_ray_results
+    from workers.core.types import OrderData
 
     ckpt, run_dir = rt.checkpoint, rt.run_dir
     version = ckpt.state.policy_version if ckpt else 0
@@ -174,9 +177,11 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
         "gateway": a.gateway, **a.pool.named_actors()})
     await directory.refresh()
     cpu = CpuProbe(lambda: {**directory.pids(), **(rt.local.pids() if rt.local is not None else {})})
-    trainer_client = TrainerClient(a.trainer, pad_id=a.pad_id, norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
-                                   buffer=a.buffer.handle)
-    driver_bytes = DriverBytes()  # what the driver receives per step: outcomes and tags, never a token
+    await a.trainer.open_data(OrderData(a.buffer.handle, a.pad_id, cfg.algorithm.norm_adv_by_std))  # once, not per order
+    trainer_client = TrainerClient(a.trainer)
+    driver_bytes = DriverBytes()  # all the driver receives per step, metered at its Ray and TransferQueue clients
+    meter_ray_results(driver_bytes.ray)
+    a.buffer.meter_received(driver_bytes.buffer)
     concurrency = _concurrency(cfg, a.replicas)  # rollout.concurrency=adaptive|aimd, else None
     if concurrency is not None and cfg.rollout.contract == "a2a" and cfg.rollout.rollout_slots:
         watchers.append(_slot_steering(cfg, concurrency, a.pool))  # the window steers rollout slots
@@ -188,7 +193,7 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
     acr_totals = _acr_totals(a.pool, ckpt.state.counters if ckpt else {})
     parts = LoopParts(
         prompts=prompts, rollouts=MeteredRollouts(a.pool, driver_bytes), ledger=ledger,
-        store=BufferStore(a.buffer, cfg.rollout.n, driver_bytes),
+        store=BufferStore(a.buffer),
         trainer=_colocated(cfg, trainer_client, a.replicas), weights=weights, logger=logger,
         probe=_probes(_with_gate(GatewayProbe(a.gateway, a.replicas), concurrency), *(w.metrics for w in watchers),
                       weights.metrics,
@@ -197,7 +202,7 @@ async def _wire(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.Asy
         checkpoint=RunCheckpointer(run_dir, a.trainer, prompts, save_freq=cfg.trainer.save_freq,
                                    keep_last=cfg.trainer.max_ckpt_to_keep, counters=ledger.settled_counts,
                                    acr_counters=acr_totals),
-        validator=await _validator(cfg, rt, a, closing), concurrency=concurrency,
+        validator=await _validator(cfg, rt, a, closing, driver_bytes), concurrency=concurrency,
         first_rollouts=None if ckpt else FirstRollouts(min(FIRST_ROLLOUTS, cfg.samples_per_step), cfg.rollout.contract))
     return BuiltRun(parts=parts, start=position_of(ckpt.state) if ckpt else None, pool=a.pool, logger=logger,
                     replicas=a.replicas, closing=closing, watchers=[w.run for w in watchers], trainer_ranks=ranks,
@@ -316,17 +321,18 @@ async def _pool_recovery_metrics(pool: RolloutPool) -> dict[str, float]:
     return out
 
 
-async def _validator(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.AsyncExitStack) -> Validator | None:
+async def _validator(cfg: RunConfig, rt: Runtime, a: _Actors, closing: contextlib.AsyncExitStack,
+                     driver_bytes: DriverBytes) -> Validator | None:
     """Validation during training (`trainer.test_freq`, `trainer.val_before_train`) on its own pool
-    with the `eval` group's sampling; None when neither is set."""
+    with the `eval` group's sampling (its results counted in `driver_bytes`); None when neither is set."""
     t = cfg.trainer
     if t.test_freq <= 0 and not t.val_before_train:
         return None
-    from orchestrator.adapters.clients import BufferStore
+    from orchestrator.adapters.clients import BufferStore, MeteredRollouts
     from orchestrator.loop.validation import Validator
 
     pool = await start_pool(cfg, rt, eval_rollout_settings(cfg.eval, a.settings), a.gateway, a.buffer, closing)
-    return Validator(pool=pool, store=BufferStore(a.buffer, cfg.eval.n),
+    return Validator(pool=MeteredRollouts(pool, driver_bytes), store=BufferStore(a.buffer),
                      rows=TASKS[cfg.task.name].rows(cfg.task, cfg.task.val_split),
                      settings=eval_settings(cfg.eval, step_rollouts=cfg.samples_per_step),
                      test_freq=t.test_freq, val_before_train=t.val_before_train, clock=time.monotonic)

@@ -70,13 +70,24 @@ def _agent_metrics(tag: str | None) -> tuple[tuple[str, float], ...]:
     return tuple(sorted((str(k), float(v)) for k, v in json.loads(tag).items())) if tag else ()
 
 
+def empty_key(session_id: str) -> str:
+    """The key of the placeholder row of a sample stored without rows."""
+    return f"{session_id}/empty"
+
+
+def stored_keys(info: SampleInfo) -> tuple[str, ...]:
+    """Every TQ key a stored sample occupies: its row keys, or its placeholder's when it has none
+    (what clearing the sample deletes, with no listing)."""
+    return info.row_keys or (empty_key(info.session_id),)
+
+
 def encode_sample(sample: Sample) -> list[StoredRow]:
     """Split a sample into its TQ rows: one per trajectory row, or one placeholder if it has none."""
     base = sample_tags(sample)
     if not sample.rows:
         return [
             StoredRow(
-                key=f"{sample.session_id}/empty",
+                key=empty_key(sample.session_id),
                 tags={**base, "row_index": EMPTY_ROW_INDEX, "seq_len": 0, "row_generated": 0},
                 token_ids=(),
                 loss_mask=(),

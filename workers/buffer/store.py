@@ -3,9 +3,11 @@
 The orchestrator's one entry point to TransferQueue (TQ, the `transferqueue` package). The driver
 starts the TQ controller and storage units as Ray actors with `TrajectoryBuffer.start`, hands the
 picklable `BufferHandle` to rollout workers and trainer ranks, and each builds its own client with
-`TrajectoryBuffer.connect(handle)` inside its actor. Rollout workers `put` samples; the loop lists
-their metadata (`sample_infos`: tags only, never a token) and frees them with `clear`; each trainer
+`TrajectoryBuffer.connect(handle)` inside its actor. Rollout workers `put` samples (and return
+their metadata to the driver: workers/core/types.py `RolloutResult`); the loop frees them with
+`clear_keys` (the keys the results carry: no listing) or `clear` (a whole partition); each trainer
 rank reads the rows of its share of a train order (`read_rows`, workers/trainer/rows.py).
+`sample_infos` lists a partition's tags (a rollout pool recovering from a dead actor, tools).
 
 Layout (one TQ row per trajectory row, TQ's key-value interface):
   key    `{session_id}/{row_index}`; a sample with no rows is stored as one placeholder row
@@ -25,7 +27,7 @@ data is stored, and a reader keeps a sample only when its tagged rows are exactl
 raise `BufferCorruptError` rather than yield a mixed sample.
 
 Callers: orchestrator main (start/stop), rollout workers (connect, put), the training loops
-(sample_infos, clear), trainer ranks (connect, read_rows). Ray and TQ are imported inside functions, so importing this
+(clear_keys, clear), trainer ranks (connect, read_rows). Ray and TQ are imported inside functions, so importing this
 module (for `BufferConfig`, `BufferHandle`) needs neither; the pure layout code is in
 `workers.buffer.codec`.
 """
@@ -43,6 +45,7 @@ from typing import Any, TypeVar
 
 from workers.core.types import Sample, SampleInfo, TrajectoryRow, row_key
 from workers.buffer.codec import FIELDS, BufferCorruptError, StoredRow, complete_sessions, decode_samples, encode_sample, sample_info
+from workers.core.calls import ByteMeter
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -124,6 +127,12 @@ class TrajectoryBuffer:
         self._handle = handle
         self._client = client
         self._owned = owned
+        self._meter: ByteMeter | None = None
+
+    def meter_received(self, meter: ByteMeter | None) -> None:
+        """From now on add the pickled size of every answer TransferQueue gives this client to
+        `meter` (the driver's `driver/bytes_from_buffer`); None stops."""
+        self._meter = meter
 
     # ---- lifecycle
 
@@ -218,7 +227,7 @@ class TrajectoryBuffer:
         client = self._live_client()
 
         async def write() -> None:
-            meta = await client.async_kv_retrieve_meta(keys=keys, partition_id=partition, create=True)
+            meta = self._got(await client.async_kv_retrieve_meta(keys=keys, partition_id=partition, create=True))
             if meta.size != len(keys):
                 raise RuntimeError(f"TQ registered {meta.size} of {len(keys)} keys in partition {partition!r}")
             meta.update_custom_meta([r.tags for r in rows])
@@ -265,7 +274,7 @@ class TrajectoryBuffer:
 
     async def get_groups(self, partition: str, group_ids: Sequence[int]) -> list[Sample]:
         """The complete samples of `group_ids` in `partition` with their tokens, sorted by
-        (group_id, sample_index); no wait. For tests and tools: the loops read `sample_infos`,
+        (group_id, sample_index); no wait. For tests and tools: the loops hold the rollout results,
         the trainer ranks `read_rows`. The data stays in the buffer until `clear`."""
         listing = await self._list(partition)
         wanted = set(group_ids)
@@ -286,7 +295,22 @@ class TrajectoryBuffer:
             return
 
         async def drop() -> None:
-            meta = await client.async_kv_retrieve_meta(keys=keys, partition_id=partition, create=False)
+            meta = self._got(await client.async_kv_retrieve_meta(keys=keys, partition_id=partition, create=False))
+            if meta.size > 0:
+                await client.async_clear_samples(meta)
+
+        await self._bounded(drop(), f"clear of {len(keys)} rows from {partition!r}")
+
+    async def clear_keys(self, partition: str, keys: Sequence[str]) -> None:
+        """Delete the TQ rows under `keys` from `partition` (`codec.stored_keys` of the samples a
+        loop is done with): one request for their metadata and one to clear, no listing. Keys not
+        there (cleared already) are skipped."""
+        if not keys:
+            return
+        client = self._live_client()
+
+        async def drop() -> None:
+            meta = self._got(await client.async_kv_retrieve_meta(keys=list(keys), partition_id=partition, create=False))
             if meta.size > 0:
                 await client.async_clear_samples(meta)
 
@@ -295,7 +319,7 @@ class TrajectoryBuffer:
     async def partitions(self) -> list[str]:
         """Ids of the partitions that exist now."""
         client = self._live_client()
-        return list(await self._bounded(client.async_get_partition_list(), "partition list"))
+        return list(self._got(await self._bounded(client.async_get_partition_list(), "partition list")))
 
     # ---- sync wrappers (for code without an event loop: scripts, tests, the sync driver)
 
@@ -324,8 +348,14 @@ class TrajectoryBuffer:
         except TimeoutError as e:
             raise TimeoutError(f"TransferQueue {what} took longer than {self._handle.op_timeout_s}s") from e
 
+    def _got(self, answer: T) -> T:
+        """`answer`, received from TransferQueue, counted by the meter if any (`meter_received`)."""
+        if self._meter is not None:
+            self._meter.add(answer)
+        return answer
+
     async def _list(self, partition: str) -> dict[str, dict[str, Any]]:
-        info = await self._bounded(self._live_client().async_kv_list(partition), f"listing of {partition!r}")
+        info = self._got(await self._bounded(self._live_client().async_kv_list(partition), f"listing of {partition!r}"))
         return info.get(partition, {})
 
     async def _read_rows(self, partition: str, keys: list[str]) -> list[StoredRow]:
@@ -334,7 +364,7 @@ class TrajectoryBuffer:
         client = self._live_client()
 
         async def read() -> tuple[Any, Any]:
-            meta = await client.async_kv_retrieve_meta(keys=keys, partition_id=partition, create=False)
+            meta = self._got(await client.async_kv_retrieve_meta(keys=keys, partition_id=partition, create=False))
             if meta.size != len(keys):
                 raise BufferCorruptError(
                     f"{len(keys) - meta.size} of {len(keys)} rows vanished from {partition!r} while reading "
@@ -343,7 +373,7 @@ class TrajectoryBuffer:
             meta = meta.select_fields(list(FIELDS))
             if not meta.is_ready:
                 raise BufferCorruptError(f"rows in {partition!r} are tagged but their fields are not ready")
-            return meta, await client.async_get_data(meta)
+            return meta, self._got(await client.async_get_data(meta))
 
         meta, data = await self._bounded(read(), f"read of {len(keys)} rows from {partition!r}")
         cols = {f: [t.tolist() for t in data[f].unbind()] for f in FIELDS}

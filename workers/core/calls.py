@@ -14,6 +14,11 @@ actor from an error its method raised. `PartClient.call_within(timeout_s, target
 Invariant: the method is called exactly once, and its result (or exception) is returned as is; a
 bounded call returns within its bound or raises `PartTimeout` (the remote call itself is not stopped:
 the caller stops the run or drops the part).
+
+What a process receives through Ray: with `meter_ray_results(meter)` (the driver does it once at
+start), every result of an actor call made here (`invoke`, `__ray_call__`) adds its pickled size to
+`meter`, a `ByteMeter`; the trajectory buffer's client meters what TransferQueue answers the same
+way (workers/buffer/store.py), so the driver's `driver/bytes_per_rollout` counts all it receives.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import pickle
 from typing import Any, Awaitable, TypeVar
 
 from workers.core import bounds
@@ -55,6 +61,46 @@ async def within(timeout_s: float, aw: Awaitable[T], *, part: str, call: str) ->
         raise
 
 
+class ByteMeter:
+    """Counts the bytes of what a process received: each message's pickled size (protocol 5; the
+    few objects plain pickle refuses are measured with cloudpickle, as Ray sends them). `take()`
+    returns (bytes, messages) since the last take and starts again from 0."""
+
+    def __init__(self) -> None:
+        self._bytes = self._messages = 0
+
+    def add(self, message: Any) -> None:
+        try:
+            size = len(pickle.dumps(message, protocol=5))
+        except Exception:  # noqa: BLE001 - a local class or closure: Ray pickles those with cloudpickle
+            import cloudpickle
+
+            size = len(cloudpickle.dumps(message, protocol=5))
+        self._bytes += size
+        self._messages += 1
+
+    def take(self) -> tuple[int, int]:
+        out = (self._bytes, self._messages)
+        self._bytes = self._messages = 0
+        return out
+
+
+_ray_results: ByteMeter | None = None  # this process's meter of Ray call results (meter_ray_results)
+
+
+def meter_ray_results(meter: ByteMeter | None) -> None:
+    """From now on count every actor-call result this process receives here in `meter` (None: stop)."""
+    global _ray_results
+    _ray_results = meter
+
+
+def count_received(out: T) -> T:
+    """`out`, a result this process received through Ray, counted by the `meter_ray_results` meter if any."""
+    if _ray_results is not None:
+        _ray_results.add(out)
+    return out
+
+
 def actor_died(exc: BaseException) -> bool:
     """True when `exc` says the Ray actor behind a call is gone: its process died (SIGKILL, OOM,
     node loss). Ray raises `ray.exceptions.RayActorError` (or a subclass: ActorDiedError,
@@ -71,7 +117,7 @@ async def invoke(method: Any, *args: Any, **kwargs: Any) -> Any:
     """Await one call of `method`, an attribute of a part: an actor method (`handle.m`) or a
     plain or async method (`obj.m`). Whatever the method raises propagates."""
     if is_actor_method(method):
-        return await method.remote(*args, **kwargs)
+        return count_received(await method.remote(*args, **kwargs))
     out = method(*args, **kwargs)
     return await out if inspect.isawaitable(out) else out
 
@@ -118,19 +164,20 @@ class PartClient:
     async def ping(self) -> None:
         """A no-op round trip; raises the actor's death (`actor_died`) when it is gone."""
         if self.is_actor:
-            await within(bounds.STATUS_S, self.target.__ray_call__.remote(_noop), part=self.name, call="ping")
+            count_received(await within(bounds.STATUS_S, self.target.__ray_call__.remote(_noop), part=self.name, call="ping"))
 
     async def pid(self) -> int | None:
         """The actor's process id; None for a local object. Raises PartTimeout past bounds.STATUS_S."""
         if not self.is_actor:
             return None
-        return await within(bounds.STATUS_S, self.target.__ray_call__.remote(_pid), part=self.name, call="pid")
+        return count_received(await within(bounds.STATUS_S, self.target.__ray_call__.remote(_pid), part=self.name,
+                                      call="pid"))
 
     async def run_inside(self, fn: Any, *args: Any) -> Any:
         """`fn(instance, *args)` inside the actor's process (`__ray_call__`), or on the local
         object itself."""
         if self.is_actor:
-            return await self.target.__ray_call__.remote(fn, *args)
+            return count_received(await self.target.__ray_call__.remote(fn, *args))
         out = fn(self.target, *args)
         return await out if inspect.isawaitable(out) else out
 

@@ -240,9 +240,10 @@ def row_key(session_id: str, row_index: int) -> str:
 @dataclass(frozen=True)
 class SampleInfo:
     """A stored sample's metadata: every scalar the loops, metrics, staleness verdict and early
-    stop read, and the keys and sizes of its rows, without a token. The trajectory buffer lists it
-    from its tags (`TrajectoryBuffer.sample_infos`), the simulator from its samples
-    (`Sample.info`); the loops never hold more of a rollout than this.
+    stop read, and the keys and sizes of its rows, without a token. A rollout worker returns it
+    (`Sample.info`, inside a `RolloutResult`) after storing the sample; the trajectory buffer can
+    list it back from its tags (`TrajectoryBuffer.sample_infos`); the loops never hold more of a
+    rollout than this.
 
     min_version / max_version: policy versions over generated tokens; None when nothing was
     generated. row_keys / row_lens / row_generated: each row's buffer key, token count and
@@ -312,18 +313,15 @@ class TrainOrder:
 
     partition: the buffer partition of the rows. samples: every sample of the update's groups,
     group by group. masked: session ids trained with a zero loss mask (too stale under
-    `async.on_stale=train_masked`: in the statistics, no gradient, no row read). norm_adv_by_std,
-    pad_id: the advantage and padding settings. buffer: the `BufferHandle` a rank connects with
-    (None: the trainer is handed rows another way, as in tests). pad_rows: rows without a trained
-    token a rank appends so that every rank runs as many micro-batches (workers/trainer/order.py).
+    `async.on_stale=train_masked`: in the statistics, no gradient, no row read). pad_rows: rows
+    without a trained token a rank appends so that every rank runs as many micro-batches
+    (workers/trainer/order.py). What stays the same for the whole run (the buffer, the pad id, the
+    advantage setting) is not in an order: the ranks got it once at start (`OrderData`).
     """
 
     partition: str
     samples: tuple[OrderSample, ...]
     masked: tuple[str, ...] = ()
-    norm_adv_by_std: bool = True
-    pad_id: int = 0
-    buffer: object = None
     pad_rows: int = 0
 
     @property
@@ -335,6 +333,45 @@ class TrainOrder:
     def num_tokens(self) -> int:
         """Every token of the rows the order reads (`perf/total_num_tokens`)."""
         return sum(sum(s.row_lens) for s in self.samples)
+
+
+@dataclass(frozen=True)
+class OrderData:
+    """What every train order of a run shares, handed to each trainer rank once at start
+    (`Trainer.open_data`), not with every order.
+
+    buffer: the trajectory buffer's picklable `BufferHandle` a rank connects its own client with
+    (None: no buffer, the rank is handed rows another way, as in tests). pad_id: the token id of
+    padding. norm_adv_by_std: GRPO advantages divided by the group's reward std (verl's
+    `norm_adv_by_std_in_grpo`)."""
+
+    buffer: object = None
+    pad_id: int = 0
+    norm_adv_by_std: bool = True
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    """One finished rollout as the driver learns it, once: the stored sample's metadata (`sample`,
+    exactly what the trajectory buffer holds as tags) plus what only the run knows.
+
+    reason: why a failed rollout failed (workers/rollout/failures.py `FailReason`; None otherwise).
+    result_to_stored_s: seconds from the result reaching the rollout worker (push, HTTP answer or
+    S3 hit) to the sample being in the buffer; None when no result arrived. num_input_tokens:
+    recorded tokens the model did not generate (prompts, tool results). session_open: the
+    rollout's ACR session is not known to be stopped yet (its stop failed and is retried in the
+    background), so the run's session journal keeps it (workers/acr/journal.py).
+    """
+
+    sample: SampleInfo
+    reason: str | None = None
+    result_to_stored_s: float | None = None
+    num_input_tokens: int = 0
+    session_open: bool = False
+
+    @property
+    def session_id(self) -> str:
+        return self.sample.session_id
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ from typing import Any
 
 from workers.core.calls import is_actor_method
 from workers.core.netaddr import listen_and_advertise
-from workers.core.types import RolloutRequest
+from workers.core.types import RolloutRequest, RolloutResult
 from workers.rollout.clients import GatewaySessionsClient, SampleStoreClient
 from workers.rollout.results import ResultBoard, ResultServer
 from workers.rollout.stops import LostStop
-from workers.rollout.worker import NoGateway, RolloutOutcome, RolloutSettings, RolloutWorker
+from workers.rollout.worker import NoGateway, RolloutSettings, RolloutWorker
 
 
 @dataclass(frozen=True)
@@ -98,8 +98,8 @@ class RolloutActor:
         first rollout, so that this cost overlaps the engines' start."""
         await self._ensure()
 
-    async def run_many(self, reqs: list[RolloutRequest], partition: str) -> list[RolloutOutcome]:
-        """Run `reqs` concurrently; outcomes in request order. A ContractError cancels the rest
+    async def run_many(self, reqs: list[RolloutRequest], partition: str) -> list[RolloutResult]:
+        """Run `reqs` concurrently; their results in request order. A ContractError cancels the rest
         (each stops its session) and propagates."""
         worker = await self._ensure()
         tasks = [asyncio.ensure_future(worker.run(r, partition)) for r in reqs]

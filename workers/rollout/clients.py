@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING
 from workers.core.calls import PartClient, invoke
 
 if TYPE_CHECKING:
-    from workers.core.types import RolloutRequest, Sample, SessionCapture
+    from workers.core.types import RolloutRequest, RolloutResult, Sample, SessionCapture
     from workers.rollout.stops import LostStop
-    from workers.rollout.worker import RolloutOutcome
 
 
 class RolloutActorClient(PartClient):
@@ -27,7 +26,7 @@ class RolloutActorClient(PartClient):
     async def prepare(self) -> None:
         await invoke(self.target.prepare)
 
-    async def run_many(self, reqs: list[RolloutRequest], partition: str) -> list[RolloutOutcome]:
+    async def run_many(self, reqs: list[RolloutRequest], partition: str) -> list[RolloutResult]:
         return await invoke(self.target.run_many, reqs, partition)
 
     async def stop_lost_sessions(self, session_ids: list[str]) -> list[LostStop]:

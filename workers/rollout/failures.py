@@ -1,6 +1,6 @@
 """Why a rollout failed: the closed set of reasons and the rule from an exception to its reason.
 
-Reasons (`rollout/failed/{reason}` counters, `RolloutOutcome.reason`): `timeout`, `bad_result`,
+Reasons (`rollout/failed/{reason}` counters, `RolloutResult.reason`): `timeout`, `bad_result`,
 `agent_error`, `throttled`, `acr_error`, `transport`, the A2A contract's setup phase
 (`setup_timeout`: past `rollout.setup_timeout_s`; `setup_failed`: the agent ended the task in
 setup; workers/rollout/lifecycle.py), and the faults of our own parts and servers:

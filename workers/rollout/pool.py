@@ -1,7 +1,8 @@
 """RolloutPool: the driver-side handle that spreads rollouts over the rollout actors
 (workers/rollout/actor.py), and survives losing one.
 
-Invariant: `RolloutPool.run_all` returns one outcome per request, or raises (a ContractError from
+Invariant: `RolloutPool.run_all` returns one result per request (a `RolloutResult`: the stored
+sample's metadata and the outcome-only fields, the one account the driver gets of a rollout), or raises (a ContractError from
 any actor stops the run; Ray re-raises it as an instance of ContractError). `shutdown` cancels
 rollouts still running; each stops its ACR session on the way out, and `shutdown` returns only
 once every ACR stop has ended (the driver stops the local emulator right after).
@@ -13,11 +14,11 @@ are given back (`release_owner`), the buffer says which of its attempts stored a
 workers/rollout/recovery.py decides the rest: re-dispatch once under a new session id
 (`rollout/redispatched`) or store a failed sample with reason `actor_lost`; the ACR and gateway
 sessions of every lost attempt are stopped through a live actor. Every request still ends with
-exactly one stored sample and one outcome. To kill one for a chaos test: the actors are named
+exactly one stored sample and one result. To kill one for a chaos test: the actors are named
 `rollout-{i}-{6 hex}`; the driver lists their PIDs in `run_dir/actors.json`; SIGKILL one.
 
 The open-session journal (workers/acr/journal.py, with `journal`): every attempt's session is
-recorded before its dispatch and forgotten when its outcome says it was stopped, when the stop of
+recorded before its dispatch and forgotten when its result says it was stopped, when the stop of
 a lost session ended (stopped or not open), or at `shutdown` (all but what the actors still hold
 open). What a driver killed outright leaves there, its reaper and the next start stop.
 """
@@ -34,12 +35,12 @@ from typing import Any
 from workers.acr.journal import JournalWriter
 from workers.acr.limits import SessionCapClient
 from workers.core.calls import actor_died
-from workers.core.types import RolloutRequest, Sample
+from workers.core.types import RolloutRequest, RolloutResult, Sample
 from workers.rollout.actor import PoolOptions, rollout_actor_spawner, sink_for
 from workers.rollout.clients import RolloutActorClient, SampleStoreClient
 from workers.rollout.contract import new_session_id
 from workers.rollout.recovery import ACTOR_LOST, Attempt, plan_lost
-from workers.rollout.worker import RolloutOutcome, RolloutSettings
+from workers.rollout.worker import RolloutSettings
 
 log = logging.getLogger(__name__)
 
@@ -90,28 +91,28 @@ class RolloutPool:
         """Have every actor build its worker now (`RolloutActor.prepare`); optional."""
         await asyncio.gather(*(RolloutActorClient(a).prepare() for a in self._actors))
 
-    async def run_all(self, reqs: list[RolloutRequest], partition: str) -> list[RolloutOutcome]:
-        """Run every request; outcomes in request order. Raises what an actor raised (a lost actor
+    async def run_all(self, reqs: list[RolloutRequest], partition: str) -> list[RolloutResult]:
+        """Run every request; results in request order. Raises what an actor raised (a lost actor
         too, unless the pool recovers)."""
         rec = self._recovery
         attempts = [Attempt(r, r.session_id or (new_session_id(rec.exp_id, r.group_id, r.sample_index) if rec else ""))
                     for r in reqs]
         return await self._dispatch(attempts, partition)
 
-    async def _dispatch(self, attempts: list[Attempt], partition: str) -> list[RolloutOutcome]:
+    async def _dispatch(self, attempts: list[Attempt], partition: str) -> list[RolloutResult]:
         shards: list[list[int]] = [[] for _ in self._actors]
         for i in range(len(attempts)):
             shards[(self._next + i) % len(shards)].append(i)
         self._next = (self._next + len(attempts)) % len(self._actors)
         used = [(a, idx) for a, idx in zip(self._actors, shards) if idx]
         results = await asyncio.gather(*(self._run_shard(a, [attempts[i] for i in idx], partition) for a, idx in used))
-        out: list[RolloutOutcome | None] = [None] * len(attempts)
-        for (_, idx), outcomes in zip(used, results):
-            for i, o in zip(idx, outcomes):
+        out: list[RolloutResult | None] = [None] * len(attempts)
+        for (_, idx), got in zip(used, results):
+            for i, o in zip(idx, got):
                 out[i] = o
         return out  # type: ignore[return-value]
 
-    async def _run_shard(self, actor: Any, attempts: list[Attempt], partition: str) -> list[RolloutOutcome]:
+    async def _run_shard(self, actor: Any, attempts: list[Attempt], partition: str) -> list[RolloutResult]:
         reqs = [replace(a.req, session_id=a.session_id or None) for a in attempts]
         if self._journal is not None:
             self._journal.record(a.session_id for a in attempts)
@@ -126,7 +127,7 @@ class RolloutPool:
         return outcomes
 
     async def _recover(self, dead: Any, attempts: list[Attempt], partition: str,
-                       exc: BaseException) -> list[RolloutOutcome]:
+                       exc: BaseException) -> list[RolloutResult]:
         rec = self._recovery
         assert rec is not None
         name = await self._replace(dead)
@@ -136,24 +137,24 @@ class RolloutPool:
         plan = plan_lost(attempts, infos.keys(), max_redispatch=rec.max_redispatch,
                          new_session_id=lambda r: new_session_id(rec.exp_id, r.group_id, r.sample_index))
         await self._stop_lost(list(plan.to_stop))
+        lost: dict[str, Sample] = {}
         if plan.failed:
             error = f"{ACTOR_LOST}: rollout actor {name} died running this rollout"
-            await store.put([Sample(session_id=a.session_id, group_id=a.req.group_id, input_id=a.req.input_id,
-                                    sample_index=a.req.sample_index, rows=(), reward=None, status="failed",
-                                    latency_s=0.0, error=error)
-                             for a in plan.failed], partition)
+            lost = {a.session_id: Sample(session_id=a.session_id, group_id=a.req.group_id, input_id=a.req.input_id,
+                                         sample_index=a.req.sample_index, rows=(), reward=None, status="failed",
+                                         latency_s=0.0, error=error) for a in plan.failed}
+            await store.put(list(lost.values()), partition)
             self.counts["rollout/failed"] += len(plan.failed)
             self.counts[f"rollout/failed/{ACTOR_LOST}"] += len(plan.failed)
         self.counts["rollout/redispatched"] += len(plan.redispatch)
         again = iter(await self._dispatch(list(plan.redispatch), partition) if plan.redispatch else [])
-        settled, failed = {a.session_id for a in plan.settled}, {a.session_id for a in plan.failed}
+        settled = {a.session_id for a in plan.settled}
         out = []
         for a in attempts:  # plan_lost keeps the order: the re-dispatched ones come back in turn
-            if a.session_id in settled:
-                out.append(_outcome_of(infos[a.session_id]))
-            elif a.session_id in failed:
-                out.append(RolloutOutcome(a.session_id, a.req.group_id, a.req.sample_index, "failed", None, 0, 0.0,
-                                          f"{ACTOR_LOST}: rollout actor {name} died", ACTOR_LOST))
+            if a.session_id in settled:  # stored before the actor died: the buffer's tags are its account
+                out.append(RolloutResult(infos[a.session_id]))
+            elif a.session_id in lost:
+                out.append(RolloutResult(lost[a.session_id].info(), reason=ACTOR_LOST))
             else:
                 out.append(next(again))
         return out
@@ -239,12 +240,6 @@ class RolloutPool:
         got = await asyncio.gather(*(RolloutActorClient(a).shutdown() for a in self._actors), return_exceptions=True)
         if self._journal is not None and not any(isinstance(g, BaseException) for g in got):
             self._journal.forget_all_but(s for g in got for s in (g or ()))
-
-
-def _outcome_of(info: Any) -> RolloutOutcome:
-    """The outcome of an attempt whose sample is in the buffer (a `SampleInfo`)."""
-    return RolloutOutcome(info.session_id, info.group_id, info.sample_index, info.status, info.reward,
-                          info.num_generated_tokens, 0.0, None, policy_version=info.min_version)
 
 
 def _sum(dicts: list[dict[str, int]]) -> dict[str, int]:

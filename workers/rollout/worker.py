@@ -1,7 +1,7 @@
 """RolloutWorker: one ACR invocation per sample, joined with the gateway's token capture.
 
-Invariant: every `RolloutWorker.run` call either returns exactly one `RolloutOutcome` with a
-terminal status ("completed", "truncated" or "failed", with a `reason` from `FailReason`) after storing
+Invariant: every `RolloutWorker.run` call either returns exactly one `RolloutResult` (the stored
+sample's metadata plus the outcome-only fields, workers/core/types.py) with a terminal status ("completed", "truncated" or "failed", with a `reason` from `FailReason`) after storing
 exactly one sample, or raises (ContractError: the run must stop; CancelledError) after storing
 nothing. On every exit path (success, agent error, bad result, timeout, cancellation, shutdown)
 the ACR session is stopped (a task of its own that a cancellation, even a repeated one, cannot
@@ -42,7 +42,7 @@ from typing import Literal, Protocol
 import tenacity
 
 from workers.core.seeds import session_seed
-from workers.core.types import RolloutRequest, Sample, SessionCapture
+from workers.core.types import RolloutRequest, RolloutResult, Sample, SessionCapture
 from workers.rollout.contract import (
     RESERVED_KEYS,
     AgentFailed,
@@ -69,42 +69,10 @@ from workers.rollout.results import ResultBoard
 from workers.rollout.settings import RolloutSettings
 from workers.rollout.stops import LostStop, SessionStops
 
-__all__ = ["RESERVED_KEYS", "ContractError", "BadResult", "NoGateway", "RolloutSettings", "RolloutOutcome", "RolloutWorker",
+__all__ = ["RESERVED_KEYS", "ContractError", "BadResult", "NoGateway", "RolloutSettings", "RolloutResult", "RolloutWorker",
            "build_payload", "new_session_id", "parse_reward", "result_key", "FailReason"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RolloutOutcome:
-    """What the driver learns of a rollout; the full sample goes to the trajectory buffer.
-
-    result_to_stored_s: seconds from the result reaching this worker (push, HTTP answer or S3
-    hit) to the sample being in the buffer; None when no result arrived.
-    num_input_tokens: recorded tokens the model did not generate (prompts, tool results);
-    num_turns: model turns the gateway served; policy_version: the oldest policy version of a
-    generated token (None: nothing generated through the gateway); session_open: the rollout's ACR
-    session is not known to be stopped yet (its stop failed and is retried in the background), so
-    the run's session journal keeps it (workers/acr/journal.py).
-    """
-
-    session_id: str
-    group_id: int
-    sample_index: int
-    status: str
-    reward: float | None
-    num_generated_tokens: int
-    latency_s: float
-    error: str | None
-    reason: FailReason | None = None
-    result_to_stored_s: float | None = None
-    num_input_tokens: int = 0
-    num_turns: int = 0
-    policy_version: int | None = None
-    session_open: bool = False
-    setup_s: float | None = None  # a2a: seconds of setup (None: not reached or other contract)
-    rollout_slot_wait_s: float | None = None  # a2a: seconds from setup done to a rollout slot held
-    agent_metrics: tuple[tuple[str, float], ...] = ()  # the agent's dump metrics (Sample.agent_metrics)
 
 
 class GatewaySessions(Protocol):
@@ -233,16 +201,16 @@ class RolloutWorker:
         `rollout/results_pushed` (S3-contract results that arrived by the agent's POST, not by polling)."""
         return dict(self.counts)
 
-    async def run(self, req: RolloutRequest, partition: str) -> RolloutOutcome:
+    async def run(self, req: RolloutRequest, partition: str) -> RolloutResult:
         """Run one rollout to a terminal state, store its sample in `partition`, stop its ACR
-        session, return the outcome (`session_open`: that stop has not succeeded yet).
+        session, return its result (`session_open`: that stop has not succeeded yet).
 
         Raises ContractError (reserved key in the row, or a streak of bad results): stop the run.
         """
         out = await self._run(req, partition)
         return replace(out, session_open=True) if self._stops.is_open(out.session_id) else out
 
-    async def _run(self, req: RolloutRequest, partition: str) -> RolloutOutcome:
+    async def _run(self, req: RolloutRequest, partition: str) -> RolloutResult:
         check_row(req.row, req.input_id)
         sid = req.session_id or new_session_id(self._s.exp_id, req.group_id, req.sample_index)
         if self._slots is not None:  # container slots go to groups in arrival order (their ids)
@@ -295,14 +263,8 @@ class RolloutWorker:
             self.counts[f"rollout/{status}"] += 1
             if v.reason is not None:
                 self.counts[f"rollout/failed/{v.reason}"] += 1
-            versions = sample.version_range()
-            return RolloutOutcome(sid, req.group_id, req.sample_index, status, v.reward, sample.num_generated_tokens,
-                                  sample.latency_s, v.error, v.reason,
-                                  None if v.result_s is None else stored_s - v.result_s,
-                                  num_input_tokens=sum(len(r.token_ids) - r.num_generated for r in capture.rows),
-                                  num_turns=capture.num_turns, policy_version=versions[0] if versions else None,
-                                  setup_s=spans.setup_s, rollout_slot_wait_s=spans.rollout_slot_wait_s,
-                                  agent_metrics=sample.agent_metrics)
+            return RolloutResult(sample.info(), v.reason, None if v.result_s is None else stored_s - v.result_s,
+                                 num_input_tokens=sum(len(r.token_ids) - r.num_generated for r in capture.rows))
         finally:
             if invoked:  # its own task: a second cancellation does not lose it (workers/rollout/stops.py)
                 await self._stops.stop(sid)  # gives the slot back once stopped (a failed stop is retried)

@@ -4,6 +4,8 @@ VerlTrainerWorker actors, N >= 1) driven as one trainer.
 Every method is a plain coroutine (`await trainer.update(order)`); the driver, the checkpointer,
 the resume path and the weight sync call it the same way for one rank or many.
 
+- `open_data(data)` gives every rank, once at start, what all train orders share (the buffer's
+  handle, the pad id, the advantage setting: `OrderData`), so an order carries only its samples.
 - `update(order)` splits a train order by whole groups (workers/trainer/order.py), runs every
   rank's `update` on its shard concurrently (each rank reads its own rows from the trajectory
   buffer: workers/trainer/rows.py) and merges their metrics (`merge_rank_metrics`).
@@ -30,8 +32,8 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from workers.core.calls import PartClient, actor_died, call, is_actor_method
-from workers.core.types import TrainOrder
+from workers.core.calls import PartClient, actor_died, call, count_received, is_actor_method
+from workers.core.types import OrderData, TrainOrder
 from workers.trainer.order import merge_rank_metrics, shard_order
 from workers.weight_sync.rendezvous import StoreAddress, host_store, release_store
 
@@ -105,6 +107,10 @@ class TrainerGroup:
             p.cancel()
         return dead
 
+    async def open_data(self, data: OrderData) -> None:
+        """Every rank gets what the run's train orders share (buffer handle, pad id, advantage setting)."""
+        await self._all("open_data", data)
+
     async def update(self, order: TrainOrder) -> dict[str, float]:
         """One optimizer step of every rank on its shard of `order` (workers/trainer/order.py
         `shard_order`: whole groups, each row to one rank, which reads it from the buffer itself);
@@ -171,7 +177,7 @@ class TrainerGroup:
         plain object."""
         lead = self.ranks[0]
         if is_actor_method(getattr(lead, "__ray_call__", None)):
-            return await lead.__ray_call__.remote(fn, *args)
+            return count_received(await lead.__ray_call__.remote(fn, *args))
         return fn(lead, *args)
 
 

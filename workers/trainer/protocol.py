@@ -23,19 +23,24 @@ if TYPE_CHECKING:
     import torch
 
     from workers.core.algorithms.batch import TrainBatch
-    from workers.core.types import TrainOrder
+    from workers.core.types import OrderData, TrainOrder
     from workers.weight_sync.broadcast import SendReport
     from workers.weight_sync.plan import TensorSpec
     from workers.weight_sync.transport import WeightGroupInfo
 
 TRAINER_METHODS = (
-    "update", "compute_logprobs", "full_state_dict", "export_weights", "save_hf", "save_optimizer",
+    "open_data", "update", "compute_logprobs", "full_state_dict", "export_weights", "save_hf", "save_optimizer",
     "load_optimizer", "open_weight_group", "broadcast_weights", "close",
 )
 
 
 class Trainer(Protocol):
     """One trainer (a rank, or a group of ranks). Collective methods must reach every rank."""
+
+    def open_data(self, data: "OrderData") -> None:
+        """What every train order of the run shares (the buffer's handle, the pad id, the advantage
+        setting), once before the first `update`; the rank connects its buffer client with it."""
+        ...
 
     def update(self, order: "TrainOrder") -> dict[str, float]:
         """One optimizer step on a train order (each rank reads its rows from the trajectory

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 
 from workers.core.algorithms.batch import TrainBatch
 from workers.core.algorithms.rollout_correction import compute_rollout_correction
-from workers.core.types import TrainOrder
+from workers.core.types import OrderData, TrainOrder
 from workers.trainer.helpers import _atomic_write, plan_update
 from workers.trainer.protocol import StepInputs, StepOutcome, TrainerEngine
 from workers.trainer.rows import RowReader
@@ -101,6 +101,7 @@ class TrainerShell:
         self.num_updates = 0
         self._weight_transport: BucketTransport | None = None
         self._rows = RowReader()
+        self._data = OrderData()  # the run's buffer, pad id and advantage setting (open_data)
 
     def _init_process_group(self, init_method: str | None) -> None:
         if init_method is None:
@@ -129,6 +130,12 @@ class TrainerShell:
         """
         return self.engine.compute_logprobs(batch)
 
+    def open_data(self, data: OrderData) -> None:
+        """What every train order of the run shares (`OrderData`), given once before the first update:
+        the buffer this rank reads its rows from, the pad id, the advantage setting."""
+        self._data = data
+        self._rows.open(data.buffer)
+
     def update(self, order: TrainOrder) -> dict[str, float]:
         """One optimizer step on this rank's shard of a train order: read its rows from the trajectory
         buffer (workers/trainer/rows.py: this rank's own TransferQueue client), build the padded
@@ -138,7 +145,7 @@ class TrainerShell:
 
         Raises ValueError when the order has no row for this rank, and as `train_batch`."""
         rows = self._rows.read(order)
-        metrics = self.train_batch(order_batch(order, rows))
+        metrics = self.train_batch(order_batch(order, rows, self._data))
         return {**metrics, "perf/total_num_tokens": float(sum(len(r.token_ids) for r in rows)),
                 "trainer/rows_read": float(len(rows))}
 

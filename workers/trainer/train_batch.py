@@ -20,12 +20,12 @@ import torch
 
 from workers.core.algorithms.advantages import grpo_outcome_advantages
 from workers.core.algorithms.batch import SampleTable, TrainBatch
-from workers.core.types import OrderSample, Sample, TrainOrder, TrajectoryRow
+from workers.core.types import OrderData, OrderSample, Sample, TrainOrder, TrajectoryRow
 
 
-def order_batch(order: TrainOrder, rows: Sequence[TrajectoryRow]) -> TrainBatch:
+def order_batch(order: TrainOrder, rows: Sequence[TrajectoryRow], data: OrderData) -> TrainBatch:
     """[rows + pad_rows, seq] tensors of `rows` (one per key of `order.samples`, in order) and the
-    order's padding rows. Raises ValueError when a row's length or trained tokens contradict the
+    order's padding rows, with the run's pad id and advantage setting (`data`). Raises ValueError when a row's length or trained tokens contradict the
     order (the buffer returned another row than the one listed), or when a masked sample has rows."""
     keys = [(i, k) for i, s in enumerate(order.samples) for k in range(len(s.row_keys))]
     if len(keys) != len(rows):
@@ -40,24 +40,24 @@ def order_batch(order: TrainOrder, rows: Sequence[TrajectoryRow]) -> TrainBatch:
                              f"the order says {s.row_lens[k]} with a generated token")
     rewards = torch.tensor([float(s.reward) for s in order.samples], dtype=torch.float32)
     group_ids = [s.group_id for s in order.samples]
-    adv = grpo_outcome_advantages(rewards, group_ids, norm_adv_by_std=order.norm_adv_by_std).tolist()
+    adv = grpo_outcome_advantages(rewards, group_ids, norm_adv_by_std=data.norm_adv_by_std).tolist()
     row_adv = [adv[i] for i, _ in keys]
     row_sample = [i for i, _ in keys]
     all_rows = list(rows)
     if order.pad_rows:
-        first = rows[0].token_ids[0] if rows else order.pad_id
+        first = rows[0].token_ids[0] if rows else data.pad_id
         all_rows += [TrajectoryRow((first,), (0,), (0.0,), (-1,))] * order.pad_rows
         row_adv += [0.0] * order.pad_rows
         row_sample += [len(order.samples)] * order.pad_rows  # one extra sample in a fresh group
         group_ids = [*group_ids, max(group_ids, default=-1) + 1]
         rewards = torch.cat([rewards, torch.zeros(1)])
     table = SampleTable(group_index=torch.tensor(group_ids, dtype=torch.long), rewards=rewards,
-                        row_sample=torch.tensor(row_sample, dtype=torch.long), norm_adv_by_std=order.norm_adv_by_std)
-    return TrainBatch.from_rows(all_rows, row_adv, pad_id=order.pad_id, samples=table)
+                        row_sample=torch.tensor(row_sample, dtype=torch.long), norm_adv_by_std=data.norm_adv_by_std)
+    return TrainBatch.from_rows(all_rows, row_adv, pad_id=data.pad_id, samples=table)
 
 
-def sample_order(samples: Sequence[Sample], *, masked: Sequence[str] = (), norm_adv_by_std: bool = True,
-                 pad_id: int = 0, partition: str = "") -> tuple[TrainOrder, list[TrajectoryRow]]:
+def sample_order(samples: Sequence[Sample], *, masked: Sequence[str] = (),
+                 partition: str = "") -> tuple[TrainOrder, list[TrajectoryRow]]:
     """The train order of whole `samples` (every sample of their groups) and the rows it reads: the
     rows with a generated token of each sample not in `masked`."""
     masked_set = set(masked)
@@ -69,8 +69,7 @@ def sample_order(samples: Sequence[Sample], *, masked: Sequence[str] = (), norm_
                                          tuple(info.row_keys[j] for j in read), tuple(info.row_lens[j] for j in read)))
         rows += [s.rows[j] for j in read]
     sessions = {s.session_id for s in samples}
-    order = TrainOrder(partition, tuple(order_samples), tuple(m for m in masked if m in sessions),
-                       norm_adv_by_std=norm_adv_by_std, pad_id=pad_id)
+    order = TrainOrder(partition, tuple(order_samples), tuple(m for m in masked if m in sessions))
     return order, rows
 
 
@@ -81,5 +80,5 @@ def build_train_batch(samples: Sequence[Sample], *, pad_id: int, norm_adv_by_std
     their groups' statistics with no row. The batch carries a SampleTable (group and reward of every
     sample, row -> sample) so the trainer can recompute group advantages when rejection masks
     exclude a sample (algorithms/rejection.py)."""
-    order, rows = sample_order(samples, masked=masked, norm_adv_by_std=norm_adv_by_std, pad_id=pad_id)
-    return order_batch(order, rows)
+    order, rows = sample_order(samples, masked=masked)
+    return order_batch(order, rows, OrderData(pad_id=pad_id, norm_adv_by_std=norm_adv_by_std))

@@ -46,7 +46,7 @@ from orchestrator.planning.sim.engine import CacheOwner, Request, SimReplica
 from orchestrator.planning.sim.machine import SharedCpu
 from orchestrator.planning.sim.slots import SlotQueue
 from orchestrator.planning.sim.workload import AgentSpec, Dist
-from workers.core.types import RolloutRequest, Sample, SampleInfo, TrajectoryRow
+from workers.core.types import RolloutRequest, RolloutResult, Sample, SampleInfo, TrajectoryRow
 from workers.gateway.router import ReplicaRouter
 
 
@@ -245,8 +245,8 @@ class SimAgents:
 
 class SimStore:
     """The loop's SampleStore in memory: partition -> group id -> samples. Every call the loops
-    make costs `rpc_s` seconds (the product's store is a Ray actor: one round trip each), and a
-    read `sample_s` more per sample it returns: CPU work on a shared machine (`cpu`)."""
+    make costs `rpc_s` seconds (the product's store is a Ray actor: one round trip each), and
+    `sample_s` more per sample it names: CPU work on a shared machine (`cpu`)."""
 
     def __init__(self, rpc_s: float = 0.0, sample_s: float = 0.0, cpu: SharedCpu | None = None) -> None:
         self._parts: dict[str, dict[int, list[Sample]]] = defaultdict(lambda: defaultdict(list))
@@ -264,22 +264,18 @@ class SimStore:
         for s in samples:
             part[s.group_id].append(s)
 
-    async def sample_infos(self, partition: str, group_ids: list[int]) -> list[SampleInfo]:
-        """The samples' metadata, as the product's store lists its tags (the loop holds no token)."""
-        part = self._parts[partition]
-        out = [s.info() for g in group_ids for s in part.get(g, ())]
-        await self._rpc(len(out))
-        return out
-
     async def clear(self, partition: str) -> None:
         await self._rpc()
         self._parts.pop(partition, None)
 
-    async def clear_groups(self, partition: str, group_ids: list[int]) -> None:
-        await self._rpc()
+    async def clear_samples(self, partition: str, samples: list[SampleInfo]) -> None:
+        await self._rpc(len(samples))
         part = self._parts.get(partition, {})
-        for g in group_ids:
-            part.pop(g, None)
+        gone = {s.session_id for s in samples}
+        for g in {s.group_id for s in samples}:
+            part[g] = [s for s in part.get(g, ()) if s.session_id not in gone]
+            if not part[g]:
+                part.pop(g, None)
 
 
 class SimRolloutActor:
@@ -288,7 +284,7 @@ class SimRolloutActor:
     def __init__(self, agents: SimAgents, store: SimStore) -> None:
         self._agents, self._store = agents, store
 
-    async def run_many(self, reqs: list[RolloutRequest], partition: str) -> list[str]:
+    async def run_many(self, reqs: list[RolloutRequest], partition: str) -> list[RolloutResult]:
         loop = asyncio.get_running_loop()
         futs = []
         for r in reqs:
@@ -297,4 +293,4 @@ class SimRolloutActor:
             futs.append(fut)
         samples = await asyncio.gather(*futs)
         self._store.put(list(samples), partition)
-        return [s.status for s in samples]
+        return [RolloutResult(s.info()) for s in samples]

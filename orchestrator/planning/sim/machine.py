@@ -49,7 +49,7 @@ class MachineSpec:
     """`cores`: CPU cores of the machine; `engine_cores`: cores an engine keeps busy while it
     decodes; `trainer_cores`: while the trainer updates; `background_cores`: always;
     `rollout_start_cpu_s`: CPU seconds of a rollout's own work when it starts; `store_rpc_s`:
-    CPU seconds per sample-store call, `store_sample_s` per sample read."""
+    CPU seconds per sample-store call, `store_sample_s` per sample it names."""
 
     cores: float
     engine_cores: float
