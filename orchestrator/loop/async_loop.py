@@ -7,9 +7,10 @@ rollouts as its own task; finished groups queue up. The consumer (this loop) tak
 groups, filters them, checks every sample's staleness (trainer version − oldest token version),
 trains `sync_every` mini-batches of B groups, pushes weights and bumps the version, which frees
 capacity. The loop holds only the samples' metadata: the results the rollout pool returned for
-each finished group (it never lists the buffer); the rows of every group a mini-batch consumed stay
-in the buffer until the trainer ranks have read them for its update, then go in one request by
-the keys the results carry (`clear_samples`), and whatever is left at the end with the partition.
+each finished group (it never lists the buffer). A trained group's rows stay in the buffer until
+the trainer ranks have read them for its update, then go, with those of the update's other groups,
+in one request by the keys the results carry (`clear_samples`); an untrained group's go at once,
+and whatever is left at the end with the partition.
 
 Invariants: every dispatched rollout reaches exactly one terminal state in the ledger
 (`completed` = trained, `filtered`, `failed`, `expired` = too stale, or still running when the
@@ -241,7 +242,6 @@ async def _collect(parts: LoopParts, cfg: AsyncLoopSettings, policy: StalenessPo
         samples = done.samples  # metadata; the rows stay in the buffer for the ranks
         inflight.rows.pop(done.group_id, None)  # every sample of the group reaches its terminal state below
         st.samples.extend(samples)
-        st.unfreed.extend(samples)
         report_groups(parts.prompts, samples)
         completed = [s for s in samples if s.trainable]  # completed, or truncated with a reward (rollout.overflow)
         verdict = judge_samples(completed, version, policy)
@@ -255,12 +255,14 @@ async def _collect(parts: LoopParts, cfg: AsyncLoopSettings, policy: StalenessPo
         close_untrained(parts.ledger, batch)
         if parts.first_rollouts is not None and (why := parts.first_rollouts.observe(samples)) is not None:
             raise _Stopped(why)
-        if not batch.trainable:  # nothing of it trains: its rows go with the mini-batch's
+        if not batch.trainable:
+            await parts.store.clear_samples(PARTITION, samples)  # nothing of it trains: its rows go now
             controller.on_finished(kept=False)  # capacity back: the producer may admit another group
             gate.notify()
             if (why := no_signal.observe(batch.filtered, len(groups), cfg.groups_per_update)) is not None:
                 raise _Stopped(why)
             continue
+        st.unfreed.extend(samples)  # the whole group's rows go once the update read its trainable ones
         groups.extend(batch.trainable)
     return groups
 
