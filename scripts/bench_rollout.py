@@ -4,7 +4,8 @@ Real parts: the ACR emulator with `workers.embedded.stub_agent` processes (model
 only reports a reward) and moto S3 (LocalStack), the AsyncAcrClient over botocore, the cluster-
 wide limits (the same services and coalescing clients the Ray actors use, in this process), the
 fast-completion result server, and the real GatewayServer in front of a zero-cost engine. The
-RolloutWorker runs in this process; the sink records each put with its time.
+RolloutWorker runs in this process, its puts through the rollout actor's PutBatcher
+(`--put-batch-delay-ms`); the sink records each put with its time.
 
 Measured (written to --out as JSON, and printed):
 - latency_ms p50/p99: result reaches the worker (agent POST, HTTP answer, or S3 hit) -> the sample
@@ -54,6 +55,7 @@ from workers.embedded.faults import FaultRates  # noqa: E402
 from workers.acr.limits import AcrLimitsConfig, limit_clients, limit_stats, local_limits  # noqa: E402
 from workers.embedded.local_stack import LocalStack  # noqa: E402
 from workers.rollout.worker import RolloutSettings, RolloutWorker  # noqa: E402
+from workers.rollout.put_batcher import MAX_DELAY_S, MAX_SAMPLES, PutBatcher  # noqa: E402
 from workers.rollout.results import ResultBoard, ResultServer  # noqa: E402
 
 STUB_AGENT = [sys.executable, "-m", "workers.embedded.stub_agent"]
@@ -232,7 +234,11 @@ async def run_bench(args: argparse.Namespace, stack: LocalStack) -> dict:
         driver = DriverStage(owner.handle, GROUP_SIZE, "bench")
     else:
         sink, driver = TimedSink(), None
-    worker = RolloutWorker(settings, gateway, acr, sink, slots=clients.sessions, results=board, result_url=result_url)
+    puts = None if (args.put_batch_delay_ms or 0) < 0 else PutBatcher(
+        sink, max_samples=args.put_batch_max or MAX_SAMPLES,
+        max_delay_s=MAX_DELAY_S if args.put_batch_delay_ms is None else args.put_batch_delay_ms / 1e3)
+    worker = RolloutWorker(settings, gateway, acr, puts or sink, slots=clients.sessions, results=board,
+                           result_url=result_url)
     reqs = [RolloutRequest(group_id=i // GROUP_SIZE, input_id=f"row-{i // GROUP_SIZE}", sample_index=i % GROUP_SIZE,
                            row={"prompt": "p"}) for i in range(args.rollouts)]
     pending = Counter(r.group_id for r in reqs)
@@ -260,6 +266,8 @@ async def run_bench(args: argparse.Namespace, stack: LocalStack) -> dict:
         await asyncio.gather(*(one(i) for i in range(len(reqs))))
         wall_s = time.monotonic() - t0
         cpu = {name: round(cpu_s(p) - cpu0[name], 2) for name, p in procs.items()}
+        if puts is not None:
+            await puts.close()
         await clients.sessions.drain()
         rate_st, cap_st = await limit_stats(handles)
         emu = await asyncio.to_thread(stack.stats)
@@ -300,6 +308,7 @@ async def run_bench(args: argparse.Namespace, stack: LocalStack) -> dict:
                      "sessions_expired_max_lifetime": emu.sessions_expired_max_lifetime, "throttled": emu.throttled},
         "limiter": {"rate_granted": rate_st.granted, "sessions_peak": cap_st.peak_in_use},
         "acr_client": asdict(acr.stats()),
+        "store_writes": None if puts is None else {"writes": puts.writes, "samples": puts.samples},
         "load_avg_start_end": [args.load_start, list(os.getloadavg())],
         "cpu_s_during_run": cpu,  # where the CPU went: this process (client), emulator, agents, moto
         "driver": None if driver is None else {
@@ -327,6 +336,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-uvloop", dest="uvloop", action="store_false", help="plain asyncio loop in this process")
     p.add_argument("--tokens-per-rollout", type=int, default=2048,
                    help="--driver: tokens of the synthetic trajectory stored with each sample (0: none)")
+    p.add_argument("--put-batch-delay-ms", type=float, default=None,
+                   help="the rollout worker's puts go through a PutBatcher with this delay (default: the product's, "
+                        "workers/rollout/put_batcher.py); negative: no batcher, one store write per rollout")
+    p.add_argument("--put-batch-max", type=int, default=None, help="the PutBatcher's max_samples (default: the product's)")
     p.add_argument("--no-driver", dest="driver", action="store_false",
                    help="samples go to an in-memory sink only: no TransferQueue, no driver stage")
     return p.parse_args(argv)

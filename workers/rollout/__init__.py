@@ -14,4 +14,5 @@ Modules:
   failures.py  why a rollout failed: the closed set of reasons, from an exception to its reason
   overflow.py  `rollout.overflow`: a truncated rollout's fate
   recovery.py  the rollouts of a dead rollout actor: keep, re-dispatch once or fail (pure)
+  put_batcher.py  PutBatcher: an actor's sample puts gathered into batched store writes, exactly once
 """

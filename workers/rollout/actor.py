@@ -3,11 +3,12 @@
 Each RolloutActor builds, inside its own process and event loop: the per-process clients of the
 cluster-wide limits (one request-rate limiter and one open-session cap, named Ray actors shared
 by every rollout actor, see workers/acr/limits/), an AsyncAcrClient whose every HTTP attempt
-takes a rate token, a ResultServer for fast completion, and the gateway / buffer adapters.
+takes a rate token, a ResultServer for fast completion, and the gateway / buffer adapters; its
+rollouts' samples go to the buffer in batches (workers/rollout/put_batcher.py).
 
 Invariant: `RolloutActor.shutdown` returns only once every rollout it ran has stopped its ACR
 session (or the stop failed twice: those session ids are returned), so the driver can stop the
-local emulator right after. The class holds no Ray import: `ray.remote` is applied in
+local emulator right after, and every sample handed to its put batcher has been written. The class holds no Ray import: `ray.remote` is applied in
 `rollout_actor_spawner`, and tests run it in one process.
 
 Callers: workers/rollout/pool.py (`start_rollout_pool`, recovery's `spawn`), tests.
@@ -25,6 +26,7 @@ from workers.core.calls import is_actor_method
 from workers.core.netaddr import listen_and_advertise
 from workers.core.types import RolloutRequest, RolloutResult
 from workers.rollout.clients import GatewaySessionsClient, SampleStoreClient
+from workers.rollout.put_batcher import PutBatcher
 from workers.rollout.results import ResultBoard, ResultServer
 from workers.rollout.stops import LostStop
 from workers.rollout.worker import NoGateway, RolloutSettings, RolloutWorker
@@ -60,6 +62,7 @@ class RolloutActor:
         self._worker: RolloutWorker | None = None
         self._acr = None
         self._server: ResultServer | None = None
+        self._puts: PutBatcher | None = None
         self._tasks: set[asyncio.Future] = set()
         self._lock: asyncio.Lock | None = None
 
@@ -88,8 +91,9 @@ class RolloutActor:
             advertise = opts.result_advertise_host or advertise or listen
             url = url.replace(f"//{listen}:", f"//{advertise}:", 1)
         gateway = NoGateway() if self._gateway_handle is None else GatewaySessionsClient(self._gateway_handle)
+        self._puts = PutBatcher(sink_for(self._buffer_handle))  # one store write per batch of rollouts
         return RolloutWorker(self._settings, gateway, self._acr,
-                             sink_for(self._buffer_handle), slots=clients.sessions if clients else None,
+                             self._puts, slots=clients.sessions if clients else None,
                              rollout_slots=clients.rollouts if clients else None,
                              new_sessions=clients.new_sessions if clients else None, results=board, result_url=url)
 
@@ -140,6 +144,8 @@ class RolloutActor:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         still_open: list[str] = []
+        if self._puts is not None:  # what a finished rollout handed over is written, not dropped
+            await self._puts.close()
         if self._worker is not None:  # every ACR stop ends before the client (and the emulator) goes
             await self._worker.close()
             still_open = sorted(self._worker.open_session_ids())
