@@ -8,8 +8,9 @@ rollouts' samples go to the buffer in batches (workers/rollout/put_batcher.py).
 
 Invariant: `RolloutActor.shutdown` returns only once every rollout it ran has stopped its ACR
 session (or the stop failed twice: those session ids are returned), so the driver can stop the
-local emulator right after, and every sample handed to its put batcher has been written. The class holds no Ray import: `ray.remote` is applied in
-`rollout_actor_spawner`, and tests run it in one process.
+local emulator right after, and every sample handed to its put batcher has been written. The
+class holds no Ray import: `ray.remote` is applied in `rollout_actor_spawner`, and tests run it in
+one process.
 
 Callers: workers/rollout/pool.py (`start_rollout_pool`, recovery's `spawn`), tests.
 """
