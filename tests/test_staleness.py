@@ -29,7 +29,7 @@ from orchestrator.loop.staleness import (
 )
 from orchestrator.loop.staleness_gate import AdmissionGate
 from stand_ins import ManualVersions, make_row, make_sample
-from workers.core.types import Sample
+from workers.core.types import OrderData, Sample
 
 
 def make_admission(versions: ManualVersions, eta: int, b: int, **kw) -> Admission:
@@ -300,7 +300,7 @@ def test_train_masked_keeps_the_sample_in_group_statistics_without_gradient():
     order = train_order("async", (Group(0, split.train),), masked=stale)  # what the async loop sends
     assert order.masked == (samples[0].session_id,) and order.samples[0].row_keys == ()  # no row read
     assert [s.reward for s in order.samples] == [1.0, 0.0, 0.0]  # ... yet in the group's statistics
-    batch = order_batch(order, [r for s in samples[1:] for r in s.rows])
+    batch = order_batch(order, [r for s in samples[1:] for r in s.rows], OrderData())
     assert batch.batch_size == 2                       # the masked sample adds no row and no token
     # advantages of samples 1 and 2 come from the 3-sample group (mean 1/3), not from [0, 0]
     expected = grpo_outcome_advantages(torch.tensor([1.0, 0.0, 0.0]), [0, 0, 0], norm_adv_by_std=True)[1:]
