@@ -143,11 +143,11 @@ async def test_a_setup_past_its_timeout_fails_as_setup_timeout_and_never_holds_a
     assert (await asyncio.to_thread(stack.stats)).sessions_open == 0
 
     ok = await asyncio.wait_for(worker.run(req("ok", "row-setup-quick", setup_s=0.2), "p"), TIMEOUT_S)
-    assert (ok.status, ok.reward) == ("completed", 0.75), ok.error
-    assert handles.rollouts.stats().granted == 1 and ok.setup_s >= 0.2 and ok.rollout_slot_wait_s is not None
+    assert (ok.sample.status, ok.sample.reward) == ("completed", 0.75), ok.sample.error
+    assert handles.rollouts.stats().granted == 1 and ok.sample.setup_s >= 0.2 and ok.sample.rollout_slot_wait_s is not None
     stored = {s.input_id: s for s in sink.samples}  # the spans reach the buffer with the sample
     assert stored["row-setup-slow"].setup_s == out.sample.setup_s and stored["row-setup-slow"].rollout_slot_wait_s is None
-    assert stored["row-setup-quick"].rollout_slot_wait_s == ok.rollout_slot_wait_s
+    assert stored["row-setup-quick"].rollout_slot_wait_s == ok.sample.rollout_slot_wait_s
 
 
 async def test_a_warm_pool_keeps_rollout_slots_busy_while_containers_set_up(rig):
