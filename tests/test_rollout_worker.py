@@ -250,11 +250,11 @@ async def test_an_agent_that_could_not_reach_s3_fails_s3_unavailable_not_agent_e
     for behaviour, says in (("store_down", "could not be reached"), ("bucket_gone", "refused the agent's write")):
         down = await asyncio.wait_for(worker.run(req(behaviour, f"row-{behaviour}"), PARTITION), TIMEOUT_S)
         key = f"s3://{rig.stack.bucket}/{EXP_ID}/row-{behaviour}/{down.session_id}.json"
-        assert (down.status, down.reason, down.reward) == ("failed", "s3_unavailable", None), down.error
-        assert down.error.startswith("s3_unavailable: ") and f"S3 (the result store) {says}" in down.error
-        assert key in down.error and "not the agent at fault" in down.error
+        assert (down.sample.status, down.reason, down.sample.reward) == ("failed", "s3_unavailable", None), down.sample.error
+        assert down.sample.error.startswith("s3_unavailable: ") and f"S3 (the result store) {says}" in down.sample.error
+        assert key in down.sample.error and "not the agent at fault" in down.sample.error
     own = await asyncio.wait_for(worker.run(req("missing", "row-own-error"), PARTITION), TIMEOUT_S)
-    assert (own.status, own.reason) == ("failed", "agent_error"), own.error
+    assert (own.sample.status, own.reason) == ("failed", "agent_error"), own.sample.error
     counts = worker.rollout_counts()
     assert (counts["rollout/failed/s3_unavailable"], counts["rollout/failed/agent_error"]) == (2, 1)
     assert worker.sessions_open == 0 and rig.gateway.num_open_sessions() == 0
