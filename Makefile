@@ -10,7 +10,7 @@ SKY_VENV ?= .venv-sky
 # other module beside them on the other (tests/conftest.py); TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: run test test-fast install install-dev install-gpu clean-venv tokenizers
+.PHONY: run test test-long test-fast install install-dev install-gpu clean-venv tokenizers
 
 # make exits 2 whenever the job fails; the job's own status (docs/operations.md "Exit status") is in make's
 # "Error N" line, or run `$(PY) -m orchestrator.main` directly to get it.
@@ -19,6 +19,11 @@ run: $(VENV)/.installed tokenizers
 
 test: $(VENV)/.installed-dev tokenizers
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(ARGS)
+
+# The long e2e checks (tests/conftest.py LONG_TESTS: the real model's training step, a killed trainer
+# rank restarted inside the run), about 7 minutes; `make test` skips them, CI runs them after it (.ci/run).
+test-long: $(VENV)/.installed-dev tokenizers
+	$(PY) -m pytest -p no:xdist --long -m long --durations=5 $(ARGS)
 
 # The unit tests only (markers in tests/conftest.py): no Ray, no engine, no ACR stack; about two minutes.
 test-fast: $(VENV)/.installed-dev tokenizers

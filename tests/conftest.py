@@ -32,6 +32,13 @@ LATE_HEAVY_MODULES = frozenset({"test_gsm8k_e2e.py", "test_eval_e2e.py", "test_a
 # tests of the heavy unit with no time bound, queued last as their own units (it kills a part and
 # resumes: ~150 s; the driver-killed-mid-checkpoint resume moved to scripts/chaos.py to keep the suite in budget): in the heavy unit they made it the suite's critical path while the other worker idled
 LATE_HEAVY_TESTS = frozenset({"test_e2e.py::test_a_killed_trainer_rank_restarts_from_the_last_checkpoint_inside_the_run"})
+# The long checks: e2e runs of several minutes each that CI runs after the suite (`make test-long`,
+# .ci/run) instead of inside it, to keep `make test` within 20 minutes on 2 cores. `make test` skips
+# them, saying where they run; `--long` (what `make test-long` passes) runs them.
+LONG_TESTS = frozenset({
+    "test_smollm2_e2e.py",  # the real model: conversion + one step of the 135M model (~210 s quiet)
+    "test_e2e.py::test_a_killed_trainer_rank_restarts_from_the_last_checkpoint_inside_the_run",  # ~210 s quiet
+})
 # Markers (pyproject.toml), derived, never hand-assigned per test: `e2e` the HEAVY_MODULES (each runs
 # the main job); `integration` a test that uses one of the INTEGRATION_FIXTURES (directly or through
 # another fixture: the ACR stack) or sits in one of the INTEGRATION_MODULES (those that start Ray,
@@ -99,13 +106,30 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return HeavyApart(config, log)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", help="also run the LONG_TESTS (make test-long: only them)")
+
+
+def is_long(nodeid: str) -> bool:
+    """Whether a test id (`tests/test_x.py::test_y[param]`) is one of the LONG_TESTS (its module or itself)."""
+    module, _, test = nodeid.partition("::")
+    name = Path(module).name
+    return name in LONG_TESTS or f"{name}::{test.split('[', 1)[0]}" in LONG_TESTS
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each test gets its module's marker (`module_kind`). On an xdist worker under loadgroup: the
-    heavy tests first (the controller queues units in the order the workers collected them); the
-    relative order within each set is kept."""
+    """Each test gets its module's marker (`module_kind`), and `long` when it is one of the
+    LONG_TESTS (skipped without `--long`). On an xdist worker under loadgroup: the heavy tests first
+    (the controller queues units in the order the workers collected them); the relative order
+    within each set is kept."""
+    run_long = config.getoption("--long")
     for item in items:
         kind = module_kind(Path(item.nodeid.split("::", 1)[0]).name, getattr(item, "fixturenames", ()))
         item.add_marker(getattr(pytest.mark, kind))
+        if is_long(item.nodeid):
+            item.add_marker(pytest.mark.long)
+            if not run_long:
+                item.add_marker(pytest.mark.skip(reason="a long check: `make test-long` runs it (CI: .ci/run, after make test)"))
     if hasattr(config, "workerinput") and config.getvalue("loadgroup"):
         items.sort(key=lambda item: _unit_order(item.nodeid))
 

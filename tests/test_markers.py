@@ -48,3 +48,19 @@ def test_a_unit_test_that_leaves_a_process_running_fails_naming_the_rule(tmp_pat
                           capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
     assert "1 failed, 1 passed" in proc.stdout, proc.stdout[-2000:]
     assert "is marked unit but started child processes" in proc.stdout
+
+
+def test_every_long_check_names_a_real_test_and_make_test_skips_it():
+    """A renamed long test must not silently drop out of CI's `make test-long` (nor run in the suite)."""
+    import ast
+
+    from conftest import LONG_TESTS, is_long
+
+    for entry in LONG_TESTS:
+        module, _, test = entry.partition("::")
+        source = (TESTS / module).read_text()  # FileNotFoundError names a renamed module
+        if test:
+            names = {n.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)}
+            assert test in names, f"{entry}: no such test"
+        assert is_long(f"tests/{module}::{test or 'test_any'}[param]")
+    assert not is_long("tests/test_e2e.py::test_main_job_runs_end_to_end_on_real_parts")
