@@ -21,7 +21,7 @@ test: $(VENV)/.installed-dev tokenizers
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25 $(ARGS)
 
 # The long e2e checks (tests/conftest.py LONG_TESTS: the real model's training step, a killed trainer
-# rank restarted inside the run), about 7 minutes; `make test` skips them, CI runs them after it (.ci/run).
+# rank restarted inside the run, ...), about 13 minutes; `make test` skips them, CI runs them after it (.ci/run).
 test-long: $(VENV)/.installed-dev tokenizers
 	$(PY) -m pytest -p no:xdist --long -m long --durations=5 $(ARGS)
 

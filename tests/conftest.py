@@ -38,6 +38,11 @@ LATE_HEAVY_TESTS = frozenset({"test_e2e.py::test_a_killed_trainer_rank_restarts_
 LONG_TESTS = frozenset({
     "test_smollm2_e2e.py",  # the real model: conversion + one step of the 135M model (~210 s quiet)
     "test_e2e.py::test_a_killed_trainer_rank_restarts_from_the_last_checkpoint_inside_the_run",  # ~210 s quiet
+    # a second and third Ctrl-C case (the suite keeps async-sigint-in-loop), ~90 s and ~25 s
+    "test_e2e.py::test_first_ctrl_c_stops_the_run_fast_and_leaves_nothing_behind[sync-sigterm-in-loop]",
+    "test_e2e.py::test_first_ctrl_c_stops_the_run_fast_and_leaves_nothing_behind[async-sigint-while-starting]",
+    "test_aws_rollout.py::test_sessions_of_a_driver_killed_with_its_reaper_are_stopped_by_the_next_start",  # ~85 s
+    "test_submit.py::test_submit_runs_two_colocated_steps_and_succeeds",  # a real `ray start` head + a job, ~120 s
 })
 # Markers (pyproject.toml), derived, never hand-assigned per test: `e2e` the HEAVY_MODULES (each runs
 # the main job); `integration` a test that uses one of the INTEGRATION_FIXTURES (directly or through
@@ -111,10 +116,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def is_long(nodeid: str) -> bool:
-    """Whether a test id (`tests/test_x.py::test_y[param]`) is one of the LONG_TESTS (its module or itself)."""
+    """Whether a test id (`tests/test_x.py::test_y[param]`) is one of the LONG_TESTS: its module, the
+    test (every parameter) or that one parametrized case."""
     module, _, test = nodeid.partition("::")
     name = Path(module).name
-    return name in LONG_TESTS or f"{name}::{test.split('[', 1)[0]}" in LONG_TESTS
+    return bool({name, f"{name}::{test.split('[', 1)[0]}", f"{name}::{test}"} & LONG_TESTS)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
