@@ -91,7 +91,7 @@ def figures(steps: list[dict], summary: dict, *, warmup_steps: int, in_flight_bu
                    "last": limit[-1]} if limit else None),
         "settled_cap": last.get("rollout/concurrency_best_cap", math.nan),
         "probes": {k: last.get(f"rollout/concurrency_{k}") for k in ("probe_up", "probe_down", "trim_kv",
-                                                                       "cancel_kv", "cut_waiting", "cut_preempted")},
+                                                                       "cancel_kv", "cut_waiting")},
         "running_groups_mean": _mean([s.get("rollout/running_groups") for s in steps]),
         "gate_blocked_s": last.get("rollout/concurrency_blocked_s", math.nan),
         "in_flight_mean": _mean(in_flight),

@@ -23,7 +23,9 @@ class Engine:
     latency_s: float = 20.0  # a group's latency below the knee
     kv_per_group: float = 0.01  # KV usage (0..1) one running group holds
     outside_kv: float = 0.0  # usage held by something else (another job, a long prefill)
-    waiting: int = 0
+    waiting: int = 0  # requests waiting on the engine, at every cap
+    preempting: bool = False  # a small cache: a new preemption at every observation, at every cap
+    preempted: int = 0
 
     def rate(self, cap: int) -> float:
         """Groups finished per second at `cap` running: c / latency up to the knee, then falling."""
@@ -33,7 +35,9 @@ class Engine:
 
     def load(self, running: int) -> list[EngineLoad]:
         usage = min(1.0, self.outside_kv + running * self.kv_per_group)
-        return [EngineLoad(kv_cache_usage=usage, num_running=running, num_waiting=self.waiting, num_preempted=0)]
+        self.preempted += self.preempting
+        return [EngineLoad(kv_cache_usage=usage, num_running=running, num_waiting=self.waiting,
+                           num_preempted=self.preempted)]
 
 
 def drive(p: ThroughputConcurrency, eng: Engine, seconds: int, t0: float = 0.0, dt: float = 1.0) -> list[tuple]:
@@ -82,6 +86,47 @@ def test_keeps_the_largest_cap_within_tolerance_on_a_plateau():
     assert p.limit >= 50
 
 
+def test_tolerance_does_not_ratchet_the_cap_down_a_falling_curve():
+    # Each step up costs 3 % (within the 5 % tolerance of its neighbour): judged only against the
+    # base, ties-go-up would climb to the staleness window; judged against the peak measured, the
+    # policy stops once the cap is more than 5 % below the best.
+    eng = Engine()
+    eng.rate = lambda c: 2.0 * 0.97 ** math.log(c / 8, 1.25)  # type: ignore[method-assign]
+    p = policy(min_groups=8, max_groups=400)
+    trace = drive(p, eng, 3 * 3600)
+    assert p.best_cap <= 17  # 8 and 10 are within 5 % of the best (8), 13 5.9 % and 17 9.8 % below
+    late = [r for t, _, r in trace if t > 2 * 3600]  # (the fluid engine's 1 s ticks measure +-4 %)
+    assert sum(late) / len(late) >= 0.85 * 2.0
+
+
+def test_preemptions_at_every_cap_do_not_pin_the_floor():
+    # A small cache preempts whatever the cap (the tiny model's 6-block cache): throughput still
+    # rises with the cap, and the policy follows it (it used to cut on each preemption and stay at
+    # its cold start, 0.60x the best fixed cap).
+    eng = Engine(knee=40, preempting=True)
+    p = policy(min_groups=8, max_groups=40)
+    trace = drive(p, eng, 2 * 3600)
+    late = [r for t, _, r in trace if t > 3600]
+    assert sum(late) / len(late) >= 0.9 * eng.rate(40)
+
+
+def test_a_standing_queue_that_buys_throughput_is_kept():
+    # An agent load queues at the engine at every cap, yet more groups finish more: each step up
+    # beats the one below by more than the tolerance, so the queue never cuts. With a flat curve
+    # the same queue cuts to the floor.
+    rising = Engine(knee=40, waiting=3)
+    p = policy(min_groups=8, max_groups=40, waiting_persist_s=5.0)
+    trace = drive(p, rising, 2 * 3600)
+    late = [r for t, _, r in trace if t > 3600]
+    assert sum(late) / len(late) >= 0.9 * rising.rate(40)
+    flat = Engine(knee=8, waiting=3)
+    flat.rate = lambda c: 0.4  # type: ignore[method-assign]
+    q = policy(min_groups=8, max_groups=40, waiting_persist_s=5.0)
+    trace = drive(q, flat, 2 * 3600)
+    late = [c for t, c, _ in trace if t > 3600]
+    assert sum(late) / len(late) <= 12
+
+
 # --- the properties the issue asks for ----------------------------------------------------------
 
 
@@ -123,13 +168,13 @@ def test_the_settled_cap_falls_as_the_engine_congests():
     # Monotone on whole runs: the more KV a group holds, the earlier the trims bind, the smaller
     # the cap the policy settles at (same knee, same throughput curve).
     settled = []
-    for kv in (0.005, 0.015, 0.025, 0.04):
+    for kv in (0.005, 0.025, 0.04, 0.06):  # 0.005 never trims; then the trim level (0.8) binds at 32, 20, 13
         p = policy(min_groups=4, max_groups=200)
         trace = drive(p, Engine(knee=40, kv_per_group=kv), 3 * 3600)
         late = [c for t, c, _ in trace if t > 2 * 3600]
         settled.append(sum(late) / len(late))
     assert all(a >= b for a, b in zip(settled, settled[1:])), settled
-    assert settled[-1] < 0.8 / 0.04  # at 0.04 per group the trim level (0.8) holds it under 20 groups
+    assert settled[-1] < 0.8 / 0.06  # at 0.06 per group the trim level (0.8) holds it under 14 groups
 
 
 def test_recovers_after_a_drop():
@@ -187,15 +232,22 @@ def test_a_cut_waits_for_the_groups_running_to_turn_over_before_the_next():
 
 
 def test_a_standing_queue_cuts_and_a_burst_does_not():
-    p = policy(min_groups=1, max_groups=100, waiting_persist_s=30.0)
-    p.limit = 20
-    p.observe(_at(0.3, waiting=5), 0.0, 20)
-    p.observe(_at(0.3, waiting=5), 20.0, 20)
-    p.observe(_at(0.3, waiting=0), 25.0, 20)  # the queue emptied: a burst
-    p.observe(_at(0.3, waiting=5), 40.0, 20)
-    assert p.limit == 20
-    p.observe(_at(0.3, waiting=5), 70.0, 20)  # standing 30 s
-    assert p.limit == 16 and p.decision == "cut_waiting"
+    # Measured with no cap below to beat, a window through which a queue stood ends in a cut; a
+    # queue that comes and goes does not mark the window, which ends in the next probe up.
+    def window(waiting_at) -> ThroughputConcurrency:
+        p = policy(min_groups=1, max_groups=100, waiting_persist_s=30.0)
+        p.limit = 20
+        for t in range(0, 80, 5):
+            p.observe(_at(0.3, waiting=waiting_at(t)), float(t), 20)
+            for _ in range(4):
+                p.on_group_done(t + 1.0)  # 20 groups settle by t = 21, 20 more are measured by t = 46
+        p.observe(_at(0.3, waiting=waiting_at(80)), 80.0, 20)
+        return p
+
+    burst = window(lambda t: 5 if t % 20 else 0)  # empties every 20 s: never stands 30 s
+    assert burst.limit == 25 and burst.decision == "probe_up"
+    standing = window(lambda t: 5)
+    assert standing.limit == 16 and standing.decision == "cut_waiting"
 
 
 def test_an_up_probe_starts_only_below_grow_below():

@@ -4,20 +4,29 @@ The rule (after prime-rl's newest concurrency controller and OpenPipe ART's onli
 rollout workers; written here from their description, not their code):
 
 - **Probe.** From the current cap c, try c_up = max(c + 1, ⌈(1 + probe_step)·c⌉) for one
-  measurement window; keep it if its throughput is within `tolerance` of the best of the two,
-  else try c_down = ⌊c / (1 + probe_step)⌋ and keep the largest cap whose throughput is within
-  `tolerance` of the best measured (ties go up: a larger cap never costs throughput there and
-  leaves headroom). With the defaults, ~25 % above and below, 5 %. A cap that consecutive
-  cycles keep is measured again for 1, 3, 7, then at most `MAX_DWELL_WINDOWS` windows before the
-  next probe (each probe costs throughput once the best is found); a move halves that wait.
+  measurement window. It wins if it is within `tolerance` of the peak measured throughput (ties go
+  up: a larger cap never costs throughput there and leaves headroom); a win climbs on from it. If
+  the first step up loses, try c_down = ⌊c / (1 + probe_step)⌋, then keep the largest cap within
+  `tolerance` of the peak. The peak is over each cap's last measurement of the last
+  `HISTORY_WINDOWS` windows, so tolerance cannot ratchet the cap down step by step, and a
+  measurement that old no longer counts (the workload drifts). With the defaults, ~25 % above and
+  below, 5 %. A cap that consecutive cycles keep is measured again for 1, 3, 7, then at most
+  `MAX_DWELL_WINDOWS` windows before the next probe (each probe costs throughput once the best is
+  found); a move halves that wait.
 - **KV levels only trim, never push.** An up probe starts only while the engines' mean KV usage
   is below `grow_below` (0.6); at `trim_at` (0.8) the cap is cut by the probe factor at once; above
   `cancel_above` (0.9) it is cut and the groups running over the new cap are to be cancelled,
   youngest first (`cancel_groups()`).
-- **A persistent waiting queue cuts.** Agent loads rarely preempt (a rollout spends most of its
-  life in its tools), so vLLM's waiting queue, standing for `waiting_persist_s` above
-  `max_waiting` requests (time-averaged, `LoadWindow`), is the overload signal; a new preemption
-  cuts too.
+- **A standing queue cuts unless it pays.** vLLM's waiting queue, standing for
+  `waiting_persist_s` above `max_waiting` requests (time-averaged, `LoadWindow`), marks the
+  window. A kept cap whose window was marked is cut by the probe factor when the window ends,
+  unless it beat the nearest measured cap below by more than `tolerance`; an up probe whose window
+  was marked wins only by beating its base by more than `tolerance` (the tie goes down). Agent
+  loads queue at an engine that is not the bottleneck (most of a rollout waits on tools or the
+  agent's host), so a queue alone does not prove overload: measured on the tiny model's 6-block
+  cache, the cap with the longest queue gave the most throughput. Preemptions are not a signal of
+  their own: the throughput they cost is measured (a small cache preempts at every cap, and
+  cutting on each one pinned the cap to its floor).
 - **Never past the staleness bound.** The cap stays in [min_groups, max_groups], max_groups the
   groups the async loop's staleness budget lets be in flight ((η + 1)·k·B).
 
@@ -54,11 +63,12 @@ DEFAULT_MIN_WINDOW_S = 20.0  # seconds a measurement lasts at least (after its s
 MAX_DWELL_WINDOWS = 8  # a cap kept by consecutive probe cycles is measured 1, 3, 7, then at most 8 windows between probes
 OBSERVE_INTERVAL_S = 2.0  # seconds between two observations the wrappers aim at (slot steering's period)
 
-Decision = Literal["start", "measure", "probe_up", "probe_down", "keep", "trim_kv", "cancel_kv",
-                   "cut_waiting", "cut_preempted"]
+HISTORY_WINDOWS = 12  # a cap's last measurement counts toward the peak for this many windows
+
+Decision = Literal["start", "measure", "probe_up", "probe_down", "keep", "trim_kv", "cancel_kv", "cut_waiting"]
 DECISIONS: tuple[Decision, ...] = ("start", "measure", "probe_up", "probe_down", "keep", "trim_kv", "cancel_kv",
-                                   "cut_waiting", "cut_preempted")
-CUTS: tuple[Decision, ...] = ("trim_kv", "cancel_kv", "cut_waiting", "cut_preempted")
+                                   "cut_waiting")
+CUTS: tuple[Decision, ...] = ("trim_kv", "cancel_kv", "cut_waiting")
 
 
 @dataclass(frozen=True)
@@ -123,11 +133,12 @@ class _Window:
 
     cap: int
     began_s: float
+    phase: Literal["measure", "up", "down"] = "measure"  # a kept cap measured again, or a probe
     done: int = 0  # groups finished since it began
     measure_from_s: float | None = None  # when the settle ended
     measured: int = 0  # groups finished since the settle ended
-    bound_s: float = 0.0  # seconds of the measurement the cap bound (running >= cap)
-    seen_s: float = 0.0  # seconds of the measurement observed
+    last_done_s: float | None = None  # when the last of them finished
+    queued: bool = False  # a queue stood `waiting_persist_s` during it
 
 
 class ThroughputConcurrency:
@@ -152,16 +163,18 @@ class ThroughputConcurrency:
         self.decision: Decision = "start"
         self.counts = {d: 0 for d in DECISIONS}  # how often the limit moved (or held) for each reason
         self.usage = self.waiting = math.nan  # the signals of the last observation
-        self.throughput: dict[int, float] = {}  # cap -> groups/s measured in the current probe cycle
+        self.history: dict[int, tuple[float, int]] = {}  # cap -> (groups/s, window number) of its last window
         self.last_throughput = math.nan  # groups/s of the last finished window
         self.best_cap: int | None = None
+        self._windows = 0  # windows finished
         self._base: int | None = None  # the cap the current probe cycle started from
+        self._cycle_from: int | None = None  # the base when the cycle began (did the cycle move it?)
         self._window: _Window | None = None
         self._last_s: float | None = None
-        self._preempted: int | None = None
         self._queue_since_s: float | None = None
         self._cancel = 0
         self._dwell = self._dwell_left = 0  # windows to stay at a cap the last probe cycle kept
+        self._kept_before: tuple[int, ...] = ()  # the caps the last cycle started from and kept
         self._load = LoadWindow(self.interval_s)
 
     # --- facts in ---------------------------------------------------------------------------
@@ -174,24 +187,20 @@ class ThroughputConcurrency:
         w.done += 1
         if w.measure_from_s is not None:
             w.measured += 1
+            w.last_done_s = now_s
         elif w.done >= w.cap:
             w.measure_from_s = now_s  # the groups that ran before this cap have turned over
 
     def observe(self, loads: Sequence[EngineLoad], now_s: float, running_groups: int) -> None:
         """Decide from the engines' `loads` at `now_s` (seconds) with `running_groups` running."""
-        dt = 0.0 if self._last_s is None else max(0.0, now_s - self._last_s)
         self._last_s = now_s
         if self._window is None:
             self._window = _Window(self.limit, now_s)
         w = self._window
-        if w.measure_from_s is not None:
-            w.seen_s += dt
-            if running_groups >= w.cap:
-                w.bound_s += dt
-        if loads:
-            if self._congested(loads, now_s, running_groups):
-                return
-        if w.measure_from_s is not None and w.measured >= w.cap and now_s - w.measure_from_s >= self.settings.min_window_s:
+        if loads and self._congested(loads, now_s, running_groups):
+            return
+        if (w.measure_from_s is not None and w.measured >= w.cap
+                and now_s - w.measure_from_s >= self.settings.min_window_s):
             self._window_done(w, now_s)
 
     # --- queries ----------------------------------------------------------------------------
@@ -222,80 +231,101 @@ class ThroughputConcurrency:
     # --- the rule ---------------------------------------------------------------------------
 
     def _congested(self, loads: Sequence[EngineLoad], now_s: float, running: int) -> bool:
-        """Apply a trim if the engines are congested; True when one was applied (or is holding)."""
+        """Apply a cut if the engines are congested; True when one was applied (or is holding)."""
         s = self.settings
-        preempted = sum(ld.num_preempted for ld in loads)
-        new_preemption = self._preempted is not None and preempted > self._preempted
-        self._preempted = preempted
         self.usage, self.waiting = self._load.means(loads)
         if self.waiting > s.max_waiting:
             self._queue_since_s = now_s if self._queue_since_s is None else self._queue_since_s
         else:
             self._queue_since_s = None
         queued = self._queue_since_s is not None and now_s - self._queue_since_s >= s.waiting_persist_s
+        w = self._window
+        if queued and w is not None:
+            w.queued = True
         if self.usage > s.cancel_above:
             reason: Decision = "cancel_kv"
         elif self.usage >= s.trim_at:
             reason = "trim_kv"
-        elif queued:
-            reason = "cut_waiting"
-        elif new_preemption:
-            reason = "cut_preempted"
-        else:
+        else:  # a standing queue is judged with the window's throughput, when it ends (_window_done)
             return False
-        w = self._window
         if w is not None and w.measure_from_s is None and self.decision in CUTS:
             return True  # the last cut has not turned over yet: what we see is the load from before it
         new = self._clamp(math.floor(self.limit / (1 + s.probe_step)))
         if reason == "cancel_kv":
             new = self._clamp(math.floor(min(self.limit, max(running, 1)) / (1 + s.probe_step)))
             self._cancel = max(0, running - new)
+        if new >= self.limit and not self._cancel:
+            return False  # at the floor: nothing to cut, the measurement goes on
+        self._cut(new, reason, now_s)
+        return True
+
+    def _cut(self, new: int, reason: Decision, now_s: float) -> None:
         self._queue_since_s = None
         self._move(new, reason, now_s)
-        self.throughput.clear()
-        self._base = None
+        if reason != "cut_waiting":  # the engines' load changed: what was measured no longer holds
+            self.history.clear()
+        self._base = self._cycle_from = None
         self._dwell = self._dwell_left = 0
-        return True
+
+    def _queue_pays(self, cap: int) -> bool:
+        """True when `cap`'s last window beat the nearest measured cap below it by more than the
+        tolerance: a standing queue that buys throughput is kept (agent loads queue at the engine
+        while most of a rollout waits on tools, so a queue alone does not prove overload)."""
+        below = [c for c in self.history if c < cap]
+        return cap in self.history and bool(below) and (
+            self.history[cap][0] > (1 + self.settings.tolerance) * self.history[max(below)][0])
+
+    def _kept(self) -> int:
+        """The largest measured cap within `tolerance` of the peak measured throughput."""
+        peak = max(r for r, _ in self.history.values())
+        return max(c for c, (r, _) in self.history.items() if r >= (1 - self.settings.tolerance) * peak)
 
     def _window_done(self, w: _Window, now_s: float) -> None:
         """A window ended: record its throughput and take the cycle's next step (module docstring)."""
         s = self.settings
-        rate = w.measured / max(now_s - w.measure_from_s, 1e-9)
+        # groups per second between completions: the time since the last one is not the cap's work
+        rate = w.measured / max((w.last_done_s or now_s) - w.measure_from_s, 1e-9)
         self.last_throughput = rate
-        self.throughput[w.cap] = rate
-        old = base = self._base if self._base is not None else w.cap
-        bound = w.seen_s > 0 and w.bound_s >= 0.5 * w.seen_s  # the cap held the producer: more may help
-        up, down = self._up(base), self._down(base)
-        if w.cap == up != base and bound and rate >= (1 - s.tolerance) * max(rate, self.throughput.get(base, 0.0)):
-            base = up  # the larger cap is as good (within tolerance) or better: it becomes the base
-        elif w.cap == down != base:
-            best = max(self.throughput.values())
-            base = max(c for c, r in self.throughput.items() if r >= (1 - s.tolerance) * best)
-        elif w.cap == up != base:  # worse, or never bound (no evidence): try below the base
-            if down < base and down not in self.throughput:
-                return self._start(down, "probe_down", now_s, base)
-        elif w.cap == base and self._dwell_left > 0:  # settled here: measure again before the next probe
-            self._dwell_left -= 1
-            return self._start(base, "measure", now_s, base)
-        if w.cap != base or base != old:  # a probe cycle ended
-            # the same cap kept: probe half as often; a move (noise within tolerance flips between
-            # neighbours): probe twice as often, not at once (a real shift shows within a few cycles)
-            self._dwell = self._dwell // 2 if base != old else min(2 * self._dwell + 1, MAX_DWELL_WINDOWS)
-            self._dwell_left = self._dwell
-        self.best_cap = base
-        self.throughput = {base: self.throughput[base]}
+        self._windows += 1
+        self.history[w.cap] = (rate, self._windows)
+        self.history = {c: v for c, v in self.history.items() if self._windows - v[1] < HISTORY_WINDOWS}
+        base = self._base if self._base is not None else w.cap
+        self._cycle_from = base if self._cycle_from is None else self._cycle_from
         may_grow = math.isnan(self.usage) or self.usage < s.grow_below
         up, down = self._up(base), self._down(base)
-        base_bound = bound if w.cap == base else True  # a cap just adopted bound in its own window
-        if self._dwell_left > 0:
+        if w.phase == "up":
+            base_rate = self.history.get(base, (0.0, 0))[0]
+            won = (rate > (1 + s.tolerance) * base_rate) if w.queued else self._kept() >= w.cap
+            if won:  # as good as the peak (strictly better when it queued): climb on from it
+                if may_grow and self._up(w.cap) > w.cap:
+                    return self._start(self._up(w.cap), "probe_up", now_s, w.cap, "up")
+                return self._end_cycle(w.cap, now_s)
+            if base == self._cycle_from and down < base:
+                return self._start(down, "probe_down", now_s, base, "down")  # the first step up lost: look below
+            return self._end_cycle(base, now_s)
+        if w.phase == "down":
+            return self._end_cycle(self._kept(), now_s)
+        if w.queued and not self._queue_pays(w.cap) and self._down(w.cap) < w.cap:
+            return self._cut(self._down(w.cap), "cut_waiting", now_s)
+        if self._dwell_left > 0:  # settled here: measure again before the next probe
             self._dwell_left -= 1
-            self._start(base, "keep" if base == self.limit else "probe_down", now_s, base)
-        elif up > base and may_grow and base_bound:
-            self._start(up, "probe_up", now_s, base)
-        elif down < base:
-            self._start(down, "probe_down", now_s, base)  # not growing: check the slope below
-        else:
-            self._start(base, "measure", now_s, base)
+            return self._start(base, "measure", now_s, base, "measure")
+        self._cycle_from = base
+        if up > base and may_grow:
+            return self._start(up, "probe_up", now_s, base, "up")
+        if down < base:
+            return self._start(down, "probe_down", now_s, base, "down")  # not growing: check the slope below
+        return self._start(base, "measure", now_s, base, "measure")
+
+    def _end_cycle(self, base: int, now_s: float) -> None:
+        """A probe cycle ended at `base`: keep it, and wait longer before the next probe when the
+        cycle kept a cap one of the last two cycles kept (noise near the tolerance flips between
+        two neighbours: that is not a move); a move halves the wait rather than probing at once."""
+        moved = base != self._cycle_from and base not in self._kept_before
+        self._kept_before = (self._cycle_from if self._cycle_from is not None else base, base)
+        self._dwell = self._dwell // 2 if moved else min(2 * self._dwell + 1, MAX_DWELL_WINDOWS)
+        self._dwell_left, self._cycle_from, self.best_cap = self._dwell, None, base
+        self._start(base, "keep", now_s, base, "measure")
 
     def _up(self, cap: int) -> int:
         return self._clamp(max(cap + 1, math.ceil(cap * (1 + self.settings.probe_step))))
@@ -303,16 +333,16 @@ class ThroughputConcurrency:
     def _down(self, cap: int) -> int:
         return self._clamp(math.floor(cap / (1 + self.settings.probe_step)))
 
-    def _start(self, cap: int, reason: Decision, now_s: float, base: int) -> None:
+    def _start(self, cap: int, reason: Decision, now_s: float, base: int,
+               phase: Literal["measure", "up", "down"]) -> None:
         self._base = base
-        self._move(cap, reason, now_s)
+        self._move(cap, reason, now_s, phase)
 
-    def _move(self, cap: int, reason: Decision, now_s: float, *, settle: bool = True) -> None:
+    def _move(self, cap: int, reason: Decision, now_s: float, phase: Literal["measure", "up", "down"] = "measure") -> None:
         self.limit = cap
         self.decision = reason
         self.counts[reason] += 1
-        if settle:
-            self._window = _Window(cap, now_s)
+        self._window = _Window(cap, now_s, phase)
 
     def _clamp(self, n: float) -> int:
         return int(min(max(n, self.min_groups), self.max_groups))
