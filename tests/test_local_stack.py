@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import uuid
+from pathlib import Path
 
 import psutil
 import pytest
@@ -220,3 +221,22 @@ def test_agentcore_rl_toolkit_agent_runs_unchanged(tmp_path, stack_env):
         result = c.wait_for_result(stack.bucket, ack["result_key"], timeout_s=30)
         assert result is not None and result["rewards"] == 1.0 and result["status_code"] == 200
         assert c.stop_session(stack.agent_runtime_arn, sid)
+
+
+def test_a_bad_agent_cmd_exits_2_naming_the_key_and_quoting_the_agent(tmp_path):
+    # the main job starts the ACR stack, whose agent exits at once: a `config error:` naming
+    # rollout.acr.agent_cmd with the agent's own output, before the first step (the run dir stays
+    # reusable); tests/test_new_user_errors.py has the mistakes caught before anything starts
+    import subprocess
+
+    script = tmp_path / "bad_agent.py"
+    script.write_text("import sys\nprint('agent: unknown option --bogus', file=sys.stderr)\nsys.exit(2)\n")
+    run_dir = tmp_path / "agent"
+    agent = subprocess.run([sys.executable, "-m", "orchestrator.main", "logger=console",
+                            f"rollout.acr.agent_cmd='{sys.executable} {script}'", f"run_dir={run_dir}"],
+                           cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=240)
+    assert agent.returncode == 2, agent.stderr[-3000:]
+    assert agent.stderr.startswith("config error: rollout.acr.agent_cmd"), agent.stderr[-3000:]
+    assert "the agent did not start (agent 0" in agent.stderr and "| agent: unknown option --bogus" in agent.stderr
+    assert "Traceback" not in agent.stderr
+    assert not (run_dir / "metrics.jsonl").exists()  # failed before its first step: a rerun may reuse run_dir

@@ -183,7 +183,10 @@ def run_sweep(w: Workload, gpus: int, hours: float, seed: int, bound: float, out
     """Simulate every configuration of the grid (`jobs` processes), each with the lifecycle's
     `caps` (`container_slots`, `rollout_slots`; None: no cap); print the table and the best."""
     grid = {k: replace(sc, **(caps or {})) for k, sc in sweep_grid(w, gpus, grid_name).items()}
-    work = [(w, sc, hours, seed) for sc in grid.values()]
+    baseline = _one((w, grid["sync_1"], hours, seed))  # first: every ratio is against it
+    if "error" in baseline:  # so a horizon too short for it ends the sweep before the rest runs
+        raise SimulationTooShort(f"--sweep: the sync_1 baseline could not be measured: {baseline['error']}")
+    work = [(w, sc, hours, seed) for k, sc in grid.items() if k != "sync_1"]
     if jobs > 1:
         from multiprocessing import Pool
 
@@ -191,9 +194,8 @@ def run_sweep(w: Workload, gpus: int, hours: float, seed: int, bound: float, out
             results = pool.map(_one, work)
     else:
         results = [_one(x) for x in work]
-    rows = dict(zip(grid, results))
-    if "error" in rows["sync_1"]:  # every ratio is against it
-        raise SimulationTooShort(f"--sweep: the sync_1 baseline could not be measured: {rows['sync_1']['error']}")
+    rows = {"sync_1": baseline, **dict(zip([k for k in grid if k != "sync_1"], results))}
+    rows = {k: rows[k] for k in grid}  # the grid's order
     base = rows["sync_1"]["tokens_per_min_per_gpu"]
     print(" | ".join(f"{c:>12}" for c in COLUMNS), flush=True)
     for name, f in rows.items():
