@@ -141,36 +141,88 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 _CHILDREN_BEFORE = pytest.StashKey[frozenset]()
+_HEAVY_SEEN = pytest.StashKey["HeavyWatch"]()
+# what a descendant's command line holds when it is a part `make test-fast` must not start: the
+# ACR stack's servers (workers/embedded/local_stack.py), Ray's daemons, a vLLM engine
+HEAVY_PARTS = ("workers.embedded.moto_s3", "workers.embedded.emulator", "raylet", "gcs_server", "vllm")
+
+
+def _children_of(pid: int | str) -> set[int]:
+    out: set[int] = set()
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return out
+    for task in tasks:
+        try:
+            out.update(int(p) for p in (task / "children").read_text().split())
+        except OSError:
+            continue
+    return out
 
 
 def child_pids() -> frozenset[int]:
     """The live child processes of this process (Linux /proc), but multiprocessing's own helpers
     (its resource tracker and forkserver live as long as the process)."""
-    pids: set[int] = set()
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            pids.update(int(p) for p in (task / "children").read_text().split())
-        except OSError:
-            continue
     def helper(pid: int) -> bool:
         try:
             return b"multiprocessing" in Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             return True  # gone already
-    return frozenset(p for p in pids if not helper(p))
+    return frozenset(p for p in _children_of("self") if not helper(p))
+
+
+class HeavyWatch:
+    """Watches this process's descendants, children of children included, while a unit test runs
+    (a thread reading /proc every `every_s`): the first whose command line names one of the
+    HEAVY_PARTS is kept in `seen`. It catches a part started and stopped inside the test, e.g. by a
+    `python -m orchestrator.main` subprocess that starts the ACR stack, which `child_pids` before
+    and after cannot see."""
+
+    def __init__(self, every_s: float = 0.1) -> None:
+        import threading
+
+        self.seen: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every_s,), name="heavy-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self, every_s: float) -> None:
+        while self.seen is None and not self._stop.wait(every_s):
+            todo, done = list(_children_of("self")), set()
+            while todo and self.seen is None:
+                pid = todo.pop()
+                if pid in done:
+                    continue
+                done.add(pid)
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue
+                if any(part in cmd for part in HEAVY_PARTS):
+                    self.seen = cmd[:200]
+                todo.extend(_children_of(pid))
+
+    def stop(self) -> str | None:
+        self._stop.set()
+        self._thread.join()
+        return self.seen
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item):
     item.stash[_CHILDREN_BEFORE] = child_pids()  # before the test's fixtures start anything
+    if item.get_closest_marker("unit") is not None:
+        item.stash[_HEAVY_SEEN] = HeavyWatch()
     return (yield)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
     """A `unit` test that started Ray, or whose setup or body left a child process running (an
-    engine, the ACR stack, a server), fails: it belongs in `integration` (use the stack's fixture,
-    or list its module in INTEGRATION_MODULES)."""
+    engine, the ACR stack, a server), or had a descendant that was one of the HEAVY_PARTS (e.g. the
+    main job run as a subprocess starting the ACR stack), fails: it belongs in `integration` (use
+    the stack's fixture, or list its module in INTEGRATION_MODULES)."""
     result = yield
     if item.get_closest_marker("unit") is not None:
         import sys
@@ -180,11 +232,22 @@ def pytest_runtest_call(item: pytest.Item):
         new = child_pids() - item.stash.get(_CHILDREN_BEFORE, frozenset())
         if new:
             started.append(f"child processes {sorted(new)}")
+        watch = item.stash.get(_HEAVY_SEEN, None)
+        if watch is not None and (cmd := watch.stop()) is not None:
+            started.append(f"a descendant {cmd!r}")
         if started:
             pytest.fail(f"{item.nodeid} is marked unit but started {' and '.join(started)}: a test that starts Ray, "
                         "an engine or the ACR stack is integration (use the `local_stack` fixture, or add its module "
                         "to INTEGRATION_MODULES in tests/conftest.py)", pytrace=False)
     return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem):
+    watch = item.stash.get(_HEAVY_SEEN, None)
+    if watch is not None:
+        watch.stop()  # a test that failed before its call's check
+    return (yield)
 
 
 @pytest.fixture

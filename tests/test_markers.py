@@ -26,7 +26,8 @@ def test_a_test_using_the_stack_fixture_is_integration_whatever_its_module():
 
 def test_a_unit_test_that_leaves_a_process_running_fails_naming_the_rule(tmp_path):
     """The guard behind `make test-fast`: a test with no integration fixture whose body leaves a
-    child process running (as an engine or the ACR stack would) fails instead of passing as unit."""
+    child process running (as an engine or the ACR stack would), or runs a command that starts one
+    of the stack's parts and stops it, fails instead of passing as unit."""
     import os
     import subprocess
     import sys
@@ -41,13 +42,21 @@ def test_a_unit_test_that_leaves_a_process_running_fails_naming_the_rule(tmp_pat
         "def test_leaves_a_server_running(server):\n"
         "    assert server.poll() is None\n"
         "def test_runs_a_command_to_its_end():\n"
-        "    subprocess.run(['true'], check=True)\n")
+        "    subprocess.run(['true'], check=True)\n"
+        "def test_runs_a_command_that_starts_the_stack_and_stops_it():\n"  # as the main job would
+        "    import sys\n"
+        "    subprocess.run([sys.executable, '-c', 'import time; time.sleep(0.5)', 'heavy-part-probe'], check=True)\n"
+        # a stand-in name: with a real part's, this test's own guard would catch its inner run
+        "import conftest\n"
+        "conftest.HEAVY_PARTS = ('heavy-part-probe',)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
                            "-p", "no:xdist", str(tmp_path / "test_leaky.py")],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
-    assert "1 failed, 1 passed" in proc.stdout, proc.stdout[-2000:]
+    assert "2 failed, 1 passed" in proc.stdout, proc.stdout[-2000:]
     assert "is marked unit but started child processes" in proc.stdout
+    assert any("is marked unit but started a descendant" in line and "heavy-part-probe" in line
+               for line in proc.stdout.splitlines()), proc.stdout[-2000:]
 
 
 def test_every_long_check_names_a_real_test_and_make_test_skips_it():
