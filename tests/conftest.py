@@ -142,9 +142,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 _CHILDREN_BEFORE = pytest.StashKey[frozenset]()
 _HEAVY_SEEN = pytest.StashKey["HeavyWatch"]()
-# what a descendant's command line holds when it is a part `make test-fast` must not start: the
-# ACR stack's servers (workers/embedded/local_stack.py), Ray's daemons, a vLLM engine
-HEAVY_PARTS = ("workers.embedded.moto_s3", "workers.embedded.emulator", "raylet", "gcs_server", "vllm")
+# the parts `make test-fast` must not start, as a descendant's command line shows them: modules run
+# with `python -m` (the ACR stack's servers, workers/embedded/local_stack.py; vLLM's server), and
+# programs (Ray's daemons and workers, vLLM's CLI)
+PART_MODULES = ("workers.embedded.moto_s3", "workers.embedded.emulator", "vllm.")
+PART_PROGRAMS = ("raylet", "gcs_server", "vllm", "ray::")
+
+
+def heavy_part(argv: Sequence[str]) -> str | None:
+    """The part a command line runs when it is one of the PART_MODULES (after `-m`) or PART_PROGRAMS
+    (its program's name, or a prefix of it), else None."""
+    if not argv:
+        return None
+    program = Path(argv[0]).name
+    if any(program == p or (p.endswith(":") and program.startswith(p)) for p in PART_PROGRAMS):
+        return program
+    return next((m for flag, m in zip(argv, argv[1:]) if flag == "-m" and m.startswith(PART_MODULES)), None)
 
 
 def _children_of(pid: int | str) -> set[int]:
@@ -174,8 +187,8 @@ def child_pids() -> frozenset[int]:
 
 class HeavyWatch:
     """Watches this process's descendants, children of children included, while a unit test runs
-    (a thread reading /proc every `every_s`): the first whose command line names one of the
-    HEAVY_PARTS is kept in `seen`. It catches a part started and stopped inside the test, e.g. by a
+    (a thread reading /proc every `every_s`): the first that runs one of the heavy parts
+    (`heavy_part`) is kept in `seen`, its command line. It catches a part started and stopped inside the test, e.g. by a
     `python -m orchestrator.main` subprocess that starts the ACR stack, which `child_pids` before
     and after cannot see."""
 
@@ -196,11 +209,11 @@ class HeavyWatch:
                     continue
                 done.add(pid)
                 try:
-                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
                 except OSError:
                     continue
-                if any(part in cmd for part in HEAVY_PARTS):
-                    self.seen = cmd[:200]
+                if heavy_part(argv) is not None:
+                    self.seen = " ".join(argv)[:200]
                 todo.extend(_children_of(pid))
 
     def stop(self) -> str | None:
@@ -220,7 +233,7 @@ def pytest_runtest_setup(item: pytest.Item):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
     """A `unit` test that started Ray, or whose setup or body left a child process running (an
-    engine, the ACR stack, a server), or had a descendant that was one of the HEAVY_PARTS (e.g. the
+    engine, the ACR stack, a server), or had a descendant that was a heavy part (`heavy_part`) (e.g. the
     main job run as a subprocess starting the ACR stack), fails: it belongs in `integration` (use
     the stack's fixture, or list its module in INTEGRATION_MODULES)."""
     result = yield

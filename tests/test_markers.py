@@ -45,18 +45,33 @@ def test_a_unit_test_that_leaves_a_process_running_fails_naming_the_rule(tmp_pat
         "    subprocess.run(['true'], check=True)\n"
         "def test_runs_a_command_that_starts_the_stack_and_stops_it():\n"  # as the main job would
         "    import sys\n"
-        "    subprocess.run([sys.executable, '-c', 'import time; time.sleep(0.5)', 'heavy-part-probe'], check=True)\n"
-        # a stand-in name: with a real part's, this test's own guard would catch its inner run
+        "    subprocess.run([sys.executable, '-m', 'heavy_part_probe'], check=True)\n"
+        # a stand-in module: with a real part's, this test's own guard would catch its inner run
         "import conftest\n"
-        "conftest.HEAVY_PARTS = ('heavy-part-probe',)\n")
+        "conftest.PART_MODULES = ('heavy_part_probe',)\n")
+    (tmp_path / "heavy_part_probe.py").write_text("import time\ntime.sleep(0.5)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)])}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
                            "-p", "no:xdist", str(tmp_path / "test_leaky.py")],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
     assert "2 failed, 1 passed" in proc.stdout, proc.stdout[-2000:]
     assert "is marked unit but started child processes" in proc.stdout
-    assert any("is marked unit but started a descendant" in line and "heavy-part-probe" in line
+    assert any("is marked unit but started a descendant" in line and "-m heavy_part_probe" in line
                for line in proc.stdout.splitlines()), proc.stdout[-2000:]
+
+
+def test_a_heavy_part_is_told_by_its_program_or_module_not_by_a_word_in_its_arguments():
+    from conftest import heavy_part
+
+    assert heavy_part(["/v/bin/python", "-m", "workers.embedded.emulator", "--port", "1"]) == "workers.embedded.emulator"
+    assert heavy_part(["/usr/lib/ray/core/src/ray/raylet/raylet", "--node"]) == "raylet"
+    assert heavy_part(["ray::TrainerActor.update"]) == "ray::TrainerActor.update"
+    assert heavy_part(["/v/bin/vllm", "serve", "m"]) == "vllm"
+    assert heavy_part(["/v/bin/python", "-m", "vllm.entrypoints.openai.api_server"]) == "vllm.entrypoints.openai.api_server"
+    # a command that only mentions one (a check of what a venv holds, an import test)
+    assert heavy_part(["/v/bin/python", "-c", "import sys; print('vllm' in sys.modules, 'raylet')"]) is None
+    assert heavy_part(["/v/bin/python", "-m", "orchestrator.main", "inference=vllm"]) is None
+    assert heavy_part([]) is None
 
 
 def test_every_long_check_names_a_real_test_and_make_test_skips_it():
