@@ -180,6 +180,8 @@ def test_the_heavy_xdist_group_names_existing_modules_and_keeps_the_others_whole
     late = {conftest._xdist_group(f"tests/{name}::t") for name in conftest.LATE_HEAVY_MODULES}
     assert late == {f"heavy-late:{name}" for name in conftest.LATE_HEAVY_MODULES}  # one unit each
     assert "test_e2e.py" in early  # the Ctrl-C tests' time bounds: never beside another heavy test
-    order = [conftest._unit_order(f"tests/{m}::t") for m in ("test_e2e.py", "test_config.py", "test_eval_e2e.py")]
-    assert order == sorted(order) and len(set(order)) == 3
+    order = [conftest._unit_order(f"tests/{m}::t")
+             for m in ("test_e2e.py", "test_config.py", "test_grading.py", "test_eval_e2e.py")]
+    assert order == sorted(order) and len(set(order)) == 4  # heavy, long unit, other unit, late heavy
+    assert all((REPO / "tests" / name).is_file() for name in conftest.LONG_UNIT_MODULES)
     assert conftest._xdist_group("tests/test_config.py::test_y[p]") == "tests/test_config.py"
