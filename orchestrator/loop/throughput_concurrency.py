@@ -174,7 +174,6 @@ class ThroughputConcurrency:
         self._base: int | None = None  # the cap the current probe cycle started from
         self._cycle_from: int | None = None  # the base when the cycle began (did the cycle move it?)
         self._window: _Window | None = None
-        self._last_s: float | None = None
         self._queue_since_s: float | None = None
         self._cancel = 0
         self._dwell = self._dwell_left = 0  # windows to stay at a cap the last probe cycle kept
@@ -197,7 +196,6 @@ class ThroughputConcurrency:
 
     def observe(self, loads: Sequence[EngineLoad], now_s: float, running_groups: int) -> None:
         """Decide from the engines' `loads` at `now_s` (seconds) with `running_groups` running."""
-        self._last_s = now_s
         if self._window is None:
             self._window = _Window(self.limit, now_s)
         w = self._window
