@@ -33,20 +33,16 @@ CELLS = {(1, 0): ("gsm8k_tools", "async", "drop", "adaptive"), (1, 1): ("referen
          (4, 2): ("gsm8k_tools", "async", "train_masked", "fixed")}
 
 
-def _cell(sync_every: int, eta: int) -> tuple[str, str, str, str]:
-    return CELLS[(sync_every, eta)]
-
-
 @pytest.mark.parametrize("sync_every", [1, 2, 4])
 @pytest.mark.parametrize("eta", [0, 1, 2])
 # no shrinking: each example is a whole simulated run (1-9 s); a failure prints its seed. One seed
-# per (sync_every, eta) cell, the other dimensions from `_cell`: 9 runs (two drawn per cell took
+# per (sync_every, eta) cell, the other dimensions from CELLS: 9 runs (two drawn per cell took
 # 40-60 s of make test-fast)
 @settings(max_examples=1, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
           suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000))
 def test_no_trained_sample_is_staler_than_eta(sync_every, eta, seed):
-    workload, mode, on_stale, policy = _cell(sync_every, eta)
+    workload, mode, on_stale, policy = CELLS[(sync_every, eta)]
     gpus, hours = WORKLOADS[workload]
     if mode == "sync":
         sc = Scenario("sync", sync_every, True, gpus=gpus)
@@ -66,7 +62,8 @@ def test_no_trained_sample_is_staler_than_eta(sync_every, eta, seed):
 
 
 def test_the_cells_cover_every_workload_mode_on_stale_and_policy():
-    cells = [_cell(k, eta) for k in (1, 2, 4) for eta in (0, 1, 2)]
+    cells = list(CELLS.values())
+    assert set(CELLS) == {(k, eta) for k in (1, 2, 4) for eta in (0, 1, 2)}
     for dim, values in enumerate((set(WORKLOADS), {"async", "sync"}, {"drop", "train_masked"}, {"fixed", "adaptive"})):
         assert {c[dim] for c in cells} == values
     for policy in ("fixed", "adaptive"):  # each policy in async mode at every eta

@@ -299,8 +299,8 @@ class ThroughputConcurrency:
             base_rate = self.history.get(base, (0.0, 0))[0]
             won = (rate > (1 + s.tolerance) * base_rate) if w.queued else self._kept() >= w.cap
             if won:  # as good as the peak (strictly better when it queued): climb on from it
-                if may_grow and self._up(w.cap) > w.cap:
-                    return self._start(self._up(w.cap), "probe_up", now_s, w.cap, "up")
+                if may_grow and (higher := self._up(w.cap)) > w.cap:
+                    return self._start(higher, "probe_up", now_s, w.cap, "up")
                 return self._end_cycle(w.cap, now_s)
             if base == self._cycle_from and down < base:
                 return self._start(down, "probe_down", now_s, base, "down")  # the first step up lost: look below

@@ -186,7 +186,8 @@ def run_sweep(w: Workload, gpus: int, hours: float, seed: int, bound: float, out
     baseline = _one((w, grid["sync_1"], hours, seed))  # first: every ratio is against it
     if "error" in baseline:  # so a horizon too short for it ends the sweep before the rest runs
         raise SimulationTooShort(f"--sweep: the sync_1 baseline could not be measured: {baseline['error']}")
-    work = [(w, sc, hours, seed) for k, sc in grid.items() if k != "sync_1"]
+    others = [k for k in grid if k != "sync_1"]
+    work = [(w, grid[k], hours, seed) for k in others]
     if jobs > 1:
         from multiprocessing import Pool
 
@@ -194,8 +195,8 @@ def run_sweep(w: Workload, gpus: int, hours: float, seed: int, bound: float, out
             results = pool.map(_one, work)
     else:
         results = [_one(x) for x in work]
-    rows = {"sync_1": baseline, **dict(zip([k for k in grid if k != "sync_1"], results))}
-    rows = {k: rows[k] for k in grid}  # the grid's order
+    done = {"sync_1": baseline, **dict(zip(others, results))}
+    rows = {k: done[k] for k in grid}  # the grid's order
     base = rows["sync_1"]["tokens_per_min_per_gpu"]
     print(" | ".join(f"{c:>12}" for c in COLUMNS), flush=True)
     for name, f in rows.items():
