@@ -287,6 +287,20 @@ def test_fixed_concurrency_caps_the_async_loop_in_flight():
     assert async_loop_settings(compose_config(["mode=async", "rollout.concurrency=adaptive"])).max_running_groups is None
 
 
+def test_adaptive_concurrency_starts_where_fixed_runs():
+    """The product's gate (orchestrator/wiring/training.py) starts the throughput-seeking policy at
+    the fixed policy's in-flight cap, between one mini-batch and the staleness window."""
+    from orchestrator.wiring.training import _concurrency
+
+    gate = _concurrency(compose_config(["mode=async", "rollout.concurrency=adaptive", "mode.sync_every=2",
+                                        "async.max_staleness=2"]), [])
+    assert (gate.policy.min_groups, gate.policy.limit, gate.policy.max_groups) == (4, 12, 24)  # B, (eta+1)B, (eta+1)kB
+    gate = _concurrency(compose_config(["mode=async", "rollout.concurrency=adaptive",
+                                        "async.max_concurrent_rollouts=48"]), [])
+    assert gate.policy.limit == 12  # the user's fixed cap, 48 rollouts of n = 4
+    assert _concurrency(compose_config(["mode=async"]), []) is None
+
+
 @pytest.mark.parametrize("faults, message", [
     ("{crsh: 0.05}", "unknown fault kind(s) ['crsh']; known: ['throttle', 'server_error'"),
     ("{crash: 1.5}", "faults.crash must be in [0, 1], got 1.5"),

@@ -57,7 +57,7 @@ def drive(p: ThroughputConcurrency, eng: Engine, seconds: int, t0: float = 0.0, 
 
 
 def policy(**kw) -> ThroughputConcurrency:
-    bounds = {k: kw.pop(k) for k in ("min_groups", "max_groups") if k in kw}
+    bounds = {k: kw.pop(k) for k in ("min_groups", "max_groups", "start_groups") if k in kw}
     return ThroughputConcurrency(ProbeSettings(**{"min_window_s": 10.0, **kw}), **bounds)
 
 
@@ -76,6 +76,33 @@ def test_settles_within_ten_percent_of_the_best_fixed_cap_from_a_cold_start():
     assert p.counts["probe_up"] > 0 and p.counts["probe_down"] > 0  # it kept probing both ways
 
 
+def test_starts_where_fixed_runs_and_pays_only_its_probes():
+    # Where the fixed policy's cap is the best (a curve that rises up to it: the tiny model's load),
+    # the policy starts there (`start_groups`), so a short run loses only its down probes (the cold
+    # start at one mini-batch climbed for 7 windows, ~25 % of the first 10 minutes).
+    eng = Engine(knee=40)
+    p = policy(min_groups=8, max_groups=80, start_groups=40)
+    assert p.limit == 40
+    trace = drive(p, eng, 600)
+    assert sum(r for _, _, r in trace) / len(trace) >= 0.93 * eng.rate(40)
+    assert p.counts["probe_down"] >= 1 and p.best_cap == 40
+    assert policy(min_groups=8, max_groups=80, start_groups=500).limit == 80  # clamped to the window
+    assert policy(min_groups=8, max_groups=80).limit == 8  # no start given: the floor
+
+
+def test_started_above_the_knee_it_descends_one_window_a_step():
+    # The fixed policy's cap far past the knee (64 groups, knee 12: each step of 1/1.25 down gains
+    # 12 %): a down probe that beats every larger cap by more than the tolerance descends on at
+    # once, instead of a keep, a measure and a lost up probe before each step down. (A window up
+    # there is long: a congested cap turns over slowly.)
+    eng = Engine(knee=12, kv_per_group=0.001)
+    p = policy(min_groups=4, max_groups=400, start_groups=64)
+    descent = drive(p, eng, 3000)
+    assert min(c for _, c, _ in descent) <= 12  # 7 steps of 1/1.25 down: 51, 40, 32, 25, 20, 16, 12
+    late = drive(p, eng, 3600, t0=3000)
+    assert sum(r for _, _, r in late) / len(late) >= 0.9 * eng.rate(12)
+
+
 def test_keeps_the_largest_cap_within_tolerance_on_a_plateau():
     # Past the knee, a flat curve: every cap from 40 up gives the same throughput, so the policy
     # keeps going up (ties go to the larger cap) until the staleness window stops it.
@@ -92,10 +119,10 @@ def test_tolerance_does_not_ratchet_the_cap_down_a_falling_curve():
     # policy stops once the cap is more than 5 % below the best.
     eng = Engine()
     eng.rate = lambda c: 2.0 * 0.97 ** math.log(c / 8, 1.25)  # type: ignore[method-assign]
-    p = policy(min_groups=8, max_groups=400)
+    p = policy(min_groups=8, max_groups=400, min_window_s=40.0)  # ~70 groups a window: ticks measure +-1.5 %
     trace = drive(p, eng, 3 * 3600)
     assert p.best_cap <= 17  # 8 and 10 are within 5 % of the best (8), 13 5.9 % and 17 9.8 % below
-    late = [r for t, _, r in trace if t > 2 * 3600]  # (the fluid engine's 1 s ticks measure +-4 %)
+    late = [r for t, _, r in trace if t > 2 * 3600]
     assert sum(late) / len(late) >= 0.85 * 2.0
 
 

@@ -228,10 +228,12 @@ def _check_aws(acr: AcrConfig, contract: str) -> None:
           f"must be null or the runtime's region {arn.region!r} (from rollout.acr.agent_runtime_arn)", acr.region)
 
 
-def concurrency_policy(r: RolloutConfig, min_groups: int = 1, max_groups: int | None = None) -> GroupLimit:
+def concurrency_policy(r: RolloutConfig, min_groups: int = 1, max_groups: int | None = None,
+                       start_groups: int | None = None) -> GroupLimit:
     """The policy `rollout.concurrency` names from `rollout.adaptive` (`aimd`, else the
     throughput-seeking `adaptive`), its cap in [min_groups, max_groups] (the adaptive one's: the
-    staleness budget's groups, None: unbounded). Validates every knob of both; ValueError names the key."""
+    staleness budget's groups, None: unbounded; its cold start `start_groups`, the fixed policy's
+    cap in the product; AIMD starts at min_groups). Validates every knob of both; ValueError names the key."""
     a = r.adaptive
     aimd = AimdConcurrency(kv_target=a.kv_target, min_groups=min_groups, interval_s=a.interval_s,
                            decrease=a.decrease, max_waiting=a.max_waiting)
@@ -240,7 +242,7 @@ def concurrency_policy(r: RolloutConfig, min_groups: int = 1, max_groups: int | 
                           waiting_persist_s=a.waiting_persist_s, min_window_s=a.min_window_s)
     if r.concurrency == "aimd":
         return aimd
-    return ThroughputConcurrency(probe, min_groups=min_groups, max_groups=max_groups)
+    return ThroughputConcurrency(probe, min_groups=min_groups, max_groups=max_groups, start_groups=start_groups)
 
 
 def rollout_settings(r: RolloutConfig, *, exp_id: str, agent_runtime_arn: str, gateway_base_url: str,

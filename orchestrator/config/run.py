@@ -160,20 +160,29 @@ def sync_loop_settings(run: RunConfig) -> SyncLoopSettings:
 
 def async_loop_settings(run: RunConfig) -> AsyncLoopSettings:
     """The async loop's settings (orchestrator/loop/async_loop.py): B groups per update, staleness
-    bound, and with `rollout.concurrency=fixed` the in-flight cap (η + 1)·B groups
-    (orchestrator/loop/staleness.py `fixed_max_running`; adaptive / aimd: the policy's window instead)."""
+    bound, and with `rollout.concurrency=fixed` the in-flight cap (`fixed_running_groups`; adaptive /
+    aimd: the policy's window instead)."""
     from orchestrator.loop.async_loop import AsyncLoopSettings
-    from orchestrator.loop.staleness import fixed_max_running
 
     b, eta, n = run.rollout.batch_size // run.mode.sync_every, run.async_.max_staleness, run.rollout.n
-    cap = None
-    if run.rollout.concurrency == "fixed":
-        given = run.async_.max_concurrent_rollouts
-        cap = fixed_max_running(max_staleness=eta, groups_per_update=b) if given is None else given // n
+    cap = fixed_running_groups(run) if run.rollout.concurrency == "fixed" else None
     return AsyncLoopSettings(
         total_steps=run.trainer.total_steps, groups_per_update=b, n=n, sync_every=run.mode.sync_every,
         max_staleness=eta, on_stale=run.async_.on_stale, filter_zero_variance=run.algorithm.filter_zero_variance,
         max_gen_batches=run.algorithm.max_gen_batches, drain_timeout_s=run.async_.drain_timeout_s, max_running_groups=cap)
+
+
+def fixed_running_groups(run: RunConfig) -> int:
+    """The in-flight cap of `rollout.concurrency=fixed`, in groups: `async.max_concurrent_rollouts`
+    / n when set, else (η + 1)·B (orchestrator/loop/staleness.py `fixed_max_running`, B the groups
+    per optimizer update). The adaptive policy's cold start too."""
+    from orchestrator.loop.staleness import fixed_max_running
+
+    given = run.async_.max_concurrent_rollouts
+    if given is not None:
+        return given // run.rollout.n
+    return fixed_max_running(max_staleness=run.async_.max_staleness,
+                             groups_per_update=run.rollout.batch_size // run.mode.sync_every)
 
 
 def staleness_window_groups(run: RunConfig) -> int:

@@ -360,23 +360,24 @@ def _slot_steering(cfg: RunConfig, gate: ConcurrencyGate, pool: RolloutPool) -> 
 
 def _concurrency(cfg: RunConfig, replicas: list[ActorHandle]) -> ConcurrencyGate | None:
     """`rollout.concurrency=adaptive|aimd`: the group limit from the replicas' vLLM stats
-    (orchestrator/loop/concurrency.py, the same gate the simulator runs), from one mini-batch up to
-    the staleness window; None when fixed. Steering A2A rollout slots takes the AIMD policy (no release counts there)."""
+    (orchestrator/loop/concurrency.py, the same gate the simulator runs), between one mini-batch and
+    the staleness window, the adaptive one from the fixed policy's cap; None when fixed. Steering A2A rollout slots takes the AIMD policy (no release counts there)."""
     if cfg.rollout.concurrency == "fixed":
         return None
     from dataclasses import replace
 
     from orchestrator.adapters.clients import EngineLoads
     from orchestrator.config.rollout import concurrency_policy
-    from orchestrator.config.run import staleness_window_groups
+    from orchestrator.config.run import fixed_running_groups, staleness_window_groups
     from orchestrator.loop.concurrency import ConcurrencyGate
 
     r = cfg.rollout
     if r.contract == "a2a" and r.rollout_slots:
         r = replace(r, concurrency="aimd")
-    b = r.batch_size // cfg.mode.sync_every if r.concurrency == "adaptive" else 1  # the cold start and floor
-    return ConcurrencyGate(concurrency_policy(r, min_groups=b, max_groups=staleness_window_groups(cfg)),
-                           EngineLoads(replicas), clock=time.monotonic)
+    b = r.batch_size // cfg.mode.sync_every if r.concurrency == "adaptive" else 1  # the floor (AIMD's cold start)
+    policy = concurrency_policy(r, min_groups=b, max_groups=staleness_window_groups(cfg),
+                                start_groups=fixed_running_groups(cfg))
+    return ConcurrencyGate(policy, EngineLoads(replicas), clock=time.monotonic)
 
 
 def _with_gate(probe: Probe, gate: ConcurrencyGate | None) -> Probe:

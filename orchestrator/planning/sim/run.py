@@ -200,15 +200,17 @@ class _Recorder:
 
 def _concurrency(w: Workload, sc: Scenario, lay, loop: VirtualLoop, replicas: list, agents: SimAgents):
     """(dispatch gate, rollout-slot steering) of `sc`, as the product builds them
-    (orchestrator/wiring/training.py): with `policy=adaptive` the throughput-seeking policy from one
-    mini-batch, capped at the staleness window (η + 1)·k·B, with `aimd` the AIMD window, each in a
-    ConcurrencyGate on the replicas' loads; or, with rollout slots, the AIMD policy steering the
+    (orchestrator/wiring/training.py): with `policy=adaptive` the throughput-seeking policy between
+    one mini-batch and the staleness window (η + 1)·k·B, starting where fixed runs ((η + 1)·B), with
+    `aimd` the AIMD window, each in a ConcurrencyGate on the replicas' loads; or, with rollout slots, the AIMD policy steering the
     rollout-slot cap instead of dispatch; (None, None) for fixed concurrency."""
     if sc.policy == "fixed":
         return None, None
     b = lay.groups_per_update
     if sc.policy == "adaptive" and sc.rollout_slots is None:
-        policy = ThroughputConcurrency(min_groups=b, max_groups=(sc.max_staleness + 1) * sc.sync_every * b)
+        start = fixed_max_running(max_staleness=sc.max_staleness, groups_per_update=b)
+        policy = ThroughputConcurrency(min_groups=b, max_groups=(sc.max_staleness + 1) * sc.sync_every * b,
+                                       start_groups=start)
     else:
         policy = AimdConcurrency(kv_target=sc.kv_target, min_groups=b)
     gate = ConcurrencyGate(policy, lambda: engine_loads(replicas), clock=loop.time)
