@@ -4,8 +4,9 @@ Each run is the real main job in async mode (`python -m orchestrator.main mode=a
 same seed, prompts and model: first one run per fixed cap (`--caps`, in groups:
 `async.max_concurrent_rollouts` = cap x `rollout.n`), which traces the throughput curve, then one
 run per policy (`--policies`: `adaptive`, the throughput-seeking one, and optionally `aimd`, the
-earlier KV-target window), which starts cold (one mini-batch) and is not told the sweep. The
-table prints each run's throughput (trained tokens per minute of loop time, and rollouts finished
+earlier KV-target window), which is not told the sweep: `adaptive` starts where fixed concurrency
+runs by default ((η + 1)·B groups: the staleness window at `mode.sync_every=1`), `aimd` at one
+mini-batch. The table prints each run's throughput (trained tokens per minute of loop time, and rollouts finished
 per minute: the system's work), the policy's settled cap (`rollout/concurrency_best_cap` at the
 end, the cap it keeps between probes) and its throughput against the best fixed cap's.
 `--max-staleness 1,4` repeats the whole comparison per η: 1 is the sync-like load (at most one

@@ -663,3 +663,22 @@ def test_the_sweep_says_why_it_recommends_a_configuration():
     assert "2.10x sync_1" in why[2]
     assert any(line.startswith("policy: adaptive 1.00, fixed 0.71") for line in why)
     assert any(line.startswith("sync_every: 2 1.00, 4 0.86") for line in why)
+
+
+def test_the_public_check_caps_the_container_pool_in_every_configuration(monkeypatch):
+    # The plumbing only (each simulation is seconds to minutes): the cap reaches all four
+    # configurations' scenarios; the simulator's cap itself is tests/test_sim_lifecycle.py's.
+    from orchestrator.planning.sim import public_check
+
+    seen = []
+
+    def simulate(w, sc, **kw):
+        seen.append(sc)
+        return {k: 1.0 for k in public_check.ROW_KEYS}
+
+    monkeypatch.setattr(public_check, "simulate", simulate)
+    out = public_check.check(load_workload("reference"), gpus=16, hours=1.0, trainer_tokens_per_min_per_gpu=None,
+                             refit=False, container_slots=256, log=lambda *a: None)
+    assert [(sc.mode, sc.sync_every, sc.container_slots) for sc in seen] == [
+        (c.mode, c.sync_every, 256) for c in public_check.CONFIGS.values()]
+    assert out["container_slots"] == 256 and set(out["rows"]) == set(public_check.REPORT)

@@ -229,32 +229,53 @@ def _at(usage, waiting=0, preempted=0, running=10):
 
 def test_kv_levels_only_trim():
     # 0.8 cuts the cap by the probe factor at once; above 0.9 it is cut from the groups running and
-    # the excess is handed over for cancelling (youngest first), once.
+    # the excess is handed over for cancelling (youngest first), once. Each once the usage has stood
+    # kv_persist_s (10 s).
     p = policy(min_groups=1, max_groups=100)
     p.limit = 50
     p.observe(_at(0.85), 0.0, 50)
+    assert p.limit == 50  # not standing yet
+    p.observe(_at(0.85), 10.0, 50)
     assert p.limit == 40 and p.decision == "trim_kv" and p.cancel_groups() == 0  # floor(50 / 1.25)
     q = policy(min_groups=1, max_groups=100)
     q.limit = 50
-    q.observe(_at(0.95), 0.0, 50)
+    q.observe(_at(0.85), 0.0, 50)
+    q.observe(_at(0.95), 10.0, 50)
     assert q.limit == 40 and q.decision == "cancel_kv"
     assert q.cancel_groups() == 10 and q.cancel_groups() == 0
     r = policy(min_groups=1, max_groups=100)
     r.limit = 50
     r.observe(_at(0.7), 0.0, 50)
+    r.observe(_at(0.7), 60.0, 50)
     assert r.limit == 50  # between grow_below and trim_at: no cut, no push
+
+
+def test_a_kv_spike_does_not_cut():
+    # A cache of a few blocks (the tiny model's 6) reads 0.8-0.93 for a 2 s window at any cap:
+    # spikes that never stand kv_persist_s leave the cap alone; usage that stands cuts.
+    p = policy(min_groups=1, max_groups=100)
+    p.limit = 50
+    for t in range(0, 120, 2):
+        p.observe(_at(0.93 if t % 8 else 0.3), float(t), 50)  # 6 s of 0.93, then 2 s of 0.3
+    assert p.limit == 50 and p.counts["trim_kv"] == p.counts["cancel_kv"] == 0
+    for t in range(120, 132, 2):
+        p.observe(_at(0.93), float(t), 50)
+    assert p.limit == 40 and p.decision == "cancel_kv"
 
 
 def test_a_cut_waits_for_the_groups_running_to_turn_over_before_the_next():
     # What the engines report right after a cut is the load from before it: no cascade to the floor.
     p = policy(min_groups=1, max_groups=100)
     p.limit = 50
-    for t in range(10):
+    for t in range(30):
         p.observe(_at(0.85), float(t), 50)
-    assert p.limit == 40 and p.counts["trim_kv"] == 1
+    assert p.limit == 40 and p.counts["trim_kv"] == 1  # at t = 10, and not again while it turns over
     for _ in range(40):
-        p.on_group_done(11.0)  # the 40-group cap turned over
-    p.observe(_at(0.85), 12.0, 40)
+        p.on_group_done(31.0)  # the 40-group cap turned over
+    for t in range(32, 42):
+        p.observe(_at(0.85), float(t), 40)
+    assert p.limit == 40  # the usage must stand again, after the turnover
+    p.observe(_at(0.85), 42.0, 40)
     assert p.limit == 32 and p.counts["trim_kv"] == 2
 
 
@@ -300,7 +321,8 @@ def test_every_decision_is_logged_as_a_metric():
 @pytest.mark.parametrize("kw,key", [({"probe_step": 0}, "probe_step"), ({"tolerance": 1.0}, "tolerance"),
                                     ({"grow_below": 0.9, "trim_at": 0.8}, "trim_at"),
                                     ({"cancel_above": 0.7}, "cancel_above"), ({"min_window_s": 0}, "min_window_s"),
-                                    ({"waiting_persist_s": -1}, "waiting_persist_s")])
+                                    ({"waiting_persist_s": -1}, "waiting_persist_s"),
+                                    ({"kv_persist_s": -1}, "kv_persist_s")])
 def test_settings_errors_name_the_key(kw, key):
     with pytest.raises(ValueError, match=f"rollout.adaptive.{key}"):
         ProbeSettings(**kw)

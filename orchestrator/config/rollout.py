@@ -92,9 +92,10 @@ class AdaptiveConcurrencyConfig:
     `rollout.concurrency=adaptive` (orchestrator/loop/throughput_concurrency.py): probe a cap
     `probe_step` above and below the current one, keep the largest within `tolerance` of the best
     measured throughput (groups finished per second); KV usage (0..1) only trims: an up probe
-    starts only below `grow_below`, the cap is cut at `trim_at`, and above `cancel_above` the
-    groups over the cut cap are to be cancelled; a queue of more than `max_waiting` requests
-    standing `waiting_persist_s` seconds cuts; a window measures at least `min_window_s` seconds.
+    starts only below `grow_below`, the cap is cut when usage stands at or above `trim_at` for
+    `kv_persist_s` seconds, and above `cancel_above` the groups over the cut cap are to be
+    cancelled; a queue of more than `max_waiting` requests standing `waiting_persist_s` seconds
+    cuts; a window measures at least `min_window_s` seconds.
 
     `rollout.concurrency=aimd` (the earlier policy, kept for comparison): admit groups while the
     engines' mean KV-cache usage (time-averaged over >= `interval_s`) is below `kv_target` (0..1),
@@ -113,6 +114,7 @@ class AdaptiveConcurrencyConfig:
     trim_at: float = default_of(ProbeSettings, "trim_at")
     cancel_above: float = default_of(ProbeSettings, "cancel_above")
     waiting_persist_s: float = default_of(ProbeSettings, "waiting_persist_s")
+    kv_persist_s: float = default_of(ProbeSettings, "kv_persist_s")
     min_window_s: float = default_of(ProbeSettings, "min_window_s")
 
 
@@ -239,7 +241,8 @@ def concurrency_policy(r: RolloutConfig, min_groups: int = 1, max_groups: int | 
                            decrease=a.decrease, max_waiting=a.max_waiting)
     probe = ProbeSettings(probe_step=a.probe_step, tolerance=a.tolerance, grow_below=a.grow_below,
                           trim_at=a.trim_at, cancel_above=a.cancel_above, max_waiting=a.max_waiting,
-                          waiting_persist_s=a.waiting_persist_s, min_window_s=a.min_window_s)
+                          waiting_persist_s=a.waiting_persist_s, kv_persist_s=a.kv_persist_s,
+                          min_window_s=a.min_window_s)
     if r.concurrency == "aimd":
         return aimd
     return ThroughputConcurrency(probe, min_groups=min_groups, max_groups=max_groups, start_groups=start_groups)

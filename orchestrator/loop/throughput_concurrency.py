@@ -22,9 +22,12 @@ rollout workers; written here from their description, not their code):
   `MAX_DWELL_WINDOWS` windows before the next probe (each probe costs throughput once the best is
   found); a move halves that wait.
 - **KV levels only trim, never push.** An up probe starts only while the engines' mean KV usage
-  is below `grow_below` (0.6); at `trim_at` (0.8) the cap is cut by the probe factor at once; above
-  `cancel_above` (0.9) it is cut and the groups running over the new cap are to be cancelled,
-  youngest first (`cancel_groups()`).
+  is below `grow_below` (0.6). Usage standing at or above `trim_at` (0.8) for `kv_persist_s`
+  (10 s) cuts the cap by the probe factor; above `cancel_above` (0.9) then, the cut is from the
+  groups running and those over the new cap are to be cancelled, youngest first
+  (`cancel_groups()`). A spike does not cut: a cache of a few blocks (the tiny model's 6) reads
+  0.8-0.93 for a 2 s window at any cap, and cutting on each one walked the cap from the fixed
+  one (40) down to 9-16 groups, clearing the measurements each time (0.54x the best fixed cap).
 - **A standing queue cuts unless it pays.** vLLM's waiting queue, standing for
   `waiting_persist_s` above `max_waiting` requests (time-averaged, `LoadWindow`), marks the
   window. A kept cap whose window was marked is cut by the probe factor when the window ends,
@@ -71,6 +74,7 @@ DEFAULT_TRIM_AT = 0.8  # mean KV usage at which the cap is cut by the probe fact
 DEFAULT_CANCEL_ABOVE = 0.9  # mean KV usage above which the groups over the cut cap are cancelled
 DEFAULT_MAX_WAITING = 0.5  # requests waiting on an engine (window mean) above which it queues
 DEFAULT_WAITING_PERSIST_S = 30.0  # seconds a queue must stand before it cuts (a burst does not)
+DEFAULT_KV_PERSIST_S = 10.0  # seconds KV usage must stand at or above trim_at before it cuts (a spike does not)
 DEFAULT_MIN_WINDOW_S = 20.0  # seconds a measurement lasts at least (after its settle)
 MAX_DWELL_WINDOWS = 8  # a cap kept by consecutive probe cycles is measured 1, 3, 7, then at most 8 windows between probes
 OBSERVE_INTERVAL_S = 2.0  # seconds between two observations the wrappers aim at (slot steering's period)
@@ -95,6 +99,7 @@ class ProbeSettings:
     cancel_above: float = DEFAULT_CANCEL_ABOVE
     max_waiting: float = DEFAULT_MAX_WAITING
     waiting_persist_s: float = DEFAULT_WAITING_PERSIST_S
+    kv_persist_s: float = DEFAULT_KV_PERSIST_S
     min_window_s: float = DEFAULT_MIN_WINDOW_S
 
     def __post_init__(self) -> None:
@@ -105,6 +110,7 @@ class ProbeSettings:
                   ("cancel_above", self.trim_at <= self.cancel_above <= 1, "in [trim_at, 1]"),
                   ("max_waiting", self.max_waiting >= 0, ">= 0"),
                   ("waiting_persist_s", self.waiting_persist_s >= 0, ">= 0 seconds"),
+                  ("kv_persist_s", self.kv_persist_s >= 0, ">= 0 seconds"),
                   ("min_window_s", self.min_window_s > 0, "> 0 seconds"))
         for key, ok, want in checks:
             if not ok:
@@ -184,6 +190,7 @@ class ThroughputConcurrency:
         self._cycle_from: int | None = None  # the base when the cycle began (did the cycle move it?)
         self._window: _Window | None = None
         self._queue_since_s: float | None = None
+        self._kv_since_s: float | None = None  # since when mean KV usage stands at or above trim_at
         self._cancel = 0
         self._dwell = self._dwell_left = 0  # windows to stay at a cap the last probe cycle kept
         self._kept_before: tuple[int, ...] = ()  # the caps the last cycle started from and kept
@@ -253,14 +260,15 @@ class ThroughputConcurrency:
         w = self._window
         if queued and w is not None:
             w.queued = True
-        if self.usage > s.cancel_above:
-            reason: Decision = "cancel_kv"
-        elif self.usage >= s.trim_at:
-            reason = "trim_kv"
-        else:  # a standing queue is judged with the window's throughput, when it ends (_window_done)
-            return False
-        if w is not None and w.measure_from_s is None and self.decision in CUTS:
-            return True  # the last cut has not turned over yet: what we see is the load from before it
+        # until the last cut has turned over, what the engines report is the load from before it
+        holding = w is not None and w.measure_from_s is None and self.decision in CUTS
+        if self.usage >= s.trim_at and not holding:
+            self._kv_since_s = now_s if self._kv_since_s is None else self._kv_since_s
+        else:
+            self._kv_since_s = None
+        if self._kv_since_s is None or now_s - self._kv_since_s < s.kv_persist_s:
+            return False  # (a standing queue is judged with the window's throughput when it ends: _window_done)
+        reason: Decision = "cancel_kv" if self.usage > s.cancel_above else "trim_kv"
         new = self._clamp(math.floor(self.limit / (1 + s.probe_step)))
         if reason == "cancel_kv":
             new = self._clamp(math.floor(min(self.limit, max(running, 1)) / (1 + s.probe_step)))
@@ -271,7 +279,7 @@ class ThroughputConcurrency:
         return True
 
     def _cut(self, new: int, reason: Decision, now_s: float) -> None:
-        self._queue_since_s = None
+        self._queue_since_s = self._kv_since_s = None
         self._move(new, reason, now_s)
         if reason != "cut_waiting":  # the engines' load changed: what was measured no longer holds
             self.history.clear()

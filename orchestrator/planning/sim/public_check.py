@@ -32,6 +32,9 @@ from orchestrator.planning.sim.workload import Workload, load_workload
 # config: (throughput k tokens/min/GPU, speedup vs sync-1, inference concurrency per replica)
 REPORT = {"sync_1": (27.82, 1.00, 11.03), "sync_2": (34.47, 1.24, 15.20),
           "async_1": (38.49, 1.38, 33.97), "async_2": (39.39, 1.42, 38.22)}
+ROW_KEYS = ("tokens_per_min_per_gpu", "inference_concurrency", "inference_concurrency_wall", "awake_fraction",
+            "trainer_busy_fraction", "trainer_tokens_per_min_per_gpu", "kv_usage_mean", "staleness_mean",
+            "staleness_max", "expired_fraction", "container_slots_peak", "wall_s")  # each row's figures
 
 
 def with_trainer(w: Workload, tokens_per_min_per_gpu: float | None) -> Workload:
@@ -43,20 +46,20 @@ def with_trainer(w: Workload, tokens_per_min_per_gpu: float | None) -> Workload:
 
 
 def check(w: Workload, *, gpus: int, hours: float, trainer_tokens_per_min_per_gpu: float | None,
-          seed: int = 0, refit: bool = True, log=print) -> dict:
+          seed: int = 0, refit: bool = True, container_slots: int | None = None, log=print) -> dict:
     """Re-fit sync-1 under the given trainer, then simulate the four configurations; returns the
-    fit and one row per configuration with the report's figures beside."""
+    fit and one row per configuration with the report's figures beside. `container_slots` caps the
+    ACR sessions open at once in all four (rollout.acr.limits.max_open_sessions; None: no cap); the
+    fit runs without it, so a cap at or above sync-1's rollouts per step leaves the fit as it is."""
     w = with_trainer(w, trainer_tokens_per_min_per_gpu)
     fit = None
     if refit:
         w, fit = calibrate(w, Target(), gpus=gpus, hours=min(hours, 4.0), seed=seed, log=log)
     rows = {}
     for name, sc in CONFIGS.items():
-        f = simulate(w, Scenario(sc.mode, sc.sync_every, sc.colocated, gpus=gpus), hours=hours, seed=seed)
-        rows[name] = {k: f[k] for k in ("tokens_per_min_per_gpu", "inference_concurrency", "inference_concurrency_wall",
-                                        "awake_fraction", "trainer_busy_fraction", "trainer_tokens_per_min_per_gpu",
-                                        "kv_usage_mean", "staleness_mean", "staleness_max", "expired_fraction",
-                                        "wall_s")}
+        f = simulate(w, Scenario(sc.mode, sc.sync_every, sc.colocated, gpus=gpus, container_slots=container_slots),
+                     hours=hours, seed=seed)
+        rows[name] = {k: f[k] for k in ROW_KEYS}
         log(f"{name}: {f['tokens_per_min_per_gpu']:.0f} tok/min/GPU, concurrency {f['inference_concurrency']:.1f} "
             f"(wall {f['inference_concurrency_wall']:.1f}), trainer busy {f['trainer_busy_fraction']:.2f}")
     base = rows["sync_1"]["tokens_per_min_per_gpu"]
@@ -66,7 +69,7 @@ def check(w: Workload, *, gpus: int, hours: float, trainer_tokens_per_min_per_gp
         r["report"] = {"tokens_per_min_per_gpu": tput * 1000, "speedup": speedup, "inference_concurrency": conc}
         r["speedup_error"] = r["speedup"] / speedup - 1
     return {"trainer_tokens_per_min_per_gpu": trainer_tokens_per_min_per_gpu, "gpus": gpus, "hours": hours,
-            "seed": seed, "fit": fit, "rows": rows}
+            "seed": seed, "container_slots": container_slots, "fit": fit, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,13 +80,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trainer", default="none", help="comma-separated trainer throughputs, trajectory tokens per "
                     "minute per GPU; none: the workload's own (match_inference_peak)")
+    ap.add_argument("--container-slots", type=int, help="ACR sessions open at once in every configuration "
+                    "(a container pool); default: no cap")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     w = load_workload(args.workload)
     results = []
     for t in args.trainer.split(","):
         rate = None if t.strip() == "none" else float(t)
-        results.append(check(w, gpus=args.gpus, hours=args.hours, trainer_tokens_per_min_per_gpu=rate, seed=args.seed))
+        results.append(check(w, gpus=args.gpus, hours=args.hours, trainer_tokens_per_min_per_gpu=rate, seed=args.seed,
+                             container_slots=args.container_slots))
     print("\ntrainer tok/min/GPU | config | speedup (report) | concurrency awake / wall (report) | trainer busy")
     for res in results:
         for name, r in res["rows"].items():
