@@ -6,19 +6,19 @@ rollout workers; written here from their description, not their code):
 - **Cold start where the fixed policy runs**, `start_groups`: the product passes the in-flight
   cap `rollout.concurrency=fixed` would use ((η + 1)·B, or `async.max_concurrent_rollouts`). The
   policy moves off it only on a measurement, so it starts no worse than fixed, and a load whose
-  best cap is the fixed one (the tiny model's at η = 4, the real model's at η = 1) pays only its
-  probes. From one mini-batch instead, the climb to the tiny model's best cap (8 -> 40 groups,
-  7 windows) took 110 s of a 130 s run: 0.86x fixed.
+  best cap is the fixed one (the real model's at η = 1) pays only its probes. From one
+  mini-batch instead, the climb to the tiny model's best cap in one run (8 -> 40 groups, 7
+  windows) took 110 s of a 130 s run: 0.86x fixed.
 - **Probe.** From the current cap c, try c_up = max(c + 1, ⌈(1 + probe_step)·c⌉) for one
   measurement window. It wins if it is within `tolerance` of the peak measured throughput (ties go
   up: a larger cap never costs throughput there and leaves headroom); a win climbs on from it. If
   the first step up loses (or c is max_groups), try c_down = ⌊c / (1 + probe_step)⌋; while a down
   probe beats every larger cap measured by more than `tolerance` it descends on (unless the cap
   below it was measured worse), so a start above the knee walks down one window per step; then
-  keep the largest cap within `tolerance` of the peak. The peak is over each cap's last measurement of the last
-  `HISTORY_WINDOWS` windows, so tolerance cannot ratchet the cap down step by step, and a
-  measurement that old no longer counts (the workload drifts). With the defaults, ~25 % above and
-  below, 5 %. A cap that consecutive cycles keep is measured again for 1, 3, 7, then at most
+  keep the largest cap within `tolerance` of the peak. The peak is over each cap's last
+  measurement of the last `HISTORY_WINDOWS` windows, so tolerance cannot ratchet the cap down
+  step by step, and a measurement that old no longer counts (the workload drifts). With the
+  defaults, ~25 % above and below, 5 %. A cap that consecutive cycles keep is measured again for 1, 3, 7, then at most
   `MAX_DWELL_WINDOWS` windows before the next probe (each probe costs throughput once the best is
   found); a move halves that wait.
 - **KV levels only trim, never push.** An up probe starts only while the engines' mean KV usage
