@@ -202,8 +202,9 @@ def _concurrency(w: Workload, sc: Scenario, lay, loop: VirtualLoop, replicas: li
     """(dispatch gate, rollout-slot steering) of `sc`, as the product builds them
     (orchestrator/wiring/training.py): with `policy=adaptive` the throughput-seeking policy between
     one mini-batch and the staleness window (η + 1)·k·B, starting where fixed runs ((η + 1)·B), with
-    `aimd` the AIMD window, each in a ConcurrencyGate on the replicas' loads; or, with rollout slots, the AIMD policy steering the
-    rollout-slot cap instead of dispatch; (None, None) for fixed concurrency."""
+    `aimd` the AIMD window, each in a ConcurrencyGate on the replicas' loads; or, with rollout slots,
+    the AIMD policy steering the rollout-slot cap instead of dispatch; (None, None) for fixed
+    concurrency."""
     if sc.policy == "fixed":
         return None, None
     b = lay.groups_per_update
