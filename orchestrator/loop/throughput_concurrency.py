@@ -18,9 +18,9 @@ rollout workers; written here from their description, not their code):
   keep the largest cap within `tolerance` of the peak. The peak is over each cap's last
   measurement of the last `HISTORY_WINDOWS` windows, so tolerance cannot ratchet the cap down
   step by step, and a measurement that old no longer counts (the workload drifts). With the
-  defaults, ~25 % above and below, 5 %. A cap that consecutive cycles keep is measured again for 1, 3, 7, then at most
-  `MAX_DWELL_WINDOWS` windows before the next probe (each probe costs throughput once the best is
-  found); a move halves that wait.
+  defaults, ~25 % above and below, 5 %. A cap that consecutive cycles keep is measured again
+  for 1, 3, 7, then at most `MAX_DWELL_WINDOWS` windows before the next probe (each probe costs
+  throughput once the best is found); a move halves that wait.
 - **KV levels only trim, never push.** An up probe starts only while the engines' mean KV usage
   is below `grow_below` (0.6). Usage standing at or above `trim_at` (0.8) for `kv_persist_s`
   (10 s) cuts the cap by the probe factor; above `cancel_above` (0.9) then, the cut is from the
@@ -159,6 +159,16 @@ class _Window:
     queued: bool = False  # a queue stood `waiting_persist_s` during it
 
 
+def _since(since_s: float | None, holds: bool, now_s: float) -> float | None:
+    """When a condition that `holds` now began to hold (None: it does not hold)."""
+    return (now_s if since_s is None else since_s) if holds else None
+
+
+def _stood(since_s: float | None, persist_s: float, now_s: float) -> bool:
+    """True when the condition has held since `since_s` for at least `persist_s` seconds."""
+    return since_s is not None and now_s - since_s >= persist_s
+
+
 class ThroughputConcurrency:
     """Group cap that probes for the best measured throughput; see the module docstring.
 
@@ -252,21 +262,14 @@ class ThroughputConcurrency:
         """Apply a cut if the engines are congested; True when one was applied (or is holding)."""
         s = self.settings
         self.usage, self.waiting = self._load.means(loads)
-        if self.waiting > s.max_waiting:
-            self._queue_since_s = now_s if self._queue_since_s is None else self._queue_since_s
-        else:
-            self._queue_since_s = None
-        queued = self._queue_since_s is not None and now_s - self._queue_since_s >= s.waiting_persist_s
+        self._queue_since_s = _since(self._queue_since_s, self.waiting > s.max_waiting, now_s)
         w = self._window
-        if queued and w is not None:
+        if w is not None and _stood(self._queue_since_s, s.waiting_persist_s, now_s):
             w.queued = True
         # until the last cut has turned over, what the engines report is the load from before it
         holding = w is not None and w.measure_from_s is None and self.decision in CUTS
-        if self.usage >= s.trim_at and not holding:
-            self._kv_since_s = now_s if self._kv_since_s is None else self._kv_since_s
-        else:
-            self._kv_since_s = None
-        if self._kv_since_s is None or now_s - self._kv_since_s < s.kv_persist_s:
+        self._kv_since_s = _since(self._kv_since_s, self.usage >= s.trim_at and not holding, now_s)
+        if not _stood(self._kv_since_s, s.kv_persist_s, now_s):
             return False  # (a standing queue is judged with the window's throughput when it ends: _window_done)
         reason: Decision = "cancel_kv" if self.usage > s.cancel_above else "trim_kv"
         new = self._clamp(math.floor(self.limit / (1 + s.probe_step)))
